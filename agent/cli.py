@@ -1,0 +1,63 @@
+"""``easyckpt-agent`` / ``python -m agent``: take the job's lock, then serve until the job ends."""
+from __future__ import annotations
+
+import argparse
+import fcntl
+import logging
+import os
+import sys
+from pathlib import Path
+
+from easyckpt_wire import protocol
+from easyckpt_wire.shm import check_job_id, shm_dir
+
+from agent.server import Agent, AgentConfig
+
+logger = logging.getLogger("agent")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="easyckpt-agent", description=__doc__)
+    parser.add_argument("--save-dir", required=True, type=Path, help="checkpoint directory (POSIX path)")
+    parser.add_argument("--job-id", help="job id (default: EASYCKPT_JOB_ID, else derived from --save-dir)")
+    parser.add_argument("--shm-dir", type=Path, help="where the slots live (default: EASYCKPT_SHM_DIR or /dev/shm)")
+    parser.add_argument("--save-storage-interval", type=int, default=0,
+                        help="persist every Nth step (default: learned from the training ranks)")
+    parser.add_argument("--max-ckpt-num", type=int, default=3, help="complete checkpoints to keep")
+    parser.add_argument("--log-file", help="append one line per persist (step, bytes, seconds, GB/s)")
+    parser.add_argument("--idle-timeout", type=float, default=300.0,
+                        help="exit after this many seconds with no live rank (default 300)")
+    parser.add_argument("--nice", type=int, default=10, help="lower CPU priority by this much (default 10)")
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s [agent %(process)d] %(name)s: %(message)s")
+    save_dir = args.save_dir.resolve()
+    job_id = check_job_id(args.job_id or protocol.job_id_for(save_dir))
+    job_dir = protocol.runtime_dir(job_id)
+    lock_fd = os.open(protocol.agent_lock_path(job_dir), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = (job_dir / "agent.pid").read_text().strip() if (job_dir / "agent.pid").exists() else "?"
+        logger.info("an agent for job %s is already running (pid %s): nothing to do", job_id, pid)
+        return 0
+    if args.nice:
+        os.nice(args.nice)  # persisting must not slow the training processes down
+    (job_dir / "agent.pid").write_text(f"{os.getpid()}\n")
+    config = AgentConfig(save_dir=save_dir, job_id=job_id, shm_dir=(args.shm_dir or shm_dir()).resolve(),
+                         job_dir=job_dir, save_storage_interval=args.save_storage_interval,
+                         max_ckpt_num=args.max_ckpt_num, log_file_path=args.log_file,
+                         idle_timeout=args.idle_timeout)
+    try:
+        return Agent(config).run()
+    except KeyboardInterrupt:
+        logger.info("interrupted")
+        return 130
+    finally:
+        (job_dir / "agent.pid").unlink(missing_ok=True)
+        os.close(lock_fd)

@@ -1,0 +1,253 @@
+"""Persister: committed shared-memory slots -> one durable ``iteration_N`` directory.
+
+Every byte goes from the slot's mmap straight into the safetensors file (no copy through Python
+objects), each file is fsynced once, the directory is built under a temporary name and renamed into
+place, the parent is fsynced, and only then is the tracker replaced (invariant 3). Rotation and the
+clean-up of dead writers' leftovers delete only directories whose names and contents are ours, and
+every write and delete is written to the audit log first (invariant 5).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import xxhash
+
+from easyckpt_wire import layout
+from easyckpt_wire.faults import fault_point
+from easyckpt_wire.shm import SlotMap, format_bytes
+
+logger = logging.getLogger(__name__)
+
+_SMALL_WRITE = 4 << 20   # tensors below this are coalesced into one write
+_CHUNK = 64 << 20        # large tensors are written in chunks of this size
+
+
+@dataclasses.dataclass(slots=True)
+class RankSnapshot:
+    """One rank's committed slot, held under a shared lock by the agent while it is persisted."""
+
+    rank: int
+    slot: SlotMap
+    meta: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PersistStats:
+    step: int
+    path: Path
+    nbytes: int
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+class AuditLog:
+    """Append-only JSON lines in ``save_dir/easyckpt-audit.log``, one per write or delete."""
+
+    def __init__(self, save_dir: Path) -> None:
+        self.path = save_dir / layout.AUDIT_LOG
+
+    def record(self, op: str, path: Path, **fields: Any) -> None:
+        line = json.dumps({"time": time.time(), "pid": os.getpid(), "op": op, "path": str(path), **fields})
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (line + "\n").encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_safetensors(path: Path, snap: RankSnapshot, entries: list[tuple[int, list[Any]]],
+                       step: int) -> list[dict]:
+    """Write one safetensors file from the slot; returns the metadata.json records of its tensors."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "easyckpt_step": str(step),
+                                               "easyckpt_rank": str(snap.rank)}}
+    records = []
+    position = 0
+    for _index, (name, kind, dtype, shape, _offset, nbytes, _group) in entries:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [position, position + nbytes]}
+        position += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        pending = bytearray(len(blob).to_bytes(8, "little") + blob)
+        for index, (name, kind, dtype, shape, offset, nbytes, _group) in entries:
+            view = snap.slot.data(offset, nbytes)
+            records.append({"name": name, "index": index, "kind": kind, "dtype": dtype, "shape": shape,
+                            "global_shape": shape, "offsets": [0] * len(shape), "nbytes": nbytes,
+                            "file": path.name, layout.CHECKSUM_ALGO: xxhash.xxh3_128_hexdigest(view)})
+            if nbytes < _SMALL_WRITE:
+                pending += view
+                if len(pending) >= _SMALL_WRITE:
+                    _write_all(fd, memoryview(pending), path)
+                    pending.clear()
+                continue
+            if pending:
+                _write_all(fd, memoryview(pending), path)
+                pending.clear()
+            for start in range(0, nbytes, _CHUNK):
+                _write_all(fd, view[start:start + _CHUNK], path)
+            view.release()
+        if pending:
+            _write_all(fd, memoryview(pending), path)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return records
+
+
+def _write_all(fd: int, data: memoryview, path: Path) -> None:
+    while len(data):
+        written = os.write(fd, data)
+        data = data[written:]
+
+
+def _write_json(path: Path, payload: Any) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(payload, handle, separators=(",", ":"), allow_nan=False)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def persist(save_dir: Path, step: int, snapshots: list[RankSnapshot], audit: AuditLog) -> PersistStats:
+    """Write ``iteration_<step>`` atomically from the given ranks' slots."""
+    started = time.monotonic()
+    final = save_dir / layout.iteration_dirname(step)
+    tmp = save_dir / f"{layout.TMP_PREFIX}{step:07d}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    audit.record("write-begin", tmp, step=step)
+    world_size = snapshots[0].meta["world_size"]
+    ranks_meta: dict[str, Any] = {}
+    common: dict[str, Any] = {}
+    nbytes = 0
+    for snap in sorted(snapshots, key=lambda s: s.rank):
+        by_group: dict[str, list[tuple[int, list[Any]]]] = {}
+        for index, entry in enumerate(snap.meta["tensors"]):
+            by_group.setdefault(entry[6], []).append((index, entry))
+        tensors: list[dict] = []
+        files = []
+        for group in sorted(by_group):
+            name = layout.rank_file_name(group, snap.rank, world_size)
+            tensors += _write_safetensors(tmp / name, snap, by_group[group], step)
+            files.append(name)
+            nbytes += sum(entry[5] for _, entry in by_group[group])
+            fault_point("agent.persist.after_file", step=step)
+        ranks_meta[str(snap.rank)] = {"files": files, "tensors": tensors}
+        common[str(snap.rank)] = {"skeleton": snap.meta["skeleton"],
+                                  "skeleton_version": snap.meta["skeleton_version"]}
+    _write_json(tmp / layout.COMMON, {"format": layout.METADATA_FORMAT, "step": step, "ranks": common})
+    fault_point("agent.persist.before_marker", step=step)
+    _write_json(tmp / layout.METADATA, {
+        "format": layout.METADATA_FORMAT, "format_version": layout.METADATA_VERSION, "step": step,
+        "world_size": world_size, "framework": "pytorch", "created": time.time(),
+        "checksum_algo": layout.CHECKSUM_ALGO, "bytes": nbytes, "health": None, "ranks": ranks_meta,
+    })
+    _fsync_dir(tmp)
+    if final.exists():
+        # A step persisted before (e.g. re-reached after a resume from an older one): replace it.
+        trash = save_dir / f"{layout.TRASH_PREFIX}{step:07d}-{os.getpid()}"
+        audit.record("delete", final, step=step, reason="replaced by a new persist of the same step")
+        os.rename(final, trash)
+        os.rename(tmp, final)
+        shutil.rmtree(trash)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(save_dir)
+    audit.record("write", final, step=step, bytes=nbytes)
+    fault_point("agent.persist.before_tracker", step=step)
+    write_tracker(save_dir, step, audit)
+    return PersistStats(step, final, nbytes, time.monotonic() - started)
+
+
+def write_tracker(save_dir: Path, step: int, audit: AuditLog) -> None:
+    tmp = save_dir / f".{layout.TRACKER}.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(f"{step}\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, save_dir / layout.TRACKER)
+    _fsync_dir(save_dir)
+    audit.record("tracker", save_dir / layout.TRACKER, step=step)
+
+
+def rotate(save_dir: Path, max_ckpt_num: int, keep: int, audit: AuditLog) -> list[int]:
+    """Delete the oldest complete iterations beyond ``max_ckpt_num``; never ``keep`` nor the newest."""
+    complete = layout.complete_iterations(save_dir)
+    excess = len(complete) - max_ckpt_num
+    deleted = []
+    for step, path in complete:
+        if excess <= 0:
+            break
+        if step == keep or step == complete[-1][0]:
+            continue
+        _delete_ours(save_dir, path, step, audit, reason=f"rotation to max_ckpt_num={max_ckpt_num}")
+        deleted.append(step)
+        excess -= 1
+    return deleted
+
+
+def _delete_ours(save_dir: Path, path: Path, step: int, audit: AuditLog, reason: str) -> None:
+    audit.record("delete", path, step=step, reason=reason)
+    trash = save_dir / f"{layout.TRASH_PREFIX}{step:07d}-{os.getpid()}"
+    os.rename(path, trash)  # one rename makes the iteration vanish atomically; the rmtree may be slow
+    shutil.rmtree(trash)
+    logger.info("deleted %s (%s)", path, reason)
+
+
+def clean_leftovers(save_dir: Path, audit: AuditLog) -> list[Path]:
+    """Remove temporary directories of dead writers and iteration directories without a marker."""
+    removed = []
+    try:
+        entries = list(os.scandir(save_dir))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        path = Path(entry.path)
+        tmp = layout.TMP_RE.match(entry.name)
+        if tmp and entry.is_dir(follow_symlinks=False):
+            pid = int(tmp.group(2))
+            if pid != os.getpid() and psutil.pid_exists(pid):
+                continue  # a live writer (another agent of this save_dir?) still owns it
+            audit.record("delete", path, step=int(tmp.group(1)), reason="leftover of a dead writer")
+            shutil.rmtree(path)
+            removed.append(path)
+            continue
+        match = layout.ITERATION_RE.match(entry.name)
+        if match and entry.is_dir(follow_symlinks=False) and not (path / layout.METADATA).exists():
+            names = os.listdir(path)
+            if all(layout.RANK_FILE_RE.match(n) or n == layout.COMMON for n in names):
+                audit.record("delete", path, step=int(match.group(1)), reason="incomplete: no commit marker")
+                shutil.rmtree(path)
+                removed.append(path)
+            else:
+                logger.warning("%s has no %s but holds files that are not ours: left alone",
+                               path, layout.METADATA)
+    for path in removed:
+        logger.info("cleaned up %s", path)
+    return removed
+
+
+def describe(stats: PersistStats, ranks: int) -> str:
+    return (f"persisted step={stats.step} ranks={ranks} bytes={stats.nbytes} ({format_bytes(stats.nbytes)}) "
+            f"seconds={stats.seconds:.3f} GB/s={stats.gbps:.2f} path={stats.path}")

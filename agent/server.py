@@ -1,0 +1,331 @@
+"""The node agent's main loop: answer ranks, claim due snapshots, persist them, flush on failure.
+
+One loop thread owns the ZeroMQ socket and all bookkeeping; persists run one at a time in a worker
+thread so the loop keeps answering while gigabytes go to disk. A due snapshot is *claimed* per rank as
+soon as that rank commits it: the agent takes a shared flock on the slot and writes the slot's
+generation into the header's ack field, which tells the rank not to overwrite that slot (the rank
+skips a snapshot instead; training never waits for the agent).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from easyckpt_wire import layout, protocol
+from easyckpt_wire.protocol import Kind, ProtocolError
+from easyckpt_wire.shm import list_slots
+
+from agent.persister import AuditLog, PersistStats, RankSnapshot, clean_leftovers, describe, persist, rotate
+from agent.watcher import SlotInfo, Watcher
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(kw_only=True)
+class AgentConfig:
+    save_dir: Path
+    job_id: str
+    shm_dir: Path
+    job_dir: Path
+    save_storage_interval: int = 0       # 0: learn it from the ranks
+    max_ckpt_num: int = 3
+    log_file_path: str | None = None
+    idle_timeout: float = 300.0
+    poll_interval: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.save_storage_interval < 0:
+            raise ValueError(f"save_storage_interval must be >= 0, got {self.save_storage_interval}")
+        if self.max_ckpt_num < 1:
+            raise ValueError(f"max_ckpt_num must be >= 1, got {self.max_ckpt_num}")
+        if self.idle_timeout <= 0 or self.poll_interval <= 0:
+            raise ValueError("idle_timeout and poll_interval must be positive")
+
+
+@dataclasses.dataclass(slots=True)
+class Claim:
+    info: SlotInfo
+    generation: int
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.save_dir = config.save_dir
+        self.save_dir.mkdir(parents=True, exist_ok=True)
+        self.audit = AuditLog(self.save_dir)
+        self.watcher = Watcher(config.shm_dir, config.job_id)
+        self.claims: dict[int, dict[int, Claim]] = {}   # step -> rank -> claim
+        self.persisted: int | None = max((s for s, _ in layout.complete_iterations(self.save_dir)), default=None)
+        self.last_persist: PersistStats | None = None
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="persist")
+        self.inflight: tuple[int, concurrent.futures.Future[PersistStats]] | None = None
+        self.waiters: list[tuple[bytes, Any]] = []   # (identity, request id) of BYE(wait=True)
+        self.failed_ranks: set[int] = set()
+        self.no_rank_since: float | None = None
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        self.started = time.time()
+
+    # lifecycle --------------------------------------------------------------------------------------
+    def run(self) -> int:
+        socket_path = self.config.job_dir / "agent.sock"
+        if socket_path.exists():
+            socket_path.unlink()  # a dead agent's; we hold the lock, so no live one owns it
+        self.sock.bind(protocol.agent_endpoint(self.config.job_dir))
+        os.chmod(socket_path, 0o600)
+        for path in clean_leftovers(self.save_dir, self.audit):
+            logger.info("removed leftover %s", path)
+        logger.info("agent pid %d serving job %s: save_dir=%s shm_dir=%s", os.getpid(), self.config.job_id,
+                    self.save_dir, self.config.shm_dir)
+        try:
+            while True:
+                if self.sock.poll(int(self.config.poll_interval * 1000)):
+                    self._receive()
+                self._tick()
+                if self._should_exit():
+                    break
+        finally:
+            self._shutdown()
+        return 0
+
+    def _should_exit(self) -> bool:
+        if self.inflight is not None or self._claims_pending():
+            return False
+        if self.watcher.all_said_bye():
+            logger.info("every local rank finished cleanly: exiting")
+            self._unlink_slots()
+            return True
+        if self.watcher.any_alive():
+            self.no_rank_since = None
+            return False
+        now = time.monotonic()
+        self.no_rank_since = self.no_rank_since or now
+        if now - self.no_rank_since < self.config.idle_timeout:
+            return False
+        newest = self.watcher.common_steps()
+        if not newest or (self.persisted is not None and newest[0] <= self.persisted):
+            logger.info("no rank alive for %.0fs and the newest snapshot is on disk: exiting",
+                        self.config.idle_timeout)
+            self._unlink_slots()
+        else:
+            logger.warning("no rank alive for %.0fs; step %d is only in memory, its slots are kept in %s",
+                           self.config.idle_timeout, newest[0], self.config.shm_dir)
+        return True
+
+    def _unlink_slots(self) -> None:
+        self.watcher.close()
+        for path in list_slots(self.config.shm_dir, self.config.job_id).values():
+            path.unlink(missing_ok=True)
+            logger.info("unlinked %s", path)
+
+    def _shutdown(self) -> None:
+        self._release_claims(lambda step: True)
+        self.pool.shutdown(wait=True)
+        self._answer_waiters(force=True)
+        self.sock.close()
+        self.ctx.term()
+        self.watcher.close()
+
+    # messages ---------------------------------------------------------------------------------------
+    def _receive(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                logger.warning("dropped a message of %d frames (expected 2)", len(frames))
+                continue
+            identity, blob = frames
+            try:
+                kind, message = protocol.decode(blob)
+            except ProtocolError as exc:
+                logger.warning("dropped a malformed message: %s", exc)
+                continue
+            self._handle(identity, kind, message)
+
+    def _handle(self, identity: bytes, kind: Kind, message: dict[str, Any]) -> None:
+        request_id = message.get("id")
+        if kind == Kind.HELLO:
+            self.watcher.register(message["rank"], message["pid"], message.get("pid_start"))
+            self.watcher.local_world_size = max(self.watcher.local_world_size, message["local_world_size"])
+            self._adopt_config(message)
+            self.failed_ranks.discard(message["rank"])
+            self._send(identity, protocol.reply(True, id=request_id, pid=os.getpid()))
+        elif kind == Kind.BYE:
+            proc = self.watcher.ranks.get(message["rank"])
+            if proc is not None and proc.pid == message["pid"]:
+                proc.said_bye = True
+            logger.info("rank %d said goodbye", message["rank"])
+            if message["wait"]:
+                self.waiters.append((identity, request_id))
+            else:
+                self._send(identity, protocol.reply(True, id=request_id))
+        elif kind == Kind.STATUS:
+            self._send(identity, protocol.reply(True, id=request_id, **self.status()))
+        elif kind == Kind.PING:
+            self._send(identity, protocol.reply(True, id=request_id, pid=os.getpid()))
+        else:
+            logger.warning("dropped a %s message: not a request", kind.name)
+
+    def _adopt_config(self, message: dict[str, Any]) -> None:
+        new = (message["save_storage_interval"], message["max_ckpt_num"], message["log_file_path"])
+        old = (self.config.save_storage_interval, self.config.max_ckpt_num, self.config.log_file_path)
+        if new != old:
+            logger.info("config from rank %d: save_storage_interval=%d max_ckpt_num=%d log_file_path=%s",
+                        message["rank"], *new)
+            (self.config.save_storage_interval, self.config.max_ckpt_num,
+             self.config.log_file_path) = new
+
+    def _send(self, identity: bytes, blob: bytes) -> None:
+        try:
+            self.sock.send_multipart([identity, blob], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.warning("reply dropped: %s", exc)
+
+    def status(self) -> dict[str, Any]:
+        slots = []
+        for (rank, slot), info in sorted(self.watcher.slots.items()):
+            header = info.header
+            slots.append({"rank": rank, "slot": slot, "path": str(info.path), "bytes": info.map.size,
+                          "state": header.state.name if header else "UNREADABLE",
+                          "step": header.step if header else None})
+        ranks = [{"rank": p.rank, "pid": p.pid, "alive": p.alive(), "finished": p.said_bye}
+                 for p in sorted(self.watcher.ranks.values(), key=lambda p: p.rank)]
+        last = self.last_persist
+        return {"pid": os.getpid(), "job_id": self.config.job_id, "save_dir": str(self.save_dir),
+                "shm_dir": str(self.config.shm_dir), "uptime": time.time() - self.started,
+                "save_storage_interval": self.config.save_storage_interval,
+                "max_ckpt_num": self.config.max_ckpt_num, "ranks": ranks, "slots": slots,
+                "persisted_step": self.persisted, "persisting": self.inflight[0] if self.inflight else None,
+                "last_persist": None if last is None else {"step": last.step, "bytes": last.nbytes,
+                                                           "seconds": last.seconds, "path": str(last.path)}}
+
+    # persisting -------------------------------------------------------------------------------------
+    def _tick(self) -> None:
+        self.watcher.scan()
+        self._finish_inflight()
+        for proc in self.watcher.newly_dead():
+            logger.warning("rank %d (pid %d) died without closing", proc.rank, proc.pid)
+            self.failed_ranks.add(proc.rank)
+        ssi = self.config.save_storage_interval
+        for rank in self.watcher.local_ranks():
+            for step, info in self.watcher.committed(rank).items():
+                due = ssi > 0 and step % ssi == 0
+                if due and (self.persisted is None or step > self.persisted):
+                    self._claim(step, rank, info)
+        if self.failed_ranks:
+            self._flush_on_failure()
+        self._drop_unreachable_claims()
+        self._start_ready_persist()
+        self._answer_waiters()
+
+    def _claim(self, step: int, rank: int, info: SlotInfo) -> bool:
+        held = self.claims.setdefault(step, {})
+        if rank in held:
+            return True
+        header = info.header
+        if header is None or not info.map.try_lock(exclusive=False):
+            return False
+        current = info.map.header()
+        if not current.committed or current.generation != header.generation or current.step != step:
+            info.map.unlock()
+            return False
+        info.map.write_ack(current.generation)
+        held[rank] = Claim(info, current.generation)
+        return True
+
+    def _flush_on_failure(self) -> None:
+        """Ranks died: persist the newest snapshot every local rank holds, if disk lacks it."""
+        common = self.watcher.common_steps()
+        if not common or (self.persisted is not None and common[0] <= self.persisted):
+            self.failed_ranks.clear()
+            return
+        step = common[0]
+        if all(self._claim(step, rank, self.watcher.committed(rank)[step]) for rank in self.watcher.local_ranks()):
+            logger.warning("flush on failure: persisting step %d, the newest snapshot of every local rank", step)
+            self.failed_ranks.clear()
+
+    def _claims_pending(self) -> bool:
+        return bool(self.claims)
+
+    def _drop_unreachable_claims(self) -> None:
+        """Release claims on a step some rank will never commit (it moved past it without it)."""
+        for step in list(self.claims):
+            if self.persisted is not None and step <= self.persisted:
+                self._release_claims(lambda s, step=step: s == step)
+                continue
+            for rank in self.watcher.local_ranks():
+                if rank in self.claims[step]:
+                    continue
+                held = self.watcher.committed(rank)
+                proc = self.watcher.ranks.get(rank)
+                finished = proc is not None and (proc.said_bye or proc.dead)
+                moved_on = held and step not in held and min(held) > step
+                if moved_on or (finished and step not in held):
+                    logger.warning("step %d cannot be persisted: rank %d no longer holds it", step, rank)
+                    self._release_claims(lambda s, step=step: s == step)
+                    break
+
+    def _release_claims(self, which: Any) -> None:
+        for step in [s for s in self.claims if which(s)]:
+            for claim in self.claims.pop(step).values():
+                claim.info.map.unlock()
+
+    def _start_ready_persist(self) -> None:
+        if self.inflight is not None:
+            return
+        ranks = self.watcher.local_ranks()
+        for step in sorted(self.claims, reverse=True):
+            if len(ranks) >= self.watcher.local_world_size and set(self.claims[step]) >= ranks:
+                snaps = [RankSnapshot(rank, claim.info.map, claim.info.meta or {})
+                         for rank, claim in self.claims[step].items()]
+                if any(not snap.meta or snap.meta.get("step") != step for snap in snaps):
+                    continue  # metadata not read yet for this generation: next tick
+                self.inflight = (step, self.pool.submit(self._persist, step, snaps))
+                return
+
+    def _persist(self, step: int, snaps: list[RankSnapshot]) -> PersistStats:
+        stats = persist(self.save_dir, step, snaps, self.audit)
+        rotate(self.save_dir, self.config.max_ckpt_num, step, self.audit)
+        return stats
+
+    def _finish_inflight(self) -> None:
+        if self.inflight is None or not self.inflight[1].done():
+            return
+        step, future = self.inflight
+        self.inflight = None
+        try:
+            stats = future.result()
+        except Exception:
+            logger.exception("persist of step %d to %s failed; the snapshot stays in memory", step, self.save_dir)
+            self._release_claims(lambda s: s == step)
+            return
+        self.persisted = max(step, self.persisted or step)
+        self.last_persist = stats
+        line = describe(stats, len(self.claims.get(step, {})))
+        logger.info(line)
+        self._release_claims(lambda s: s <= step)
+        if self.config.log_file_path:
+            try:
+                with open(self.config.log_file_path, "a", encoding="utf-8") as handle:
+                    handle.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+            except OSError as exc:
+                logger.warning("cannot append to log_file_path %s: %s", self.config.log_file_path, exc)
+
+    def _answer_waiters(self, force: bool = False) -> None:
+        if not self.waiters or (not force and (self.inflight is not None or self.claims)):
+            return
+        for identity, request_id in self.waiters:
+            self._send(identity, protocol.reply(True, id=request_id, persisted=self.persisted))
+        self.waiters.clear()

@@ -1,0 +1,153 @@
+"""Watcher: which slot of which local rank is committed at which step, and which ranks are alive.
+
+The agent polls slot headers (a few dozen bytes each) instead of relying on messages, so an agent
+that was restarted adopts the existing slots at once, and a message lost to a dying rank costs
+nothing. Rank processes are identified by (pid, start time) so a recycled pid is not taken for a
+live rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from easyckpt_wire.shm import SlotFormatError, SlotHeader, SlotMap, list_slots
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class RankProcess:
+    rank: int
+    pid: int
+    start_time: float | None
+    said_bye: bool = False
+    dead: bool = False
+
+    def alive(self) -> bool:
+        if self.said_bye or self.dead:
+            return False
+        try:
+            proc = psutil.Process(self.pid)
+            if self.start_time is not None and abs(proc.create_time() - self.start_time) > 0.5:
+                self.dead = True  # the pid was recycled by an unrelated process
+            elif proc.status() == psutil.STATUS_ZOMBIE:
+                self.dead = True
+        except psutil.NoSuchProcess:
+            self.dead = True
+        return not self.dead
+
+
+@dataclasses.dataclass(slots=True)
+class SlotInfo:
+    rank: int
+    slot: int
+    path: Path
+    map: SlotMap
+    header: SlotHeader | None = None
+    meta: dict[str, Any] | None = None
+    meta_generation: int = -1
+
+    def committed_step(self) -> int | None:
+        return self.header.step if self.header is not None and self.header.committed else None
+
+
+class Watcher:
+    def __init__(self, shm_dir: Path, job_id: str) -> None:
+        self.shm_dir = shm_dir
+        self.job_id = job_id
+        self.slots: dict[tuple[int, int], SlotInfo] = {}
+        self.ranks: dict[int, RankProcess] = {}
+        self.local_world_size = 0
+        self._last_listing = 0.0
+
+    # slots ------------------------------------------------------------------------------------------
+    def scan(self, *, relist_every: float = 0.25) -> None:
+        now = time.monotonic()
+        missing = len(self.slots) < 2 * len(self.ranks)  # a registered rank whose slots we have not seen
+        if missing or now - self._last_listing >= relist_every:
+            self._last_listing = now
+            found = list_slots(self.shm_dir, self.job_id)
+            for key, path in found.items():
+                if key not in self.slots:
+                    try:
+                        self.slots[key] = SlotInfo(key[0], key[1], path, SlotMap(path, writable=True))
+                        logger.info("watching slot %s", path)
+                    except (OSError, SlotFormatError) as exc:
+                        logger.warning("cannot map slot %s: %s", path, exc)
+            for key in set(self.slots) - set(found):
+                self.slots.pop(key).map.close()
+        for info in self.slots.values():
+            try:
+                info.map.refresh()
+                info.header = info.map.header()
+                if info.header.committed and info.meta_generation != info.header.generation:
+                    info.meta = info.map.read_meta(info.header)
+                    info.meta_generation = info.header.generation
+                    self._learn_from_meta(info.meta)
+            except (SlotFormatError, ValueError) as exc:
+                info.header = None  # torn or foreign: treat as holding nothing
+                logger.debug("slot %s unreadable: %s", info.path, exc)
+
+    def _learn_from_meta(self, meta: dict[str, Any]) -> None:
+        self.local_world_size = max(self.local_world_size, int(meta.get("local_world_size", 0)))
+        rank, pid = meta.get("rank"), meta.get("pid")
+        if isinstance(rank, int) and isinstance(pid, int) and rank not in self.ranks:
+            self.register(rank, pid, meta.get("pid_start"))
+
+    def local_ranks(self) -> set[int]:
+        return {rank for rank, _ in self.slots} | set(self.ranks)
+
+    def committed(self, rank: int) -> dict[int, SlotInfo]:
+        """{step: slot} of the rank's committed slots."""
+        return {info.committed_step(): info for (r, _), info in self.slots.items()
+                if r == rank and info.committed_step() is not None}
+
+    def common_steps(self) -> list[int]:
+        """Steps that every expected local rank holds committed, newest first."""
+        ranks = self.local_ranks()
+        if not ranks or len(ranks) < self.local_world_size:
+            return []
+        common: set[int] | None = None
+        for rank in ranks:
+            steps = set(self.committed(rank))
+            common = steps if common is None else common & steps
+        return sorted(common or (), reverse=True)
+
+    def newest_step(self, rank: int) -> int | None:
+        steps = self.committed(rank)
+        return max(steps) if steps else None
+
+    # ranks ------------------------------------------------------------------------------------------
+    def register(self, rank: int, pid: int, start_time: float | None) -> None:
+        previous = self.ranks.get(rank)
+        if previous is not None and previous.pid == pid:
+            return
+        self.ranks[rank] = RankProcess(rank, pid, start_time)
+        logger.info("rank %d is pid %d%s", rank, pid,
+                    f" (was pid {previous.pid})" if previous is not None else "")
+
+    def newly_dead(self) -> list[RankProcess]:
+        """Ranks that died without saying goodbye since the last call."""
+        died = []
+        for proc in self.ranks.values():
+            if not proc.said_bye and not proc.dead and not proc.alive():
+                died.append(proc)
+        return died
+
+    def any_alive(self) -> bool:
+        return any(proc.alive() for proc in self.ranks.values())
+
+    def all_said_bye(self) -> bool:
+        ranks = self.local_ranks()
+        return bool(self.ranks) and len(ranks) >= self.local_world_size and all(
+            rank in self.ranks and self.ranks[rank].said_bye for rank in ranks)
+
+    def close(self) -> None:
+        for info in self.slots.values():
+            info.map.close()
+        self.slots.clear()

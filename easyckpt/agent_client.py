@@ -1,0 +1,200 @@
+"""The rank's side of the agent: find it, start it when none runs, and talk to it without blocking.
+
+Whether an agent runs is answered by its lock (an flock the agent holds for its whole life), not by a
+pid file that a dead agent leaves behind. The agent is started detached (own session) so that
+torchrun tearing down the worker group does not take it along; two ranks that start one at the same
+moment are harmless, because the loser of the lock exits at once.
+"""
+from __future__ import annotations
+
+import fcntl
+import itertools
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+import easyckpt
+from easyckpt_wire import protocol
+from easyckpt_wire.protocol import Kind, ProtocolError
+
+logger = logging.getLogger(__name__)
+
+_CHECK_EVERY = 1.0  # seconds between liveness checks on the training path
+
+
+class AgentTimeout(TimeoutError):
+    pass
+
+
+class AgentClient:
+    def __init__(self, *, job_id: str, save_dir: Path, shm_dir: Path, rank: int, world_size: int,
+                 local_world_size: int, hello: dict[str, Any], idle_timeout: float, spawn: bool) -> None:
+        self.job_id = job_id
+        self.save_dir = save_dir
+        self.shm_dir = shm_dir
+        self.rank = rank
+        self.world_size = world_size
+        self.local_world_size = local_world_size
+        self.hello_fields = hello
+        self.idle_timeout = idle_timeout
+        self.spawn_allowed = spawn
+        self.job_dir = protocol.runtime_dir(job_id)
+        self.ctx = zmq.Context()
+        self.sock: zmq.Socket | None = None
+        self._ids = itertools.count(1)
+        self._last_check = 0.0
+        self.spawned = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    # liveness ---------------------------------------------------------------------------------------
+    def alive(self) -> bool:
+        """True while some process holds the job's agent lock, or the agent we started is still starting."""
+        if self._proc is not None and self._proc.poll() is None:
+            return True
+        try:
+            fd = os.open(protocol.agent_lock_path(self.job_dir), os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)  # closing drops the probe lock if we got it
+        return False
+
+    def ensure(self, *, force: bool = False) -> None:
+        """Start an agent if none runs (checked at most once a second unless forced); never waits."""
+        now = time.monotonic()
+        if not force and now - self._last_check < _CHECK_EVERY:
+            return
+        self._last_check = now
+        self._drain()
+        if self.alive():
+            if self.sock is None:
+                self._connect()
+            return
+        if self.spawn_allowed:
+            if self.spawned:
+                logger.warning("rank %d: the easyckpt agent of job %s is gone; starting a new one", self.rank, self.job_id)
+            self._spawn()
+        self._connect()
+
+    def _spawn(self) -> None:
+        root = str(Path(easyckpt.__file__).resolve().parent.parent)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        if not env.get("EASYCKPT_FAULT", "").startswith("agent."):
+            env.pop("EASYCKPT_FAULT", None)  # a rank's fault point must not fire in the agent
+        command = [sys.executable, "-m", "agent", "--save-dir", str(self.save_dir), "--job-id", self.job_id,
+                   "--shm-dir", str(self.shm_dir), "--idle-timeout", str(self.idle_timeout),
+                   "--save-storage-interval", str(self.hello_fields["save_storage_interval"]),
+                   "--max-ckpt-num", str(self.hello_fields["max_ckpt_num"])]
+        if self.hello_fields.get("log_file_path"):
+            command += ["--log-file", self.hello_fields["log_file_path"]]
+        with open(self.job_dir / "agent.log", "ab") as log:
+            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True, close_fds=True, env=env, cwd="/")
+        self._proc = proc
+        self.spawned += 1
+        logger.info("rank %d started the easyckpt agent (pid %d, log %s)", self.rank, proc.pid,
+                    self.job_dir / "agent.log")
+
+    def wait_ready(self, timeout: float) -> bool:
+        """At start-up only (never in the training loop): give a just-started agent time to come up."""
+        try:
+            self.request(Kind.PING, timeout)
+            return True
+        except AgentTimeout as exc:
+            logger.warning("%s; training goes on, snapshots are persisted once an agent runs", exc)
+            return False
+
+    def _connect(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 64)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        self.sock.connect(protocol.agent_endpoint(self.job_dir))
+        self.send(Kind.HELLO, rank=self.rank, pid=os.getpid(), world_size=self.world_size,
+                  local_world_size=self.local_world_size, **self.hello_fields)
+
+    # messages ---------------------------------------------------------------------------------------
+    def send(self, kind: Kind, **fields: Any) -> int:
+        """Queue a message without blocking; returns its id (0 if it was dropped)."""
+        if self.sock is None:
+            return 0
+        request_id = next(self._ids)
+        try:
+            self.sock.send(protocol.encode(kind, id=request_id, **fields), zmq.NOBLOCK)
+        except zmq.Again:
+            logger.debug("rank %d: agent queue full, %s dropped", self.rank, kind.name)
+            return 0
+        return request_id
+
+    def request(self, kind: Kind, timeout: float, **fields: Any) -> dict[str, Any]:
+        """Send and wait for the matching reply; raises AgentTimeout naming the request."""
+        request_id = self.send(kind, **fields)
+        deadline = time.monotonic() + timeout
+        while request_id:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self.sock is None or not self.sock.poll(int(min(remaining, 1.0) * 1000)):
+                if remaining <= 0 or self.sock is None:
+                    break
+                continue
+            try:
+                _, message = protocol.decode(self.sock.recv())
+            except ProtocolError as exc:
+                logger.warning("rank %d: dropped a malformed reply from the agent: %s", self.rank, exc)
+                continue
+            if message.get("id") == request_id:
+                return message
+        raise AgentTimeout(f"agent {kind.name} request of rank {self.rank}: no reply within {timeout:.0f}s "
+                           f"(agent log: {self.job_dir / 'agent.log'})")
+
+    def _drain(self) -> None:
+        while self.sock is not None:
+            try:
+                self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def close(self, *, wait: bool, timeout: float) -> dict[str, Any] | None:
+        """Say goodbye; with ``wait`` block (bounded) until the agent has persisted what is due."""
+        reply = None
+        self.ensure(force=True)
+        try:
+            reply = self.request(Kind.BYE, timeout, rank=self.rank, pid=os.getpid(), wait=wait)
+        except AgentTimeout as exc:
+            logger.warning("%s", exc)
+        finally:
+            if self.sock is not None:
+                self.sock.close(linger=0)
+                self.sock = None
+            self.ctx.term()
+        return reply
+
+
+def query_status(job_id: str, timeout: float = 5.0) -> dict[str, Any]:
+    """Ask a job's agent for its view (used by ``easyckpt status``)."""
+    job_dir = protocol.runtime_base() / job_id
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(protocol.agent_endpoint(job_dir))
+        sock.send(protocol.encode(Kind.STATUS, id=1))
+        if not sock.poll(int(timeout * 1000)):
+            raise AgentTimeout(f"agent STATUS request for job {job_id}: no reply within {timeout:.0f}s")
+        _, message = protocol.decode(sock.recv())
+        return message
+    finally:
+        sock.close(linger=0)
+        ctx.term()

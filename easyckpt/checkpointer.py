@@ -1,0 +1,118 @@
+"""The public API: ``Checkpointer(save_dir, save_mem_interval, save_storage_interval, max_ckpt_num)``.
+
+It ties the boxes together for one rank: its slots, the stager that fills them, the client of the
+node agent that persists them, and recovery. It works in a single process without torch.distributed
+and under torchrun (rank and world from the process group, else from torchrun's environment).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch.distributed as dist
+
+from easyckpt.agent_client import AgentClient
+from easyckpt.config import CheckpointerConfig
+from easyckpt.recovery import LoadResult, load
+from easyckpt.slots import RankSlots
+from easyckpt.stager import Stager
+
+logger = logging.getLogger(__name__)
+
+
+def _topology() -> tuple[int, int, int, int]:
+    """(rank, world_size, local_rank, local_world_size)."""
+    if dist.is_available() and dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return rank, world, local_rank, local_world
+
+
+class Checkpointer:
+    """Snapshots a rank's training state to shared memory; a node agent persists it to ``save_dir``."""
+
+    def __init__(self, save_dir: str | os.PathLike[str], save_mem_interval: int, save_storage_interval: int,
+                 max_ckpt_num: int, log_file_path: str | None = None, **options: Any) -> None:
+        self.config = CheckpointerConfig(save_dir=Path(save_dir), save_mem_interval=save_mem_interval,
+                                         save_storage_interval=save_storage_interval, max_ckpt_num=max_ckpt_num,
+                                         log_file_path=log_file_path, **options)
+        self.rank, self.world_size, self.local_rank, self.local_world_size = _topology()
+        if self.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
+            logger.warning("rank %d of %d: torch.distributed is not initialised, so load() cannot make the ranks "
+                           "agree on one step; call init_process_group() before creating the Checkpointer",
+                           self.rank, self.world_size)
+        config = self.config
+        assert config.shm_dir is not None and config.job_id is not None
+        self.slots = RankSlots(config.shm_dir, config.job_id, self.rank, self.world_size, self.local_world_size)
+        self.agent = AgentClient(
+            job_id=config.job_id, save_dir=config.save_dir, shm_dir=config.shm_dir, rank=self.rank,
+            world_size=self.world_size, local_world_size=self.local_world_size, idle_timeout=config.agent_idle_timeout,
+            spawn=config.start_agent,
+            hello={"save_storage_interval": config.save_storage_interval, "max_ckpt_num": config.max_ckpt_num,
+                   "log_file_path": config.log_file_path, "pid_start": psutil.Process().create_time()})
+        self.agent.ensure(force=True)
+        if config.start_agent:
+            self.agent.wait_ready(config.agent_start_timeout)
+        self.stager = Stager(config, self.slots, rank=self.rank, world_size=self.world_size,
+                             local_rank=self.local_rank, local_world_size=self.local_world_size,
+                             agent_alive=self.agent.alive)
+        self._closed = False
+        logger.info("easyckpt rank %d/%d: job %s, save_dir %s, shm %s, snapshot every %d, persist every %d, keep %d",
+                    self.rank, self.world_size, config.job_id, config.save_dir, config.shm_dir,
+                    config.save_mem_interval, config.save_storage_interval, config.max_ckpt_num)
+
+    def load(self, state_dict: Any = None, *, load_dir: str | os.PathLike[str] | None = None) -> LoadResult:
+        """Resume: the newest step every rank can get, from memory if all hold it there, else from disk.
+
+        With ``state_dict``, its tensors of matching names are filled in place (on their devices) and
+        appear in ``result.state``; a shape or dtype mismatch raises StateMismatchError and changes
+        nothing. ``load_dir`` names one ``iteration_N`` directory to load instead.
+        """
+        self.stager.wait()
+        return load(slots=self.slots, save_dir=self.config.save_dir, rank=self.rank, world_size=self.world_size,
+                    template=state_dict, load_dir=Path(load_dir).resolve() if load_dir is not None else None,
+                    timeout=self.config.load_timeout)
+
+    def save_if_needed(self, step: int, state_dict: Any) -> bool:
+        """Snapshot when ``step % save_mem_interval == 0``; returns at once (True if a copy started)."""
+        if self._closed:
+            raise RuntimeError(f"save_if_needed(step={step}) after close(): create a new Checkpointer")
+        self.stager.wait()
+        self.agent.ensure()
+        if step % self.config.save_mem_interval:
+            return False
+        return self.stager.snapshot(step, state_dict)
+
+    def wait(self) -> None:
+        """Block until the last snapshot's copy is in shared memory.
+
+        The copy is awaited automatically before any torch optimizer's next step; call this yourself
+        if you change the saved tensors in place some other way before the next save_if_needed.
+        """
+        self.stager.wait()
+
+    def stats(self) -> dict[str, Any]:
+        return self.stager.stats()
+
+    def close(self) -> None:
+        """Finish the last copy, wait (bounded) for the agent to persist what is due, then detach."""
+        if self._closed:
+            return
+        self._closed = True
+        self.stager.close()
+        reply = self.agent.close(wait=True, timeout=self.config.close_timeout)
+        self.slots.close()
+        logger.info("easyckpt rank %d closed: %d snapshots, %d skipped, newest on disk: %s", self.rank,
+                    self.stager.committed, self.stager.skipped, reply.get("persisted") if reply else "unknown")
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,122 @@
+"""``easyckpt ls DIR | verify DIR | status``: look at checkpoints and at the node agent."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from easyckpt import storage
+from easyckpt.agent_client import AgentTimeout, query_status
+from easyckpt_wire import layout, protocol
+from easyckpt_wire.shm import format_bytes
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    save_dir = Path(args.dir)
+    if not save_dir.is_dir():
+        print(f"{save_dir}: no such directory", file=sys.stderr)
+        return 2
+    rows = layout.list_iterations(save_dir)
+    tracker = layout.read_tracker(save_dir)
+    print(f"{'iteration':<20} {'step':>10} {'size':>12}  status")
+    for step, path, complete in rows:
+        status = "complete" if complete and _parses(path) else "INCOMPLETE (no commit marker)"
+        mark = "  <- tracker" if step == tracker else ""
+        print(f"{path.name:<20} {step:>10} {format_bytes(storage.iteration_bytes(path)):>12}  {status}{mark}")
+    if not rows:
+        print("(no iterations)")
+    return 0
+
+
+def _parses(path: Path) -> bool:
+    try:
+        layout.read_metadata(path)
+        return True
+    except layout.CheckpointFormatError:
+        return False
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    save_dir = Path(args.dir)
+    if not save_dir.is_dir():
+        print(f"{save_dir}: no such directory", file=sys.stderr)
+        return 2
+    if layout.ITERATION_RE.match(save_dir.name):
+        results = [r for r in storage.verify(save_dir.parent) if r[1] == save_dir]
+    else:
+        results = storage.verify(save_dir)
+    bad = 0
+    for step, path, problem in results:
+        print(f"{path.name}: {'OK' if problem is None else 'DAMAGED: ' + problem}")
+        bad += problem is not None
+    if not results:
+        print(f"{save_dir}: no iterations to verify")
+    print(f"{len(results) - bad} ok, {bad} damaged")
+    return 1 if bad else 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    if args.job_id:
+        jobs = [args.job_id]
+    elif args.save_dir:
+        jobs = [protocol.job_id_for(args.save_dir)]
+    else:
+        base = protocol.runtime_base()
+        jobs = sorted(p.name for p in base.iterdir() if (p / "agent.sock").exists()) if base.is_dir() else []
+    if not jobs:
+        print("no easyckpt agent found (is a job running on this node?)")
+        return 1
+    code = 0
+    reports = []
+    for job in jobs:
+        try:
+            reports.append(query_status(job, timeout=args.timeout))
+        except AgentTimeout as exc:
+            reports.append({"job_id": job, "error": str(exc)})
+            code = 1
+    if args.json:
+        print(json.dumps(reports, indent=2))
+        return code
+    for report in reports:
+        if "error" in report:
+            print(f"job {report['job_id']}: {report['error']}")
+            continue
+        print(f"job {report['job_id']}: agent pid {report['pid']}, save_dir {report['save_dir']}, "
+              f"shm {report['shm_dir']}, persist every {report['save_storage_interval']}, keep {report['max_ckpt_num']}")
+        for rank in report["ranks"]:
+            state = "finished" if rank["finished"] else ("alive" if rank["alive"] else "DEAD")
+            print(f"  rank {rank['rank']}: pid {rank['pid']} {state}")
+        for slot in report["slots"]:
+            print(f"  rank {slot['rank']} slot {slot['slot']}: {slot['state']:<10} step {slot['step']} "
+                  f"({format_bytes(slot['bytes'])})")
+        last = report["last_persist"]
+        print(f"  newest on disk: step {report['persisted_step']}" + (
+            f"; last persist step {last['step']}, {format_bytes(last['bytes'])} in {last['seconds']:.2f}s"
+            if last else "") + (f"; persisting step {report['persisting']}" if report["persisting"] is not None else ""))
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="easyckpt", description="Inspect easyckpt checkpoints and agents.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ls = sub.add_parser("ls", help="list iterations: step, size, complete or not")
+    ls.add_argument("dir")
+    ls.set_defaults(func=cmd_ls)
+    verify = sub.add_parser("verify", help="re-read every file and check every checksum (exit 1 on damage)")
+    verify.add_argument("dir", help="a save_dir or one iteration_N directory")
+    verify.set_defaults(func=cmd_verify)
+    status = sub.add_parser("status", help="the agent's view: ranks, slots, steps, last persist")
+    status.add_argument("--save-dir", help="the job's save_dir (default: every agent of this user)")
+    status.add_argument("--job-id", help="the job id (EASYCKPT_JOB_ID)")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument("--timeout", type=float, default=5.0)
+    status.set_defaults(func=cmd_status)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

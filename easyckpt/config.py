@@ -1,0 +1,69 @@
+"""Checkpointer configuration: keyword-only, checked once at construction with errors that say the fix."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+
+from easyckpt_wire import protocol
+from easyckpt_wire.shm import check_job_id, shm_dir
+
+
+@dataclasses.dataclass(kw_only=True)
+class CheckpointerConfig:
+    save_dir: Path
+    save_mem_interval: int
+    save_storage_interval: int
+    max_ckpt_num: int
+    log_file_path: str | None = None
+    job_id: str | None = None            # default: EASYCKPT_JOB_ID, else derived from the absolute save_dir
+    shm_dir: Path | None = None          # default: EASYCKPT_SHM_DIR, else /dev/shm
+    start_agent: bool = True             # False: never spawn one (tests, or an agent you run yourself)
+    agent_idle_timeout: float = 300.0    # the agent exits this long after the last rank of the job died
+    agent_start_timeout: float = 30.0    # __init__ waits this long at most for the agent to answer
+    load_timeout: float = 120.0          # reading a slot that another process holds for writing
+    close_timeout: float = 600.0         # close() waiting for the agent to finish the due persist
+    pin_timeout: float = 60.0            # longest a due, unclaimed snapshot keeps a slot from reuse
+
+    def __post_init__(self) -> None:
+        self.save_dir = Path(self.save_dir).expanduser().resolve()
+        for name in ("save_mem_interval", "save_storage_interval", "max_ckpt_num"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.save_storage_interval % self.save_mem_interval:
+            raise ValueError(
+                f"save_storage_interval={self.save_storage_interval} is not a multiple of "
+                f"save_mem_interval={self.save_mem_interval}: a persisted step must also be a snapshot step; "
+                f"use e.g. save_storage_interval={self.save_storage_interval // self.save_mem_interval * self.save_mem_interval or self.save_mem_interval}"
+            )
+        for name in ("agent_idle_timeout", "agent_start_timeout", "load_timeout", "close_timeout", "pin_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        self.job_id = check_job_id(self.job_id or protocol.job_id_for(self.save_dir))
+        self.shm_dir = Path(self.shm_dir) if self.shm_dir is not None else shm_dir()
+        if self.log_file_path is not None:
+            self.log_file_path = str(Path(self.log_file_path).expanduser().resolve())
+        check_writable(self.save_dir)
+
+    def persist_due(self, step: int) -> bool:
+        return step % self.save_storage_interval == 0
+
+
+def check_writable(save_dir: Path) -> None:
+    """Fail now, with the path and the fix, rather than in the agent an hour into training."""
+    try:
+        save_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=save_dir, prefix=".easyckpt-write-test-"):
+            pass
+    except OSError as exc:
+        owner = ""
+        try:
+            owner = f" (owner uid {save_dir.stat().st_uid}, mode {oct(save_dir.stat().st_mode & 0o777)}, we are uid {os.getuid()})"
+        except OSError:
+            pass
+        raise PermissionError(
+            f"save_dir {save_dir} is not writable{owner}: {exc.strerror or exc}. "
+            "Choose a directory this user can write to, or fix its permissions."
+        ) from None

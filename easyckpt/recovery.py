@@ -1,0 +1,202 @@
+"""Recovery: agree on one step for all ranks, then load it from the cheapest source that has it.
+
+Every rank reports the steps it holds in memory (its two slots) and the complete iterations it sees
+on disk; the candidates are the steps *every* rank holds, newest first, memory before disk on a tie
+(invariant 4). Each attempt is collective: if any rank fails to read (a torn slot, a corrupted file)
+all ranks move to the next candidate together; a state that does not fit the caller's template
+fails on all ranks at once with the reason.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from easyckpt_wire.layout import CheckpointFormatError
+from easyckpt_wire.shm import SlotFormatError, format_bytes
+from easyckpt import storage
+from easyckpt.slots import RankSlots
+from easyckpt.state import flatten, torch_dtype, unflatten
+
+logger = logging.getLogger(__name__)
+
+MAX_DISK_CANDIDATES = 8
+_OK, _RETRY, _FATAL = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadResult:
+    step: int | None
+    source: str | None          # "memory" | "disk" | None (nothing to resume from)
+    state: Any
+    path: str | None = None     # the iteration directory or slot file it came from
+    seconds: float = 0.0
+    nbytes: int = 0
+
+
+class StateMismatchError(ValueError):
+    """The caller's state does not fit the checkpoint (shapes or dtypes differ)."""
+
+
+class LoadError(RuntimeError):
+    """No candidate step could be loaded by every rank."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Record:
+    index: int
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+def _gather(vector: list[int], world_size: int) -> list[list[int]]:
+    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return [vector]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    local = torch.tensor(vector, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(gathered, local)
+    return [t.tolist() for t in gathered]
+
+
+def candidates(mem_steps: list[int], disk_steps: list[int], world_size: int) -> list[tuple[int, str]]:
+    """The same ordered candidate list on every rank."""
+    mem = (sorted(mem_steps, reverse=True) + [-1, -1])[:2]
+    disk = (disk_steps[:MAX_DISK_CANDIDATES] + [-1] * MAX_DISK_CANDIDATES)[:MAX_DISK_CANDIDATES]
+    rows = _gather(mem + disk, world_size)
+    common_mem = set.intersection(*({s for s in row[:2] if s >= 0} for row in rows))
+    common_disk = set.intersection(*({s for s in row[2:] if s >= 0} for row in rows))
+    ordered = [(s, "memory") for s in common_mem] + [(s, "disk") for s in common_disk]
+    return sorted(ordered, key=lambda c: (-c[0], c[1] != "memory"))
+
+
+def _outcomes(code: int, world_size: int) -> list[int]:
+    return [row[0] for row in _gather([code], world_size)]
+
+
+def _check_template(records: list[_Record], template: dict[str, Any], step: int, source: str) -> None:
+    problems = []
+    for record in records:
+        target = template.get(record.name)
+        if not isinstance(target, torch.Tensor) or record.kind != "torch":
+            continue
+        want = torch_dtype(record.dtype)
+        if tuple(target.shape) != record.shape or target.dtype != want:
+            problems.append(f"{record.name}: checkpoint {tuple(record.shape)} {want}, "
+                            f"your state {tuple(target.shape)} {target.dtype}")
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise StateMismatchError(
+            f"the state passed to load() does not match the checkpoint of step {step} ({source}): {shown}. "
+            "Build the model and optimizer with the same configuration as the run that saved it, "
+            "or call load() without a state to inspect what was saved"
+        )
+
+
+def _place(record: _Record, source: torch.Tensor, template: dict[str, Any]) -> Any:
+    """Copy into the caller's tensor when it has one of that name, else keep a private CPU copy."""
+    target = template.get(record.name)
+    if record.kind == "numpy":
+        return source.numpy().copy()
+    if isinstance(target, torch.Tensor):
+        with torch.no_grad():
+            target.copy_(source)
+        return target
+    return source.clone()
+
+
+def _read_memory(slots: RankSlots, step: int, template: dict[str, Any], timeout: float) -> tuple[Any, list[Any], str, int]:
+    index, header = slots.committed()[step]
+    slot = slots.maps[index]
+    assert slot is not None
+    slot.lock_shared(timeout)
+    try:
+        current = slot.header()
+        if not current.committed or current.generation != header.generation or current.step != step:
+            raise SlotFormatError(f"{slot.path}: changed while it was being opened (step {current.step})")
+        meta = slot.read_meta(current)
+        records = [_Record(i, e[0], e[1], e[2], tuple(e[3])) for i, e in enumerate(meta["tensors"])]
+        _check_template(records, template, step, "memory")
+        values, nbytes = [], 0
+        for record, entry in zip(records, meta["tensors"]):
+            offset, size = entry[4], entry[5]
+            if size == 0:
+                raw = torch.empty(record.shape, dtype=torch_dtype(record.dtype))
+            else:
+                raw = torch.frombuffer(slot.data(offset, size), dtype=torch.uint8).view(
+                    torch_dtype(record.dtype)).view(record.shape)
+            values.append(_place(record, raw, template))
+            nbytes += size
+            del raw
+        if slot.generation() != current.generation:
+            raise SlotFormatError(f"{slot.path}: overwritten while being read")
+        return meta["skeleton"], values, str(slot.path), nbytes
+    finally:
+        slot.unlock()
+
+
+def _read_disk(iteration_dir: Path, rank: int, world_size: int, template: dict[str, Any]) -> tuple[Any, list[Any], str, int]:
+    entry = storage.rank_entry(iteration_dir, rank, world_size)
+    records = [_Record(r.index, r.name, r.kind, r.dtype, r.shape) for r in entry.records]
+    if [r.index for r in records] != list(range(len(records))):
+        raise storage.CheckpointCorruptError(f"{iteration_dir}: tensor index of rank {rank} has gaps")
+    _check_template(records, template, entry.step, f"disk {iteration_dir}")
+    values: list[Any] = [None] * len(records)
+    nbytes = 0
+    for record, tensor in storage.read_tensors(entry):  # file by file, not in index order
+        values[record.index] = _place(records[record.index], tensor, template)
+        nbytes += record.nbytes
+    return entry.skeleton, values, str(iteration_dir), nbytes
+
+
+def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, template: Any = None,
+         load_dir: Path | None = None, timeout: float = 120.0) -> LoadResult:
+    started = time.perf_counter()
+    template_map: dict[str, Any] = {}
+    if template is not None:
+        _, refs, values = flatten(template)
+        template_map = {ref.name: value for ref, value in zip(refs, values)}
+    if load_dir is not None:
+        disk_steps, base, mem_steps = [storage.iteration_step(load_dir)], load_dir.parent, []
+    else:
+        disk_steps, base, mem_steps = storage.newest_first(save_dir), save_dir, list(slots.committed())
+    tried = []
+    for step, source in candidates(mem_steps, disk_steps, world_size):
+        code, problem, result = _OK, "", None
+        try:
+            if source == "memory":
+                skeleton, values, path, nbytes = _read_memory(slots, step, template_map, timeout)
+            else:
+                skeleton, values, path, nbytes = _read_disk(base / f"iteration_{step:07d}", rank, world_size, template_map)
+            result = (unflatten(skeleton, values), path, nbytes)
+        except StateMismatchError as exc:
+            code, problem = _FATAL, str(exc)
+        except (SlotFormatError, CheckpointFormatError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            code, problem = _RETRY, f"{type(exc).__name__}: {exc}"
+        codes = _outcomes(code, world_size)
+        if code != _OK:
+            logger.warning("rank %d could not load step %d from %s: %s", rank, step, source, problem)
+        if max(codes) == _FATAL:
+            raise StateMismatchError(problem or f"rank(s) {[r for r, c in enumerate(codes) if c == _FATAL]} "
+                                     f"could not fit step {step} into their state; see their logs")
+        if max(codes) == _OK and result is not None:
+            state, path, nbytes = result
+            seconds = time.perf_counter() - started
+            slots.invalidate_newer_than(step)
+            logger.info("rank %d resumed at step %d from %s (%s) in %.3fs (%s, %.2f GB/s)", rank, step, source,
+                        path, seconds, format_bytes(nbytes), nbytes / seconds / 1e9 if seconds else 0.0)
+            return LoadResult(step, source, state, path, seconds, nbytes)
+        tried.append(f"step {step} from {source} (failed on ranks {[r for r, c in enumerate(codes) if c]})")
+    if tried:
+        raise LoadError(f"no checkpoint could be loaded by every rank; tried {'; '.join(tried)}. "
+                        f"See the warnings above for each rank's reason (save_dir {save_dir})")
+    if load_dir is None:
+        logger.info("rank %d: nothing to resume from in memory or in %s: fresh start", rank, save_dir)
+    return LoadResult(None, None, None)

@@ -1,0 +1,255 @@
+"""Stager: copy a rank's state into a free shared-memory slot while training goes on.
+
+``snapshot`` only flattens the state (plain values are captured right away), picks and locks a slot,
+and launches the copy: on CPU a background thread copies (torch's copy releases the GIL); on CUDA
+the slot is pinned once with cudaHostRegister and the device-to-host copies are queued on a side
+stream behind one event. The copy must finish before the optimizer next changes the parameters, so
+``wait`` runs from a global optimizer step pre-hook and at the start of the next snapshot; only then
+is the slot committed (header COMMITTED, even generation) and unlocked.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import dataclasses
+import logging
+import os
+import time
+from typing import Any, Callable
+
+import numpy
+import psutil
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from easyckpt_wire import layout
+from easyckpt_wire.faults import fault_point
+from easyckpt_wire.shm import DATA_OFFSET, FORMAT_VERSION, SlotMap, align, pack_meta, slot_size
+from easyckpt.config import CheckpointerConfig
+from easyckpt.slots import RankSlots
+from easyckpt.state import SKELETON_VERSION, TensorRef, flatten, numpy_dtype, torch_dtype
+
+logger = logging.getLogger(__name__)
+
+_META_HEADROOM = 64 << 10  # plain values (e.g. a growing log history) may grow between snapshots
+
+
+@dataclasses.dataclass(slots=True)
+class _Plan:
+    refs: list[TensorRef]
+    offsets: list[int]
+    data_len: int
+    entries: list[list[Any]]
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    step: int
+    index: int
+    slot: SlotMap
+    generation: int
+    future: concurrent.futures.Future[None]
+    started: float
+    nbytes: int
+
+
+class Stager:
+    def __init__(self, config: CheckpointerConfig, slots: RankSlots, *, rank: int, world_size: int,
+                 local_rank: int, local_world_size: int, agent_alive: Callable[[], bool]) -> None:
+        self.config = config
+        self.slots = slots
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.local_world_size = local_world_size
+        self.agent_alive = agent_alive
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"easyckpt-copy-r{rank}")
+        self.pending: _Pending | None = None
+        self.plan: _Plan | None = None
+        self._views: dict[int, tuple[int, torch.Tensor]] = {}   # slot index -> (mmap id, uint8 view)
+        self._hook: Any = None
+        self._cuda_stream: Any = None
+        self._registered: dict[int, int] = {}                    # slot index -> registered address
+        self.skipped = 0
+        self._skip_run = 0
+        self.committed = 0
+        self.last_commit_step: int | None = None
+        self.last_copy_seconds = 0.0
+        proc = psutil.Process()
+        self._pid, self._pid_start = proc.pid, proc.create_time()
+
+    # public -----------------------------------------------------------------------------------------
+    def snapshot(self, step: int, state: object) -> bool:
+        """Launch a snapshot of ``state`` at ``step``; False when it was skipped (no free slot)."""
+        self.wait()
+        skeleton, refs, values = flatten(state)
+        plan = self._plan(refs)
+        meta = pack_meta({
+            "v": FORMAT_VERSION, "job": self.config.job_id, "rank": self.rank, "world_size": self.world_size,
+            "local_rank": self.local_rank, "local_world_size": self.local_world_size, "step": step,
+            "pid": self._pid, "pid_start": self._pid_start, "skeleton": skeleton,
+            "skeleton_version": SKELETON_VERSION, "tensors": plan.entries, "created": time.time(),
+            "config": {"save_storage_interval": self.config.save_storage_interval,
+                       "max_ckpt_num": self.config.max_ckpt_num, "log_file_path": self.config.log_file_path},
+        })
+        index = self.slots.choose(persist_due=self.config.persist_due, agent_alive=self.agent_alive,
+                                  pin_timeout=self.config.pin_timeout)
+        if index is None:
+            self.skipped += 1
+            if self._skip_run == 0:
+                logger.info("rank %d: snapshot of step %d skipped: one slot holds the newest snapshot, the other "
+                            "one the agent is persisting", self.rank, step)
+            self._skip_run += 1
+            return False
+        if self._skip_run:
+            logger.info("rank %d: snapshots resume at step %d after %d skipped (%d in total)", self.rank, step,
+                        self._skip_run, self.skipped)
+            self._skip_run = 0
+        needed = slot_size(plan.data_len, len(meta) + _META_HEADROOM)
+        current = self.slots.maps[index]
+        if current is not None and current.size < needed:
+            self._drop_views(index)  # an mmap with live tensor views over it cannot be re-mapped
+        try:
+            slot = self.slots.ensure(index, needed)
+        except BaseException:
+            if self.slots.maps[index] is not None:
+                self.slots.maps[index].unlock()
+            raise
+        generation = self.slots.next_generation()
+        slot.begin_write(generation=generation, rank=self.rank, world_size=self.world_size,
+                         job_id=self.config.job_id)
+        dst = self._slot_views(index, slot, plan)
+        event = self._launch_cuda(dst, values) if self._uses_cuda(values) else None
+        future = self.pool.submit(self._finish_copy, step, slot, generation, plan, meta, dst, values, event)
+        self.pending = _Pending(step, index, slot, generation, future, time.perf_counter(), plan.data_len)
+        if self._hook is None:
+            self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+        return True
+
+    def wait(self) -> None:
+        """Block until the pending copy is committed (or failed); a no-op when nothing is pending."""
+        pending = self.pending
+        if pending is None:
+            return
+        self.pending = None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        try:
+            pending.future.result()
+        except Exception:
+            logger.exception("rank %d: snapshot of step %d failed; the previous snapshot stays valid",
+                             self.rank, pending.step)
+            return
+        self.committed += 1
+        self.last_commit_step = pending.step
+        self.last_copy_seconds = time.perf_counter() - pending.started
+
+    def close(self) -> None:
+        self.wait()
+        self.pool.shutdown(wait=True)
+        for index in list(self._views):
+            self._drop_views(index)
+
+    # internals --------------------------------------------------------------------------------------
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.wait()
+
+    def _plan(self, refs: list[TensorRef]) -> _Plan:
+        """Offsets for every tensor; reused while the state's structure is unchanged."""
+        if self.plan is not None and self.plan.refs == refs:
+            return self.plan
+        offsets, position, entries = [], 0, []
+        for ref in refs:
+            offsets.append(position)
+            entries.append([ref.name, ref.kind, ref.dtype, list(ref.shape), position, ref.nbytes,
+                            layout.tensor_group(ref.name)])
+            position = align(position + ref.nbytes)
+        if self.plan is not None:
+            logger.info("rank %d: state structure changed (%d -> %d tensors): re-planned the slot layout",
+                        self.rank, len(self.plan.refs), len(refs))
+        self.plan = _Plan(refs, offsets, position, entries)
+        return self.plan
+
+    def _slot_views(self, index: int, slot: SlotMap, plan: _Plan) -> list[Any]:
+        assert slot.mm is not None
+        cached = self._views.get(index)
+        if cached is None or cached[0] != id(slot.mm):
+            self._drop_views(index)
+            base = torch.frombuffer(slot.mm, dtype=torch.uint8, count=slot.size - DATA_OFFSET, offset=DATA_OFFSET)
+            self._views[index] = (id(slot.mm), base)
+            cached = self._views[index]
+        base = cached[1]
+        views: list[Any] = []
+        for ref, offset in zip(plan.refs, plan.offsets):
+            raw = base[offset:offset + ref.nbytes]
+            if ref.kind == "numpy":
+                views.append(raw.numpy().view(numpy_dtype(ref.dtype)).reshape(ref.shape))
+            else:
+                views.append(raw.view(torch_dtype(ref.dtype)).view(ref.shape))
+        return views
+
+    def _drop_views(self, index: int) -> None:
+        self._unregister(index)
+        self._views.pop(index, None)
+
+    def _uses_cuda(self, values: list[Any]) -> bool:
+        return any(isinstance(v, torch.Tensor) and v.is_cuda for v in values)
+
+    def _launch_cuda(self, dst: list[Any], values: list[Any]) -> Any:
+        """Queue device-to-host copies on a side stream, ordered after the work already queued."""
+        if self._cuda_stream is None:
+            self._cuda_stream = torch.cuda.Stream()
+        for index in list(self._views):
+            self._register(index)
+        stream = self._cuda_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for target, value in zip(dst, values):
+                if isinstance(value, torch.Tensor) and value.is_cuda:
+                    target.copy_(value, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def _register(self, index: int) -> None:
+        if index in self._registered:
+            return
+        slot = self.slots.maps[index]
+        assert slot is not None and slot.mm is not None
+        address = ctypes.addressof(ctypes.c_char.from_buffer(slot.mm))
+        result = torch.cuda.cudart().cudaHostRegister(address, slot.size, 0)
+        if int(result) != 0:
+            logger.warning("rank %d: cudaHostRegister of %s failed (%s): copies will be synchronous",
+                           self.rank, slot.path, result)
+            return
+        self._registered[index] = address
+
+    def _unregister(self, index: int) -> None:
+        address = self._registered.pop(index, None)
+        if address is not None:
+            torch.cuda.cudart().cudaHostUnregister(address)
+
+    def _finish_copy(self, step: int, slot: SlotMap, generation: int, plan: _Plan, meta: bytes,
+                     dst: list[Any], values: list[Any], event: Any) -> None:
+        """Runs on the copy thread: copy what is left, then commit and unlock the slot."""
+        try:
+            half = len(values) // 2
+            for number, (target, value) in enumerate(zip(dst, values)):
+                if number == half:
+                    fault_point("stager.mid_copy", step=step, rank=self.rank)
+                if isinstance(value, numpy.ndarray):
+                    numpy.copyto(target, value, casting="no")
+                elif not value.is_cuda:
+                    target.copy_(value)
+            if event is not None:
+                event.synchronize()
+            fault_point("stager.before_commit", step=step, rank=self.rank)
+            slot.commit(generation=generation, step=step, data_len=plan.data_len, meta=meta, rank=self.rank,
+                        world_size=self.world_size, job_id=self.config.job_id)
+        finally:
+            slot.unlock()
+
+    def stats(self) -> dict[str, Any]:
+        return {"committed": self.committed, "skipped": self.skipped, "last_step": self.last_commit_step,
+                "last_copy_seconds": self.last_copy_seconds, "pid": os.getpid()}

@@ -1,0 +1,155 @@
+"""Reading the on-disk layout: choose iterations, read one rank's tensors, verify every checksum.
+
+The agent writes the layout (see ``easyckpt_wire.layout``); this side trusts nothing it reads: each
+tensor's dtype and shape in the safetensors header must match metadata.json, and every byte is
+checked against its xxh3-128 before the tensor is used.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy
+import torch
+import xxhash
+from safetensors import safe_open
+
+from easyckpt_wire import layout
+from easyckpt_wire.layout import CheckpointFormatError
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointCorruptError(CheckpointFormatError):
+    """A file of a complete-looking checkpoint is missing, truncated or fails its checksum."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorRecord:
+    index: int
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    file: str
+    checksum: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankEntry:
+    """What one rank needs from an iteration directory, before any tensor byte is read."""
+
+    path: Path
+    step: int
+    rank: int
+    skeleton: Any
+    records: list[TensorRecord]
+
+
+def newest_first(save_dir: Path) -> list[int]:
+    """Complete iterations of ``save_dir``, newest first; warns when the tracker disagrees."""
+    steps = [step for step, _ in reversed(layout.complete_iterations(save_dir))]
+    tracker = layout.read_tracker(save_dir)
+    if tracker is not None and tracker not in steps:
+        logger.warning("%s names iteration %d, which is missing or incomplete; using the newest complete "
+                       "iteration (%s) instead", save_dir / layout.TRACKER, tracker, steps[0] if steps else "none")
+    return steps
+
+
+def iteration_step(iteration_dir: Path) -> int:
+    """The step of an explicit ``iteration_N`` directory (``load_dir=``), which must be complete."""
+    match = layout.ITERATION_RE.match(iteration_dir.name)
+    if match is None:
+        raise CheckpointFormatError(f"{iteration_dir} is not an iteration_N directory of an easyckpt save_dir")
+    meta = layout.read_metadata(iteration_dir)
+    if meta.get("step") != int(match.group(1)):
+        raise CheckpointFormatError(f"{iteration_dir}/{layout.METADATA} says step {meta.get('step')}")
+    return int(match.group(1))
+
+
+def rank_entry(iteration_dir: Path, rank: int, world_size: int) -> RankEntry:
+    meta = layout.read_metadata(iteration_dir)
+    step = meta["step"]
+    if meta.get("world_size") != world_size:
+        raise CheckpointFormatError(
+            f"{iteration_dir} (step {step}) was written by {meta.get('world_size')} ranks, this job has "
+            f"{world_size}: resume with the same number of ranks (resharding is not supported yet)"
+        )
+    try:
+        info = meta["ranks"][str(rank)]
+        with open(iteration_dir / layout.COMMON, encoding="utf-8") as handle:
+            common = json.load(handle)
+        skeleton = common["ranks"][str(rank)]["skeleton"]
+        records = [TensorRecord(t["index"], t["name"], t["kind"], t["dtype"], tuple(t["shape"]), t["nbytes"],
+                                t["file"], t[layout.CHECKSUM_ALGO]) for t in info["tensors"]]
+    except FileNotFoundError as exc:
+        raise CheckpointCorruptError(f"{iteration_dir}: {exc.filename} is missing") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointCorruptError(f"{iteration_dir}: rank {rank} entry is damaged ({type(exc).__name__}: {exc})") from None
+    return RankEntry(iteration_dir, step, rank, skeleton, sorted(records, key=lambda r: r.index))
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def read_tensors(entry: RankEntry) -> Iterator[tuple[TensorRecord, torch.Tensor]]:
+    """Every tensor of the rank, checked against metadata.json and its checksum (CPU tensors)."""
+    by_file: dict[str, list[TensorRecord]] = {}
+    for record in entry.records:
+        by_file.setdefault(record.file, []).append(record)
+    for file_name, records in by_file.items():
+        path = entry.path / file_name
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except FileNotFoundError:
+            raise CheckpointCorruptError(f"{path} (step {entry.step}, rank {entry.rank}) is missing") from None
+        except Exception as exc:  # safetensors raises its own error type for damaged headers
+            raise CheckpointCorruptError(f"{path} (step {entry.step}) is not a readable safetensors file: {exc}") from None
+        with handle:
+            for record in records:
+                try:
+                    tensor = handle.get_tensor(record.name)
+                except Exception as exc:
+                    raise CheckpointCorruptError(
+                        f"{path}: tensor {record.name!r} of step {entry.step} is unreadable: {exc}") from None
+                if tuple(tensor.shape) != record.shape:
+                    raise CheckpointCorruptError(
+                        f"{path}: tensor {record.name!r} has shape {tuple(tensor.shape)}, metadata says {record.shape}")
+                if xxhash.xxh3_128_hexdigest(_tensor_bytes(tensor)) != record.checksum:
+                    raise CheckpointCorruptError(
+                        f"{path}: tensor {record.name!r} of step {entry.step}, rank {entry.rank} fails its "
+                        f"{layout.CHECKSUM_ALGO} checksum: the file is corrupted")
+                yield record, tensor
+
+
+def as_value(record: TensorRecord, tensor: torch.Tensor) -> torch.Tensor | numpy.ndarray:
+    return tensor.numpy() if record.kind == "numpy" else tensor
+
+
+def verify(save_dir: Path) -> list[tuple[int, Path, str | None]]:
+    """Re-read every complete iteration; (step, path, problem or None) for each, oldest first."""
+    results = []
+    for step, path, complete in layout.list_iterations(save_dir):
+        if not complete:
+            results.append((step, path, f"incomplete: no {layout.METADATA}"))
+            continue
+        try:
+            meta = layout.read_metadata(path)
+            for rank in sorted(meta["ranks"], key=int):
+                for _ in read_tensors(rank_entry(path, int(rank), meta["world_size"])):
+                    pass
+            results.append((step, path, None))
+        except (CheckpointFormatError, KeyError, TypeError) as exc:
+            results.append((step, path, str(exc)))
+    return results
+
+
+def iteration_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())

@@ -1,0 +1,114 @@
+"""On-disk layout (Checkpoint 2.0 style), version 1: names and the rule for "complete".
+
+::
+
+    save_dir/
+      iteration_0000100/
+        metadata.json      # the commit marker: written last; a directory without it is incomplete
+        common.json        # per-rank skeletons (non-tensor state), exactly round-trippable
+        easyckpt-model-0000000-0000002.safetensors   # rank 0 of 2, model tensors
+        easyckpt-opt-0000000-0000002.safetensors     # rank 0 of 2, optimizer tensors
+      latest_checkpointed_iteration.txt
+      easyckpt-audit.log
+      .tmp-iteration_0000100-<pid>/                  # a persist in progress (or a dead writer's)
+
+The agent writes this layout; the library and the CLI read it. Both use the functions here so that
+"complete" means the same thing on both sides.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+METADATA_FORMAT = "easyckpt-ckpt2"
+METADATA_VERSION = 1
+METADATA = "metadata.json"
+COMMON = "common.json"
+TRACKER = "latest_checkpointed_iteration.txt"
+AUDIT_LOG = "easyckpt-audit.log"
+TMP_PREFIX = ".tmp-iteration_"
+TRASH_PREFIX = ".trash-iteration_"
+CHECKSUM_ALGO = "xxh3_128"
+ITERATION_RE = re.compile(r"^iteration_(\d{7,})$")
+TMP_RE = re.compile(r"^\.(?:tmp|trash)-iteration_(\d{7,})-(\d+)$")
+RANK_FILE_RE = re.compile(r"^easyckpt-(model|opt)-(\d{7})-(\d{7})\.safetensors$")
+OPT_KEYS = ("optim", "optimizer", "opt")
+
+
+def iteration_dirname(step: int) -> str:
+    return f"iteration_{step:07d}"
+
+
+def rank_file_name(group: str, rank: int, world_size: int) -> str:
+    return f"easyckpt-{group}-{rank:07d}-{world_size:07d}.safetensors"
+
+
+def tensor_group(name: str) -> str:
+    """Which file of the rank a tensor goes to: optimizer state apart from the model, as Megatron does."""
+    top = name.split("/", 1)[0].lower()
+    return "opt" if top in OPT_KEYS or top.startswith("optim") else "model"
+
+
+class CheckpointFormatError(RuntimeError):
+    """A checkpoint directory that is damaged or not ours."""
+
+
+def read_metadata(iteration_dir: Path) -> dict[str, Any]:
+    """The parsed commit marker of ``iteration_dir``; raises CheckpointFormatError if incomplete."""
+    path = iteration_dir / METADATA
+    try:
+        with open(path, encoding="utf-8") as handle:
+            meta = json.load(handle)
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{iteration_dir} has no {METADATA}: it is incomplete") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointFormatError(f"{path} is unreadable: {exc}") from None
+    if not isinstance(meta, dict) or meta.get("format") != METADATA_FORMAT:
+        raise CheckpointFormatError(f"{path} is not an easyckpt checkpoint (format {meta.get('format')!r})"
+                                    if isinstance(meta, dict) else f"{path} is not a JSON object")
+    if meta.get("format_version") != METADATA_VERSION:
+        raise CheckpointFormatError(
+            f"{path} has format version {meta.get('format_version')!r}, this build reads {METADATA_VERSION}"
+        )
+    return meta
+
+
+def list_iterations(save_dir: Path) -> list[tuple[int, Path, bool]]:
+    """Every ``iteration_N`` directory as (step, path, complete), oldest first."""
+    found = []
+    try:
+        entries = list(os.scandir(save_dir))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    for entry in entries:
+        match = ITERATION_RE.match(entry.name)
+        if match and entry.is_dir(follow_symlinks=False):
+            complete = (Path(entry.path) / METADATA).is_file()
+            found.append((int(match.group(1)), Path(entry.path), complete))
+    return sorted(found)
+
+
+def complete_iterations(save_dir: Path) -> list[tuple[int, Path]]:
+    """Iterations whose commit marker exists and parses, oldest first."""
+    complete = []
+    for step, path, has_marker in list_iterations(save_dir):
+        if not has_marker:
+            continue
+        try:
+            meta = read_metadata(path)
+        except CheckpointFormatError:
+            continue
+        if meta.get("step") == step:
+            complete.append((step, path))
+    return complete
+
+
+def read_tracker(save_dir: Path) -> int | None:
+    try:
+        text = (save_dir / TRACKER).read_text(encoding="utf-8").strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return int(text) if text.isdigit() else None

@@ -1,0 +1,136 @@
+"""Wire protocol, version 1, between training ranks (and tools) and their node agent.
+
+Transport: ZeroMQ over ``ipc://`` in the job's runtime directory (owner-only permissions). A rank
+uses a DEALER socket, the agent a ROUTER socket; every message is one msgpack map with ``v`` (the
+protocol version), ``kind`` (a :class:`Kind`) and the fields that kind requires. Nothing is ever
+unpickled: a message that is too large, is not msgpack, has another version, an unknown kind or a
+field of the wrong type raises :class:`ProtocolError`, which the receiver logs and drops.
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 20
+RUNTIME_DIR_ENV = "EASYCKPT_RUNTIME_DIR"
+JOB_ID_ENV = "EASYCKPT_JOB_ID"
+
+
+class Kind(enum.IntEnum):
+    HELLO = 1    # a rank announces itself (pid, rank, world) and the job's persist config
+    BYE = 2      # a rank finished cleanly; with wait=True the agent replies once due persists are done
+    STATUS = 3   # the agent's view: ranks, slots, steps, last persist
+    PING = 4     # liveness probe
+    REPLY = 100  # agent -> requester
+
+
+_INT = (int,)
+_STR = (str,)
+_BOOL = (bool,)
+_OPT_STR = (str, type(None))
+_DICT = (dict,)
+
+# Required fields and their types per kind; extra fields are ignored so that a newer peer that adds
+# optional fields still talks to an older one of the same version.
+_SCHEMA: dict[Kind, dict[str, tuple[type, ...]]] = {
+    Kind.HELLO: {"rank": _INT, "pid": _INT, "world_size": _INT, "local_world_size": _INT,
+                 "save_storage_interval": _INT, "max_ckpt_num": _INT, "log_file_path": _OPT_STR},
+    Kind.BYE: {"rank": _INT, "pid": _INT, "wait": _BOOL},
+    Kind.STATUS: {},
+    Kind.PING: {},
+    Kind.REPLY: {"ok": _BOOL},
+}
+
+
+class ProtocolError(ValueError):
+    """A message that violates the protocol; the receiver drops it."""
+
+
+def encode(kind: Kind, **fields: Any) -> bytes:
+    message = {"v": PROTOCOL_VERSION, "kind": int(kind), **fields}
+    _check(message, Kind(kind))
+    blob = msgpack.packb(message, use_bin_type=True)
+    if len(blob) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"{kind.name} message of {len(blob)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return blob
+
+
+def decode(blob: bytes) -> tuple[Kind, dict[str, Any]]:
+    if len(blob) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(blob)} bytes exceeds the {MAX_MESSAGE_BYTES} byte limit")
+    try:
+        message = msgpack.unpackb(blob, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several exception types on garbage
+        raise ProtocolError(f"message is not valid msgpack: {type(exc).__name__}: {exc}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError(f"message is a {type(message).__name__}, expected a map")
+    version = message.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r}, this build speaks {PROTOCOL_VERSION}")
+    try:
+        kind = Kind(message.get("kind"))
+    except ValueError:
+        raise ProtocolError(f"unknown message kind {message.get('kind')!r}") from None
+    _check(message, kind)
+    return kind, message
+
+
+def _check(message: dict[str, Any], kind: Kind) -> None:
+    for field, types in _SCHEMA[kind].items():
+        value = message.get(field)
+        if field not in message or not isinstance(value, types) or (
+                types == _INT and isinstance(value, bool)):
+            raise ProtocolError(
+                f"{kind.name} message field {field!r} is {value!r}, expected {'/'.join(t.__name__ for t in types)}"
+            )
+
+
+def reply(ok: bool = True, **fields: Any) -> bytes:
+    return encode(Kind.REPLY, ok=ok, **fields)
+
+
+def job_id_for(save_dir: str | os.PathLike[str]) -> str:
+    """Stable across restarts: the env override, else a digest of the absolute save_dir."""
+    override = os.environ.get(JOB_ID_ENV)
+    if override:
+        return override
+    return hashlib.sha256(str(Path(save_dir).resolve()).encode()).hexdigest()[:16]
+
+
+def runtime_base() -> Path:
+    configured = os.environ.get(RUNTIME_DIR_ENV)
+    if configured:
+        return Path(configured)
+    return Path("/tmp") / f"easyckpt-{os.getuid()}"
+
+
+def runtime_dir(job_id: str) -> Path:
+    """The job's private directory for the agent's socket, lock, pid and log (created 0700)."""
+    base = runtime_base()
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = base / job_id
+    path.mkdir(mode=0o700, exist_ok=True)
+    for directory in (base, path):
+        stat = directory.stat()
+        if stat.st_uid != os.getuid():
+            raise PermissionError(
+                f"runtime directory {directory} belongs to uid {stat.st_uid}, not to us ({os.getuid()}): "
+                f"set {RUNTIME_DIR_ENV} to a directory of your own"
+            )
+        if stat.st_mode & 0o077:
+            os.chmod(directory, 0o700)
+    return path
+
+
+def agent_endpoint(job_dir: Path) -> str:
+    return f"ipc://{job_dir / 'agent.sock'}"
+
+
+def agent_lock_path(job_dir: Path) -> Path:
+    return job_dir / "agent.lock"

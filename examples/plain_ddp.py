@@ -1,0 +1,129 @@
+"""A small DDP training job with easyckpt: run it under torchrun, kill a rank, run it again.
+
+    torchrun --nproc-per-node=2 examples/plain_ddp.py --save-dir /tmp/ckpt --out /tmp/run --steps 40
+
+Everything that decides the next loss is in the saved state (model, AdamW, LR schedule, the torch /
+python / numpy RNGs that drive dropout and noise, and the data position), so a resumed run continues
+the loss curve exactly. Each rank appends one JSON line per step to ``--out/losses-rank<r>.jsonl``
+(step, loss, a digest of the state) and writes ``--out/resume-rank<r>-<n>.json`` after load, which is
+what the tests and the demo read.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import xxhash
+from torch.nn.parallel import DistributedDataParallel
+
+import easyckpt
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, vocab: int = 64, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.block = torch.nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=64, dropout=0.1, batch_first=True)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.embed(tokens)))
+
+
+def batch(position: int, rank: int, vocab: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data at ``position`` of this rank's stream: resuming at a position replays the same data."""
+    generator = torch.Generator().manual_seed(1000 * position + rank)
+    tokens = torch.randint(0, vocab, (8, 16), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def state_digest(state: dict) -> str:
+    """xxh3-128 over every tensor of model and optimizer, in order: equal digests mean equal bits."""
+    digest = xxhash.xxh3_128()
+    _, refs, values = easyckpt.state.flatten({"model": state["model"], "optim": state["optim"]})
+    for ref, value in zip(refs, values):
+        digest.update(ref.name.encode())
+        digest.update(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--save-dir", required=True)
+    parser.add_argument("--out", required=True, help="directory for loss logs and resume reports")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--save-mem-interval", type=int, default=1)
+    parser.add_argument("--save-storage-interval", type=int, default=10)
+    parser.add_argument("--max-ckpt-num", type=int, default=3)
+    parser.add_argument("--step-seconds", type=float, default=0.0, help="extra compute per step (busy loop)")
+    args = parser.parse_args()
+    logging.basicConfig(level=os.environ.get("EASYCKPT_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s rank%(process)d %(name)s: %(message)s")
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"pid-rank{rank}").write_text(str(os.getpid()))
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    model = DistributedDataParallel(TinyLM())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
+
+    ckpt = easyckpt.Checkpointer(args.save_dir, args.save_mem_interval, args.save_storage_interval,
+                                 args.max_ckpt_num, log_file_path=str(out / "persist.log"))
+    result = ckpt.load({"model": model.module.state_dict(), "optim": optimizer.state_dict()})
+    start = 0
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if result.step is not None:
+        model.module.load_state_dict(result.state["model"])
+        optimizer.load_state_dict(result.state["optim"])
+        scheduler.load_state_dict(result.state["sched"])
+        torch.set_rng_state(result.state["rng"]["torch"])
+        random.setstate(result.state["rng"]["python"])
+        np.random.set_state(result.state["rng"]["numpy"])
+        start = result.state["data_position"]
+    report = {"rank": rank, "step": result.step, "source": result.source, "seconds": result.seconds,
+              "bytes": result.nbytes, "attempt": attempt, "pid": os.getpid(),
+              "digest": state_digest(result.state) if result.step is not None else None}
+    (out / f"resume-rank{rank}-{len(list(out.glob(f'resume-rank{rank}-*.json')))}.json").write_text(json.dumps(report))
+    if rank == 0 and result.step is not None:
+        print(f"resumed at step {result.step} from {result.source} in {result.seconds * 1000:.1f} ms "
+              f"({result.nbytes / 1e6:.1f} MB)", flush=True)
+
+    with open(out / f"losses-rank{rank}.jsonl", "a", encoding="utf-8") as log:
+        for step in range(start, args.steps):
+            inputs, targets = batch(step, rank)
+            noise = 1e-3 * torch.randn(()) + 1e-3 * random.random() + 1e-3 * np.random.rand()
+            logits = model(inputs)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)) + noise
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            deadline = time.perf_counter() + args.step_seconds
+            while time.perf_counter() < deadline:
+                pass
+            state = {"model": model.module.state_dict(), "optim": optimizer.state_dict(),
+                     "sched": scheduler.state_dict(), "data_position": step + 1, "step": step,
+                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                             "numpy": np.random.get_state()}}
+            ckpt.save_if_needed(step, state)
+            log.write(json.dumps({"step": step, "loss": loss.item(), "attempt": attempt,
+                                  "digest": state_digest(state)}) + "\n")
+            log.flush()
+    ckpt.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

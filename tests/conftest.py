@@ -1,0 +1,111 @@
+"""Shared test fixtures: an isolated shm dir and runtime dir per test, agents cleaned up after.
+
+Nothing here sleeps to synchronise: ``wait_for`` polls a condition against a deadline and fails
+with a message naming what it waited for.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)  # polling interval against a deadline, not a synchronisation sleep
+
+
+def agent_pids(runtime_dir: Path) -> list[int]:
+    """Pids of running agents, found by their command line naming this test's runtime (via env)."""
+    pids = []
+    for proc in psutil.process_iter(["pid", "cmdline", "environ"]):
+        try:
+            cmd = proc.info["cmdline"] or []
+            env = proc.info["environ"] or {}
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if "agent" in cmd and "-m" in cmd and env.get("EASYCKPT_RUNTIME_DIR") == str(runtime_dir):
+            pids.append(proc.info["pid"])
+    return pids
+
+
+class Env:
+    """Where one test's job lives: its shm dir, runtime dir and save_dir."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.shm_dir = Path(tempfile.mkdtemp(prefix="easyckpt-test-", dir="/dev/shm"))
+        # Short on purpose: ipc:// socket paths must stay under ~107 characters.
+        self.runtime_dir = Path(tempfile.mkdtemp(prefix="ec-", dir="/tmp"))
+        self.save_dir = tmp_path / "ckpt"
+        self.tmp_path = tmp_path
+
+    def vars(self) -> dict[str, str]:
+        return {"EASYCKPT_SHM_DIR": str(self.shm_dir), "EASYCKPT_RUNTIME_DIR": str(self.runtime_dir)}
+
+    def environ(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.vars())
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+        env.update(extra)
+        return env
+
+    def job_dir(self) -> Path:
+        dirs = [p for p in self.runtime_dir.iterdir() if p.is_dir()]
+        assert len(dirs) == 1, f"expected one job dir in {self.runtime_dir}, found {dirs}"
+        return dirs[0]
+
+    def agent_pid(self) -> int | None:
+        """The pid of the agent holding the job's lock, from its pid file (None if none runs)."""
+        for job in self.runtime_dir.iterdir():
+            pid_file = job / "agent.pid"
+            if pid_file.exists():
+                text = pid_file.read_text().strip()
+                if text.isdigit() and psutil.pid_exists(int(text)):
+                    return int(text)
+        return None
+
+    def slot_files(self) -> list[Path]:
+        return sorted(self.shm_dir.glob("easyckpt-*"))
+
+    def cleanup(self) -> None:
+        for pid in agent_pids(self.runtime_dir):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    environment = Env(tmp_path)
+    for key, value in environment.vars().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("EASYCKPT_JOB_ID", raising=False)
+    monkeypatch.delenv("EASYCKPT_FAULT", raising=False)
+    yield environment
+    environment.cleanup()
+
+
+def run_cli(*args: str, env: Env, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "easyckpt.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env.environ())

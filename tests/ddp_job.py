@@ -1,0 +1,101 @@
+"""Drive examples/plain_ddp.py under a real torchrun: launch, watch progress, kill ranks, read results."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from easyckpt_wire.shm import SlotFormatError, SlotMap, list_slots
+
+from conftest import ROOT, Env, wait_for
+
+SCRIPT = ROOT / "examples" / "plain_ddp.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+class Job:
+    def __init__(self, env: Env, save_dir: Path, out: Path, *, steps: int, nproc: int = 2, max_restarts: int = 0,
+                 step_seconds: float = 0.02, save_storage_interval: int = 10, extra_env: dict[str, str] | None = None) -> None:
+        self.out = out
+        self.nproc = nproc
+        out.mkdir(parents=True, exist_ok=True)
+        self.log_path = out / "torchrun.log"
+        command = TORCHRUN + ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
+                              str(SCRIPT), "--save-dir", str(save_dir), "--out", str(out), "--steps", str(steps),
+                              "--step-seconds", str(step_seconds), "--save-storage-interval", str(save_storage_interval)]
+        # torch's shared rendezvous store hands restarted workers the previous attempt's gloo
+        # addresses (pytorch/pytorch#135712); a store of their own per attempt avoids that.
+        extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(extra_env or {})}
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=env.environ(EASYCKPT_LOG_LEVEL="INFO", **extra), cwd=str(ROOT))
+
+    def wait(self, timeout: float = 120) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self._log.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def pid(self, rank: int) -> int:
+        return int((self.out / f"pid-rank{rank}").read_text())
+
+    def losses(self, rank: int) -> dict[int, dict[str, Any]]:
+        path = self.out / f"losses-rank{rank}.jsonl"
+        if not path.exists():
+            return {}
+        rows = {}
+        for line in path.read_text().splitlines():
+            if line.endswith("}"):
+                row = json.loads(line)
+                rows[row["step"]] = row
+        return rows
+
+    def reached(self, rank: int, step: int) -> bool:
+        return any(s >= step for s in self.losses(rank))
+
+    def resumes(self, rank: int) -> list[dict[str, Any]]:
+        paths = sorted(self.out.glob(f"resume-rank{rank}-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+        return [json.loads(p.read_text()) for p in paths]
+
+    def kill_rank(self, rank: int, at_step: int, timeout: float = 90) -> None:
+        wait_for(lambda: self.reached(rank, at_step) or self.proc.poll() is not None, timeout,
+                 f"rank {rank} to reach step {at_step}")
+        assert self.proc.poll() is None, f"job ended before step {at_step}:\n{self.log()[-3000:]}"
+        os.kill(self.pid(rank), signal.SIGKILL)
+
+
+def slot_states(env: Env, save_dir: Path) -> dict[int, list[tuple[str, int, int]]]:
+    """{rank: [(state, step, generation) per slot]} read straight from the slot files."""
+    from easyckpt_wire.protocol import job_id_for
+
+    found: dict[int, list[tuple[str, int, int]]] = {}
+    for (rank, _slot), path in sorted(list_slots(env.shm_dir, job_id_for(save_dir)).items()):
+        slot = SlotMap(path, writable=False)
+        try:
+            header = slot.header()
+            found.setdefault(rank, []).append((header.state.name, header.step, header.generation))
+        except SlotFormatError:
+            found.setdefault(rank, []).append(("UNREADABLE", -1, -1))
+        finally:
+            slot.close()
+    return found
+
+
+def newest_common_committed(states: dict[int, list[tuple[str, int, int]]]) -> int | None:
+    common = None
+    for slots in states.values():
+        steps = {step for state, step, generation in slots if state == "COMMITTED" and generation % 2 == 0}
+        common = steps if common is None else common & steps
+    return max(common) if common else None
