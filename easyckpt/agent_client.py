@@ -171,7 +171,11 @@ class AgentClient:
         reply = None
         self.ensure(force=True)
         try:
-            reply = self.request(Kind.BYE, timeout, rank=self.rank, pid=os.getpid(), wait=wait)
+            if self.alive():
+                reply = self.request(Kind.BYE, timeout, rank=self.rank, pid=os.getpid(), wait=wait)
+            else:
+                logger.warning("rank %d: no easyckpt agent runs for job %s; due snapshots stay in %s unpersisted",
+                               self.rank, self.job_id, self.shm_dir)
         except AgentTimeout as exc:
             logger.warning("%s", exc)
         finally:

@@ -33,6 +33,16 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: 
         time.sleep(interval)  # polling interval against a deadline, not a synchronisation sleep
 
 
+def gone(pid: int | None) -> bool:
+    """True once ``pid`` has exited (a zombie counts: the agent may be a child of the test process)."""
+    if pid is None:
+        return True
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def agent_pids(runtime_dir: Path) -> list[int]:
     """Pids of running agents, found by their command line naming this test's runtime (via env)."""
     pids = []
@@ -78,7 +88,7 @@ class Env:
             pid_file = job / "agent.pid"
             if pid_file.exists():
                 text = pid_file.read_text().strip()
-                if text.isdigit() and psutil.pid_exists(int(text)):
+                if text.isdigit() and not gone(int(text)):
                     return int(text)
         return None
 

@@ -1,0 +1,268 @@
+"""The node agent as a real process: persist, rotate, audit, survive being killed, flush on failure."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import stat
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import easyckpt
+from easyckpt_wire import layout
+
+from conftest import ROOT, Env, run_cli, wait_for
+
+
+def realistic_state(seed: int = 0) -> dict[str, Any]:
+    """A small transformer after two AdamW steps, a scheduler, every RNG, nested tuples and odd values."""
+    torch.manual_seed(seed)
+    model = torch.nn.Transformer(d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1,
+                                 dim_feedforward=32, batch_first=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3)
+    for _ in range(2):
+        out = model(torch.randn(2, 5, 16), torch.randn(2, 4, 16))
+        out.square().mean().backward()
+        optimizer.step()
+        scheduler.step()
+    return {"model": model.state_dict(), "optim": optimizer.state_dict(), "sched": scheduler.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+            "nested": (1, [2.5, (None, "x", b"\x00\xff")], {"deep": (torch.arange(6, dtype=torch.int16).view(2, 3).t(),)}),
+            "half": torch.randn(3, 3).to(torch.bfloat16), "flags": torch.tensor([True, False]),
+            "step": 41, "big": 2**80, "nan": float("nan")}
+
+
+def assert_same(a: Any, b: Any, path: str = "state") -> None:
+    assert type(a) is type(b), f"{path}: {type(a)} vs {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)), path
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{path}: keys {list(a)} vs {list(b)}"
+        if isinstance(a, OrderedDict):
+            assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), f"{path}._metadata"
+        for key in a:
+            assert_same(a[key], b[key], f"{path}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and a != a:
+        assert b != b, path
+    else:
+        assert a == b, f"{path}: {a!r} vs {b!r}"
+
+
+def make(env: Env, save_storage_interval: int = 1, max_ckpt_num: int = 3, **kw: Any) -> easyckpt.Checkpointer:
+    return easyckpt.Checkpointer(env.save_dir, 1, save_storage_interval, max_ckpt_num, **kw)
+
+
+def complete_steps(env: Env) -> list[int]:
+    return [step for step, _ in layout.complete_iterations(env.save_dir)]
+
+
+def save_and_persist(ck: easyckpt.Checkpointer, env: Env, step: int, state: Any) -> None:
+    """Snapshot ``step`` and wait until the agent has it on disk."""
+    assert ck.save_if_needed(step, state), f"snapshot of step {step} was skipped"
+    ck.wait()
+    wait_for(lambda: step in complete_steps(env), 60, f"iteration {step} on disk")
+
+
+def test_roundtrip_through_memory_and_disk_is_bitwise(env: Env) -> None:
+    state = realistic_state()
+    ck = make(env)
+    try:
+        save_and_persist(ck, env, 5, state)
+        result = ck.load()
+        assert (result.step, result.source) == (5, "memory")
+        assert_same(state, result.state)
+        template = realistic_state(seed=1)
+        result = ck.load(template)
+        assert result.state["model"]["encoder.layers.0.linear1.weight"] is template["model"]["encoder.layers.0.linear1.weight"]
+        assert_same(state, result.state)
+    finally:
+        ck.close()
+    wait_for(lambda: env.agent_pid() is None and not env.slot_files(), 30, "agent exit and shm unlinked after close")
+    ck = make(env)
+    try:
+        result = ck.load()
+        assert (result.step, result.source) == (5, "disk")
+        assert_same(state, result.state)
+    finally:
+        ck.close()
+
+
+def test_rotation_keeps_exactly_max_ckpt_num_and_touches_nothing_else(env: Env) -> None:
+    env.save_dir.mkdir(parents=True)
+    planted = {env.save_dir / "notes.txt": b"mine", env.save_dir / "iteration_0000002" / "README": b"not easyckpt's",
+               env.save_dir / "iteration_backup" / "x.safetensors": b"keep", env.tmp_path / "outside.txt": b"outside"}
+    for path, data in planted.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    ck = make(env, max_ckpt_num=3, log_file_path=str(env.tmp_path / "persist.log"))
+    try:
+        for step in range(3, 11):
+            save_and_persist(ck, env, step, {"w": torch.full((64,), float(step)), "step": step})
+        wait_for(lambda: complete_steps(env) == [8, 9, 10], 30, "rotation down to 3 checkpoints")
+    finally:
+        ck.close()
+    for path, data in planted.items():
+        assert path.read_bytes() == data, f"{path} was touched"
+    audit = [json.loads(line) for line in (env.save_dir / layout.AUDIT_LOG).read_text().splitlines()]
+    deleted = sorted(entry["step"] for entry in audit if entry["op"] == "delete")
+    written = sorted(entry["step"] for entry in audit if entry["op"] == "write")
+    assert deleted == [3, 4, 5, 6, 7] and written == list(range(3, 11))
+    assert all(Path(entry["path"]).parent == env.save_dir for entry in audit if entry["op"] in ("write", "delete"))
+    assert layout.read_tracker(env.save_dir) == 10
+    lines = (env.tmp_path / "persist.log").read_text().splitlines()
+    assert len(lines) == 8 and all(f"step={s} " in line for s, line in zip(range(3, 11), lines))
+    assert all("bytes=" in line and "seconds=" in line and "GB/s=" in line for line in lines)
+
+
+def _tree_digest(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+def test_agent_killed_mid_write_leaves_nothing_loadable_and_is_cleaned_up(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EASYCKPT_FAULT", "agent.persist.before_marker@10")
+    monkeypatch.setenv("EASYCKPT_FAULT_ONCE", str(env.tmp_path / "fault-fired"))
+    ck = make(env, save_storage_interval=5, max_ckpt_num=5)
+    try:
+        for step in range(0, 10):
+            state = {"w": torch.full((1000,), float(step)), "step": step}
+            if step % 5 == 0:
+                save_and_persist(ck, env, step, state)
+            else:
+                ck.save_if_needed(step, state)
+        before = {step: _tree_digest(path) for step, path in layout.complete_iterations(env.save_dir)}
+        first_agent = env.agent_pid()
+        ck.save_if_needed(10, {"w": torch.full((1000,), 10.0), "step": 10})
+        ck.wait()
+        wait_for(lambda: env.agent_pid() is None, 30, "the agent to die at the fault point")
+        leftovers = list(env.save_dir.glob(".tmp-iteration_0000010-*"))
+        assert leftovers and not (leftovers[0] / layout.METADATA).exists(), "the kill should leave a torn directory"
+        assert complete_steps(env) == [0, 5]
+        listing = run_cli("ls", str(env.save_dir), env=env)
+        assert "iteration_0000010" not in listing.stdout and listing.stdout.count("complete") == 2
+
+        monkeypatch.setenv("EASYCKPT_SHM_DIR", str(env.tmp_path))  # a view of the job without its memory
+        reader = make(env, save_storage_interval=5, max_ckpt_num=5, start_agent=False)
+        try:
+            result = reader.load()
+            assert (result.step, result.source) == (5, "disk")
+        finally:
+            reader.close()
+        monkeypatch.setenv("EASYCKPT_SHM_DIR", str(env.shm_dir))
+
+        step = 10
+        def next_step() -> bool:  # keep training until save_if_needed has started a new agent
+            nonlocal step
+            step += 1
+            ck.save_if_needed(step, {"w": torch.full((1000,), float(step)), "step": step})
+            return env.agent_pid() not in (None, first_agent)
+        wait_for(next_step, 30, "save_if_needed to start a new agent")
+        wait_for(lambda: not list(env.save_dir.glob(".tmp-iteration_*")), 30, "the new agent to clean up")
+        while step < 15:
+            step += 1
+            ck.save_if_needed(step, {"w": torch.full((1000,), float(step)), "step": step})
+        ck.wait()
+        wait_for(lambda: 15 in complete_steps(env), 30, "the new agent to persist step 15")
+    finally:
+        ck.close()
+    for old, digest in before.items():
+        assert _tree_digest(env.save_dir / layout.iteration_dirname(old)) == digest, f"iteration {old} changed"
+    verify = run_cli("verify", str(env.save_dir), env=env)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+CHILD = """
+import sys, torch, easyckpt
+ck = easyckpt.Checkpointer(sys.argv[1], 1, 1000, 3, agent_idle_timeout=float(sys.argv[2]))
+for step in range(1, 8):
+    ck.save_if_needed(step, {"w": torch.full((256,), float(step)), "step": step})
+ck.wait()
+print("ready", flush=True)
+sys.stdin.read()  # parked until the test kills it
+"""
+
+
+def test_flush_on_failure_then_idle_exit(env: Env) -> None:
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(env.save_dir), "2"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, env=env.environ(), cwd=str(ROOT))
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
+        assert complete_steps(env) == []  # nothing was due: save_storage_interval=1000
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+        wait_for(lambda: complete_steps(env) == [7], 30, "the agent to flush step 7 after the rank died")
+        wait_for(lambda: env.agent_pid() is None, 30, "the agent to exit after its idle timeout")
+        assert not env.slot_files(), "step 7 is on disk, so the idle agent should have unlinked the slots"
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    log = (env.job_dir() / "agent.log").read_text()
+    assert "died without closing" in log and "flush on failure" in log
+
+
+def test_agent_killed_during_training_is_replaced_and_adopts_slots(env: Env) -> None:
+    ck = make(env, save_storage_interval=20)
+    try:
+        for step in range(0, 5):
+            ck.save_if_needed(step, {"w": torch.full((128,), float(step)), "step": step})
+        ck.wait()
+        first = env.agent_pid()
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        wait_for(lambda: env.agent_pid() is None, 30, "the killed agent to be gone")
+        step = 4
+        def next_step() -> bool:
+            nonlocal step
+            step += 1
+            ck.save_if_needed(step, {"w": torch.full((128,), float(step)), "step": step})
+            return env.agent_pid() not in (None, first)
+        wait_for(next_step, 30, "a replacement agent")
+        status = wait_for(lambda: _status_with_slots(env), 30, "the new agent to report the existing slots")
+        assert {slot["slot"] for slot in status["slots"]} == {0, 1}
+        due = (step // 20 + 1) * 20
+        while step < due:
+            step += 1
+            ck.save_if_needed(step, {"w": torch.full((128,), float(step)), "step": step})
+        ck.wait()
+        wait_for(lambda: due in complete_steps(env), 30, f"the replacement agent to persist step {due}")
+    finally:
+        ck.close()
+
+
+def _status_with_slots(env: Env) -> dict[str, Any] | None:
+    result = run_cli("status", "--json", env=env)
+    if result.returncode != 0:
+        return None
+    report = json.loads(result.stdout)[0]
+    return report if len(report["slots"]) == 2 and all(s["state"] == "COMMITTED" for s in report["slots"]) else None
+
+
+def test_second_agent_finds_the_running_one_and_runtime_dir_is_private(env: Env) -> None:
+    ck = make(env)
+    try:
+        running = env.agent_pid()
+        second = subprocess.run([sys.executable, "-m", "agent", "--save-dir", str(env.save_dir)],
+                                capture_output=True, text=True, timeout=60, env=env.environ(), cwd=str(ROOT))
+        assert second.returncode == 0 and "already running" in second.stderr
+        assert env.agent_pid() == running
+        for directory in (env.runtime_dir, env.job_dir()):
+            assert stat.S_IMODE(directory.stat().st_mode) == 0o700, directory
+        assert stat.S_IMODE((env.job_dir() / "agent.sock").stat().st_mode) & 0o077 == 0
+    finally:
+        ck.close()
