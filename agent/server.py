@@ -69,6 +69,7 @@ class Agent:
         self.inflight: tuple[int, concurrent.futures.Future[PersistStats]] | None = None
         self.waiters: list[tuple[bytes, Any]] = []   # (identity, request id) of BYE(wait=True)
         self.failed_ranks: set[int] = set()
+        self.given_up = -1  # the newest step whose persist failed: not retried, a newer one will be
         self.no_rank_since: float | None = None
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -158,7 +159,7 @@ class Agent:
         request_id = message.get("id")
         if kind == Kind.HELLO:
             self.watcher.register(message["rank"], message["pid"], message.get("pid_start"))
-            self.watcher.local_world_size = max(self.watcher.local_world_size, message["local_world_size"])
+            self.watcher.local_world_size = message["local_world_size"]  # the newest word, not the largest
             self._adopt_config(message)
             self.failed_ranks.discard(message["rank"])
             self._send(identity, protocol.reply(True, id=request_id, pid=os.getpid()))
@@ -222,13 +223,19 @@ class Agent:
         for rank in self.watcher.local_ranks():
             for step, info in self.watcher.committed(rank).items():
                 due = ssi > 0 and step % ssi == 0
-                if due and (self.persisted is None or step > self.persisted):
+                if due and step > self._floor():
                     self._claim(step, rank, info)
+                elif due and info.header is not None and info.map.read_ack() != info.header.generation:
+                    info.map.write_ack(info.header.generation)  # on disk already: free the rank's slot
         if self.failed_ranks:
             self._flush_on_failure()
         self._drop_unreachable_claims()
         self._start_ready_persist()
         self._answer_waiters()
+
+    def _floor(self) -> int:
+        """Steps at or below this are on disk, or were given up on: never persisted again."""
+        return max(-1 if self.persisted is None else self.persisted, self.given_up)
 
     def _claim(self, step: int, rank: int, info: SlotInfo) -> bool:
         held = self.claims.setdefault(step, {})
@@ -248,7 +255,7 @@ class Agent:
     def _flush_on_failure(self) -> None:
         """Ranks died: persist the newest snapshot every local rank holds, if disk lacks it."""
         common = self.watcher.common_steps()
-        if not common or (self.persisted is not None and common[0] <= self.persisted):
+        if not common or common[0] <= self._floor():
             self.failed_ranks.clear()
             return
         step = common[0]
@@ -296,6 +303,12 @@ class Agent:
                 return
 
     def _persist(self, step: int, snaps: list[RankSnapshot]) -> PersistStats:
+        world_size = snaps[0].meta["world_size"]
+        if len(snaps) != world_size:
+            raise RuntimeError(
+                f"this node holds ranks {sorted(s.rank for s in snaps)} of a {world_size}-rank job: a multi-node "
+                "checkpoint needs every node's shards before its commit marker, which this agent cannot do yet"
+            )
         stats = persist(self.save_dir, step, snaps, self.audit)
         rotate(self.save_dir, self.config.max_ckpt_num, step, self.audit)
         return stats
@@ -309,9 +322,10 @@ class Agent:
             stats = future.result()
         except Exception:
             logger.exception("persist of step %d to %s failed; the snapshot stays in memory", step, self.save_dir)
-            self._release_claims(lambda s: s == step)
+            self.given_up = max(self.given_up, step)
+            self._release_claims(lambda s: s <= step)
             return
-        self.persisted = max(step, self.persisted or step)
+        self.persisted = step if self.persisted is None else max(step, self.persisted)
         self.last_persist = stats
         line = describe(stats, len(self.claims.get(step, {})))
         logger.info(line)

@@ -86,8 +86,10 @@ class Watcher:
                 info.map.refresh()
                 info.header = info.map.header()
                 if info.header.committed and info.meta_generation != info.header.generation:
-                    info.meta = info.map.read_meta(info.header)
-                    info.meta_generation = info.header.generation
+                    meta = info.map.read_meta(info.header)
+                    if info.map.generation() != info.header.generation:
+                        raise SlotFormatError(f"{info.path} was rewritten while its metadata was read")
+                    info.meta, info.meta_generation = meta, info.header.generation
                     self._learn_from_meta(info.meta)
             except (SlotFormatError, ValueError) as exc:
                 info.header = None  # torn or foreign: treat as holding nothing

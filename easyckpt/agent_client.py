@@ -107,13 +107,21 @@ class AgentClient:
                     self.job_dir / "agent.log")
 
     def wait_ready(self, timeout: float) -> bool:
-        """At start-up only (never in the training loop): give a just-started agent time to come up."""
-        try:
-            self.request(Kind.PING, timeout)
-            return True
-        except AgentTimeout as exc:
-            logger.warning("%s; training goes on, snapshots are persisted once an agent runs", exc)
-            return False
+        """At start-up only (never in the training loop): give a just-started agent time to come up.
+
+        Retries in short rounds, so that an agent that was just exiting (it still held its lock when we
+        looked) is replaced instead of waited for.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.request(Kind.PING, min(1.0, max(0.05, deadline - time.monotonic())))
+                return True
+            except AgentTimeout as exc:
+                if time.monotonic() >= deadline:
+                    logger.warning("%s; training goes on, snapshots are persisted once an agent runs", exc)
+                    return False
+            self.ensure(force=True)
 
     def _connect(self) -> None:
         if self.sock is not None:
@@ -173,7 +181,7 @@ class AgentClient:
         try:
             if self.alive():
                 reply = self.request(Kind.BYE, timeout, rank=self.rank, pid=os.getpid(), wait=wait)
-            else:
+            elif self.spawn_allowed:
                 logger.warning("rank %d: no easyckpt agent runs for job %s; due snapshots stay in %s unpersisted",
                                self.rank, self.job_id, self.shm_dir)
         except AgentTimeout as exc:

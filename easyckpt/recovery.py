@@ -193,10 +193,12 @@ def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, templa
             logger.info("rank %d resumed at step %d from %s (%s) in %.3fs (%s, %.2f GB/s)", rank, step, source,
                         path, seconds, format_bytes(nbytes), nbytes / seconds / 1e9 if seconds else 0.0)
             return LoadResult(step, source, state, path, seconds, nbytes)
-        tried.append(f"step {step} from {source} (failed on ranks {[r for r, c in enumerate(codes) if c]})")
+        failed = [r for r, c in enumerate(codes) if c]
+        tried.append(f"step {step} from {source}: " + (problem if code else f"failed on ranks {failed}, see their logs"))
     if tried:
-        raise LoadError(f"no checkpoint could be loaded by every rank; tried {'; '.join(tried)}. "
-                        f"See the warnings above for each rank's reason (save_dir {save_dir})")
+        where = f"load_dir {load_dir}" if load_dir is not None else f"save_dir {save_dir}"
+        raise LoadError(f"no checkpoint in {where} could be loaded by every rank (this is rank {rank}); tried "
+                        + "; ".join(tried) + ". Repair or remove the damaged files (easyckpt verify shows them)")
     if load_dir is None:
         logger.info("rank %d: nothing to resume from in memory or in %s: fresh start", rank, save_dir)
     return LoadResult(None, None, None)

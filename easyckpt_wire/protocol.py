@@ -81,6 +81,15 @@ def decode(blob: bytes) -> tuple[Kind, dict[str, Any]]:
     return kind, message
 
 
+# Inclusive bounds for int fields: a well-typed but absurd value (say local_world_size=10**6) would
+# otherwise wedge the agent's bookkeeping.
+_MAX_RANKS = 1 << 20
+_RANGES: dict[str, tuple[int, int]] = {
+    "rank": (0, _MAX_RANKS - 1), "pid": (1, 1 << 22), "world_size": (1, _MAX_RANKS),
+    "local_world_size": (1, 4096), "save_storage_interval": (1, 1 << 62), "max_ckpt_num": (1, 1 << 20),
+}
+
+
 def _check(message: dict[str, Any], kind: Kind) -> None:
     for field, types in _SCHEMA[kind].items():
         value = message.get(field)
@@ -89,6 +98,13 @@ def _check(message: dict[str, Any], kind: Kind) -> None:
             raise ProtocolError(
                 f"{kind.name} message field {field!r} is {value!r}, expected {'/'.join(t.__name__ for t in types)}"
             )
+        low, high = _RANGES.get(field, (None, None))
+        if low is not None and not low <= value <= high:
+            raise ProtocolError(f"{kind.name} message field {field!r} is {value}, outside [{low}, {high}]")
+    if kind == Kind.HELLO and not (message["rank"] < message["world_size"]
+                                   and message["local_world_size"] <= message["world_size"]):
+        raise ProtocolError(f"HELLO with rank {message['rank']}, local_world_size {message['local_world_size']} "
+                            f"and world_size {message['world_size']} is inconsistent")
 
 
 def reply(ok: bool = True, **fields: Any) -> bytes:

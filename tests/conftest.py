@@ -85,11 +85,12 @@ class Env:
     def agent_pid(self) -> int | None:
         """The pid of the agent holding the job's lock, from its pid file (None if none runs)."""
         for job in self.runtime_dir.iterdir():
-            pid_file = job / "agent.pid"
-            if pid_file.exists():
-                text = pid_file.read_text().strip()
-                if text.isdigit() and not gone(int(text)):
-                    return int(text)
+            try:
+                text = (job / "agent.pid").read_text().strip()
+            except FileNotFoundError:
+                continue  # none, or an exiting agent removed it between our listing and the read
+            if text.isdigit() and not gone(int(text)):
+                return int(text)
         return None
 
     def slot_files(self) -> list[Path]:

@@ -74,8 +74,12 @@ def complete_steps(env: Env) -> list[int]:
 
 
 def save_and_persist(ck: easyckpt.Checkpointer, env: Env, step: int, state: Any) -> None:
-    """Snapshot ``step`` and wait until the agent has it on disk."""
-    assert ck.save_if_needed(step, state), f"snapshot of step {step} was skipped"
+    """Snapshot ``step`` and wait until the agent has it on disk.
+
+    The agent may still hold the other slot from the previous persist for a moment (its claim is
+    released after the tracker update): then the snapshot is skipped, by design, and retried here.
+    """
+    wait_for(lambda: ck.save_if_needed(step, state), 30, f"a free slot for step {step}")
     ck.wait()
     wait_for(lambda: step in complete_steps(env), 60, f"iteration {step} on disk")
 

@@ -1,0 +1,118 @@
+"""Blocking time per checkpoint seen by the training loop: easyckpt vs torch.save vs safetensors.
+
+    python benchmarks/blocking.py --sizes-mb 100 400 --repeats 3 --out results/blocking.json
+
+The state is GPT-like: a stack of linear layers plus AdamW's two moments (so ~3x the parameter
+bytes). For easyckpt, "launch" is what ``save_if_needed`` costs the loop when the next step's compute
+hides the copy; "launch+copy" is the worst case where the loop waits for the copy at once. torch.save
+and safetensors write to a file in ``--dir`` and fsync it, as a classic checkpoint does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import save_file
+
+import easyckpt
+
+
+def gpt_like_state(total_mb: float, dim: int = 1024) -> dict[str, Any]:
+    """Parameters + AdamW moments adding up to ~``total_mb`` MB, with a realistic mix of sizes."""
+    per_layer = 4 * (dim * 4 * dim * 2 + dim * 3)   # an MLP block: two matrices, biases and a norm, fp32
+    layers = max(1, int(total_mb * 1e6 / 3 / per_layer))
+    model = {}
+    for i in range(layers):
+        model[f"layers.{i}.fc1.weight"] = torch.randn(4 * dim, dim)
+        model[f"layers.{i}.fc2.weight"] = torch.randn(dim, 4 * dim)
+        model[f"layers.{i}.fc1.bias"] = torch.randn(4 * dim)
+        model[f"layers.{i}.norm.weight"] = torch.randn(dim)
+    optim = {"state": {i: {"step": torch.tensor(10.0), "exp_avg": torch.randn_like(t), "exp_avg_sq": torch.rand_like(t)}
+                       for i, t in enumerate(model.values())},
+             "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.95), "params": list(range(len(model)))}]}
+    return {"model": model, "optim": optim, "step": 10}
+
+
+def timed(fn: Callable[[], None], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def fsynced(path: Path, write: Callable[[Path], None]) -> Callable[[], None]:
+    def run() -> None:
+        write(path)
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+        path.unlink()
+    return run
+
+
+def measure(size_mb: float, repeats: int, directory: Path) -> dict[str, Any]:
+    state = gpt_like_state(size_mb)
+    _, refs, values = easyckpt.state.flatten(state)
+    flat = {ref.name: value for ref, value in zip(refs, values)}
+    ckpt = easyckpt.Checkpointer(directory / "ckpt", 1, 10**9, 1, start_agent=False)
+    launches, fulls = [], []
+    try:
+        for step in range(2 + 2 * repeats):
+            ckpt.wait()  # untimed: in training the next step's compute hides the copy
+            start = time.perf_counter()
+            ckpt.save_if_needed(step, state)
+            launched = time.perf_counter()
+            ckpt.wait()
+            if step >= 2:  # the first two allocate and touch the slots, once per job
+                launches.append(launched - start)
+                fulls.append(time.perf_counter() - start)
+        launch, full = statistics.median(launches), statistics.median(fulls)
+        skipped = ckpt.stats()["skipped"]
+    finally:
+        ckpt.close()
+        for path in ckpt.slots.directory.glob(f"easyckpt-{ckpt.config.job_id}-*"):
+            path.unlink()  # no agent ran to clean up after this job
+    torch_save = timed(fsynced(directory / "state.pt", lambda p: torch.save(state, p)), repeats)
+    st_save = timed(fsynced(directory / "state.safetensors", lambda p: save_file(flat, str(p))), repeats)
+    return {"bytes": sum(ref.nbytes for ref in refs), "tensors": len(flat), "easyckpt_launch_s": launch, "easyckpt_launch_copy_s": full,
+            "torch_save_fsync_s": torch_save, "safetensors_fsync_s": st_save, "easyckpt_skipped": skipped,
+            "ratio_torch_save_over_launch": torch_save / launch, "ratio_torch_save_over_launch_copy": torch_save / full}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[100.0, 400.0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=None, help="where torch.save/safetensors write (default: a temp dir)")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        rows = [measure(size, args.repeats, Path(tmp)) for size in args.sizes_mb]
+    machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+               "device": "cpu", "python": platform.python_version()}
+    print(f"{'MB':>8} {'tensors':>8} {'launch ms':>10} {'+copy ms':>10} {'torch.save ms':>14} {'safetensors ms':>15} "
+          f"{'save/launch':>12} {'save/(launch+copy)':>19}")
+    for row in rows:
+        print(f"{row['bytes'] / 1e6:8.0f} {row['tensors']:8d} {row['easyckpt_launch_s'] * 1e3:10.2f} "
+              f"{row['easyckpt_launch_copy_s'] * 1e3:10.1f} {row['torch_save_fsync_s'] * 1e3:14.1f} "
+              f"{row['safetensors_fsync_s'] * 1e3:15.1f} {row['ratio_torch_save_over_launch']:12.0f} "
+              f"{row['ratio_torch_save_over_launch_copy']:19.1f}")
+    result = {"benchmark": "blocking", "machine": machine, "rows": rows}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The stager in one process (no agent): copy consistency, re-planning, skipping, torn slots."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import easyckpt
+from easyckpt_wire.shm import SlotMap
+
+from conftest import Env
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: runs on a GPU machine")])]
+
+
+def make(env: Env, **kw: Any) -> easyckpt.Checkpointer:
+    return easyckpt.Checkpointer(env.save_dir, 1, 1000, 2, start_agent=False, **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_snapshot_is_the_state_at_save_time_even_if_the_optimizer_steps_at_once(env: Env, device: str) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4096, 4096).to(device)  # 64 MiB: the copy outlasts the launch
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    ck = make(env)
+    try:
+        model(torch.randn(4, 4096, device=device)).sum().backward()
+        expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+        assert ck.save_if_needed(1, {"model": model.state_dict()})
+        optimizer.step()  # the pre-step hook must wait for the copy before the parameters change
+        assert not torch.equal(model.weight.detach().cpu(), expected["weight"])
+        result = ck.load()
+        assert (result.step, result.source) == (1, "memory")
+        for key, value in expected.items():
+            assert torch.equal(result.state["model"][key], value), key
+    finally:
+        ck.close()
+
+
+def test_structure_change_replans_and_grows_the_slot(env: Env) -> None:
+    ck = make(env)
+    try:
+        assert ck.save_if_needed(1, {"a": torch.ones(10)})
+        ck.wait()
+        small = ck.slots.maps[0].size
+        bigger = {"a": torch.ones(10), "b": torch.arange(200_000, dtype=torch.float64), "c": ("x", 3)}
+        for step in (2, 3):  # both slots get the new layout
+            assert ck.save_if_needed(step, bigger)
+        result = ck.load()
+        assert result.step == 3 and torch.equal(result.state["b"], bigger["b"]) and result.state["c"] == ("x", 3)
+        assert min(m.size for m in ck.slots.maps) > small
+    finally:
+        ck.close()
+
+
+def test_snapshot_is_skipped_not_waited_for_when_no_slot_is_free(env: Env) -> None:
+    ck = make(env)
+    try:
+        assert ck.save_if_needed(1, {"w": torch.full((8,), 1.0)})
+        assert ck.save_if_needed(2, {"w": torch.full((8,), 2.0)})
+        ck.wait()
+        older = next(m for m in ck.slots.maps if m.header().step == 1)
+        reader = SlotMap(older.path, writable=False)  # what the agent does while it persists a slot
+        assert reader.try_lock(exclusive=False)
+        try:
+            assert not ck.save_if_needed(3, {"w": torch.full((8,), 3.0)})
+            assert ck.stats()["skipped"] == 1
+        finally:
+            reader.unlock()
+            reader.close()
+        assert ck.save_if_needed(4, {"w": torch.full((8,), 4.0)})
+        result = ck.load()
+        assert result.step == 4 and torch.equal(result.state["w"], torch.full((8,), 4.0))
+    finally:
+        ck.close()
+
+
+def test_a_torn_slot_is_never_loaded(env: Env) -> None:
+    ck = make(env)
+    try:
+        for step in (1, 2):
+            assert ck.save_if_needed(step, {"w": torch.full((8,), float(step))})
+        ck.wait()
+        newest = next(m for m in ck.slots.maps if m.header().step == 2)
+        newest.begin_write(generation=ck.slots.next_generation(), rank=0, world_size=1, job_id=ck.config.job_id)
+        result = ck.load()
+        assert result.step == 1 and torch.equal(result.state["w"], torch.full((8,), 1.0))
+    finally:
+        ck.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: runs on a GPU machine")
+def test_cuda_slots_are_pinned_and_load_fills_cuda_templates_in_place(env: Env) -> None:
+    state = {"w": torch.randn(1024, 1024, device="cuda"), "b": torch.randn(7, device="cuda"), "cpu": torch.ones(3)}
+    ck = make(env)
+    try:
+        assert ck.save_if_needed(1, state)
+        ck.wait()
+        assert ck.stager._registered, "the slot should have been registered with cudaHostRegister"
+        template = {"w": torch.zeros(1024, 1024, device="cuda"), "b": torch.zeros(7, device="cuda")}
+        result = ck.load(template)
+        assert result.state["w"] is template["w"] and result.state["w"].is_cuda
+        assert torch.equal(template["w"], state["w"]) and torch.equal(template["b"], state["b"])
+        assert torch.equal(result.state["cpu"], state["cpu"]) and not result.state["cpu"].is_cuda
+    finally:
+        ck.close()
