@@ -100,7 +100,7 @@ class Agent:
         return 0
 
     def _should_exit(self) -> bool:
-        if self.inflight is not None or self._claims_pending():
+        if self.inflight is not None or self.claims:
             return False
         if self.watcher.all_said_bye():
             logger.info("every local rank finished cleanly: exiting")
@@ -262,9 +262,6 @@ class Agent:
         if all(self._claim(step, rank, self.watcher.committed(rank)[step]) for rank in self.watcher.local_ranks()):
             logger.warning("flush on failure: persisting step %d, the newest snapshot of every local rank", step)
             self.failed_ranks.clear()
-
-    def _claims_pending(self) -> bool:
-        return bool(self.claims)
 
     def _drop_unreachable_claims(self) -> None:
         """Release claims on a step some rank will never commit (it moved past it without it)."""
