@@ -159,7 +159,7 @@ class Agent:
         request_id = message.get("id")
         if kind == Kind.HELLO:
             self.watcher.register(message["rank"], message["pid"], message.get("pid_start"))
-            self.watcher.local_world_size = message["local_world_size"]  # the newest word, not the largest
+            self.watcher.set_shape(message["world_size"], message["local_world_size"])
             self._adopt_config(message)
             self.failed_ranks.discard(message["rank"])
             self._send(identity, protocol.reply(True, id=request_id, pid=os.getpid()))

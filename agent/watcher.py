@@ -63,6 +63,7 @@ class Watcher:
         self.slots: dict[tuple[int, int], SlotInfo] = {}
         self.ranks: dict[int, RankProcess] = {}
         self.local_world_size = 0
+        self.world_size = 0   # of the current run: slots and ranks of a run with another size are ignored
         self._last_listing = 0.0
 
     # slots ------------------------------------------------------------------------------------------
@@ -96,18 +97,30 @@ class Watcher:
                 logger.debug("slot %s unreadable: %s", info.path, exc)
 
     def _learn_from_meta(self, meta: dict[str, Any]) -> None:
-        self.local_world_size = max(self.local_world_size, int(meta.get("local_world_size", 0)))
+        if not self.world_size:  # an adopting agent before any HELLO: the slots tell the job's shape
+            self.set_shape(int(meta.get("world_size", 0)), int(meta.get("local_world_size", 0)))
         rank, pid = meta.get("rank"), meta.get("pid")
         if isinstance(rank, int) and isinstance(pid, int) and rank not in self.ranks:
             self.register(rank, pid, meta.get("pid_start"))
 
+    def set_shape(self, world_size: int, local_world_size: int) -> None:
+        """The newest run's word wins: after a restart with fewer ranks, the others' leftovers are ignored."""
+        if world_size != self.world_size and self.world_size:
+            logger.info("world size changed from %d to %d", self.world_size, world_size)
+        self.world_size, self.local_world_size = world_size, local_world_size
+        for rank in [r for r in self.ranks if r >= world_size]:
+            del self.ranks[rank]
+
+    def _current(self, info: SlotInfo) -> bool:
+        return info.header is None or not self.world_size or info.header.world_size == self.world_size
+
     def local_ranks(self) -> set[int]:
-        return {rank for rank, _ in self.slots} | set(self.ranks)
+        return {rank for (rank, _), info in self.slots.items() if self._current(info)} | set(self.ranks)
 
     def committed(self, rank: int) -> dict[int, SlotInfo]:
         """{step: slot} of the rank's committed slots."""
         return {info.committed_step(): info for (r, _), info in self.slots.items()
-                if r == rank and info.committed_step() is not None}
+                if r == rank and info.committed_step() is not None and self._current(info)}
 
     def common_steps(self) -> list[int]:
         """Steps that every expected local rank holds committed, newest first."""

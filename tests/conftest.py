@@ -5,6 +5,7 @@ with a message naming what it waited for.
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -93,6 +94,24 @@ class Env:
                 return int(text)
         return None
 
+    def agent_alive(self) -> bool:
+        """Whether an agent of this test's job holds its lock (it drops the lock last, after its pid file)."""
+        for job in self.runtime_dir.iterdir():
+            try:
+                fd = os.open(job / "agent.lock", os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            finally:
+                os.close(fd)
+        return False
+
+    def wait_agent_gone(self) -> None:
+        wait_for(lambda: not self.agent_alive(), 30, "the agent to exit (release its lock)")
+
     def slot_files(self) -> list[Path]:
         return sorted(self.shm_dir.glob("easyckpt-*"))
 
@@ -120,3 +139,44 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
 def run_cli(*args: str, env: Env, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "easyckpt.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env.environ())
+
+
+def assert_same(a: Any, b: Any, path: str = "state") -> None:
+    """Exact equality: same types at every node (tuple vs list, OrderedDict and its _metadata), same bits."""
+    import numpy as np
+    import torch
+
+    assert type(a) is type(b), f"{path}: {type(a)} vs {type(b)}"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)), path
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), path
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{path}: keys {list(a)} vs {list(b)}"
+        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), f"{path}._metadata"
+        for key in a:
+            assert_same(a[key], b[key], f"{path}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and a != a:
+        assert b != b, path
+    else:
+        assert a == b, f"{path}: {a!r} vs {b!r}"
+
+
+def save_and_persist(ck: Any, env: Env, step: int, state: Any) -> Path:
+    """Snapshot ``step`` and wait until the agent has it on disk; returns the iteration directory.
+
+    The agent may still hold the other slot from the previous persist for a moment (its claim is
+    released after the tracker update): then the snapshot is skipped, by design, and retried here.
+    """
+    from easyckpt_wire import layout
+
+    wait_for(lambda: ck.save_if_needed(step, state), 30, f"a free slot for step {step}")
+    ck.wait()
+    path = env.save_dir / layout.iteration_dirname(step)
+    wait_for(lambda: (path / layout.METADATA).is_file(), 60, f"{path}/{layout.METADATA} (persist of step {step})")
+    return path

@@ -9,7 +9,6 @@ import signal
 import stat
 import subprocess
 import sys
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ import torch
 import easyckpt
 from easyckpt_wire import layout
 
-from conftest import ROOT, Env, run_cli, wait_for
+from conftest import ROOT, Env, assert_same, run_cli, save_and_persist, wait_for
 
 
 def realistic_state(seed: int = 0) -> dict[str, Any]:
@@ -42,46 +41,12 @@ def realistic_state(seed: int = 0) -> dict[str, Any]:
             "step": 41, "big": 2**80, "nan": float("nan")}
 
 
-def assert_same(a: Any, b: Any, path: str = "state") -> None:
-    assert type(a) is type(b), f"{path}: {type(a)} vs {type(b)}"
-    if isinstance(a, torch.Tensor):
-        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)), path
-    elif isinstance(a, np.ndarray):
-        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), path
-    elif isinstance(a, dict):
-        assert list(a) == list(b), f"{path}: keys {list(a)} vs {list(b)}"
-        if isinstance(a, OrderedDict):
-            assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), f"{path}._metadata"
-        for key in a:
-            assert_same(a[key], b[key], f"{path}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    elif isinstance(a, float) and a != a:
-        assert b != b, path
-    else:
-        assert a == b, f"{path}: {a!r} vs {b!r}"
-
-
 def make(env: Env, save_storage_interval: int = 1, max_ckpt_num: int = 3, **kw: Any) -> easyckpt.Checkpointer:
     return easyckpt.Checkpointer(env.save_dir, 1, save_storage_interval, max_ckpt_num, **kw)
 
 
 def complete_steps(env: Env) -> list[int]:
     return [step for step, _ in layout.complete_iterations(env.save_dir)]
-
-
-def save_and_persist(ck: easyckpt.Checkpointer, env: Env, step: int, state: Any) -> None:
-    """Snapshot ``step`` and wait until the agent has it on disk.
-
-    The agent may still hold the other slot from the previous persist for a moment (its claim is
-    released after the tracker update): then the snapshot is skipped, by design, and retried here.
-    """
-    wait_for(lambda: ck.save_if_needed(step, state), 30, f"a free slot for step {step}")
-    ck.wait()
-    wait_for(lambda: step in complete_steps(env), 60, f"iteration {step} on disk")
 
 
 def test_roundtrip_through_memory_and_disk_is_bitwise(env: Env) -> None:
@@ -152,7 +117,7 @@ def test_agent_killed_mid_write_leaves_nothing_loadable_and_is_cleaned_up(env: E
                 ck.save_if_needed(step, state)
         before = {step: _tree_digest(path) for step, path in layout.complete_iterations(env.save_dir)}
         first_agent = env.agent_pid()
-        ck.save_if_needed(10, {"w": torch.full((1000,), 10.0), "step": 10})
+        wait_for(lambda: ck.save_if_needed(10, {"w": torch.full((1000,), 10.0), "step": 10}), 30, "a slot for step 10")
         ck.wait()
         wait_for(lambda: env.agent_pid() is None, 30, "the agent to die at the fault point")
         leftovers = list(env.save_dir.glob(".tmp-iteration_0000010-*"))
@@ -178,11 +143,8 @@ def test_agent_killed_mid_write_leaves_nothing_loadable_and_is_cleaned_up(env: E
             return env.agent_pid() not in (None, first_agent)
         wait_for(next_step, 30, "save_if_needed to start a new agent")
         wait_for(lambda: not list(env.save_dir.glob(".tmp-iteration_*")), 30, "the new agent to clean up")
-        while step < 15:
-            step += 1
-            ck.save_if_needed(step, {"w": torch.full((1000,), float(step)), "step": step})
-        ck.wait()
-        wait_for(lambda: 15 in complete_steps(env), 30, "the new agent to persist step 15")
+        due = (step // 5 + 1) * 5
+        save_and_persist(ck, env, due, {"w": torch.full((1000,), float(due)), "step": due})
     finally:
         ck.close()
     for old, digest in before.items():
@@ -240,11 +202,7 @@ def test_agent_killed_during_training_is_replaced_and_adopts_slots(env: Env) -> 
         status = wait_for(lambda: _status_with_slots(env), 30, "the new agent to report the existing slots")
         assert {slot["slot"] for slot in status["slots"]} == {0, 1}
         due = (step // 20 + 1) * 20
-        while step < due:
-            step += 1
-            ck.save_if_needed(step, {"w": torch.full((128,), float(step)), "step": step})
-        ck.wait()
-        wait_for(lambda: due in complete_steps(env), 30, f"the replacement agent to persist step {due}")
+        save_and_persist(ck, env, due, {"w": torch.full((128,), float(due)), "step": due})
     finally:
         ck.close()
 

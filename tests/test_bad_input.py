@@ -6,7 +6,6 @@ mocked. Synchronisation is by ``wait_for`` against a deadline.
 """
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import random
@@ -26,7 +25,7 @@ from easyckpt_wire import layout, protocol
 from easyckpt_wire.protocol import Kind
 from easyckpt_wire.shm import format_bytes
 
-from conftest import Env, run_cli, wait_for
+from conftest import Env, assert_same, run_cli, save_and_persist, wait_for
 
 MODEL_FILE = "easyckpt-model-0000000-0000001.safetensors"
 OPT_FILE = "easyckpt-opt-0000000-0000001.safetensors"
@@ -48,23 +47,6 @@ def state_at(step: int) -> dict[str, Any]:
     return {"model": model, "optim": optim, "step": step}
 
 
-def assert_same(a: Any, b: Any, where: str = "state") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), f"{where}: {type(b)}"
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-        assert torch.equal(a, b), f"{where}: tensor values differ"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), f"{where}: keys {list(a)} vs {list(b) if isinstance(b, dict) else b}"
-        for key in a:
-            assert_same(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), f"{where}: {a!r} vs {b!r}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} vs {b!r}"
-
-
 def iteration(save_dir: Path, step: int) -> Path:
     return save_dir / layout.iteration_dirname(step)
 
@@ -73,27 +55,6 @@ def wait_persisted(save_dir: Path, step: int) -> Path:
     path = iteration(save_dir, step)
     wait_for(lambda: (path / layout.METADATA).is_file(), 60, f"{path}/{layout.METADATA} (persist of step {step})")
     return path
-
-
-def agent_alive(env: Env) -> bool:
-    """Whether an agent of this test's job holds its lock (the agent drops the lock last, after its pid file)."""
-    for job in env.runtime_dir.iterdir():
-        lock = job / "agent.lock"
-        try:
-            fd = os.open(lock, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
-    return False
-
-
-def wait_agent_gone(env: Env) -> None:
-    wait_for(lambda: not agent_alive(env), 30, "the agent to exit (release its lock)")
 
 
 def persist_steps(env: Env, steps: list[int]) -> dict[int, dict[str, Any]]:
@@ -106,13 +67,10 @@ def persist_steps(env: Env, steps: list[int]) -> dict[int, dict[str, Any]]:
     try:
         for step in steps:
             saved[step] = state_at(step)
-            # A skip (the agent still releasing the previous persist's slot) is by design: retry.
-            wait_for(lambda: ck.save_if_needed(step, saved[step]), 30, f"a free slot for step {step}")
-            ck.wait()
-            wait_persisted(env.save_dir, step)
+            save_and_persist(ck, env, step, saved[step])
     finally:
         ck.close()
-    wait_agent_gone(env)
+    env.wait_agent_gone()
     assert env.slot_files() == [], "a clean close must unlink the job's shm files"
     return saved
 
@@ -182,7 +140,7 @@ def test_shm_too_small_for_a_huge_state_raises_shm_space_error(env: Env) -> None
         assert_same(small, result.state)
     finally:
         ck.close()
-    wait_agent_gone(env)
+    env.wait_agent_gone()
 
     # Nothing half-created breaks a new Checkpointer of the same job.
     ck = make_ck(env)
@@ -216,7 +174,7 @@ def test_one_mib_tmpfs_as_shm_dir_raises_shm_space_error(env: Env, tmpfs: Any,
         assert list(shm.iterdir()) == []
     finally:
         ck.close()
-    wait_agent_gone(env)
+    env.wait_agent_gone()
 
 
 def test_state_that_outgrows_the_tmpfs_keeps_the_previous_snapshot(env: Env, tmpfs: Any,
@@ -241,7 +199,7 @@ def test_state_that_outgrows_the_tmpfs_keeps_the_previous_snapshot(env: Env, tmp
         assert_same(bigger, result.state)
     finally:
         ck.close()
-    wait_agent_gone(env)
+    env.wait_agent_gone()
 
 
 # 2. save_dir not writable ---------------------------------------------------------------------------------
@@ -255,7 +213,7 @@ def test_save_dir_below_a_regular_file_raises_permission_error(env: Env) -> None
     assert str(save_dir) in message and "not writable" in message
     assert "Choose a directory" in message
     assert blocker.read_text() == "not a directory\n"
-    assert not agent_alive(env) and list(env.runtime_dir.iterdir()) == [], \
+    assert not env.agent_alive() and list(env.runtime_dir.iterdir()) == [], \
         "no agent may be started for a save_dir that cannot be written"
 
 
@@ -268,7 +226,7 @@ def test_read_only_tmpfs_save_dir_raises_permission_error(env: Env, tmpfs: Any) 
         assert str(save_dir) in message and "not writable" in message
         assert "Read-only file system" in message
         assert "Choose a directory" in message or "fix its permissions" in message
-    assert not agent_alive(env) and list(env.runtime_dir.iterdir()) == []
+    assert not env.agent_alive() and list(env.runtime_dir.iterdir()) == []
 
 
 # 3. state that does not match the checkpoint --------------------------------------------------------------
@@ -287,7 +245,7 @@ def test_shape_and_dtype_mismatch_raise_state_mismatch_error_and_change_nothing(
         wait_persisted(env.save_dir, 2)
         if source == "disk":
             ck.close()
-            wait_agent_gone(env)
+            env.wait_agent_gone()
             ck = make_ck(env)
         for template, want_shape, want_dtype in (
                 (_linear_state(5, seed=1), "(5, 8)", "torch.float32"),
@@ -337,19 +295,6 @@ def test_flipped_bytes_fall_back_to_previous_iteration(env: Env, two_on_disk: di
     assert "iteration_0000002: OK" in good.stdout and "iteration_0000004" not in good.stdout
 
 
-def test_load_dir_of_a_corrupted_iteration_raises(env: Env, two_on_disk: dict) -> None:
-    damaged_dir = iteration(env.save_dir, 4)
-    flip_data_bytes(damaged_dir / MODEL_FILE)
-    ck = make_ck(env)
-    try:
-        with pytest.raises((easyckpt.LoadError, easyckpt.CheckpointCorruptError)) as info:
-            ck.load(load_dir=damaged_dir)
-        message = str(info.value)
-        assert "step 4" in message
-    finally:
-        ck.close()
-
-
 def test_load_dir_of_a_corrupted_iteration_names_the_file(env: Env, two_on_disk: dict) -> None:
     damaged_dir = iteration(env.save_dir, 4)
     flip_data_bytes(damaged_dir / MODEL_FILE)
@@ -357,7 +302,8 @@ def test_load_dir_of_a_corrupted_iteration_names_the_file(env: Env, two_on_disk:
     try:
         with pytest.raises((easyckpt.LoadError, easyckpt.CheckpointCorruptError)) as info:
             ck.load(load_dir=damaged_dir)
-        assert MODEL_FILE in str(info.value) and str(damaged_dir) in str(info.value)
+        message = str(info.value)
+        assert "step 4" in message and MODEL_FILE in message and str(damaged_dir) in message
     finally:
         ck.close()
 
@@ -445,7 +391,7 @@ def test_incomplete_iteration_is_never_loaded_and_listed_incomplete(env: Env, tw
         assert verify.returncode == 1 and "iteration_0000099: DAMAGED: incomplete" in verify.stdout, verify.stdout
     finally:
         ck.close()
-    wait_agent_gone(env)
+    env.wait_agent_gone()
     # A new agent cleans the directory up at start-up (invariant 3), and says so in the audit log.
     ck = make_ck(env)
     try:

@@ -1,7 +1,6 @@
 """``easyckpt ls | verify | status`` and the console entry points, run as real subprocesses."""
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -19,7 +18,7 @@ import easyckpt
 from easyckpt_wire import layout
 from easyckpt_wire.shm import format_bytes
 
-from conftest import Env, run_cli, wait_for
+from conftest import Env, run_cli, save_and_persist, wait_for
 
 MODEL_FILE = "easyckpt-model-0000000-0000001.safetensors"
 
@@ -37,46 +36,16 @@ def state_at(step: int) -> dict[str, Any]:
             "optim": {"state": {0: {"exp_avg": torch.randn(16, 16, generator=gen)}}}, "step": step}
 
 
-def save_and_persist(ck: easyckpt.Checkpointer, env: Env, step: int) -> Path:
-    # A skip (the agent still releasing the previous persist's slot) is by design: retry.
-    wait_for(lambda: ck.save_if_needed(step, state_at(step)), 30, f"a free slot for step {step}")
-    ck.wait()
-    path = env.save_dir / layout.iteration_dirname(step)
-    wait_for(lambda: (path / layout.METADATA).is_file(), 60, f"{path}/{layout.METADATA}")
-    return path
-
-
-def agent_alive(env: Env) -> bool:
-    """Whether an agent of this test's job holds its lock (the agent drops the lock last, after its pid file)."""
-    for job in env.runtime_dir.iterdir():
-        lock = job / "agent.lock"
-        try:
-            fd = os.open(lock, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
-    return False
-
-
-def wait_agent_gone(env: Env) -> None:
-    wait_for(lambda: not agent_alive(env), 30, "the agent to exit (release its lock)")
-
-
 @pytest.fixture
 def persisted(env: Env) -> Env:
     """Steps 2 and 4 on disk in env.save_dir; the Checkpointer closed and its agent gone."""
     ck = make_ck(env)
     try:
         for step in (2, 4):
-            save_and_persist(ck, env, step)
+            save_and_persist(ck, env, step, state_at(step))
     finally:
         ck.close()
-    wait_agent_gone(env)
+    env.wait_agent_gone()
     return env
 
 
@@ -172,8 +141,8 @@ def test_verify_of_a_missing_dir_exits_2(env: Env) -> None:
 def test_status_shows_rank_pid_and_slots_while_a_checkpointer_is_open(env: Env) -> None:
     ck = make_ck(env)
     try:
-        save_and_persist(ck, env, 2)
-        save_and_persist(ck, env, 4)
+        save_and_persist(ck, env, 2, state_at(2))
+        save_and_persist(ck, env, 4, state_at(4))
         agent_pid = env.agent_pid()
         assert agent_pid is not None
 
@@ -226,7 +195,7 @@ def test_status_with_a_dead_agent_exits_1_naming_the_job(env: Env) -> None:
         assert agent_pid is not None
         job = env.job_dir().name
         os.kill(agent_pid, signal.SIGKILL)  # the agent this test's Checkpointer started; its socket file stays
-        wait_for(lambda: not agent_alive(env), 30, f"agent pid {agent_pid} to die")
+        wait_for(lambda: not env.agent_alive(), 30, f"agent pid {agent_pid} to die")
         assert (env.job_dir() / "agent.sock").exists()
         proc = run_cli("status", "--timeout", "1", env=env)
         assert proc.returncode == 1, proc.stdout + proc.stderr
