@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+import psutil
+
 from easyckpt_wire import protocol
 from easyckpt_wire.shm import check_job_id, shm_dir
 
@@ -28,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--idle-timeout", type=float, default=300.0,
                         help="exit after this many seconds with no live rank (default 300)")
     parser.add_argument("--nice", type=int, default=10, help="lower CPU priority by this much (default 10)")
+    parser.add_argument("--persist-threads", type=int, default=2, help="files written in parallel (default 2)")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -48,11 +51,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.nice:
         os.nice(args.nice)  # persisting must not slow the training processes down
+        try:
+            psutil.Process().ionice(psutil.IOPRIO_CLASS_BE, 7)  # lowest best-effort I/O priority
+        except (AttributeError, OSError, psutil.Error) as exc:
+            logger.info("cannot lower I/O priority: %s", exc)
     (job_dir / "agent.pid").write_text(f"{os.getpid()}\n")
     config = AgentConfig(save_dir=save_dir, job_id=job_id, shm_dir=(args.shm_dir or shm_dir()).resolve(),
                          job_dir=job_dir, save_storage_interval=args.save_storage_interval,
                          max_ckpt_num=args.max_ckpt_num, log_file_path=args.log_file,
-                         idle_timeout=args.idle_timeout)
+                         idle_timeout=args.idle_timeout, persist_threads=args.persist_threads)
     try:
         return Agent(config).run()
     except KeyboardInterrupt:

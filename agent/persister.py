@@ -8,6 +8,7 @@ every write and delete is written to the audit log first (invariant 5).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -128,42 +129,21 @@ def _write_json(path: Path, payload: Any) -> None:
         os.fsync(handle.fileno())
 
 
-def persist(save_dir: Path, step: int, snapshots: list[RankSnapshot], audit: AuditLog) -> PersistStats:
+def persist(save_dir: Path, step: int, snapshots: list[RankSnapshot], audit: AuditLog, threads: int = 2) -> PersistStats:
     """Write ``iteration_<step>`` atomically from the given ranks' slots."""
     started = time.monotonic()
-    final = save_dir / layout.iteration_dirname(step)
     tmp = save_dir / f"{layout.TMP_PREFIX}{step:07d}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
     audit.record("write-begin", tmp, step=step)
-    world_size = snapshots[0].meta["world_size"]
-    ranks_meta: dict[str, Any] = {}
-    common: dict[str, Any] = {}
-    nbytes = 0
-    for snap in sorted(snapshots, key=lambda s: s.rank):
-        by_group: dict[str, list[tuple[int, list[Any]]]] = {}
-        for index, entry in enumerate(snap.meta["tensors"]):
-            by_group.setdefault(entry[6], []).append((index, entry))
-        tensors: list[dict] = []
-        files = []
-        for group in sorted(by_group):
-            name = layout.rank_file_name(group, snap.rank, world_size)
-            tensors += _write_safetensors(tmp / name, snap, by_group[group], step)
-            files.append(name)
-            nbytes += sum(entry[5] for _, entry in by_group[group])
-            fault_point("agent.persist.after_file", step=step)
-        ranks_meta[str(snap.rank)] = {"files": files, "tensors": tensors}
-        common[str(snap.rank)] = {"skeleton": snap.meta["skeleton"],
-                                  "skeleton_version": snap.meta["skeleton_version"]}
-    _write_json(tmp / layout.COMMON, {"format": layout.METADATA_FORMAT, "step": step, "ranks": common})
-    fault_point("agent.persist.before_marker", step=step)
-    _write_json(tmp / layout.METADATA, {
-        "format": layout.METADATA_FORMAT, "format_version": layout.METADATA_VERSION, "step": step,
-        "world_size": world_size, "framework": "pytorch", "created": time.time(),
-        "checksum_algo": layout.CHECKSUM_ALGO, "bytes": nbytes, "health": None, "ranks": ranks_meta,
-    })
-    _fsync_dir(tmp)
+    try:
+        nbytes = _fill(tmp, step, snapshots, threads)
+    except BaseException:
+        audit.record("delete", tmp, step=step, reason="persist failed")
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    final = save_dir / layout.iteration_dirname(step)
     if final.exists():
         # A step persisted before (e.g. re-reached after a resume from an older one): replace it.
         trash = save_dir / f"{layout.TRASH_PREFIX}{step:07d}-{os.getpid()}"
@@ -178,6 +158,40 @@ def persist(save_dir: Path, step: int, snapshots: list[RankSnapshot], audit: Aud
     fault_point("agent.persist.before_tracker", step=step)
     write_tracker(save_dir, step, audit)
     return PersistStats(step, final, nbytes, time.monotonic() - started)
+
+
+def _fill(tmp: Path, step: int, snapshots: list[RankSnapshot], threads: int) -> int:
+    """Every rank's safetensors files, common.json, and last the commit marker; returns tensor bytes."""
+    world_size = snapshots[0].meta["world_size"]
+    ranks_meta: dict[str, Any] = {}
+    common: dict[str, Any] = {}
+    nbytes = 0
+    jobs = []
+    for snap in sorted(snapshots, key=lambda s: s.rank):
+        by_group: dict[str, list[tuple[int, list[Any]]]] = {}
+        for index, entry in enumerate(snap.meta["tensors"]):
+            by_group.setdefault(entry[6], []).append((index, entry))
+        for group in sorted(by_group):
+            jobs.append((snap, layout.rank_file_name(group, snap.rank, world_size), by_group[group]))
+            nbytes += sum(entry[5] for _, entry in by_group[group])
+        ranks_meta[str(snap.rank)] = {"files": [name for s, name, _ in jobs if s is snap], "tensors": []}
+        common[str(snap.rank)] = {"skeleton": snap.meta["skeleton"],
+                                  "skeleton_version": snap.meta["skeleton_version"]}
+    # Files in parallel: while one thread waits on fsync another hashes and writes.
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(jobs))), thread_name_prefix="write") as pool:
+        futures = [pool.submit(_write_safetensors, tmp / name, snap, entries, step) for snap, name, entries in jobs]
+        for (snap, _, _), future in zip(jobs, futures):
+            ranks_meta[str(snap.rank)]["tensors"] += future.result()
+            fault_point("agent.persist.after_file", step=step)
+    _write_json(tmp / layout.COMMON, {"format": layout.METADATA_FORMAT, "step": step, "ranks": common})
+    fault_point("agent.persist.before_marker", step=step)
+    _write_json(tmp / layout.METADATA, {
+        "format": layout.METADATA_FORMAT, "format_version": layout.METADATA_VERSION, "step": step,
+        "world_size": world_size, "framework": "pytorch", "created": time.time(),
+        "checksum_algo": layout.CHECKSUM_ALGO, "bytes": nbytes, "health": None, "ranks": ranks_meta,
+    })
+    _fsync_dir(tmp)
+    return nbytes
 
 
 def write_tracker(save_dir: Path, step: int, audit: AuditLog) -> None:

@@ -39,12 +39,15 @@ class AgentConfig:
     log_file_path: str | None = None
     idle_timeout: float = 300.0
     poll_interval: float = 0.02
+    persist_threads: int = 2             # safetensors files written in parallel
 
     def __post_init__(self) -> None:
         if self.save_storage_interval < 0:
             raise ValueError(f"save_storage_interval must be >= 0, got {self.save_storage_interval}")
         if self.max_ckpt_num < 1:
             raise ValueError(f"max_ckpt_num must be >= 1, got {self.max_ckpt_num}")
+        if self.persist_threads < 1:
+            raise ValueError(f"persist_threads must be >= 1, got {self.persist_threads}")
         if self.idle_timeout <= 0 or self.poll_interval <= 0:
             raise ValueError("idle_timeout and poll_interval must be positive")
 
@@ -306,7 +309,7 @@ class Agent:
                 f"this node holds ranks {sorted(s.rank for s in snaps)} of a {world_size}-rank job: a multi-node "
                 "checkpoint needs every node's shards before its commit marker, which this agent cannot do yet"
             )
-        stats = persist(self.save_dir, step, snaps, self.audit)
+        stats = persist(self.save_dir, step, snaps, self.audit, self.config.persist_threads)
         rotate(self.save_dir, self.config.max_ckpt_num, step, self.audit)
         return stats
 

@@ -17,6 +17,7 @@ import os
 import time
 from typing import Any, Callable
 
+import msgpack
 import numpy
 import psutil
 import torch
@@ -24,7 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from easyckpt_wire import layout
 from easyckpt_wire.faults import fault_point
-from easyckpt_wire.shm import DATA_OFFSET, FORMAT_VERSION, SlotMap, align, pack_meta, slot_size
+from easyckpt_wire.shm import DATA_OFFSET, FORMAT_VERSION, SlotMap, align, slot_size
 from easyckpt.config import CheckpointerConfig
 from easyckpt.slots import RankSlots
 from easyckpt.state import SKELETON_VERSION, TensorRef, flatten, numpy_dtype, torch_dtype
@@ -40,6 +41,7 @@ class _Plan:
     offsets: list[int]
     data_len: int
     entries: list[list[Any]]
+    static_meta: bytes = b""   # the msgpack key/value pairs that do not change between snapshots
 
 
 @dataclasses.dataclass(slots=True)
@@ -67,6 +69,9 @@ class Stager:
         self.pending: _Pending | None = None
         self.plan: _Plan | None = None
         self._views: dict[int, tuple[int, torch.Tensor]] = {}   # slot index -> (mmap id, uint8 view)
+        self._tensor_views: dict[int, tuple[int, int, list[Any]]] = {}  # slot -> (mmap id, plan id, views)
+        self._packer = msgpack.Packer(use_bin_type=True)
+        self._static_keys = 0
         self._hook: Any = None
         self._cuda_stream: Any = None
         self._registered: dict[int, int] = {}                    # slot index -> registered address
@@ -84,14 +89,7 @@ class Stager:
         self.wait()
         skeleton, refs, values = flatten(state)
         plan = self._plan(refs)
-        meta = pack_meta({
-            "v": FORMAT_VERSION, "job": self.config.job_id, "rank": self.rank, "world_size": self.world_size,
-            "local_rank": self.local_rank, "local_world_size": self.local_world_size, "step": step,
-            "pid": self._pid, "pid_start": self._pid_start, "skeleton": skeleton,
-            "skeleton_version": SKELETON_VERSION, "tensors": plan.entries, "created": time.time(),
-            "config": {"save_storage_interval": self.config.save_storage_interval,
-                       "max_ckpt_num": self.config.max_ckpt_num, "log_file_path": self.config.log_file_path},
-        })
+        meta = self._meta(plan, step, skeleton)
         index = self.slots.choose(persist_due=self.config.persist_due, agent_alive=self.agent_alive,
                                   pin_timeout=self.config.pin_timeout)
         if index is None:
@@ -155,6 +153,22 @@ class Stager:
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.wait()
 
+    def _meta(self, plan: _Plan, step: int, skeleton: object) -> bytes:
+        """The slot's msgpack map; the tensor index (the bulk, for big states) is packed once per plan."""
+        dynamic = {"step": step, "skeleton": skeleton, "created": time.time()}
+        if not plan.static_meta:
+            static = {
+                "v": FORMAT_VERSION, "job": self.config.job_id, "rank": self.rank, "world_size": self.world_size,
+                "local_rank": self.local_rank, "local_world_size": self.local_world_size, "pid": self._pid,
+                "pid_start": self._pid_start, "skeleton_version": SKELETON_VERSION, "tensors": plan.entries,
+                "config": {"save_storage_interval": self.config.save_storage_interval,
+                           "max_ckpt_num": self.config.max_ckpt_num, "log_file_path": self.config.log_file_path},
+            }
+            plan.static_meta = b"".join(self._packer.pack(k) + self._packer.pack(v) for k, v in static.items())
+            self._static_keys = len(static)
+        return (self._packer.pack_map_header(self._static_keys + len(dynamic)) + plan.static_meta
+                + b"".join(self._packer.pack(k) + self._packer.pack(v) for k, v in dynamic.items()))
+
     def _plan(self, refs: list[TensorRef]) -> _Plan:
         """Offsets for every tensor; reused while the state's structure is unchanged."""
         if self.plan is not None and self.plan.refs == refs:
@@ -172,7 +186,11 @@ class Stager:
         return self.plan
 
     def _slot_views(self, index: int, slot: SlotMap, plan: _Plan) -> list[Any]:
+        """Typed views of every tensor's place in the slot; built once per (slot mapping, plan)."""
         assert slot.mm is not None
+        hit = self._tensor_views.get(index)
+        if hit is not None and hit[0] == id(slot.mm) and hit[1] == id(plan):
+            return hit[2]
         cached = self._views.get(index)
         if cached is None or cached[0] != id(slot.mm):
             self._drop_views(index)
@@ -187,11 +205,13 @@ class Stager:
                 views.append(raw.numpy().view(numpy_dtype(ref.dtype)).reshape(ref.shape))
             else:
                 views.append(raw.view(torch_dtype(ref.dtype)).view(ref.shape))
+        self._tensor_views[index] = (id(slot.mm), id(plan), views)
         return views
 
     def _drop_views(self, index: int) -> None:
         self._unregister(index)
         self._views.pop(index, None)
+        self._tensor_views.pop(index, None)
 
     def _uses_cuda(self, values: list[Any]) -> bool:
         return any(isinstance(v, torch.Tensor) and v.is_cuda for v in values)
@@ -204,10 +224,11 @@ class Stager:
             self._register(index)
         stream = self._cuda_stream
         stream.wait_stream(torch.cuda.current_stream())
+        pairs = [(t, v) for t, v in zip(dst, values) if isinstance(v, torch.Tensor) and v.is_cuda]
         with torch.cuda.stream(stream):
-            for target, value in zip(dst, values):
-                if isinstance(value, torch.Tensor) and value.is_cuda:
-                    target.copy_(value, non_blocking=True)
+            if pairs:
+                # One call for the whole list: Python overhead per tensor stays far below a launch.
+                torch._foreach_copy_([t for t, _ in pairs], [v for _, v in pairs], non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         return event
@@ -234,14 +255,18 @@ class Stager:
                      dst: list[Any], values: list[Any], event: Any) -> None:
         """Runs on the copy thread: copy what is left, then commit and unlock the slot."""
         try:
-            half = len(values) // 2
-            for number, (target, value) in enumerate(zip(dst, values)):
-                if number == half:
+            cpu = [(t, v) for t, v in zip(dst, values) if isinstance(v, numpy.ndarray) or not v.is_cuda]
+            half = len(cpu) // 2
+            for number, part in enumerate((cpu[:half], cpu[half:])):
+                if number == 1:
                     fault_point("stager.mid_copy", step=step, rank=self.rank)
-                if isinstance(value, numpy.ndarray):
-                    numpy.copyto(target, value, casting="no")
-                elif not value.is_cuda:
-                    target.copy_(value)
+                tensors = [(t, v) for t, v in part if not isinstance(v, numpy.ndarray)]
+                if tensors:
+                    # One call per half: torch loops in C++ without the GIL, so training keeps running.
+                    torch._foreach_copy_([t for t, _ in tensors], [v for _, v in tensors])
+                for target, value in part:
+                    if isinstance(value, numpy.ndarray):
+                        numpy.copyto(target, value, casting="no")
             if event is not None:
                 event.synchronize()
             fault_point("stager.before_commit", step=step, rank=self.rank)
