@@ -264,4 +264,4 @@ def clean_leftovers(save_dir: Path, audit: AuditLog) -> list[Path]:
 
 def describe(stats: PersistStats, ranks: int) -> str:
     return (f"persisted step={stats.step} ranks={ranks} bytes={stats.nbytes} ({format_bytes(stats.nbytes)}) "
-            f"seconds={stats.seconds:.3f} GB/s={stats.gbps:.2f} path={stats.path}")
+            f"seconds={stats.seconds:.4f} GB/s={stats.gbps:.2f} path={stats.path}")

@@ -8,13 +8,16 @@ timed, each next to its raw limit; the headline is the ratio of the two throughp
 
 1. snapshot copy: ``save_if_needed`` + ``wait()`` (after two warm-up snapshots that allocate and touch
    both slots) vs a plain ``dst.copy_(src)`` of the same tensors into preallocated, touched CPU
-   buffers (on CUDA: pinned host buffers, device-to-host ``copy_`` then synchronize).     target >= 0.90
+   buffers (on CUDA: pinned host buffers, device-to-host ``copy_`` then synchronize); the two are timed
+   in turn, ``--copy-repeats`` times each, so both see the same machine load.           target >= 0.90
 2. persist: a real agent (``save_storage_interval=1``) writes the snapshot; seconds and bytes come from
    its ``log_file_path`` line. Raw: the same byte count written sequentially in 64 MiB writes from a
-   touched buffer to one file in the same directory, then fsync.                           target >= 0.85
+   touched buffer to one file in the same directory, then fsync (one stream: an agent writing its
+   files in parallel can beat it on some disks, so a ratio above 1 is possible).           target >= 0.85
 3. recovery from memory: ``load()`` in a new process, while the writer still holds its slots, into a
    touched state of the same structure (the usual ``load(model/optim state)`` resume). Raw: in a new
-   process, mmap the slot file and copy every byte into a touched buffer (on CUDA: a GPU buffer).
+   process, mmap the slot file and copy every byte, as 8-byte words, into a touched buffer (on CUDA: a
+   GPU buffer); the munmap is not counted, as load() keeps its mapping.
 4. recovery from disk: after the agent persisted and the job closed (slots unlinked), every file of
    the iteration is fsynced and dropped from the page cache with posix_fadvise(DONTNEED), then
    ``load()`` runs in a new process. Raw: the same files, dropped the same way, read with plain
@@ -22,7 +25,10 @@ timed, each next to its raw limit; the headline is the ratio of the two throughp
    and the kernel may keep pages); the fraction of the files still resident is measured with mincore
    and reported.
 
-Recovery has no target: it reports the ratio. Absolute figures hold only for the machine named.
+Every recovery run is a fresh process (Python and torch start-up not counted); load and raw runs
+alternate. Recovery has no target: the ratio is reported. Each timed run is kept in the JSON
+(``*_runs_s``); the table shows medians. Absolute figures hold only for the machine named.
+``--dim 128 --sizes-mb 3`` gives a ~2 MB state for smoke runs (at the default dim one layer is ~100 MB).
 """
 from __future__ import annotations
 
@@ -114,11 +120,14 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
 
 
-def entry(name: str, easy_bytes: int, easy_s: float, raw_bytes: int, raw_s: float, **extra: Any) -> dict[str, Any]:
+def entry(name: str, easy_bytes: int, easy_runs: list[float], raw_bytes: int, raw_runs: list[float],
+          **extra: Any) -> dict[str, Any]:
+    """Medians of both sides, their throughputs, and the ratio (easyckpt / raw); every run kept."""
+    easy_s, raw_s = statistics.median(easy_runs), statistics.median(raw_runs)
     easy_gbps, raw_gbps = easy_bytes / easy_s / 1e9, raw_bytes / raw_s / 1e9
     return {"easyckpt_bytes": easy_bytes, "easyckpt_s": easy_s, "easyckpt_gbps": easy_gbps,
             "raw_bytes": raw_bytes, "raw_s": raw_s, "raw_gbps": raw_gbps, "ratio": easy_gbps / raw_gbps,
-            "target": TARGETS[name], **extra}
+            "target": TARGETS[name], "easyckpt_runs_s": easy_runs, "raw_runs_s": raw_runs, **extra}
 
 
 # page cache -----------------------------------------------------------------------------------------
@@ -223,19 +232,23 @@ def child_raw_memory(args: dict[str, Any]) -> dict[str, Any]:
     """Child: mmap the slot file and copy every byte into a touched buffer on the target device."""
     device, path = args["device"], args["path"]
     size = os.path.getsize(path)
-    buffer = touched(size, device)
+    word = torch.int64 if size % 8 == 0 else torch.uint8  # slot files are page-sized: copied as 8-byte words
+    buffer = touched(size, device).view(word)
     start = time.perf_counter()
     fd = os.open(path, os.O_RDONLY)
     try:
-        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm, warnings.catch_warnings():
+        mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch warns that a read-only buffer is not writable
-            source = torch.frombuffer(mm, dtype=torch.uint8)
-            buffer.copy_(source)
-            sync(device)
-            del source
+            source = torch.frombuffer(mm, dtype=torch.uint8).view(word)
+        buffer.copy_(source)
+        sync(device)
+        seconds = time.perf_counter() - start  # load() keeps its mapping too: the munmap is not counted
+        del source
+        mm.close()
     finally:
         os.close(fd)
-    return {"seconds": time.perf_counter() - start, "nbytes": size}
+    return {"seconds": seconds, "nbytes": size}
 
 
 def child_raw_disk(args: dict[str, Any]) -> dict[str, Any]:
@@ -296,18 +309,21 @@ def measure_memory(state: dict[str, Any], size_mb: float, dim: int, nbytes: int,
                 raw_times.append(raw_copy())  # interleaved: both see the same machine load
         del raw_copy
         skipped = ck.stats()["skipped"]
-        copy = entry("snapshot_copy", nbytes, statistics.median(times), nbytes, statistics.median(raw_times),
-                     skipped=skipped, runs=len(times))
+        copy = entry("snapshot_copy", nbytes, times, nbytes, raw_times, skipped=skipped)
         index, _header = ck.slots.committed()[last]
         slot_file = ck.slots.path(index)
         loads, raws = [], []
-        for _ in range(repeats):
-            loads.append(in_child("child_load", {"device": device, "size_mb": size_mb, "dim": dim, "source": "memory",
-                                                 "save_dir": str(ck.config.save_dir), "step": last}))
-            raws.append(in_child("child_raw_memory", {"device": device, "path": str(slot_file)}))
-        load, raw_read = median_run(loads), median_run(raws)
-        memory = entry("recovery_memory", load["nbytes"], load["seconds"], raw_read["nbytes"], raw_read["seconds"],
-                       load_reported_s=load["reported_seconds"], slot_file=str(slot_file))
+        for run in range(repeats):
+            for which in (("load", "raw") if run % 2 == 0 else ("raw", "load")):  # alternate: no order bias
+                if which == "load":
+                    loads.append(in_child("child_load", {"device": device, "size_mb": size_mb, "dim": dim,
+                                                         "source": "memory", "save_dir": str(ck.config.save_dir),
+                                                         "step": last}))
+                else:
+                    raws.append(in_child("child_raw_memory", {"device": device, "path": str(slot_file)}))
+        memory = entry("recovery_memory", loads[0]["nbytes"], [r["seconds"] for r in loads], raws[0]["nbytes"],
+                       [r["seconds"] for r in raws], load_reported_s=median_run(loads)["reported_seconds"],
+                       slot_file=str(slot_file))
     finally:
         ck.close()
         for path in ck.slots.directory.glob(f"easyckpt-{ck.config.job_id}-*"):
@@ -365,6 +381,7 @@ def measure_disk(state: dict[str, Any], size_mb: float, dim: int, repeats: int, 
         ck.close()
         closed = True
         poll(lambda: not list(shm.glob(f"easyckpt-{job}-*")), 60, "the agent to unlink the job's slots")
+        poll(lambda: not ck.agent.alive(), 60, "the agent to exit")  # the readers below must not meet it
     finally:
         if not closed:
             ck.close()
@@ -375,26 +392,26 @@ def measure_disk(state: dict[str, Any], size_mb: float, dim: int, repeats: int, 
                     path.unlink(missing_ok=True)
     del source
     persist = median_run(persists)
-    seconds = persist["seconds"] or 0.0005  # the log has millisecond resolution
-    persist_entry = entry("persist", persist["bytes"], seconds, persist["bytes"], statistics.median(writes),
+    seconds = [p["seconds"] or 0.0005 for p in persists]  # the log has millisecond resolution
+    persist_entry = entry("persist", persist["bytes"], seconds, persist["bytes"], writes,
                           log_line=persist["line"], log_seconds_resolution=0.001)
 
     iteration = save_dir / layout.iteration_dirname(repeats - 1)
     files = sorted(p for p in iteration.iterdir() if p.is_file())
     loads, raws, resident = [], [], []
-    for _ in range(repeats):
-        drop_cache(files)
-        resident.append(resident_fraction(files))
-        loads.append(in_child("child_load", {"device": device, "size_mb": size_mb, "dim": dim, "save_dir": str(save_dir),
-                                             "source": "disk", "step": repeats - 1}))
-        drop_cache(files)
-        resident.append(resident_fraction(files))
-        raws.append(in_child("child_raw_disk", {"paths": [str(p) for p in files]}))
-    load, raw_read = median_run(loads), median_run(raws)
+    for run in range(repeats):
+        for which in (("load", "raw") if run % 2 == 0 else ("raw", "load")):  # alternate: no order bias
+            drop_cache(files)
+            resident.append(resident_fraction(files))
+            if which == "load":
+                loads.append(in_child("child_load", {"device": device, "size_mb": size_mb, "dim": dim,
+                                                     "save_dir": str(save_dir), "source": "disk", "step": repeats - 1}))
+            else:
+                raws.append(in_child("child_raw_disk", {"paths": [str(p) for p in files]}))
     known = [r for r in resident if r is not None]
-    disk = entry("recovery_disk", load["nbytes"], load["seconds"], raw_read["nbytes"], raw_read["seconds"],
-                 load_reported_s=load["reported_seconds"], files=len(files),
-                 resident_after_drop=max(known) if known else None, cache_drop="best effort")
+    disk = entry("recovery_disk", loads[0]["nbytes"], [r["seconds"] for r in loads], raws[0]["nbytes"],
+                 [r["seconds"] for r in raws], load_reported_s=median_run(loads)["reported_seconds"],
+                 files=len(files), resident_after_drop=max(known) if known else None, cache_drop="best effort")
     return persist_entry, disk
 
 

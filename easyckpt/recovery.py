@@ -100,16 +100,17 @@ def _check_template(records: list[_Record], template: dict[str, Any], step: int,
         )
 
 
-def _place(record: _Record, source: torch.Tensor, template: dict[str, Any]) -> Any:
-    """Copy into the caller's tensor when it has one of that name, else keep a private CPU copy."""
+def _place(record: _Record, source: torch.Tensor, template: dict[str, Any], *, owned: bool) -> Any:
+    """Copy into the caller's tensor when it has one of that name, else keep ``source`` (cloned unless
+    ``owned``: a view of shared memory must not outlive the read)."""
     target = template.get(record.name)
     if record.kind == "numpy":
-        return source.numpy().copy()
+        return source.numpy() if owned else source.numpy().copy()
     if isinstance(target, torch.Tensor):
         with torch.no_grad():
             target.copy_(source)
         return target
-    return source.clone()
+    return source if owned else source.clone()
 
 
 def _read_memory(slots: RankSlots, step: int, template: dict[str, Any], timeout: float) -> tuple[Any, list[Any], str, int]:
@@ -132,7 +133,7 @@ def _read_memory(slots: RankSlots, step: int, template: dict[str, Any], timeout:
             else:
                 raw = torch.frombuffer(slot.data(offset, size), dtype=torch.uint8).view(
                     torch_dtype(record.dtype)).view(record.shape)
-            values.append(_place(record, raw, template))
+            values.append(_place(record, raw, template, owned=False))
             nbytes += size
             del raw
         if slot.generation() != current.generation:
@@ -151,7 +152,7 @@ def _read_disk(iteration_dir: Path, rank: int, world_size: int, template: dict[s
     values: list[Any] = [None] * len(records)
     nbytes = 0
     for record, tensor in storage.read_tensors(entry):  # file by file, not in index order
-        values[record.index] = _place(records[record.index], tensor, template)
+        values[record.index] = _place(records[record.index], tensor, template, owned=True)
         nbytes += record.nbytes
     return entry.skeleton, values, str(iteration_dir), nbytes
 

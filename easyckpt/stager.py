@@ -33,6 +33,13 @@ from easyckpt.state import SKELETON_VERSION, TensorRef, flatten, numpy_dtype, to
 logger = logging.getLogger(__name__)
 
 _META_HEADROOM = 64 << 10  # plain values (e.g. a growing log history) may grow between snapshots
+_LARGE = 1 << 20           # tensors from this size on are copied by numpy, single-threaded
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _as_numpy(tensor: torch.Tensor) -> numpy.ndarray:
+    """A numpy view of the same bytes (bf16 and friends have no numpy dtype, their bit pattern does)."""
+    return tensor.detach().view(_SAME_SIZE_INT[tensor.element_size()]).numpy()
 
 
 @dataclasses.dataclass(slots=True)
@@ -47,12 +54,7 @@ class _Plan:
 @dataclasses.dataclass(slots=True)
 class _Pending:
     step: int
-    index: int
-    slot: SlotMap
-    generation: int
-    future: concurrent.futures.Future[None]
-    started: float
-    nbytes: int
+    future: concurrent.futures.Future[float]   # the copy thread's result: seconds from launch to commit
 
 
 class Stager:
@@ -87,6 +89,7 @@ class Stager:
     def snapshot(self, step: int, state: object) -> bool:
         """Launch a snapshot of ``state`` at ``step``; False when it was skipped (no free slot)."""
         self.wait()
+        started = time.perf_counter()
         skeleton, refs, values = flatten(state)
         plan = self._plan(refs)
         meta = self._meta(plan, step, skeleton)
@@ -118,8 +121,8 @@ class Stager:
                          job_id=self.config.job_id)
         dst = self._slot_views(index, slot, plan)
         event = self._launch_cuda(dst, values) if self._uses_cuda(values) else None
-        future = self.pool.submit(self._finish_copy, step, slot, generation, plan, meta, dst, values, event)
-        self.pending = _Pending(step, index, slot, generation, future, time.perf_counter(), plan.data_len)
+        future = self.pool.submit(self._finish_copy, step, slot, generation, plan, meta, dst, values, event, started)
+        self.pending = _Pending(step, future)
         if self._hook is None:
             self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
         return True
@@ -134,14 +137,13 @@ class Stager:
             self._hook.remove()
             self._hook = None
         try:
-            pending.future.result()
+            self.last_copy_seconds = pending.future.result()
         except Exception:
             logger.exception("rank %d: snapshot of step %d failed; the previous snapshot stays valid",
                              self.rank, pending.step)
             return
         self.committed += 1
         self.last_commit_step = pending.step
-        self.last_copy_seconds = time.perf_counter() - pending.started
 
     def close(self) -> None:
         self.wait()
@@ -252,26 +254,33 @@ class Stager:
             torch.cuda.cudart().cudaHostUnregister(address)
 
     def _finish_copy(self, step: int, slot: SlotMap, generation: int, plan: _Plan, meta: bytes,
-                     dst: list[Any], values: list[Any], event: Any) -> None:
-        """Runs on the copy thread: copy what is left, then commit and unlock the slot."""
+                     dst: list[Any], values: list[Any], event: Any, started: float) -> float:
+        """Runs on the copy thread: copy what is left, commit and unlock the slot; returns the seconds taken."""
         try:
             cpu = [(t, v) for t, v in zip(dst, values) if isinstance(v, numpy.ndarray) or not v.is_cuda]
             half = len(cpu) // 2
             for number, part in enumerate((cpu[:half], cpu[half:])):
                 if number == 1:
                     fault_point("stager.mid_copy", step=step, rank=self.rank)
-                tensors = [(t, v) for t, v in part if not isinstance(v, numpy.ndarray)]
-                if tensors:
-                    # One call per half: torch loops in C++ without the GIL, so training keeps running.
-                    torch._foreach_copy_([t for t, _ in tensors], [v for _, v in tensors])
+                small = []
                 for target, value in part:
                     if isinstance(value, numpy.ndarray):
                         numpy.copyto(target, value, casting="no")
+                    elif value.numel() * value.element_size() >= _LARGE:
+                        # numpy copies on this thread alone; torch's copy would fan out over the intra-op
+                        # pool that the training step is using at the same moment.
+                        numpy.copyto(_as_numpy(target), _as_numpy(value))
+                    else:
+                        small.append((target, value))
+                if small:
+                    # One call for the many small tensors: torch loops in C++ without the GIL.
+                    torch._foreach_copy_([t for t, _ in small], [v for _, v in small])
             if event is not None:
                 event.synchronize()
             fault_point("stager.before_commit", step=step, rank=self.rank)
             slot.commit(generation=generation, step=step, data_len=plan.data_len, meta=meta, rank=self.rank,
                         world_size=self.world_size, job_id=self.config.job_id)
+            return time.perf_counter() - started
         finally:
             slot.unlock()
 

@@ -21,7 +21,73 @@ def test_blocking_benchmark_smoke(env: Env, tmp_path: Path) -> None:
     assert json.loads(out.read_text()) == result
     row = result["rows"][0]
     assert row["bytes"] > 1e6 and row["tensors"] >= 4
-    for key in ("easyckpt_launch_s", "easyckpt_launch_copy_s", "torch_save_fsync_s", "safetensors_fsync_s"):
+    for key in ("easyckpt_launch_s", "easyckpt_launch_copy_s", "torch_save_fsync_s", "safetensors_fsync_s",
+                "dcp_save_s", "dcp_async_save_s", "ratio_dcp_async_over_launch"):
         assert row[key] > 0, key
     assert row["easyckpt_launch_copy_s"] >= row["easyckpt_launch_s"]
     assert not list(env.shm_dir.iterdir()), "the benchmark must not leave slots behind"
+
+
+def test_throughput_benchmark_smoke(env: Env, tmp_path: Path) -> None:
+    from conftest import wait_for
+
+    out = tmp_path / "throughput.json"
+    result = load("throughput").main(["--sizes-mb", "3", "--dim", "128", "--repeats", "1", "--copy-repeats", "1",
+                                      "--dir", str(tmp_path), "--persist-timeout", "30", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["benchmark"] == "throughput" and result["machine"]["cpus"] >= 1 and result["device"] == "cpu"
+    row = result["rows"][0]
+    assert 1e6 < row["bytes"] < 3e6 and row["tensors"] >= 4
+    for path in ("snapshot_copy", "persist", "recovery_memory", "recovery_disk"):
+        cell = row[path]
+        for key in ("easyckpt_bytes", "easyckpt_s", "easyckpt_gbps", "raw_bytes", "raw_s", "raw_gbps", "ratio"):
+            assert cell[key] > 0, (path, key)
+        assert abs(cell["ratio"] - cell["easyckpt_gbps"] / cell["raw_gbps"]) < 1e-9, path
+        assert "target" in cell, path
+    assert row["snapshot_copy"]["target"] == 0.90 and row["persist"]["target"] == 0.85
+    assert row["snapshot_copy"]["easyckpt_bytes"] == row["bytes"] == row["persist"]["easyckpt_bytes"]
+    assert row["persist"]["raw_bytes"] == row["persist"]["easyckpt_bytes"]
+    assert "persisted step=0" in row["persist"]["log_line"]
+    assert row["recovery_memory"]["easyckpt_bytes"] == row["recovery_disk"]["easyckpt_bytes"] == row["bytes"]
+    assert row["recovery_disk"]["cache_drop"] == "best effort" and "best effort" in result["notes"]["cache_drop"]
+    assert row["snapshot_skipped"] == 0
+    # The agent unlinks the persisted job's slots when it exits; the memory job's are removed by the benchmark.
+    wait_for(lambda: not env.slot_files(), 30, "no slot files left in the test's shm dir")
+    env.wait_agent_gone()
+
+
+def test_overhead_benchmark_smoke(env: Env, tmp_path: Path) -> None:
+    out = tmp_path / "overhead.json"
+    result = load("overhead").main(["--layers", "1", "--d-model", "32", "--nhead", "2", "--vocab", "64",
+                                    "--seq-len", "8", "--batch-size", "2", "--steps", "3", "--warmup", "2",
+                                    "--rounds", "1", "--copy-repeats", "1", "--dir", str(tmp_path), "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["benchmark"] == "overhead" and result["machine"]["device"] == "cpu" and result["target"] is None
+    assert result["state_bytes"] > 0
+    for mode in ("without", "with"):
+        assert result[mode]["step_s"] > 0 and result[mode]["steps"] == 3, mode
+    assert result["with"]["launch_s"] > 0 and result["copy_s"] > 0 and result["copy_gbps"] > 0
+    assert result["with"]["skipped"] == 0 and result["with"]["committed"] == 5 + 1  # every step, and the lone copy
+    assert result["overhead"] == (result["with"]["step_s"] - result["without"]["step_s"]) / result["without"]["step_s"]
+    assert result["step_longer_than_copy"] == (result["without"]["step_s"] > result["copy_s"])
+    assert result["with"]["final_loss"] == result["without"]["final_loss"], "same seeds, same training"
+    assert not list(env.shm_dir.iterdir()), "the benchmark must not leave slots behind"
+
+
+def test_plot_renders_every_timing_key(env: Env, tmp_path: Path) -> None:
+    import pytest
+
+    pytest.importorskip("matplotlib", reason="plot.py needs matplotlib (the optional 'plot' extra)")
+    rows = [{"bytes": size, "tensors": 4, "easyckpt_launch_s": 1e-4 * k, "easyckpt_launch_copy_s": 2e-3 * k,
+             "torch_save_fsync_s": 5e-2 * k, "dcp_save_s": 6e-2 * k, "dcp_async_save_s": 1e-2 * k,
+             "easyckpt_skipped": 0, "ratio_torch_save_over_launch": 500.0}
+            for k, size in enumerate((10**8, 3 * 10**8, 10**9), start=1)]
+    source = tmp_path / "blocking.json"
+    source.write_text(json.dumps({"benchmark": "blocking", "machine": {"device": "cpu"}, "rows": rows}))
+    png = tmp_path / "plots" / "blocking.png"
+    result = load("plot").main([str(source), "--out", str(png)])
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    methods = {label.rsplit(" (", 1)[0] for label in result["lines"]}
+    assert methods == {"easyckpt_launch", "easyckpt_launch_copy", "torch_save_fsync", "dcp_save", "dcp_async_save"}
+    assert all(len(points) == 3 for points in result["lines"].values())
