@@ -363,7 +363,8 @@ def raw_write(path: Path, nbytes: int, source: torch.Tensor) -> float:
 def measure_disk(state: dict[str, Any], size_mb: float, dim: int, repeats: int, directory: Path, device: str,
                  persist_timeout: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """A real agent persists ``repeats`` snapshots (vs raw writes); then cold load() from disk vs raw reads."""
-    save_dir, log_file = directory / "disk", directory / "persist.log"
+    base = directory / f"disk-{size_mb:g}MB"  # one job per size: its own save_dir, slots and log
+    save_dir, log_file = base / "ckpt", base / "persist.log"
     ck = easyckpt.Checkpointer(save_dir, 1, 1, 2, log_file_path=str(log_file), start_agent=True, close_timeout=300)
     job, shm = ck.config.job_id, ck.slots.directory
     source = touched(CHUNK)
@@ -392,9 +393,9 @@ def measure_disk(state: dict[str, Any], size_mb: float, dim: int, repeats: int, 
                     path.unlink(missing_ok=True)
     del source
     persist = median_run(persists)
-    seconds = [p["seconds"] or 0.0005 for p in persists]  # the log has millisecond resolution
+    seconds = [p["seconds"] or 0.00005 for p in persists]  # the log has 0.1 ms resolution
     persist_entry = entry("persist", persist["bytes"], seconds, persist["bytes"], writes,
-                          log_line=persist["line"], log_seconds_resolution=0.001)
+                          log_line=persist["line"], log_seconds_resolution=0.0001)
 
     iteration = save_dir / layout.iteration_dirname(repeats - 1)
     files = sorted(p for p in iteration.iterdir() if p.is_file())
