@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 _META_HEADROOM = 64 << 10  # plain values (e.g. a growing log history) may grow between snapshots
 _LARGE = 1 << 20           # tensors from this size on are copied by numpy, single-threaded
+_PAGE = 4096
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -172,15 +173,24 @@ class Stager:
                 + b"".join(self._packer.pack(k) + self._packer.pack(v) for k, v in dynamic.items()))
 
     def _plan(self, refs: list[TensorRef]) -> _Plan:
-        """Offsets for every tensor; reused while the state's structure is unchanged."""
+        """Offsets for every tensor; reused while the state's structure is unchanged.
+
+        Each file's tensors (model, optimizer) lie back to back from a page boundary, largest element
+        size first so that every tensor stays aligned to its dtype: the agent then writes a whole file
+        from one range of the slot with O_DIRECT.
+        """
         if self.plan is not None and self.plan.refs == refs:
             return self.plan
-        offsets, position, entries = [], 0, []
-        for ref in refs:
-            offsets.append(position)
-            entries.append([ref.name, ref.kind, ref.dtype, list(ref.shape), position, ref.nbytes,
-                            layout.tensor_group(ref.name)])
-            position = align(position + ref.nbytes)
+        groups = [layout.tensor_group(ref.name) for ref in refs]
+        order = sorted(range(len(refs)), key=lambda i: (groups[i], -torch_dtype(refs[i].dtype).itemsize, i))
+        offsets, position, group = [0] * len(refs), 0, None
+        for i in order:
+            if groups[i] != group:
+                position, group = align(position, _PAGE), groups[i]
+            offsets[i] = position
+            position += refs[i].nbytes
+        entries = [[ref.name, ref.kind, ref.dtype, list(ref.shape), offsets[i], ref.nbytes, groups[i]]
+                   for i, ref in enumerate(refs)]
         if self.plan is not None:
             logger.info("rank %d: state structure changed (%d -> %d tensors): re-planned the slot layout",
                         self.rank, len(self.plan.refs), len(refs))
