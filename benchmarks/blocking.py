@@ -61,11 +61,11 @@ def fsynced(path: Path, write: Callable[[Path], None]) -> Callable[[], None]:
     return run
 
 
-def measure(size_mb: float, repeats: int, directory: Path) -> dict[str, Any]:
+def measure(size_mb: float, repeats: int, directory: Path, copy_threads: int = 1) -> dict[str, Any]:
     state = gpt_like_state(size_mb)
     _, refs, values = easyckpt.state.flatten(state)
     flat = {ref.name: value for ref, value in zip(refs, values)}
-    ckpt = easyckpt.Checkpointer(directory / "ckpt", 1, 10**9, 1, start_agent=False)
+    ckpt = easyckpt.Checkpointer(directory / "ckpt", 1, 10**9, 1, start_agent=False, copy_threads=copy_threads)
     launches, fulls = [], []
     try:
         for step in range(2 + 2 * repeats):
@@ -138,11 +138,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[100.0, 400.0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--copy-threads", type=int, default=1, help="easyckpt's CPU copy threads")
     parser.add_argument("--dir", type=Path, default=None, help="where torch.save/safetensors write (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        rows = [measure(size, args.repeats, Path(tmp)) for size in args.sizes_mb]
+        rows = [measure(size, args.repeats, Path(tmp), args.copy_threads) for size in args.sizes_mb]
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                "device": "cpu", "python": platform.python_version()}
     print(f"{'MB':>7} {'tensors':>7} {'launch ms':>9} {'+copy ms':>9} {'torch.save':>10} {'safetensors':>11} "

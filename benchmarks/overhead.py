@@ -82,7 +82,8 @@ def build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer, l
 def run_mode(args: argparse.Namespace, directory: Path, with_ckpt: bool) -> dict[str, Any]:
     model, optimizer, batches = build(args)
     loss_fn = nn.CrossEntropyLoss()
-    ck = easyckpt.Checkpointer(directory, 1, 10**9, 1, start_agent=False) if with_ckpt else None
+    ck = easyckpt.Checkpointer(directory, 1, 10**9, 1, start_agent=False,
+                               copy_threads=args.copy_threads) if with_ckpt else None
     times, launches, loss = [], [], None
     copies: list[float] = []
     stats: dict[str, Any] = {}
@@ -132,6 +133,7 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--copy-threads", type=int, default=1, help="easyckpt's CPU copy threads")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--nhead", type=int, default=8)

@@ -290,10 +290,10 @@ class RawCopy:
 
 
 def measure_memory(state: dict[str, Any], size_mb: float, dim: int, nbytes: int, repeats: int, copy_repeats: int,
-                   directory: Path, device: str) -> tuple[dict[str, Any], dict[str, Any], int]:
+                   directory: Path, device: str, copy_threads: int = 1) -> tuple[dict[str, Any], dict[str, Any], int]:
     """Snapshot copy vs raw copy; then load() from memory in new processes while the writer holds its slots."""
     values = [v for v in easyckpt.state.flatten(state)[2] if isinstance(v, torch.Tensor)]
-    ck = easyckpt.Checkpointer(directory / "mem", 1, 10**9, 1, start_agent=False)
+    ck = easyckpt.Checkpointer(directory / "mem", 1, 10**9, 1, start_agent=False, copy_threads=copy_threads)
     try:
         raw_copy = RawCopy(values, device)
         times, raw_times = [], []
@@ -417,11 +417,12 @@ def measure_disk(state: dict[str, Any], size_mb: float, dim: int, repeats: int, 
 
 
 def measure(size_mb: float, dim: int, repeats: int, copy_repeats: int, directory: Path, device: str,
-            persist_timeout: float) -> dict[str, Any]:
+            persist_timeout: float, copy_threads: int = 1) -> dict[str, Any]:
     state = make_state(size_mb, device, dim)
     _, refs, _ = easyckpt.state.flatten(state)
     nbytes = sum(ref.nbytes for ref in refs)
-    copy, memory, skipped = measure_memory(state, size_mb, dim, nbytes, repeats, copy_repeats, directory, device)
+    copy, memory, skipped = measure_memory(state, size_mb, dim, nbytes, repeats, copy_repeats, directory, device,
+                                           copy_threads)
     persist, disk = measure_disk(state, size_mb, dim, repeats, directory, device, persist_timeout)
     return {"bytes": nbytes, "tensors": len(refs), "snapshot_copy": copy, "persist": persist,
             "recovery_memory": memory, "recovery_disk": disk, "snapshot_skipped": skipped}
@@ -445,6 +446,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--dim", type=int, default=1024,
                         help="hidden size of the GPT-like state (one layer is ~100 MB at 1024; use e.g. 128 for tiny runs)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the state lives")
+    parser.add_argument("--copy-threads", type=int, default=1, help="easyckpt's CPU copy threads")
     parser.add_argument("--dir", type=Path, default=None,
                         help="parent of the temporary save_dirs (default: the system temp dir); put it on the disk to measure")
     parser.add_argument("--persist-timeout", type=float, default=600.0, help="seconds to wait for one persist")
@@ -457,8 +459,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="easyckpt-throughput-") as tmp:
         directory = Path(tmp)
         info = machine(args.device, directory)
-        rows = [measure(size, args.dim, args.repeats, args.copy_repeats, directory, args.device, args.persist_timeout)
-                for size in args.sizes_mb]
+        rows = [measure(size, args.dim, args.repeats, args.copy_repeats, directory, args.device, args.persist_timeout,
+                        args.copy_threads) for size in args.sizes_mb]
     names = {"snapshot_copy": "snapshot copy", "persist": "persist", "recovery_memory": "recovery (memory)",
              "recovery_disk": "recovery (disk)"}
     print(f"{'MB':>8} {'path':<18} {'easyckpt s':>11} {'GB/s':>7} {'raw s':>9} {'raw GB/s':>9} {'ratio':>6} {'target':>7}")

@@ -25,10 +25,11 @@ class CheckpointerConfig:
     load_timeout: float = 120.0          # reading a slot that another process holds for writing
     close_timeout: float = 600.0         # close() waiting for the agent to finish the due persist
     pin_timeout: float = 60.0            # longest a due, unclaimed snapshot keeps a slot from reuse
+    copy_threads: int = 1                # CPU copy threads: more copies faster, but takes cores from training
 
     def __post_init__(self) -> None:
         self.save_dir = Path(self.save_dir).expanduser().resolve()
-        for name in ("save_mem_interval", "save_storage_interval", "max_ckpt_num"):
+        for name in ("save_mem_interval", "save_storage_interval", "max_ckpt_num", "copy_threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

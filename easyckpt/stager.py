@@ -33,9 +33,14 @@ from easyckpt.state import SKELETON_VERSION, TensorRef, flatten, numpy_dtype, to
 logger = logging.getLogger(__name__)
 
 _META_HEADROOM = 64 << 10  # plain values (e.g. a growing log history) may grow between snapshots
-_LARGE = 1 << 20           # tensors from this size on are copied by numpy, single-threaded
+_LARGE = 1 << 20           # tensors from this size on are copied by numpy, in chunks, on copy_threads threads
+_CHUNK = 16 << 20
 _PAGE = 4096
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copy_chunk(pair: tuple[numpy.ndarray, numpy.ndarray]) -> None:
+    numpy.copyto(pair[0], pair[1])
 
 
 def _as_numpy(tensor: torch.Tensor) -> numpy.ndarray:
@@ -69,6 +74,8 @@ class Stager:
         self.local_world_size = local_world_size
         self.agent_alive = agent_alive
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"easyckpt-copy-r{rank}")
+        self._chunk_pool = concurrent.futures.ThreadPoolExecutor(
+            config.copy_threads, thread_name_prefix=f"easyckpt-chunk-r{rank}") if config.copy_threads > 1 else None
         self.pending: _Pending | None = None
         self.plan: _Plan | None = None
         self._views: dict[int, tuple[int, torch.Tensor]] = {}   # slot index -> (mmap id, uint8 view)
@@ -149,6 +156,8 @@ class Stager:
     def close(self) -> None:
         self.wait()
         self.pool.shutdown(wait=True)
+        if self._chunk_pool is not None:
+            self._chunk_pool.shutdown(wait=True)
         for index in list(self._views):
             self._drop_views(index)
 
@@ -272,16 +281,24 @@ class Stager:
             for number, part in enumerate((cpu[:half], cpu[half:])):
                 if number == 1:
                     fault_point("stager.mid_copy", step=step, rank=self.rank)
-                small = []
+                small, chunks = [], []
                 for target, value in part:
                     if isinstance(value, numpy.ndarray):
                         numpy.copyto(target, value, casting="no")
-                    elif value.numel() * value.element_size() >= _LARGE:
-                        # numpy copies on this thread alone; torch's copy would fan out over the intra-op
-                        # pool that the training step is using at the same moment.
-                        numpy.copyto(_as_numpy(target), _as_numpy(value))
+                    elif value.numel() * value.element_size() >= _LARGE and value.is_contiguous():
+                        # numpy copies on our own threads (copy_threads of them); torch's copy would fan
+                        # out over the intra-op pool that the training step is using at the same moment.
+                        flat_dst, flat_src = _as_numpy(target).reshape(-1), _as_numpy(value).reshape(-1)
+                        per_chunk = _CHUNK // flat_src.itemsize
+                        chunks += [(flat_dst[i:i + per_chunk], flat_src[i:i + per_chunk])
+                                   for i in range(0, flat_src.size, per_chunk)]
                     else:
                         small.append((target, value))
+                if self._chunk_pool is not None:
+                    list(self._chunk_pool.map(_copy_chunk, chunks))
+                else:
+                    for chunk in chunks:
+                        _copy_chunk(chunk)
                 if small:
                     # One call for the many small tensors: torch loops in C++ without the GIL.
                     torch._foreach_copy_([t for t, _ in small], [v for _, v in small])

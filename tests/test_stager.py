@@ -19,12 +19,14 @@ def make(env: Env, **kw: Any) -> easyckpt.Checkpointer:
     return easyckpt.Checkpointer(env.save_dir, 1, 1000, 2, start_agent=False, **kw)
 
 
+@pytest.mark.parametrize("copy_threads", [1, 2])
 @pytest.mark.parametrize("device", DEVICES)
-def test_snapshot_is_the_state_at_save_time_even_if_the_optimizer_steps_at_once(env: Env, device: str) -> None:
+def test_snapshot_is_the_state_at_save_time_even_if_the_optimizer_steps_at_once(env: Env, device: str,
+                                                                              copy_threads: int) -> None:
     torch.manual_seed(0)
-    model = torch.nn.Linear(4096, 4096).to(device)  # 64 MiB: the copy outlasts the launch
+    model = torch.nn.Linear(4096, 4096).to(device)  # 64 MiB: the copy outlasts the launch, in 4 chunks
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    ck = make(env)
+    ck = make(env, copy_threads=copy_threads)
     try:
         model(torch.randn(4, 4096, device=device)).sum().backward()
         expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
