@@ -91,3 +91,11 @@ def test_plot_renders_every_timing_key(env: Env, tmp_path: Path) -> None:
     methods = {label.rsplit(" (", 1)[0] for label in result["lines"]}
     assert methods == {"easyckpt_launch", "easyckpt_launch_copy", "torch_save_fsync", "dcp_save", "dcp_async_save"}
     assert all(len(points) == 3 for points in result["lines"].values())
+
+
+def test_many_tensors_benchmark_smoke(env: Env, tmp_path: Path) -> None:
+    out = tmp_path / "many.json"
+    result = load("many_tensors").main(["--tensors", "200", "--repeats", "1", "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["launch_per_tensor_us"] > 0 and result["copy_s"] >= result["launch_s"] > 0
+    assert not list(env.shm_dir.iterdir()), "the benchmark must not leave slots behind"
