@@ -164,8 +164,13 @@ def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, templa
     if template is not None:
         _, refs, values = flatten(template)
         template_map = {ref.name: value for ref, value in zip(refs, values)}
+    unreadable = ""
     if load_dir is not None:
-        disk_steps, base, mem_steps = [storage.iteration_step(load_dir)], load_dir.parent, []
+        base, mem_steps = load_dir.parent, []
+        try:
+            disk_steps = [storage.iteration_step(load_dir)]
+        except CheckpointFormatError as exc:  # decided with the other ranks below: nobody may hang
+            disk_steps, unreadable = [], str(exc)
     else:
         disk_steps, base, mem_steps = storage.newest_first(save_dir), save_dir, list(slots.committed())
     tried = []
@@ -200,6 +205,8 @@ def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, templa
         where = f"load_dir {load_dir}" if load_dir is not None else f"save_dir {save_dir}"
         raise LoadError(f"no checkpoint in {where} could be loaded by every rank (this is rank {rank}); tried "
                         + "; ".join(tried) + ". Repair or remove the damaged files (easyckpt verify shows them)")
-    if load_dir is None:
-        logger.info("rank %d: nothing to resume from in memory or in %s: fresh start", rank, save_dir)
+    if load_dir is not None:
+        raise LoadError(f"load_dir {load_dir} cannot be loaded by every rank: "
+                        f"{unreadable or 'another rank cannot read it, see its log'}")
+    logger.info("rank %d: nothing to resume from in memory or in %s: fresh start", rank, save_dir)
     return LoadResult(None, None, None)

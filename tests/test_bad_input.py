@@ -311,6 +311,22 @@ def test_load_dir_of_a_corrupted_iteration_names_the_file(env: Env, two_on_disk:
         ck.close()
 
 
+def test_load_dir_picks_that_iteration_and_rejects_a_non_iteration(env: Env, two_on_disk: dict) -> None:
+    ck = make_ck(env)
+    try:
+        result = ck.load(load_dir=iteration(env.save_dir, 2))  # older than the newest (4): asked for
+        assert (result.step, result.source) == (2, "disk")
+        assert_same(two_on_disk[2], result.state)
+        incomplete = env.save_dir / "iteration_0000009"
+        incomplete.mkdir()
+        for bad in (incomplete, env.save_dir / "iteration_0000077", env.save_dir):
+            with pytest.raises(easyckpt.LoadError) as info:
+                ck.load(load_dir=bad)
+            assert str(bad) in str(info.value), str(info.value)
+    finally:
+        ck.close()
+
+
 @pytest.mark.parametrize("victim", [MODEL_FILE, OPT_FILE])
 def test_truncated_file_falls_back_to_previous_iteration(env: Env, two_on_disk: dict, caplog: Any,
                                                          victim: str) -> None:
