@@ -12,7 +12,6 @@ import logging
 from pathlib import Path
 from typing import Any, Iterator
 
-import numpy
 import torch
 import xxhash
 from safetensors import safe_open
@@ -127,10 +126,6 @@ def read_tensors(entry: RankEntry) -> Iterator[tuple[TensorRecord, torch.Tensor]
                         f"{path}: tensor {record.name!r} of step {entry.step}, rank {entry.rank} fails its "
                         f"{layout.CHECKSUM_ALGO} checksum: the file is corrupted")
                 yield record, tensor
-
-
-def as_value(record: TensorRecord, tensor: torch.Tensor) -> torch.Tensor | numpy.ndarray:
-    return tensor.numpy() if record.kind == "numpy" else tensor
 
 
 def verify(save_dir: Path) -> list[tuple[int, Path, str | None]]:
