@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="exit after this many seconds with no live rank (default 300)")
     parser.add_argument("--nice", type=int, default=10, help="lower CPU priority by this much (default 10)")
     parser.add_argument("--persist-threads", type=int, default=2, help="files written in parallel (default 2)")
+    parser.add_argument("--node-id", help="this node's name in the job (default: EASYCKPT_NODE_ID, else the host name)")
+    parser.add_argument("--addr", help="address peers reach this agent at, multi-node jobs only "
+                                       "(default: EASYCKPT_AGENT_ADDR, else the route to MASTER_ADDR)")
+    parser.add_argument("--port", type=int, help="tcp port of the replica server (default: EASYCKPT_AGENT_PORT, else any)")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -41,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s [agent %(process)d] %(name)s: %(message)s")
     save_dir = args.save_dir.resolve()
     job_id = check_job_id(args.job_id or protocol.job_id_for(save_dir))
+    if args.node_id:
+        os.environ[protocol.NODE_ID_ENV] = args.node_id  # the runtime directory is per node
     job_dir = protocol.runtime_dir(job_id)
     lock_fd = os.open(protocol.agent_lock_path(job_dir), os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -59,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     config = AgentConfig(save_dir=save_dir, job_id=job_id, shm_dir=(args.shm_dir or shm_dir()).resolve(),
                          job_dir=job_dir, save_storage_interval=args.save_storage_interval,
                          max_ckpt_num=args.max_ckpt_num, log_file_path=args.log_file,
-                         idle_timeout=args.idle_timeout, persist_threads=args.persist_threads)
+                         idle_timeout=args.idle_timeout, persist_threads=args.persist_threads,
+                         node_id=protocol.node_id(), bind_host=args.addr or protocol.advertised_address(),
+                         port=args.port if args.port is not None else int(os.environ.get(protocol.AGENT_PORT_ENV, 0)))
     try:
         return Agent(config).run()
     except KeyboardInterrupt:

@@ -200,6 +200,27 @@ def persist(save_dir: Path, step: int, snapshots: list[RankSnapshot], audit: Aud
 def _fill(tmp: Path, step: int, snapshots: list[RankSnapshot], threads: int) -> int:
     """Every rank's safetensors files, common.json, and last the commit marker; returns tensor bytes."""
     world_size = snapshots[0].meta["world_size"]
+    ranks_meta, common, nbytes = _write_rank_files(tmp, step, snapshots, threads)
+    _write_marker(tmp, step, world_size, ranks_meta, common, nbytes)
+    return nbytes
+
+
+def _write_marker(tmp: Path, step: int, world_size: int, ranks_meta: dict[str, Any], common: dict[str, Any],
+                  nbytes: int) -> None:
+    _write_json(tmp / layout.COMMON, {"format": layout.METADATA_FORMAT, "step": step, "ranks": common})
+    fault_point("agent.persist.before_marker", step=step)
+    _write_json(tmp / layout.METADATA, {
+        "format": layout.METADATA_FORMAT, "format_version": layout.METADATA_VERSION, "step": step,
+        "world_size": world_size, "framework": "pytorch", "created": time.time(),
+        "checksum_algo": layout.CHECKSUM_ALGO, "bytes": nbytes, "health": None, "ranks": ranks_meta,
+    })
+    _fsync_dir(tmp)
+
+
+def _write_rank_files(tmp: Path, step: int, snapshots: list[RankSnapshot],
+                      threads: int) -> tuple[dict[str, Any], dict[str, Any], int]:
+    """The ranks' safetensors files in ``tmp``: (their metadata.json entries, common.json entries, bytes)."""
+    world_size = snapshots[0].meta["world_size"]
     ranks_meta: dict[str, Any] = {}
     common: dict[str, Any] = {}
     nbytes = 0
@@ -220,15 +241,99 @@ def _fill(tmp: Path, step: int, snapshots: list[RankSnapshot], threads: int) -> 
         for (snap, _, _), future in zip(jobs, futures):
             ranks_meta[str(snap.rank)]["tensors"] += future.result()
             fault_point("agent.persist.after_file", step=step)
-    _write_json(tmp / layout.COMMON, {"format": layout.METADATA_FORMAT, "step": step, "ranks": common})
-    fault_point("agent.persist.before_marker", step=step)
-    _write_json(tmp / layout.METADATA, {
-        "format": layout.METADATA_FORMAT, "format_version": layout.METADATA_VERSION, "step": step,
-        "world_size": world_size, "framework": "pytorch", "created": time.time(),
-        "checksum_algo": layout.CHECKSUM_ALGO, "bytes": nbytes, "health": None, "ranks": ranks_meta,
-    })
-    _fsync_dir(tmp)
-    return nbytes
+    return ranks_meta, common, nbytes
+
+
+# Multi-node (invariant 3: complete only when every node's shards are durable) -------------------------
+def persist_shards(save_dir: Path, step: int, snapshots: list[RankSnapshot], node: str, audit: AuditLog,
+                   threads: int = 2) -> PersistStats:
+    """This node's part of a multi-node checkpoint: its ranks' files in the shared stage directory, then
+    ``node-<id>.json`` (fsynced, renamed into place) saying they are durable. The leader commits."""
+    started = time.monotonic()
+    stage = save_dir / layout.stage_dirname(step)
+    stage.mkdir(exist_ok=True)
+    audit.record("write-begin", stage, step=step, node=node)
+    world_size = snapshots[0].meta["world_size"]
+    ours = [stage / name for snap in snapshots for name in os.listdir(stage)
+            if (m := layout.RANK_FILE_RE.match(name)) and int(m.group(2)) == snap.rank]
+    for stale in ours:  # an earlier attempt of this node at the same step
+        stale.unlink()
+    try:
+        ranks_meta, common, nbytes = _write_rank_files(stage, step, snapshots, threads)
+        note = stage / layout.node_file_name(node)
+        tmp = note.with_suffix(f".tmp{os.getpid()}")
+        _write_json(tmp, {"node": node, "step": step, "world_size": world_size, "bytes": nbytes,
+                          "ranks": ranks_meta, "common": common})
+        os.rename(tmp, note)
+        _fsync_dir(stage)
+    except BaseException:
+        audit.record("write-failed", stage, step=step, node=node)
+        raise
+    audit.record("write", stage, step=step, node=node, bytes=nbytes, ranks=sorted(int(r) for r in ranks_meta))
+    return PersistStats(step, stage, nbytes, time.monotonic() - started)
+
+
+def stage_progress(save_dir: Path, step: int) -> tuple[int | None, dict[str, Any]]:
+    """(world size, {rank: (metadata entry, common entry, bytes share)}) from the nodes that finished."""
+    stage = save_dir / layout.stage_dirname(step)
+    world_size, ranks = None, {}
+    for name in sorted(os.listdir(stage)):
+        if not layout.NODE_FILE_RE.match(name):
+            continue
+        try:
+            with open(stage / name, encoding="utf-8") as handle:
+                note = json.load(handle)
+        except (OSError, ValueError) as exc:
+            logger.warning("unreadable %s: %s", stage / name, exc)
+            continue
+        if note.get("step") != step:
+            continue
+        world_size = note["world_size"]
+        for rank, entry in note["ranks"].items():
+            ranks[rank] = (entry, note["common"][rank], note["bytes"] / max(1, len(note["ranks"])))
+    return world_size, ranks
+
+
+def commit_stage(save_dir: Path, step: int, audit: AuditLog) -> PersistStats | None:
+    """Leader only: once every rank's files are durable, write the marker and publish the step."""
+    started = time.monotonic()
+    stage = save_dir / layout.stage_dirname(step)
+    world_size, ranks = stage_progress(save_dir, step)
+    if world_size is None or sorted(int(r) for r in ranks) != list(range(world_size)):
+        return None
+    nbytes = int(sum(share for _, _, share in ranks.values()))
+    for name in os.listdir(stage):
+        if layout.NODE_FILE_RE.match(name):
+            os.unlink(stage / name)
+    _write_marker(stage, step, world_size, {r: e for r, (e, _, _) in ranks.items()},
+                  {r: c for r, (_, c, _) in ranks.items()}, nbytes)
+    final = save_dir / layout.iteration_dirname(step)
+    if final.exists():
+        trash = save_dir / f"{layout.TRASH_PREFIX}{step:07d}-{os.getpid()}"
+        audit.record("delete", final, step=step, reason="replaced by a new persist of the same step")
+        os.rename(final, trash)
+        shutil.rmtree(trash)
+    os.rename(stage, final)
+    _fsync_dir(save_dir)
+    audit.record("write", final, step=step, bytes=nbytes, nodes="all")
+    fault_point("agent.persist.before_tracker", step=step)
+    write_tracker(save_dir, step, audit)
+    return PersistStats(step, final, nbytes, time.monotonic() - started)
+
+
+def drop_stage(save_dir: Path, step: int, audit: AuditLog, reason: str) -> None:
+    stage = save_dir / layout.stage_dirname(step)
+    if stage.is_dir():
+        audit.record("delete", stage, step=step, reason=reason)
+        shutil.rmtree(stage, ignore_errors=True)
+        logger.info("removed %s (%s)", stage, reason)
+
+
+def stage_steps(save_dir: Path) -> list[int]:
+    try:
+        return sorted(int(m.group(1)) for name in os.listdir(save_dir) if (m := layout.STAGE_RE.match(name)))
+    except FileNotFoundError:
+        return []
 
 
 def write_tracker(save_dir: Path, step: int, audit: AuditLog) -> None:

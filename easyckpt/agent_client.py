@@ -51,6 +51,7 @@ class AgentClient:
         self._last_check = 0.0
         self.spawned = 0
         self._proc: subprocess.Popen[bytes] | None = None
+        self._peers: dict[str, Any] | None = None   # the last PEERS sent: a restarted agent gets it again
 
     # liveness ---------------------------------------------------------------------------------------
     def alive(self) -> bool:
@@ -133,6 +134,8 @@ class AgentClient:
         self.sock.connect(protocol.agent_endpoint(self.job_dir))
         self.send(Kind.HELLO, rank=self.rank, pid=os.getpid(), world_size=self.world_size,
                   local_world_size=self.local_world_size, **self.hello_fields)
+        if self._peers is not None:
+            self.send(Kind.PEERS, **self._peers)
 
     # messages ---------------------------------------------------------------------------------------
     def send(self, kind: Kind, **fields: Any) -> int:
@@ -149,6 +152,8 @@ class AgentClient:
 
     def request(self, kind: Kind, timeout: float, **fields: Any) -> dict[str, Any]:
         """Send and wait for the matching reply; raises AgentTimeout naming the request."""
+        if kind == Kind.PEERS:
+            self._peers = fields
         request_id = self.send(kind, **fields)
         deadline = time.monotonic() + timeout
         while request_id:
@@ -194,9 +199,9 @@ class AgentClient:
         return reply
 
 
-def query_status(job_id: str, timeout: float = 5.0) -> dict[str, Any]:
-    """Ask a job's agent for its view (used by ``easyckpt status``)."""
-    job_dir = protocol.runtime_base() / job_id
+def query_status(job_dir: Path, timeout: float = 5.0) -> dict[str, Any]:
+    """Ask the agent of one job on this node (its runtime directory) for its view (``easyckpt status``)."""
+    job_id = job_dir.name
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from easyckpt.agent_client import AgentClient
 from easyckpt.config import CheckpointerConfig
 from easyckpt.recovery import LoadResult, load
+from easyckpt.replica import PeerSet, introduce
 from easyckpt.slots import RankSlots
 from easyckpt.stager import Stager
 
@@ -59,6 +60,11 @@ class Checkpointer:
         self.agent.ensure(force=True)
         if config.start_agent:
             self.agent.wait_ready(config.agent_start_timeout)
+        self.peers: PeerSet | None = None
+        if self.world_size > self.local_world_size and dist.is_available() and dist.is_initialized():
+            # A job across nodes: agents must know each other before any rank may need a replica.
+            self.peers = introduce(self.agent, rank=self.rank, world_size=self.world_size,
+                                   replicate_unique=config.replicate_unique, timeout=config.agent_start_timeout)
         self.stager = Stager(config, self.slots, rank=self.rank, world_size=self.world_size,
                              local_rank=self.local_rank, local_world_size=self.local_world_size,
                              agent_alive=self.agent.alive)
@@ -68,7 +74,8 @@ class Checkpointer:
                     config.save_mem_interval, config.save_storage_interval, config.max_ckpt_num)
 
     def load(self, state_dict: Any = None, *, load_dir: str | os.PathLike[str] | None = None) -> LoadResult:
-        """Resume: the newest step every rank can get, from memory if all hold it there, else from disk.
+        """Resume: the newest step every rank can get: from this node's memory, else (multi-node) from
+        replicas on other nodes, else from disk.
 
         With ``state_dict``, its tensors of matching names are filled in place (on their devices) and
         appear in ``result.state``; a shape or dtype mismatch raises StateMismatchError and changes
@@ -77,7 +84,7 @@ class Checkpointer:
         self.stager.wait()
         return load(slots=self.slots, save_dir=self.config.save_dir, rank=self.rank, world_size=self.world_size,
                     template=state_dict, load_dir=Path(load_dir).resolve() if load_dir is not None else None,
-                    timeout=self.config.load_timeout)
+                    timeout=self.config.load_timeout, peers=self.peers, peer_timeout=self.config.peer_timeout)
 
     def save_if_needed(self, step: int, state_dict: Any) -> bool:
         """Snapshot when ``step % save_mem_interval == 0``; returns at once (True if a copy started)."""

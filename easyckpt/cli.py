@@ -5,6 +5,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 from easyckpt import storage
@@ -58,13 +59,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    if args.job_id:
-        jobs = [args.job_id]
-    elif args.save_dir:
-        jobs = [protocol.job_id_for(args.save_dir)]
-    else:
-        base = protocol.runtime_base()
-        jobs = sorted(p.name for p in base.iterdir() if (p / "agent.sock").exists()) if base.is_dir() else []
+    base = protocol.runtime_base()
+    if args.job_id or args.save_dir:
+        jobs = [base / protocol.job_dir_name(args.job_id or protocol.job_id_for(args.save_dir))]
+    else:  # every agent of this user on this node (several simulated nodes share one runtime base)
+        jobs = sorted(p for p in base.iterdir() if (p / "agent.sock").exists()) if base.is_dir() else []
     if not jobs:
         print("no easyckpt agent found (is a job running on this node?)")
         return 1
@@ -74,7 +73,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         try:
             reports.append(query_status(job, timeout=args.timeout))
         except AgentTimeout as exc:
-            reports.append({"job_id": job, "error": str(exc)})
+            reports.append({"job_id": job.name, "error": str(exc)})
             code = 1
     if args.json:
         print(json.dumps(reports, indent=2))
@@ -91,11 +90,35 @@ def cmd_status(args: argparse.Namespace) -> int:
         for slot in report["slots"]:
             print(f"  rank {slot['rank']} slot {slot['slot']}: {slot['state']:<10} step {slot['step']} "
                   f"({format_bytes(slot['bytes'])})")
+        if report.get("endpoint"):
+            print(f"  node {report['node']} at {report['endpoint']}; leader {report['leader']}, buddy {report['buddy']}; "
+                  f"nodes {report['nodes']}")
+            code = max(code, _print_coverage(report.get("coverage")))
         last = report["last_persist"]
         print(f"  newest on disk: step {report['persisted_step']}" + (
             f"; last persist step {last['step']}, {format_bytes(last['bytes'])} in {last['seconds']:.2f}s"
             if last else "") + (f"; persisting step {report['persisting']}" if report["persisting"] is not None else ""))
     return code
+
+
+def _print_coverage(coverage: dict | None) -> int:
+    """Copies in memory across nodes of each rank's tensors at the newest step; 0, or 2 on a warning."""
+    if not coverage or coverage.get("step") is None:
+        print("  replica coverage: not surveyed yet")
+        return 0
+    age = time.time() - coverage["as_of"]
+    print(f"  replica coverage of step {coverage['step']} (surveyed {age:.0f}s ago)"
+          + (f", unreachable nodes: {coverage['unreachable']}" if coverage["unreachable"] else ""))
+    warned = 0
+    for rank, info in sorted(coverage["ranks"].items(), key=lambda item: int(item[0])):
+        line = f"    rank {rank}: {info['copies']} cop{'y' if info['copies'] == 1 else 'ies'} of every tensor"
+        if info["copies"] == 0:
+            line = f"    rank {rank}: NOT RECOVERABLE from memory; missing {info.get('missing') or 'its manifest'}"
+        elif info["copies"] == 1:
+            line += f"; WARNING: single copy of {info['single']}: losing that node loses them"
+        warned |= info["copies"] <= 1
+        print(line)
+    return 2 if warned else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,6 +26,8 @@ class CheckpointerConfig:
     close_timeout: float = 600.0         # close() waiting for the agent to finish the due persist
     pin_timeout: float = 60.0            # longest a due, unclaimed snapshot keeps a slot from reuse
     copy_threads: int = 1                # CPU copy threads: more copies faster, but takes cores from training
+    replicate_unique: bool = True        # multi-node: the buddy node also keeps large tensors no other node holds
+    peer_timeout: float = 10.0           # multi-node: one request to another node's agent
 
     def __post_init__(self) -> None:
         self.save_dir = Path(self.save_dir).expanduser().resolve()
@@ -39,7 +41,8 @@ class CheckpointerConfig:
                 f"save_mem_interval={self.save_mem_interval}: a persisted step must also be a snapshot step; "
                 f"use e.g. save_storage_interval={self.save_storage_interval // self.save_mem_interval * self.save_mem_interval or self.save_mem_interval}"
             )
-        for name in ("agent_idle_timeout", "agent_start_timeout", "load_timeout", "close_timeout", "pin_timeout"):
+        for name in ("agent_idle_timeout", "agent_start_timeout", "load_timeout", "close_timeout", "pin_timeout",
+                     "peer_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         self.job_id = check_job_id(self.job_id or protocol.job_id_for(self.save_dir))

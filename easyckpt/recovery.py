@@ -1,8 +1,10 @@
 """Recovery: agree on one step for all ranks, then load it from the cheapest source that has it.
 
-Every rank reports the steps it holds in memory (its two slots) and the complete iterations it sees
-on disk; the candidates are the steps *every* rank holds, newest first, memory before disk on a tie
-(invariant 4). Each attempt is collective: if any rank fails to read (a torn slot, a corrupted file)
+Every rank reports the steps it holds in memory (its two slots), the steps it can pull from replicas
+on other nodes (multi-node jobs: see ``replica``), and the complete iterations it sees on disk; the
+candidates are the steps *every* rank can get, newest first, memory before replica before disk on a
+tie (invariant 4). In a memory/replica attempt each rank reads its own slot when it holds the step
+and pulls it from the replicas into that slot otherwise. Each attempt is collective: if any rank fails to read (a torn slot, a corrupted file)
 all ranks move to the next candidate together; a state that does not fit the caller's template
 fails on all ranks at once with the reason.
 """
@@ -18,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 from easyckpt_wire.layout import CheckpointFormatError
+from easyckpt_wire import transfer
 from easyckpt_wire.shm import SlotFormatError, format_bytes
-from easyckpt import storage
+from easyckpt import replica, storage
 from easyckpt.slots import RankSlots
 from easyckpt.state import flatten, torch_dtype, unflatten
 
@@ -32,7 +35,7 @@ _OK, _RETRY, _FATAL = 0, 1, 2
 @dataclasses.dataclass(frozen=True, slots=True)
 class LoadResult:
     step: int | None
-    source: str | None          # "memory" | "disk" | None (nothing to resume from)
+    source: str | None          # "memory" | "replica" | "disk" | None (nothing to resume from)
     state: Any
     path: str | None = None     # the iteration directory or slot file it came from
     seconds: float = 0.0
@@ -66,15 +69,20 @@ def _gather(vector: list[int], world_size: int) -> list[list[int]]:
     return [t.tolist() for t in gathered]
 
 
-def candidates(mem_steps: list[int], disk_steps: list[int], world_size: int) -> list[tuple[int, str]]:
-    """The same ordered candidate list on every rank."""
+def candidates(mem_steps: list[int], disk_steps: list[int], world_size: int,
+               replica_steps: list[int] = ()) -> list[tuple[int, str]]:
+    """The same ordered candidate list on every rank: (step, "memory" | "replica" | "disk")."""
     mem = (sorted(mem_steps, reverse=True) + [-1, -1])[:2]
+    rep = (sorted(set(replica_steps) - set(mem_steps), reverse=True) + [-1, -1])[:2]
     disk = (disk_steps[:MAX_DISK_CANDIDATES] + [-1] * MAX_DISK_CANDIDATES)[:MAX_DISK_CANDIDATES]
-    rows = _gather(mem + disk, world_size)
+    rows = _gather(mem + rep + disk, world_size)
     common_mem = set.intersection(*({s for s in row[:2] if s >= 0} for row in rows))
-    common_disk = set.intersection(*({s for s in row[2:] if s >= 0} for row in rows))
-    ordered = [(s, "memory") for s in common_mem] + [(s, "disk") for s in common_disk]
-    return sorted(ordered, key=lambda c: (-c[0], c[1] != "memory"))
+    common_any = set.intersection(*({s for s in row[:4] if s >= 0} for row in rows))
+    common_disk = set.intersection(*({s for s in row[4:] if s >= 0} for row in rows))
+    ordered = ([(s, "memory" if s in common_mem else "replica") for s in common_any]
+               + [(s, "disk") for s in common_disk])
+    rank_of = {"memory": 0, "replica": 1, "disk": 2}
+    return sorted(ordered, key=lambda c: (-c[0], rank_of[c[1]]))
 
 
 def _outcomes(code: int, world_size: int) -> list[int]:
@@ -113,7 +121,10 @@ def _place(record: _Record, source: torch.Tensor, template: dict[str, Any], *, o
     return source if owned else source.clone()
 
 
-def _read_memory(slots: RankSlots, step: int, template: dict[str, Any], timeout: float) -> tuple[Any, list[Any], str, int]:
+def _read_memory(slots: RankSlots, step: int, template: dict[str, Any], timeout: float,
+                 expected: tuple[int, list[bytes]] | None = None) -> tuple[Any, list[Any], str, int]:
+    """Read this rank's slot of ``step``; with ``expected`` (the agent's checksums of that very
+    snapshot) every tensor is verified before use."""
     index, header = slots.committed()[step]
     slot = slots.maps[index]
     assert slot is not None
@@ -125,6 +136,8 @@ def _read_memory(slots: RankSlots, step: int, template: dict[str, Any], timeout:
         meta = slot.read_meta(current)
         records = [_Record(i, e[0], e[1], e[2], tuple(e[3])) for i, e in enumerate(meta["tensors"])]
         _check_template(records, template, step, "memory")
+        if expected is not None and expected[0] == current.generation:
+            _verify_slot(slot, meta["tensors"], expected[1], step)
         values, nbytes = [], 0
         for record, entry in zip(records, meta["tensors"]):
             offset, size = entry[4], entry[5]
@@ -143,6 +156,19 @@ def _read_memory(slots: RankSlots, step: int, template: dict[str, Any], timeout:
         slot.unlock()
 
 
+def _verify_slot(slot: Any, entries: list[Any], checksums: list[bytes], step: int) -> None:
+    if len(checksums) != len(entries):
+        raise SlotFormatError(f"{slot.path}: {len(entries)} tensors but {len(checksums)} checksums from the agent")
+    for entry, checksum in zip(entries, checksums):
+        view = slot.data(entry[4], entry[5])
+        try:
+            if transfer.tensor_checksum(view) != checksum:
+                raise SlotFormatError(f"{slot.path}: tensor {entry[0]} of step {step} does not match the checksum "
+                                      "the agent took when it was committed (memory corrupted?)")
+        finally:
+            view.release()
+
+
 def _read_disk(iteration_dir: Path, rank: int, world_size: int, template: dict[str, Any]) -> tuple[Any, list[Any], str, int]:
     entry = storage.rank_entry(iteration_dir, rank, world_size)
     records = [_Record(r.index, r.name, r.kind, r.dtype, r.shape) for r in entry.records]
@@ -157,8 +183,23 @@ def _read_disk(iteration_dir: Path, rank: int, world_size: int, template: dict[s
     return entry.skeleton, values, str(iteration_dir), nbytes
 
 
+def _replica_plans(peers: replica.PeerSet | None, rank: int, mem_steps: list[int],
+                   timeout: float) -> dict[int, replica.ReplicaPlan]:
+    if peers is None:
+        return {}
+    found = replica.survey(peers, timeout)
+    for node, problem in sorted(found.unreachable.items()):
+        logger.warning("rank %d: agent of node %s is unreachable (%s): its replicas are not used", rank, node, problem)
+    plans = replica.plan(peers, found, rank, timeout)
+    if not plans and not mem_steps:
+        logger.warning("rank %d: no agent holds a replica of rank %d's state and its memory is empty: "
+                       "only disk can bring it back", rank, rank)
+    return {step: plan for step, plan in plans.items() if step not in mem_steps}
+
+
 def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, template: Any = None,
-         load_dir: Path | None = None, timeout: float = 120.0) -> LoadResult:
+         load_dir: Path | None = None, timeout: float = 120.0, peers: replica.PeerSet | None = None,
+         peer_timeout: float = 10.0) -> LoadResult:
     started = time.perf_counter()
     template_map: dict[str, Any] = {}
     if template is not None:
@@ -173,18 +214,31 @@ def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, templa
             disk_steps, unreadable = [], str(exc)
     else:
         disk_steps, base, mem_steps = storage.newest_first(save_dir), save_dir, list(slots.committed())
+    plans = _replica_plans(peers, rank, mem_steps, peer_timeout) if load_dir is None else {}
     tried = []
-    for step, source in candidates(mem_steps, disk_steps, world_size):
+    for step, source in candidates(mem_steps, disk_steps, world_size, list(plans)):
         code, problem, result = _OK, "", None
         try:
-            if source == "memory":
-                skeleton, values, path, nbytes = _read_memory(slots, step, template_map, timeout)
+            if source != "disk" and step not in slots.committed():
+                if step not in plans:
+                    raise replica.ReplicaError(f"rank {rank} holds no plan for step {step}")
+                assert peers is not None
+                moved = replica.fetch(peers, plans[step], slots, rank=rank, timeout=peer_timeout)
+                logger.info("rank %d pulled step %d from replicas: %s in %.3fs from %s", rank, step,
+                            format_bytes(moved["bytes"]), moved["seconds"], sorted(moved["peers"]))
+                source = "replica"
+            elif source == "replica":
+                source = "memory"  # this rank has it; others pull theirs
+            if source != "disk":
+                expected = replica.own_checksums(peers, rank, step, peer_timeout) if source == "memory" and peers else None
+                skeleton, values, path, nbytes = _read_memory(slots, step, template_map, timeout, expected)
             else:
                 skeleton, values, path, nbytes = _read_disk(base / f"iteration_{step:07d}", rank, world_size, template_map)
             result = (unflatten(skeleton, values), path, nbytes)
         except StateMismatchError as exc:
             code, problem = _FATAL, str(exc)
-        except (SlotFormatError, CheckpointFormatError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+        except (SlotFormatError, CheckpointFormatError, TimeoutError, ValueError, KeyError, TypeError,
+                replica.ReplicaError, OSError) as exc:
             code, problem = _RETRY, f"{type(exc).__name__}: {exc}"
         codes = _outcomes(code, world_size)
         if code != _OK:

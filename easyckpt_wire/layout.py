@@ -11,6 +11,8 @@
       latest_checkpointed_iteration.txt
       easyckpt-audit.log
       .tmp-iteration_0000100-<pid>/                  # a persist in progress (or a dead writer's)
+      .stage-iteration_0000100/                      # multi-node: every node's agent adds its ranks'
+        node-<node id>.json                          #   files, then this; the leader commits the step
 
 The agent writes this layout; the library and the CLI read it. Both use the functions here so that
 "complete" means the same thing on both sides.
@@ -31,6 +33,9 @@ TRACKER = "latest_checkpointed_iteration.txt"
 AUDIT_LOG = "easyckpt-audit.log"
 TMP_PREFIX = ".tmp-iteration_"
 TRASH_PREFIX = ".trash-iteration_"
+STAGE_PREFIX = ".stage-iteration_"
+STAGE_RE = re.compile(r"^\.stage-iteration_(\d{7,})$")
+NODE_FILE_RE = re.compile(r"^node-[A-Za-z0-9_.-]{1,64}\.json$")
 CHECKSUM_ALGO = "xxh3_128"
 ITERATION_RE = re.compile(r"^iteration_(\d{7,})$")
 TMP_RE = re.compile(r"^\.(?:tmp|trash)-iteration_(\d{7,})-(\d+)$")
@@ -40,6 +45,14 @@ OPT_KEYS = ("optim", "optimizer", "opt")
 
 def iteration_dirname(step: int) -> str:
     return f"iteration_{step:07d}"
+
+
+def stage_dirname(step: int) -> str:
+    return f"{STAGE_PREFIX}{step:07d}"
+
+
+def node_file_name(node: str) -> str:
+    return "node-" + re.sub(r"[^A-Za-z0-9_.-]", "_", node)[:64] + ".json"
 
 
 def rank_file_name(group: str, rank: int, world_size: int) -> str:

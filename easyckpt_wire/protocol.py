@@ -1,16 +1,28 @@
 """Wire protocol, version 1, between training ranks (and tools) and their node agent.
 
-Transport: ZeroMQ over ``ipc://`` in the job's runtime directory (owner-only permissions). A rank
-uses a DEALER socket, the agent a ROUTER socket; every message is one msgpack map with ``v`` (the
-protocol version), ``kind`` (a :class:`Kind`) and the fields that kind requires. Nothing is ever
-unpickled: a message that is too large, is not msgpack, has another version, an unknown kind or a
-field of the wrong type raises :class:`ProtocolError`, which the receiver logs and drops.
+Two transports, one message format:
+
+* rank <-> its node agent: ZeroMQ over ``ipc://`` in the job's runtime directory (owner-only
+  permissions), messages of at most 1 MiB;
+* agent <-> agent, and a recovering rank -> any agent: ZeroMQ over ``tcp://``. Every such request
+  carries the job token (handed out by rank 0 through the training job's rendezvous); the agent
+  answers a wrong or missing token with a refusal and nothing else. Messages are bounded by
+  :data:`MAX_PEER_MESSAGE_BYTES`; a FETCH reply carries one extra frame of raw tensor bytes (at most
+  :data:`MAX_CHUNK_BYTES`), checked against an xxh3-64 in its header.
+
+A requester uses a DEALER socket, the agent a ROUTER socket; every message is one msgpack map with
+``v`` (the protocol version), ``kind`` (a :class:`Kind`) and the fields that kind requires. Nothing is
+ever unpickled: a message that is too large, is not msgpack, has another version, an unknown kind or
+a field of the wrong type raises :class:`ProtocolError`, which the receiver logs and drops.
 """
 from __future__ import annotations
 
 import enum
 import hashlib
+import hmac
 import os
+import re
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +30,14 @@ import msgpack
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20
+MAX_PEER_MESSAGE_BYTES = 64 << 20   # manifests of ranks with many tensors and large plain values
+MAX_CHUNK_BYTES = 16 << 20          # one FETCH reply's data frame
+CHECKSUM_BYTES = 16                 # xxh3-128 digest of one tensor
 RUNTIME_DIR_ENV = "EASYCKPT_RUNTIME_DIR"
 JOB_ID_ENV = "EASYCKPT_JOB_ID"
+NODE_ID_ENV = "EASYCKPT_NODE_ID"
+AGENT_ADDR_ENV = "EASYCKPT_AGENT_ADDR"   # the address peers reach this node's agent at
+AGENT_PORT_ENV = "EASYCKPT_AGENT_PORT"   # its tcp port (default: any free one)
 
 
 class Kind(enum.IntEnum):
@@ -27,6 +45,12 @@ class Kind(enum.IntEnum):
     BYE = 2      # a rank finished cleanly; with wait=True the agent replies once due persists are done
     STATUS = 3   # the agent's view: ranks, slots, steps, last persist
     PING = 4     # liveness probe
+    PEERS = 5    # a rank tells its agent the job token, the other nodes' agents and the leader
+    # tcp, token required
+    LIST = 10      # which steps, ranks' manifests and tensor checksums does this agent hold
+    MANIFEST = 11  # one rank's manifest at one step (tensor index with checksums, plain values)
+    FETCH = 12     # a byte range of the tensor with this checksum at this step
+    PUSH = 13      # an agent hands its buddy the manifests of its ranks' newest snapshot
     REPLY = 100  # agent -> requester
 
 
@@ -35,6 +59,8 @@ _STR = (str,)
 _BOOL = (bool,)
 _OPT_STR = (str, type(None))
 _DICT = (dict,)
+_LIST = (list,)
+_BYTES = (bytes,)
 
 # Required fields and their types per kind; extra fields are ignored so that a newer peer that adds
 # optional fields still talks to an older one of the same version.
@@ -44,26 +70,33 @@ _SCHEMA: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.BYE: {"rank": _INT, "pid": _INT, "wait": _BOOL},
     Kind.STATUS: {},
     Kind.PING: {},
+    Kind.PEERS: {"token": _STR, "node": _STR, "leader": _STR, "nodes": _LIST, "world_size": _INT,
+                  "replicate_unique": _BOOL},
+    Kind.LIST: {"token": _STR},
+    Kind.MANIFEST: {"token": _STR, "rank": _INT, "step": _INT},
+    Kind.FETCH: {"token": _STR, "step": _INT, "checksum": _BYTES, "offset": _INT, "length": _INT},
+    Kind.PUSH: {"token": _STR, "node": _STR, "step": _INT, "manifests": _LIST},
     Kind.REPLY: {"ok": _BOOL},
 }
+PEER_KINDS = frozenset({Kind.LIST, Kind.MANIFEST, Kind.FETCH, Kind.PUSH})
 
 
 class ProtocolError(ValueError):
     """A message that violates the protocol; the receiver drops it."""
 
 
-def encode(kind: Kind, **fields: Any) -> bytes:
+def encode(kind: Kind, *, limit: int = MAX_MESSAGE_BYTES, **fields: Any) -> bytes:
     message = {"v": PROTOCOL_VERSION, "kind": int(kind), **fields}
     _check(message, Kind(kind))
     blob = msgpack.packb(message, use_bin_type=True)
-    if len(blob) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"{kind.name} message of {len(blob)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    if len(blob) > limit:
+        raise ProtocolError(f"{kind.name} message of {len(blob)} bytes exceeds {limit}")
     return blob
 
 
-def decode(blob: bytes) -> tuple[Kind, dict[str, Any]]:
-    if len(blob) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(f"message of {len(blob)} bytes exceeds the {MAX_MESSAGE_BYTES} byte limit")
+def decode(blob: bytes | memoryview, *, limit: int = MAX_MESSAGE_BYTES) -> tuple[Kind, dict[str, Any]]:
+    if len(blob) > limit:
+        raise ProtocolError(f"message of {len(blob)} bytes exceeds the {limit} byte limit")
     try:
         message = msgpack.unpackb(blob, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several exception types on garbage
@@ -87,6 +120,7 @@ _MAX_RANKS = 1 << 20
 _RANGES: dict[str, tuple[int, int]] = {
     "rank": (0, _MAX_RANKS - 1), "pid": (1, 1 << 22), "world_size": (1, _MAX_RANKS),
     "local_world_size": (1, 4096), "save_storage_interval": (1, 1 << 62), "max_ckpt_num": (1, 1 << 20),
+    "step": (0, 1 << 62), "offset": (0, 1 << 50), "length": (1, MAX_CHUNK_BYTES),
 }
 
 
@@ -105,6 +139,14 @@ def _check(message: dict[str, Any], kind: Kind) -> None:
                                    and message["local_world_size"] <= message["world_size"]):
         raise ProtocolError(f"HELLO with rank {message['rank']}, local_world_size {message['local_world_size']} "
                             f"and world_size {message['world_size']} is inconsistent")
+    if kind == Kind.FETCH and len(message["checksum"]) != CHECKSUM_BYTES:
+        raise ProtocolError(f"FETCH checksum of {len(message['checksum'])} bytes, expected {CHECKSUM_BYTES}")
+
+
+def token_ok(message: dict[str, Any], token: str | None) -> bool:
+    """Constant-time check of a peer request's job token (no token configured: nobody is let in)."""
+    given = message.get("token")
+    return bool(token) and isinstance(given, str) and hmac.compare_digest(given.encode(), token.encode())
 
 
 def reply(ok: bool = True, **fields: Any) -> bytes:
@@ -126,11 +168,42 @@ def runtime_base() -> Path:
     return Path("/tmp") / f"easyckpt-{os.getuid()}"
 
 
+def node_id() -> str:
+    """This node's name in the job: EASYCKPT_NODE_ID, else the host name."""
+    return os.environ.get(NODE_ID_ENV) or socket.gethostname()
+
+
+def job_dir_name(job_id: str) -> str:
+    """One runtime directory per job and node: two simulated nodes on one host need two agents."""
+    configured = os.environ.get(NODE_ID_ENV)
+    return f"{job_id}@{re.sub(r'[^A-Za-z0-9_.-]', '_', configured)[:64]}" if configured else job_id
+
+
+def advertised_address() -> str:
+    """The address other nodes reach this agent at: EASYCKPT_AGENT_ADDR, else the local address of
+    the route to the job's MASTER_ADDR (torchrun sets it), else the host name's address."""
+    configured = os.environ.get(AGENT_ADDR_ENV)
+    if configured:
+        return configured
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((master, 9))  # a UDP connect sends nothing; it only picks the route
+                return probe.getsockname()[0]
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
 def runtime_dir(job_id: str) -> Path:
     """The job's private directory for the agent's socket, lock, pid and log (created 0700)."""
     base = runtime_base()
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path = base / job_id
+    path = base / job_dir_name(job_id)
     path.mkdir(mode=0o700, exist_ok=True)
     for directory in (base, path):
         stat = directory.stat()

@@ -7,6 +7,16 @@ python / numpy RNGs that drive dropout and noise, and the data position), so a r
 the loss curve exactly. Each rank appends one JSON line per step to ``--out/losses-rank<r>.jsonl``
 (step, loss, a digest of the state) and writes ``--out/resume-rank<r>-<n>.json`` after load, which is
 what the tests and the demo read.
+
+Across nodes (each node runs its own torchrun; with EASYCKPT_NODE_ID and EASYCKPT_SHM_DIR set per
+"node", two can share one machine)::
+
+    torchrun --nnodes=2 --node-rank=0 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=127.0.0.1:29400 \
+        examples/plain_ddp.py --save-dir /tmp/ckpt --out /tmp/run --grad-sync flat
+
+``--grad-sync flat`` averages gradients on one flat buffer in a fixed order instead of DDP's buckets,
+whose order changes after DDP's first step: with more than two ranks that changes the float sums, and
+a resumed run's losses would differ from an uninterrupted one's in the last bits.
 """
 from __future__ import annotations
 
@@ -55,6 +65,18 @@ def state_digest(state: dict) -> str:
     return digest.hexdigest()
 
 
+def average_gradients(model: torch.nn.Module, world_size: int) -> None:
+    """All-reduce every gradient as one flat buffer: the same summation order at every step."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= world_size
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--save-dir", required=True)
@@ -64,6 +86,12 @@ def main() -> None:
     parser.add_argument("--save-storage-interval", type=int, default=10)
     parser.add_argument("--max-ckpt-num", type=int, default=3)
     parser.add_argument("--step-seconds", type=float, default=0.0, help="extra compute per step (busy loop)")
+    parser.add_argument("--step-idle", type=float, default=0.0,
+                        help="extra idle time per step, as when the CPU waits for a GPU step to finish")
+    parser.add_argument("--grad-sync", choices=("ddp", "flat"), default="ddp",
+                        help="DDP's buckets, or one flat all-reduce in a fixed order (bitwise-stable across restarts)")
+    parser.add_argument("--peer-timeout", type=float, default=10.0,
+                        help="multi-node: seconds one request to another node's agent may take")
     args = parser.parse_args()
     logging.basicConfig(level=os.environ.get("EASYCKPT_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s rank%(process)d %(name)s: %(message)s")
@@ -73,19 +101,24 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"pid-rank{rank}").write_text(str(os.getpid()))
     torch.manual_seed(0)
-    random.seed(0)
-    np.random.seed(0)
-    model = DistributedDataParallel(TinyLM())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    net = TinyLM()  # the same initial weights on every rank
+    # Each rank its own dropout and noise stream: a rank's RNG state exists only on that rank, which is
+    # what a replica on another node must carry besides the (replicated) model and optimizer.
+    torch.manual_seed(1 + rank)
+    random.seed(1 + rank)
+    np.random.seed(1 + rank)
+    model = DistributedDataParallel(net) if args.grad_sync == "ddp" else net
+    optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
 
     ckpt = easyckpt.Checkpointer(args.save_dir, args.save_mem_interval, args.save_storage_interval,
-                                 args.max_ckpt_num, log_file_path=str(out / "persist.log"))
-    result = ckpt.load({"model": model.module.state_dict(), "optim": optimizer.state_dict()})
+                                 args.max_ckpt_num, log_file_path=str(out / "persist.log"),
+                                 peer_timeout=args.peer_timeout)
+    result = ckpt.load({"model": net.state_dict(), "optim": optimizer.state_dict()})
     start = 0
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if result.step is not None:
-        model.module.load_state_dict(result.state["model"])
+        net.load_state_dict(result.state["model"])
         optimizer.load_state_dict(result.state["optim"])
         scheduler.load_state_dict(result.state["sched"])
         torch.set_rng_state(result.state["rng"]["torch"])
@@ -108,12 +141,15 @@ def main() -> None:
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)) + noise
             optimizer.zero_grad()
             loss.backward()
+            if args.grad_sync == "flat":
+                average_gradients(net, dist.get_world_size())
             optimizer.step()
             scheduler.step()
             deadline = time.perf_counter() + args.step_seconds
             while time.perf_counter() < deadline:
                 pass
-            state = {"model": model.module.state_dict(), "optim": optimizer.state_dict(),
+            time.sleep(args.step_idle)  # stands in for GPU work, not a synchronisation
+            state = {"model": net.state_dict(), "optim": optimizer.state_dict(),
                      "sched": scheduler.state_dict(), "data_position": step + 1, "step": step,
                      "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                              "numpy": np.random.get_state()}}

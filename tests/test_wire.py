@@ -95,8 +95,9 @@ def test_protocol_round_trip_and_rejections() -> None:
 
 
 def test_fault_spec_parsing_and_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert faults._parse("stager.mid_copy@7#1") == ("stager.mid_copy", 7, 1)
-    assert faults._parse("agent.persist.after_file") == ("agent.persist.after_file", None, None)
+    assert faults._parse("stager.mid_copy@7#1") == ("stager.mid_copy", 7, 1, "kill")
+    assert faults._parse("agent.persist.after_file") == ("agent.persist.after_file", None, None, "kill")
+    assert faults._parse("agent.replica.fetch:stop") == ("agent.replica.fetch", None, None, "stop")
     with pytest.raises(ValueError, match="malformed"):
         faults._parse("bad point!")
     monkeypatch.setenv(faults.ENV, "x.y@3")
@@ -106,6 +107,9 @@ def test_fault_spec_parsing_and_once(tmp_path: Path, monkeypatch: pytest.MonkeyP
     once.touch()
     monkeypatch.setenv(faults.ONCE_ENV, str(once))
     faults.fault_point("x.y", step=3)      # already fired once: no kill
+    monkeypatch.delenv(faults.ONCE_ENV)
+    monkeypatch.setenv(faults.ARM_ENV, str(tmp_path / "not-armed"))
+    faults.fault_point("x.y", step=3)      # not armed: no kill
     assert os.getpid() > 0                 # still alive
 
 

@@ -1,0 +1,475 @@
+"""Replicas: what this agent holds for other nodes, and the tcp server that hands it out.
+
+* **Manifests.** For every committed snapshot of a local rank the agent computes an xxh3-128 of each
+  tensor (in its own thread, off the training path, checking the slot's generation afterwards so a
+  snapshot overwritten meanwhile is not described). A manifest is the slot's metadata (tensor index,
+  plain values) plus those checksums. Two tensors with the same checksum at the same step are
+  interchangeable, so data-parallel replicas are found without any configuration.
+* **Buddy backups.** Each manifest is pushed to the next node's agent (the node list sorted by id,
+  in a ring). The buddy keeps it and pulls every tensor its own ranks do not hold at that step (RNG
+  states, data positions; large unique ones too unless ``replicate_unique`` is off): so a rank whose
+  whole node is gone can still be rebuilt.
+* **Server.** A ROUTER socket on tcp answers LIST, MANIFEST, FETCH and PUSH from holders of the job
+  token, in its own thread. FETCH sends tensor bytes zero-copy from the slot's mmap (or the backup
+  store) with an xxh3-64 per chunk computed at send time; a slot rewritten since it was hashed is
+  refused rather than served.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import xxhash
+import zmq
+
+from easyckpt_wire import protocol
+from easyckpt_wire.faults import fault_point
+from easyckpt_wire.protocol import Kind, ProtocolError
+from easyckpt_wire.shm import SlotFormatError, SlotMap
+from easyckpt_wire.transfer import PeerClient, PeerError, tensor_checksum
+
+logger = logging.getLogger(__name__)
+
+KEEP_STEPS = 2                # backups kept per rank: the newest two, like a rank's two slots
+SMALL_TENSOR = 1 << 20        # with replicate_unique=False only unique tensors up to this size are pulled
+BUDDY_WAIT = 5.0              # seconds a buddy waits for its own ranks' snapshot of a step before pulling
+
+
+@dataclasses.dataclass(slots=True)
+class Peers:
+    """What the training ranks told this agent through the job's rendezvous."""
+
+    token: str
+    node: str
+    leader: str
+    nodes: dict[str, dict[str, Any]]     # node id -> {"endpoint": str, "ranks": [int]}
+    world_size: int
+    replicate_unique: bool = True
+
+    @property
+    def is_leader(self) -> bool:
+        return self.node == self.leader
+
+    def predecessor(self) -> str | None:
+        """The node whose buddy this one is."""
+        names = sorted(self.nodes)
+        if len(names) < 2 or self.node not in names:
+            return None
+        return names[(names.index(self.node) - 1) % len(names)]
+
+    def buddy(self) -> str | None:
+        """The next node in the sorted ring: it receives this node's manifests and unique tensors."""
+        names = sorted(self.nodes)
+        if len(names) < 2 or self.node not in names:
+            return None
+        return names[(names.index(self.node) + 1) % len(names)]
+
+
+@dataclasses.dataclass(slots=True)
+class LocalManifest:
+    path: Path
+    generation: int
+    step: int
+    manifest: dict[str, Any]
+    where: dict[bytes, tuple[int, int]]   # checksum -> (offset, nbytes) in the slot
+
+
+class Holdings:
+    """Thread-safe: what this agent can serve (local slots, backups from peers, backed-up tensors)."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+        self.lock = threading.Lock()
+        self.local: dict[tuple[int, int], LocalManifest] = {}          # (rank, slot) ->
+        self.backups: dict[tuple[int, int], dict[str, Any]] = {}       # (rank, step) -> manifest
+        self.blobs: dict[bytes, bytearray] = {}                        # checksum -> bytes
+        self.local_ranks: frozenset[int] = frozenset()                 # replaced (not mutated) by the main loop
+
+    def set_local(self, rank: int, slot: int, entry: LocalManifest) -> None:
+        with self.lock:
+            self.local[(rank, slot)] = entry
+
+    def forget_local(self, keep: set[tuple[int, int]]) -> None:
+        with self.lock:
+            for key in set(self.local) - keep:
+                del self.local[key]
+
+    def hashed_steps(self) -> set[int]:
+        """Steps for which every local rank's snapshot has a manifest."""
+        ranks = self.local_ranks
+        steps: dict[int, set[int]] = {}
+        with self.lock:
+            for entry in self.local.values():
+                steps.setdefault(entry.step, set()).add(entry.manifest["rank"])
+        return {step for step, held in steps.items() if ranks and held >= ranks}
+
+    def backed_up_steps(self, ranks: list[int]) -> set[int]:
+        """Steps at which every one of ``ranks`` has a manifest here and each of its tensors is held here."""
+        with self.lock:
+            steps = {s for r, s in self.backups if r in ranks}
+        complete = set()
+        for step in steps:
+            held = self.checksums_at(step)
+            with self.lock:
+                manifests = [self.backups.get((rank, step)) for rank in ranks]
+            if all(m is not None and all(c in held for c in m["checksums"]) for m in manifests):
+                complete.add(step)
+        return complete
+
+    def local_at(self, step: int) -> list[dict[str, Any]]:
+        with self.lock:
+            return [e.manifest for e in self.local.values() if e.step == step]
+
+    def checksums_at(self, step: int) -> set[bytes]:
+        with self.lock:
+            held = {c for e in self.local.values() if e.step == step for c in e.where}
+            for (rank, s), manifest in self.backups.items():
+                if s == step:
+                    held.update(c for c in manifest["checksums"] if c in self.blobs)
+            return held
+
+    def add_backup(self, manifest: dict[str, Any]) -> None:
+        rank, step = manifest["rank"], manifest["step"]
+        with self.lock:
+            self.backups[(rank, step)] = manifest
+            steps = sorted((s for r, s in self.backups if r == rank), reverse=True)
+            for old in steps[KEEP_STEPS:]:
+                del self.backups[(rank, old)]
+            wanted = {c for m in self.backups.values() for c in m["checksums"]}
+            for checksum in set(self.blobs) - wanted:
+                del self.blobs[checksum]
+
+    def add_blob(self, checksum: bytes, data: bytearray) -> None:
+        with self.lock:
+            if any(checksum in m["checksums"] for m in self.backups.values()):
+                self.blobs[checksum] = data
+
+    def listing(self) -> list[list[Any]]:
+        """[[step, [ranks with a manifest here], concatenated checksums held at that step]], newest first."""
+        with self.lock:
+            steps = {e.step for e in self.local.values()} | {s for _, s in self.backups}
+        rows = []
+        for step in sorted(steps, reverse=True):
+            with self.lock:
+                ranks = {e.manifest["rank"] for e in self.local.values() if e.step == step}
+                ranks |= {r for r, s in self.backups if s == step}
+            rows.append([step, sorted(ranks), b"".join(sorted(self.checksums_at(step)))])
+        return rows
+
+    def manifest(self, rank: int, step: int) -> dict[str, Any] | None:
+        with self.lock:
+            for entry in self.local.values():
+                if entry.step == step and entry.manifest["rank"] == rank:
+                    return entry.manifest
+            return self.backups.get((rank, step))
+
+    def locate(self, step: int, checksum: bytes, copy: int = 0) -> tuple[str, Any]:
+        """The ``copy``-th copy held here: ("slot", (path, generation, offset, nbytes)), ("blob", bytes)
+        or ("none", None). A requester that got a corrupted copy asks for the next one."""
+        with self.lock:
+            copies: list[tuple[str, Any]] = [
+                ("slot", (e.path, e.generation, *e.where[checksum]))
+                for _, e in sorted(self.local.items()) if e.step == step and checksum in e.where]
+            if checksum in self.blobs:
+                copies.append(("blob", self.blobs[checksum]))
+        return copies[copy] if copy < len(copies) else ("none", None)
+
+
+def build_manifest(slot: SlotMap, meta: dict[str, Any], generation: int, node: str) -> LocalManifest | None:
+    """Hash every tensor of a committed slot; None if the slot was rewritten meanwhile."""
+    checksums, where = [], {}
+    for entry in meta["tensors"]:
+        offset, nbytes = entry[4], entry[5]
+        view = slot.data(offset, nbytes)
+        try:
+            checksum = tensor_checksum(view)
+        finally:
+            view.release()
+        checksums.append(checksum)
+        where.setdefault(checksum, (offset, nbytes))
+    if slot.generation() != generation:
+        return None
+    manifest = {key: value for key, value in meta.items() if key not in ("pid", "pid_start")}
+    manifest.update(checksums=checksums, node=node, generation=generation)
+    return LocalManifest(slot.path, generation, meta["step"], manifest, where)
+
+
+class MapCache:
+    """Read-only maps of slot files owned by one thread (never shared with the agent's main loop)."""
+
+    def __init__(self) -> None:
+        self.maps: dict[Path, SlotMap] = {}
+        self.retired: list[SlotMap] = []
+
+    def get(self, path: Path) -> SlotMap:
+        slot = self.maps.get(path)
+        if slot is None:
+            slot = self.maps[path] = SlotMap(path, writable=False)
+        elif slot.size != path.stat().st_size:
+            self.retired.append(slot)       # zmq may still be sending from its pages
+            slot = self.maps[path] = SlotMap(path, writable=False)
+        for old in list(self.retired):
+            try:
+                old.close()
+                self.retired.remove(old)
+            except BufferError:
+                pass
+        return slot
+
+
+class ReplicaServer(threading.Thread):
+    """Serves this agent's holdings to token holders over tcp."""
+
+    def __init__(self, holdings: Holdings, ctx: zmq.Context, bind_host: str, port: int,
+                 on_push: Any) -> None:
+        super().__init__(name="replica-server", daemon=True)
+        self.holdings = holdings
+        self.token: str | None = None
+        self.on_push = on_push
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_PEER_MESSAGE_BYTES)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if port:
+            self.sock.bind(f"tcp://{bind_host}:{port}")
+        else:
+            port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
+        self.endpoint = f"tcp://{bind_host}:{port}"
+        self.maps = MapCache()
+        self.stopping = threading.Event()
+        self.served_bytes = 0
+        self.refused = 0
+        self.dropped = 0
+        self._last_warning = 0.0
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.join(timeout=5)
+
+    def run(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                if self.sock.poll(100):
+                    self._serve_one()
+        finally:
+            self.sock.close(linger=0)
+
+    def _warn(self, text: str, *args: Any) -> None:
+        """Rate-limited: a flood of garbage must not flood the log too."""
+        now = time.monotonic()
+        if now - self._last_warning >= 1.0:
+            self._last_warning = now
+            logger.warning(text + " (%d refused, %d malformed so far)", *args, self.refused, self.dropped)
+
+    def _serve_one(self) -> None:
+        try:
+            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
+        except zmq.Again:
+            return
+        if len(frames) != 2:
+            self.dropped += 1
+            self._warn("replica server dropped a message of %d frames", len(frames))
+            return
+        identity, blob = frames
+        try:
+            kind, message = protocol.decode(blob, limit=protocol.MAX_PEER_MESSAGE_BYTES)
+        except ProtocolError as exc:
+            self.dropped += 1
+            self._warn("replica server dropped a malformed message: %s", exc)
+            return
+        request_id = message.get("id")
+        if kind not in protocol.PEER_KINDS:
+            self.dropped += 1
+            self._warn("replica server dropped a %s message: not a peer request", kind.name)
+            return
+        if not protocol.token_ok(message, self.token):
+            self.refused += 1
+            self._warn("replica server refused a %s request without the job token", kind.name)
+            self._reply(identity, False, request_id, error="not a member of this job (wrong or missing token)")
+            return
+        try:
+            if kind == Kind.LIST:
+                self._reply(identity, True, request_id, node=self.holdings.node, steps=self.holdings.listing())
+            elif kind == Kind.MANIFEST:
+                manifest = self.holdings.manifest(message["rank"], message["step"])
+                if manifest is None:
+                    self._reply(identity, False, request_id,
+                                error=f"no manifest of rank {message['rank']} at step {message['step']} here")
+                else:
+                    self._reply(identity, True, request_id, manifest=manifest)
+            elif kind == Kind.FETCH:
+                self._fetch(identity, request_id, message)
+            elif kind == Kind.PUSH:
+                self.on_push(message)
+                self._reply(identity, True, request_id)
+        except (KeyError, TypeError, ValueError, SlotFormatError, OSError) as exc:
+            self.dropped += 1
+            self._warn("replica server could not answer a %s request: %s: %s", kind.name, type(exc).__name__, exc)
+            self._reply(identity, False, request_id, error=f"{type(exc).__name__}: {exc}")
+
+    def _reply(self, identity: bytes, ok: bool, request_id: Any, data: Any = None, **fields: Any) -> None:
+        try:
+            header = protocol.encode(Kind.REPLY, limit=protocol.MAX_PEER_MESSAGE_BYTES, ok=ok, id=request_id, **fields)
+        except ProtocolError as exc:
+            header = protocol.encode(Kind.REPLY, ok=False, id=None, error=str(exc))
+        try:
+            if data is None:
+                self.sock.send_multipart([identity, header], zmq.NOBLOCK)
+            else:
+                self.sock.send_multipart([identity, header, data], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            logger.debug("reply dropped: %s", exc)
+
+    def _fetch(self, identity: bytes, request_id: Any, message: dict[str, Any]) -> None:
+        step, checksum, offset, length = message["step"], message["checksum"], message["offset"], message["length"]
+        copy = message.get("copy", 0)
+        if not isinstance(copy, int) or not 0 <= copy < 64:
+            raise ValueError(f"copy {copy!r} is not an int in [0, 64)")
+        fault_point("agent.replica.fetch", step=step)
+        where, found = self.holdings.locate(step, checksum, copy)
+        if where == "slot":
+            path, generation, start, nbytes = found
+            if offset + length > nbytes:
+                raise ValueError(f"range {offset}+{length} beyond the tensor's {nbytes} bytes")
+            slot = self.maps.get(path)
+            view = slot.data(start + offset, length)
+            digest = xxhash.xxh3_64_intdigest(view)
+            if slot.generation() != generation:
+                view.release()
+                self._reply(identity, False, request_id, error=f"step {step} in {path} was overwritten")
+                return
+        elif where == "blob":
+            if offset + length > len(found):
+                raise ValueError(f"range {offset}+{length} beyond the tensor's {len(found)} bytes")
+            view = memoryview(found)[offset:offset + length]
+            digest = xxhash.xxh3_64_intdigest(view)
+        else:
+            self._reply(identity, False, request_id, error=f"no copy {copy} of tensor {checksum.hex()} at step {step} here")
+            return
+        self.served_bytes += length
+        self._reply(identity, True, request_id, data=view, xxh64=digest)
+
+
+class BuddyPuller:
+    """Pulls, in its own thread, the tensors of a peer's manifests that this node does not hold."""
+
+    def __init__(self, holdings: Holdings, peers_getter: Any) -> None:
+        self.holdings = holdings
+        self.peers = peers_getter
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="buddy")
+        self.pulled_bytes = 0
+
+    def submit(self, origin: str, step: int, manifests: list[dict[str, Any]]) -> None:
+        self.pool.submit(self._pull, origin, step, manifests)
+
+    def _pull(self, origin: str, step: int, manifests: list[dict[str, Any]]) -> None:
+        try:
+            self._pull_missing(origin, step, manifests)
+        except Exception:  # a thread pool would swallow it
+            logger.exception("backup of node %s's step %d failed", origin, step)
+
+    def _pull_missing(self, origin: str, step: int, manifests: list[dict[str, Any]]) -> None:
+        deadline = time.monotonic() + BUDDY_WAIT
+        while step not in self.holdings.hashed_steps() and time.monotonic() < deadline:
+            time.sleep(0.05)  # bounded wait for our own ranks' snapshot of the same step (polling)
+        peers: Peers | None = self.peers()
+        if peers is None or origin not in peers.nodes:
+            return
+        held = self.holdings.checksums_at(step)
+        client = PeerClient(peers.nodes[origin]["endpoint"], peers.token, timeout=30.0)
+        started, nbytes = time.monotonic(), 0
+        try:
+            for manifest in manifests:
+                for entry, checksum in zip(manifest["tensors"], manifest["checksums"]):
+                    size = entry[5]
+                    if checksum in held or (not peers.replicate_unique and size > SMALL_TENSOR):
+                        continue
+                    buffer = bytearray(size)
+                    client.fetch_into(step, checksum, memoryview(buffer))
+                    self.holdings.add_blob(checksum, buffer)
+                    held.add(checksum)
+                    nbytes += size
+        except PeerError as exc:
+            logger.warning("backup of node %s's step %d incomplete: %s", origin, step, exc)
+        finally:
+            client.close()
+        self.pulled_bytes += nbytes
+        if nbytes:
+            logger.info("backed up %d bytes of node %s's step %d (tensors no local rank holds) in %.3fs",
+                        nbytes, origin, step, time.monotonic() - started)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def push_manifests(peers: Peers, step: int, manifests: list[dict[str, Any]]) -> None:
+    """Hand the buddy this node's manifests of ``step``; a failure is logged, never raised."""
+    buddy = peers.buddy()
+    if buddy is None:
+        return
+    client = PeerClient(peers.nodes[buddy]["endpoint"], peers.token, timeout=10.0)
+    try:
+        client.call(Kind.PUSH, node=peers.node, step=step, manifests=manifests)
+    except (PeerError, ProtocolError) as exc:
+        logger.warning("could not hand step %d's manifests to buddy node %s: %s", step, buddy, exc)
+    finally:
+        client.close()
+
+
+def survey_coverage(peers: Peers, holdings: Holdings, timeout: float = 2.0) -> dict[str, Any]:
+    """For the newest step this node holds: how many nodes hold each rank's tensors in memory.
+
+    A rank part with a single copy is lost with its node; ``single`` names such tensors (a few).
+    """
+    listings: dict[str, dict[int, tuple[list[int], set[bytes]]]] = {}
+    unreachable = []
+    for node, info in sorted(peers.nodes.items()):
+        if node == peers.node:
+            rows = holdings.listing()
+        else:
+            client = PeerClient(info["endpoint"], peers.token, timeout=timeout)
+            try:
+                rows = client.call(Kind.LIST)["steps"]
+            except (PeerError, ProtocolError, KeyError) as exc:
+                unreachable.append(node)
+                logger.debug("coverage: node %s unreachable: %s", node, exc)
+                continue
+            finally:
+                client.close()
+        listings[node] = {row[0]: (row[1], {row[2][i:i + 16] for i in range(0, len(row[2]), 16)}) for row in rows}
+    with holdings.lock:
+        steps = [e.step for e in holdings.local.values()]
+    if not steps:
+        return {"step": None, "ranks": {}, "unreachable": unreachable, "as_of": time.time()}
+    step = max(steps)
+    ranks: dict[str, Any] = {}
+    for rank in range(peers.world_size):
+        manifest = holdings.manifest(rank, step)
+        if manifest is None:
+            for node, rows in listings.items():
+                if node != peers.node and rank in rows.get(step, ([], set()))[0]:
+                    client = PeerClient(peers.nodes[node]["endpoint"], peers.token, timeout=timeout)
+                    try:
+                        manifest = client.call(Kind.MANIFEST, rank=rank, step=step)["manifest"]
+                        break
+                    except (PeerError, ProtocolError, KeyError):
+                        continue
+                    finally:
+                        client.close()
+        if manifest is None:
+            ranks[str(rank)] = {"copies": 0, "manifest_nodes": [], "single": []}
+            continue
+        counts = [sum(1 for rows in listings.values() if c in rows.get(step, ([], set()))[1])
+                  for c in manifest["checksums"]]
+        names = [entry[0] for entry in manifest["tensors"]]
+        ranks[str(rank)] = {
+            "copies": min(counts, default=0), "tensors": len(counts),
+            "manifest_nodes": sorted(n for n, rows in listings.items() if rank in rows.get(step, ([], set()))[0]),
+            "single": [n for n, c in zip(names, counts) if c == 1][:5],
+            "missing": [n for n, c in zip(names, counts) if c == 0][:5]}
+    return {"step": step, "ranks": ranks, "unreachable": unreachable, "as_of": time.time()}

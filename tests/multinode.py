@@ -1,0 +1,155 @@
+"""Simulate a multi-node job on one machine: each "node" is its own ``torchrun --nnodes=2 --node-rank=i``
+(c10d rendezvous on 127.0.0.1, hosted by node 0, which the tests never kill) with its own
+EASYCKPT_NODE_ID, its own EASYCKPT_SHM_DIR and so its own agent, running examples/plain_ddp.py with
+gradients averaged on one flat buffer (bitwise-stable across restarts)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from easyckpt_wire.protocol import job_id_for
+
+from conftest import ROOT, Env, gone, wait_for
+
+SCRIPT = ROOT / "examples" / "plain_ddp.py"
+NODES = 2
+RANKS_PER_NODE = 2
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def accepting(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+class Cluster:
+    """Two simulated nodes sharing one save_dir (the "shared storage") and one output directory.
+
+    A step idles ``step_idle`` seconds, as a rank does while its GPU computes: four busy ranks on two
+    cores would starve the agents (nice 10) in a way no real node with a GPU per rank does.
+    """
+
+    def __init__(self, env: Env, out: Path, *, steps: int, step_idle: float = 0.15, save_storage_interval: int = 5,
+                 peer_timeout: float = 10.0, node_env: dict[int, dict[str, str]] | None = None) -> None:
+        self.env = env
+        self.out = out
+        self.steps = steps
+        self.args = ["--save-dir", str(env.save_dir), "--out", str(out), "--steps", str(steps), "--grad-sync", "flat",
+                     "--step-idle", str(step_idle), "--save-storage-interval", str(save_storage_interval),
+                     "--peer-timeout", str(peer_timeout)]
+        self.port = free_port()
+        self.shm = {i: Path(tempfile.mkdtemp(prefix=f"easyckpt-test-node{i}-", dir="/dev/shm")) for i in range(NODES)}
+        self.node_env = node_env or {}
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.logs: dict[int, Path] = {}
+        self.launches = 0
+        out.mkdir(parents=True, exist_ok=True)
+
+    def environ(self, node: int) -> dict[str, str]:
+        return self.env.environ(EASYCKPT_NODE_ID=f"node{node}", EASYCKPT_SHM_DIR=str(self.shm[node]),
+                                EASYCKPT_AGENT_ADDR="127.0.0.1", EASYCKPT_LOG_LEVEL="INFO",
+                                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **self.node_env.get(node, {}))
+
+    def start(self, node: int, *, max_restarts: int = 0) -> None:
+        self.launches += 1
+        log = self.out / f"node{node}-{self.launches}.log"
+        self.logs[node] = log
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}", f"--node-rank={node}",
+                   f"--nproc-per-node={RANKS_PER_NODE}", "--rdzv-backend=c10d",
+                   f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=multinode",
+                   f"--rdzv-conf=is_host={1 if node == 0 else 0}", f"--max-restarts={max_restarts}",
+                   str(SCRIPT), *self.args]
+        with open(log, "w") as handle:
+            self.procs[node] = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
+                                                env=self.environ(node), cwd=str(ROOT))
+        if node == 0:
+            wait_for(lambda: accepting(self.port) or self.procs[0].poll() is not None, 60,
+                     "node 0's torchrun to host the rendezvous store")
+
+    def start_all(self) -> None:
+        self.start(0, max_restarts=2)
+        self.start(1)
+
+    def wait(self, node: int, timeout: float = 180) -> int:
+        return self.procs[node].wait(timeout=timeout)
+
+    def log(self, node: int) -> str:
+        return self.logs[node].read_text()
+
+    def agent_pid(self, node: int) -> int | None:
+        path = self.env.runtime_dir / f"{job_id_for(self.env.save_dir)}@node{node}" / "agent.pid"
+        try:
+            text = path.read_text().strip()
+        except FileNotFoundError:
+            return None
+        return int(text) if text.isdigit() and not gone(int(text)) else None
+
+    def losses(self, rank: int) -> dict[int, dict[str, Any]]:
+        path = self.out / f"losses-rank{rank}.jsonl"
+        rows: dict[int, dict[str, Any]] = {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                if line.endswith("}"):
+                    row = json.loads(line)
+                    rows[row["step"]] = row
+        return rows
+
+    def reached(self, step: int) -> bool:
+        return all(any(s >= step for s in self.losses(rank)) for rank in range(NODES * RANKS_PER_NODE))
+
+    def resumes(self, rank: int) -> list[dict[str, Any]]:
+        paths = sorted(self.out.glob(f"resume-rank{rank}-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+        return [json.loads(p.read_text()) for p in paths]
+
+    def kill_node(self, node: int, *, wipe: bool = True) -> None:
+        """Everything of the node dies at once, as when its machine goes away: torchrun, ranks, agent, memory."""
+        victims = [self.procs[node].pid] + [int((self.out / f"pid-rank{r}").read_text())
+                                            for r in range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE)]
+        agent = self.agent_pid(node)
+        for pid in victims + ([agent] if agent else []):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.procs[node].wait(timeout=30)
+        wait_for(lambda: all(gone(pid) for pid in victims + ([agent] if agent else [])), 30, f"node {node} to die")
+        if wipe:
+            for path in self.shm[node].iterdir():
+                path.unlink()
+
+    def kill_agent(self, node: int) -> None:
+        pid = self.agent_pid(node)
+        assert pid is not None, f"node {node} has no agent"
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: gone(pid), 30, f"node {node}'s agent to die")
+
+    def cleanup(self) -> None:
+        for log in self.env.runtime_dir.glob("*/agent.log"):  # kept next to the job's logs for post-mortems
+            shutil.copy(log, self.out / f"agent-{log.parent.name.rsplit('@', 1)[-1]}.log")
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+        for rank in range(NODES * RANKS_PER_NODE):
+            try:
+                os.kill(int((self.out / f"pid-rank{rank}").read_text()), signal.SIGKILL)
+            except (FileNotFoundError, ProcessLookupError, ValueError):
+                pass
+        for directory in self.shm.values():
+            shutil.rmtree(directory, ignore_errors=True)
