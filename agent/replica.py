@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import xxhash
 import zmq
 
@@ -255,7 +256,11 @@ class ReplicaServer(threading.Thread):
         try:
             while not self.stopping.is_set():
                 if self.sock.poll(100):
-                    self._serve_one()
+                    try:
+                        self._serve_one()
+                    except Exception:  # the thread must outlive any one request: PING still advertises it
+                        self.dropped += 1
+                        logger.exception("replica server failed on a request; serving on")
         finally:
             self.sock.close(linger=0)
 
@@ -312,7 +317,7 @@ class ReplicaServer(threading.Thread):
             self._warn("replica server could not answer a %s request: %s: %s", kind.name, type(exc).__name__, exc)
             self._reply(identity, False, request_id, error=f"{type(exc).__name__}: {exc}")
 
-    def _reply(self, identity: bytes, ok: bool, request_id: Any, data: Any = None, **fields: Any) -> None:
+    def _reply(self, identity: bytes, ok: bool, request_id: Any, data: Any = None, **fields: Any) -> bool:
         try:
             header = protocol.encode(Kind.REPLY, limit=protocol.MAX_PEER_MESSAGE_BYTES, ok=ok, id=request_id, **fields)
         except ProtocolError as exc:
@@ -322,13 +327,15 @@ class ReplicaServer(threading.Thread):
                 self.sock.send_multipart([identity, header], zmq.NOBLOCK)
             else:
                 self.sock.send_multipart([identity, header, data], zmq.NOBLOCK, copy=False)
+            return True
         except zmq.ZMQError as exc:
             logger.debug("reply dropped: %s", exc)
+            return False
 
     def _fetch(self, identity: bytes, request_id: Any, message: dict[str, Any]) -> None:
         step, checksum, offset, length = message["step"], message["checksum"], message["offset"], message["length"]
         copy = message.get("copy", 0)
-        if not isinstance(copy, int) or not 0 <= copy < 64:
+        if type(copy) is not int or not 0 <= copy < 64:
             raise ValueError(f"copy {copy!r} is not an int in [0, 64)")
         fault_point("agent.replica.fetch", step=step)
         where, found = self.holdings.locate(step, checksum, copy)
@@ -351,8 +358,8 @@ class ReplicaServer(threading.Thread):
         else:
             self._reply(identity, False, request_id, error=f"no copy {copy} of tensor {checksum.hex()} at step {step} here")
             return
-        self.served_bytes += length
-        self._reply(identity, True, request_id, data=view, xxh64=digest)
+        if self._reply(identity, True, request_id, data=view, xxh64=digest):
+            self.served_bytes += length
 
 
 class BuddyPuller:
@@ -389,6 +396,10 @@ class BuddyPuller:
                     size = entry[5]
                     if checksum in held or (not peers.replicate_unique and size > SMALL_TENSOR):
                         continue
+                    if size * 2 > psutil.virtual_memory().available:
+                        logger.warning("not backing up %s of node %s's step %d: %d bytes, and only %d are free",
+                                       entry[0], origin, step, size, psutil.virtual_memory().available)
+                        return
                     buffer = bytearray(size)
                     client.fetch_into(step, checksum, memoryview(buffer))
                     self.holdings.add_blob(checksum, buffer)

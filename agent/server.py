@@ -31,6 +31,7 @@ from agent.watcher import SlotInfo, Watcher
 logger = logging.getLogger(__name__)
 
 STAGE_WAIT = 120.0  # how long a leader whose ranks finished waits for other nodes' shards
+MAX_TENSOR_BYTES = 1 << 40  # a manifest naming a bigger tensor is refused (the buddy would allocate it)
 PIN_TIMEOUT = 60.0  # a step pinned for a lost peer is released when no newer backup completes this long
 
 
@@ -280,13 +281,20 @@ class Agent:
 
     def _on_push(self, message: dict[str, Any]) -> None:
         """Server thread: a peer handed us its ranks' manifests of one step."""
+        peers = self.peers
+        if peers is None or message["node"] != peers.predecessor():
+            raise ValueError(f"PUSH from node {message['node']!r}: only node "
+                             f"{peers.predecessor() if peers else None!r} hands this one its manifests")
         manifests = message["manifests"]
         for manifest in manifests:
             if not (isinstance(manifest, dict) and isinstance(manifest.get("rank"), int)
                     and manifest.get("step") == message["step"] and isinstance(manifest.get("tensors"), list)
                     and isinstance(manifest.get("checksums"), list)
                     and len(manifest["checksums"]) == len(manifest["tensors"])
-                    and all(isinstance(c, bytes) and len(c) == protocol.CHECKSUM_BYTES for c in manifest["checksums"])):
+                    and all(isinstance(c, bytes) and len(c) == protocol.CHECKSUM_BYTES for c in manifest["checksums"])
+                    and all(isinstance(e, list) and len(e) >= 7 and isinstance(e[0], str) and isinstance(e[4], int)
+                            and isinstance(e[5], int) and 0 <= e[4] and 0 <= e[5] <= MAX_TENSOR_BYTES
+                            for e in manifest["tensors"])):
                 raise ValueError(f"PUSH from node {message['node']!r} holds a malformed manifest")
         for manifest in manifests:
             self.holdings.add_backup(manifest)

@@ -72,10 +72,11 @@ _SCHEMA: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.PING: {},
     Kind.PEERS: {"token": _STR, "node": _STR, "leader": _STR, "nodes": _LIST, "world_size": _INT,
                   "replicate_unique": _BOOL},
-    Kind.LIST: {"token": _STR},
-    Kind.MANIFEST: {"token": _STR, "rank": _INT, "step": _INT},
-    Kind.FETCH: {"token": _STR, "step": _INT, "checksum": _BYTES, "offset": _INT, "length": _INT},
-    Kind.PUSH: {"token": _STR, "node": _STR, "step": _INT, "manifests": _LIST},
+    # the token of peer kinds is checked by token_ok(), so that a request without one gets a refusal
+    Kind.LIST: {},
+    Kind.MANIFEST: {"rank": _INT, "step": _INT},
+    Kind.FETCH: {"step": _INT, "checksum": _BYTES, "offset": _INT, "length": _INT},
+    Kind.PUSH: {"node": _STR, "step": _INT, "manifests": _LIST},
     Kind.REPLY: {"ok": _BOOL},
 }
 PEER_KINDS = frozenset({Kind.LIST, Kind.MANIFEST, Kind.FETCH, Kind.PUSH})
@@ -104,10 +105,12 @@ def decode(blob: bytes | memoryview, *, limit: int = MAX_MESSAGE_BYTES) -> tuple
     if not isinstance(message, dict):
         raise ProtocolError(f"message is a {type(message).__name__}, expected a map")
     version = message.get("v")
-    if version != PROTOCOL_VERSION:
+    if type(version) is not int or version != PROTOCOL_VERSION:  # True == 1 == 1.0 in Python
         raise ProtocolError(f"protocol version {version!r}, this build speaks {PROTOCOL_VERSION}")
     try:
-        kind = Kind(message.get("kind"))
+        if type(message.get("kind")) is not int:
+            raise ValueError
+        kind = Kind(message["kind"])
     except ValueError:
         raise ProtocolError(f"unknown message kind {message.get('kind')!r}") from None
     _check(message, kind)
@@ -139,6 +142,8 @@ def _check(message: dict[str, Any], kind: Kind) -> None:
                                    and message["local_world_size"] <= message["world_size"]):
         raise ProtocolError(f"HELLO with rank {message['rank']}, local_world_size {message['local_world_size']} "
                             f"and world_size {message['world_size']} is inconsistent")
+    if "token" in message and not isinstance(message["token"], str):
+        raise ProtocolError(f"{kind.name} message token is a {type(message['token']).__name__}, expected str")
     if kind == Kind.FETCH and len(message["checksum"]) != CHECKSUM_BYTES:
         raise ProtocolError(f"FETCH checksum of {len(message['checksum'])} bytes, expected {CHECKSUM_BYTES}")
 

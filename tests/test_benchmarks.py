@@ -99,3 +99,27 @@ def test_many_tensors_benchmark_smoke(env: Env, tmp_path: Path) -> None:
     assert json.loads(out.read_text()) == result
     assert result["launch_per_tensor_us"] > 0 and result["copy_s"] >= result["launch_s"] > 0
     assert not list(env.shm_dir.iterdir()), "the benchmark must not leave slots behind"
+
+
+def test_replica_fetch_benchmark_smoke(env: Env, tmp_path: Path) -> None:
+    from conftest import wait_for
+
+    from easyckpt_wire import transfer
+
+    out = tmp_path / "replica_fetch.json"
+    result = load("replica_fetch").main(["--sizes-mb", "4", "--repeats", "1", "--chunks-mb", "1,8", "--windows", "2",
+                                         "--dir", str(tmp_path), "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert result["benchmark"] == "replica_fetch" and result["machine"]["cpus"] >= 1 and result["target"] == 0.70
+    row = result["rows"][0]
+    assert row["bytes"] == 4 << 20 and row["tensors"] == 4
+    assert row["raw"]["gbps"] > 0 and len(row["raw"]["runs_s"]) == 1
+    default = (transfer.CHUNK_BYTES / (1 << 20), transfer.WINDOW)
+    tried = [default] + [config for config in ((1, 2), (8, 2)) if config != default]
+    assert [(c["chunk_mb"], c["window"]) for c in row["grid"]] == tried
+    for c in row["grid"]:
+        assert c["gbps"] > 0 and abs(c["ratio"] - c["gbps"] / row["raw"]["gbps"]) < 1e-9, c
+    assert row["easyckpt"] == row["grid"][0] and row["easyckpt"]["default"] is True
+    assert row["met"] == (row["easyckpt"]["ratio"] >= 0.70) and row["xxh3_128_gbps"] > 0
+    wait_for(lambda: not env.slot_files(), 30, "no slot files left in the test's shm dir")
+    env.wait_agent_gone()
