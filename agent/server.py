@@ -20,28 +20,13 @@ import zmq
 
 from easyckpt_wire import layout, protocol
 from easyckpt_wire.protocol import Kind, ProtocolError
-from easyckpt_wire.shm import SlotFormatError, list_slots
+from easyckpt_wire.shm import list_slots
 
-from agent.persister import (AuditLog, PersistStats, RankSnapshot, clean_leftovers, commit_stage, describe,
-                             drop_stage, persist, persist_shards, rotate, stage_steps)
-from agent.replica import (BuddyPuller, Holdings, MapCache, Peers, ReplicaServer, build_manifest,
-                           push_manifests, survey_coverage)
-from agent.watcher import SlotInfo, Watcher
+from agent.cluster import NodeReplication
+from agent.persister import AuditLog, PersistStats, RankSnapshot, clean_leftovers, describe, persist, persist_shards, rotate
+from agent.watcher import SlotHolds, SlotInfo, Watcher
 
 logger = logging.getLogger(__name__)
-
-STAGE_WAIT = 120.0  # how long a leader whose ranks finished waits for other nodes' shards
-MAX_TENSOR_BYTES = 1 << 40  # a manifest naming a bigger tensor is refused (the buddy would allocate it)
-PIN_TIMEOUT = 60.0  # a step pinned for a lost peer is released when no newer backup completes this long
-
-
-def _logged(function: Any, *args: Any) -> None:
-    """Run a background task; a thread pool would swallow its exception."""
-    try:
-        function(*args)
-    except Exception:
-        logger.exception("background task %s failed", getattr(function, "__name__", function))
-
 
 @dataclasses.dataclass(kw_only=True)
 class AgentConfig:
@@ -97,25 +82,12 @@ class Agent:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         self.started = time.time()
-        # Multi-node only (started by the first HELLO of a job spanning several nodes):
-        self.holdings = Holdings(config.node_id)
-        self.peers: Peers | None = None
-        self.replica: ReplicaServer | None = None
-        self.hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hash")
-        self.surveyor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="survey")
-        self.hashing: set[tuple[int, int, int]] = set()     # (rank, slot, generation) queued or hashed
-        self.pushed: set[int] = set()
-        self.puller = BuddyPuller(self.holdings, lambda: self.peers)
-        self._hash_maps = MapCache()
-        self.coverage: dict[str, Any] | None = None
-        self._coverage_at = 0.0
-        self._stages_at = 0.0
-        self._stage_wait_since: float | None = None
-        self.complete: int | None = self.persisted      # newest complete multi-node checkpoint (leader)
-        self.holds: dict[int, set[tuple[Any, ...]]] = {}  # id(slot map) -> why we hold its shared flock
-        self.pinned: dict[int, SlotInfo] = {}
-        self.pinned_step: int | None = None
-        self._pinned_at = 0.0
+        self.holds = SlotHolds()
+        # Multi-node only: started by the first HELLO of a job spanning nodes, active once PEERS arrives.
+        self.cluster = NodeReplication(node=config.node_id, bind_host=config.bind_host, port=config.port,
+                                       save_dir=self.save_dir, audit=self.audit, watcher=self.watcher, holds=self.holds,
+                                       ctx=self.ctx, max_ckpt_num=lambda: self.config.max_ckpt_num,
+                                       complete=self.persisted)
 
     # lifecycle --------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -139,25 +111,8 @@ class Agent:
             self._shutdown()
         return 0
 
-    def _awaiting_stages(self) -> bool:
-        """Leader: staged steps other nodes are still writing (bounded by STAGE_WAIT once ranks finish)."""
-        if self.peers is None or not self.peers.is_leader:
-            return False
-        pending = [s for s in stage_steps(self.save_dir) if self.complete is None or s > self.complete]
-        if not pending:
-            return False
-        if self.watcher.any_alive():
-            self._stage_wait_since = None
-            return True
-        now = time.monotonic()
-        self._stage_wait_since = self._stage_wait_since or now
-        if now - self._stage_wait_since < STAGE_WAIT:
-            return True
-        logger.warning("staged steps %s never got every node's shards within %.0fs: not committed", pending, STAGE_WAIT)
-        return False
-
     def _should_exit(self) -> bool:
-        if self.inflight is not None or self.claims or self._awaiting_stages():
+        if self.inflight is not None or self.claims or self.cluster.awaiting_stages():
             return False
         if self.watcher.all_said_bye():
             logger.info("every local rank finished cleanly: exiting")
@@ -188,14 +143,8 @@ class Agent:
 
     def _shutdown(self) -> None:
         self._release_claims(lambda step: True)
-        for info in self.pinned.values():
-            self._release(info, ("replica",))
         self.pool.shutdown(wait=True)
-        self.hasher.shutdown(wait=True, cancel_futures=True)
-        self.surveyor.shutdown(wait=True, cancel_futures=True)
-        self.puller.close()
-        if self.replica is not None:
-            self.replica.stop()
+        self.cluster.close()
         self._answer_waiters(force=True)
         self.sock.close()
         self.ctx.term()
@@ -227,7 +176,7 @@ class Agent:
             self._adopt_config(message)
             self.failed_ranks.discard(message["rank"])
             if message["world_size"] > message["local_world_size"]:
-                self._start_replica_server()
+                self.cluster.start_server()
             self._send(identity, protocol.reply(True, id=request_id, pid=os.getpid()))
         elif kind == Kind.BYE:
             proc = self.watcher.ranks.get(message["rank"])
@@ -241,100 +190,14 @@ class Agent:
         elif kind == Kind.STATUS:
             self._send(identity, protocol.reply(True, id=request_id, **self.status()))
         elif kind == Kind.PING:
+            endpoint = self.cluster.replica.endpoint if self.cluster.replica else None
             self._send(identity, protocol.reply(True, id=request_id, pid=os.getpid(), node=self.config.node_id,
-                                                endpoint=self.replica.endpoint if self.replica else None))
+                                                endpoint=endpoint))
         elif kind == Kind.PEERS:
-            self._set_peers(identity, request_id, message)
+            problem = self.cluster.set_peers(message)
+            self._send(identity, protocol.reply(problem is None, id=request_id, error=problem))
         else:
             logger.warning("dropped a %s message: not a request", kind.name)
-
-    def _start_replica_server(self) -> None:
-        if self.replica is None:
-            self.replica = ReplicaServer(self.holdings, self.ctx, self.config.bind_host, self.config.port,
-                                         self._on_push)
-            self.replica.start()
-            logger.info("replica server of node %s listening on %s", self.config.node_id, self.replica.endpoint)
-
-    def _set_peers(self, identity: bytes, request_id: Any, message: dict[str, Any]) -> None:
-        nodes: dict[str, dict[str, Any]] = {}
-        for item in message["nodes"]:
-            if not (isinstance(item, dict) and isinstance(item.get("node"), str) and isinstance(item.get("endpoint"), str)
-                    and isinstance(item.get("ranks"), list) and all(isinstance(r, int) for r in item["ranks"])):
-                self._send(identity, protocol.reply(False, id=request_id, error=f"malformed node entry {item!r}"))
-                return
-            nodes[item["node"]] = {"endpoint": item["endpoint"], "ranks": item["ranks"]}
-        if message["node"] != self.config.node_id or message["leader"] not in nodes or len(message["token"]) < 16:
-            self._send(identity, protocol.reply(False, id=request_id, error=(
-                f"PEERS for node {message['node']!r} (leader {message['leader']!r}) reached the agent of node "
-                f"{self.config.node_id!r}: set EASYCKPT_NODE_ID alike for the ranks and their agent")))
-            return
-        self._start_replica_server()
-        peers = Peers(token=message["token"], node=message["node"], leader=message["leader"], nodes=nodes,
-                      world_size=message["world_size"], replicate_unique=message["replicate_unique"])
-        if self.peers is None or (peers.token, peers.nodes, peers.leader) != (self.peers.token, self.peers.nodes,
-                                                                             self.peers.leader):
-            logger.info("job spans nodes %s; leader %s; buddy %s", sorted(nodes), peers.leader, peers.buddy())
-        self.peers = peers
-        assert self.replica is not None
-        self.replica.token = peers.token
-        self._send(identity, protocol.reply(True, id=request_id))
-
-    def _on_push(self, message: dict[str, Any]) -> None:
-        """Server thread: a peer handed us its ranks' manifests of one step."""
-        peers = self.peers
-        if peers is None or message["node"] != peers.predecessor():
-            raise ValueError(f"PUSH from node {message['node']!r}: only node "
-                             f"{peers.predecessor() if peers else None!r} hands this one its manifests")
-        manifests = message["manifests"]
-        for manifest in manifests:
-            if not (isinstance(manifest, dict) and isinstance(manifest.get("rank"), int)
-                    and manifest.get("step") == message["step"] and isinstance(manifest.get("tensors"), list)
-                    and isinstance(manifest.get("checksums"), list)
-                    and len(manifest["checksums"]) == len(manifest["tensors"])
-                    and all(isinstance(c, bytes) and len(c) == protocol.CHECKSUM_BYTES for c in manifest["checksums"])
-                    and all(isinstance(e, list) and len(e) >= 7 and isinstance(e[0], str) and isinstance(e[4], int)
-                            and isinstance(e[5], int) and 0 <= e[4] and 0 <= e[5] <= MAX_TENSOR_BYTES
-                            for e in manifest["tensors"])):
-                raise ValueError(f"PUSH from node {message['node']!r} holds a malformed manifest")
-        for manifest in manifests:
-            self.holdings.add_backup(manifest)
-        self.puller.submit(message["node"], message["step"], manifests)
-
-    def _replicate(self) -> None:
-        """Hash new local snapshots, hand complete steps to the buddy, refresh coverage (all off-loop)."""
-        live = set()
-        self.holdings.local_ranks = frozenset(self.watcher.local_ranks())
-        for (rank, slot), info in self.watcher.slots.items():
-            header = info.header
-            if header is None or not header.committed or info.meta is None or info.meta_generation != header.generation:
-                continue
-            live.add((rank, slot))
-            key = (rank, slot, header.generation)
-            if key not in self.hashing:
-                self.hashing = {k for k in self.hashing if k[:2] != (rank, slot)} | {key}
-                self.hasher.submit(_logged, self._hash, rank, slot, info.path, info.meta, header.generation)
-        self.holdings.forget_local(live)
-        for step in sorted(self.holdings.hashed_steps() - self.pushed):
-            self.pushed = {s for s in self.pushed if s > step - 8} | {step}
-            self.hasher.submit(_logged, push_manifests, self.peers, step, self.holdings.local_at(step))
-        now = time.monotonic()
-        if now - self._coverage_at > 2.0:
-            self._coverage_at = now
-            self.surveyor.submit(_logged, self._refresh_coverage)
-
-    def _hash(self, rank: int, slot: int, path: Path, meta: dict[str, Any], generation: int) -> None:
-        maps = self._hash_maps
-        try:
-            entry = build_manifest(maps.get(path), meta, generation, self.config.node_id)
-        except (OSError, SlotFormatError) as exc:
-            logger.warning("cannot hash %s: %s", path, exc)
-            return
-        if entry is not None:
-            self.holdings.set_local(rank, slot, entry)
-
-    def _refresh_coverage(self) -> None:
-        if self.peers is not None:
-            self.coverage = survey_coverage(self.peers, self.holdings)
 
     def _adopt_config(self, message: dict[str, Any]) -> None:
         new = (message["save_storage_interval"], message["max_ckpt_num"], message["log_file_path"])
@@ -361,14 +224,7 @@ class Agent:
         ranks = [{"rank": p.rank, "pid": p.pid, "alive": p.alive(), "finished": p.said_bye}
                  for p in sorted(self.watcher.ranks.values(), key=lambda p: p.rank)]
         last = self.last_persist
-        peers = self.peers
-        multi = {"node": self.config.node_id, "endpoint": self.replica.endpoint if self.replica else None,
-                 "leader": peers.leader if peers else None, "buddy": peers.buddy() if peers else None,
-                 "nodes": {n: v["endpoint"] for n, v in peers.nodes.items()} if peers else {},
-                 "coverage": self.coverage, "complete_step": self.complete, "pinned_step": self.pinned_step,
-                 "served_bytes": self.replica.served_bytes if self.replica else 0,
-                 "refused": self.replica.refused if self.replica else 0,
-                 "malformed": self.replica.dropped if self.replica else 0}
+        multi = self.cluster.status()
         return {**multi, "pid": os.getpid(), "job_id": self.config.job_id, "save_dir": str(self.save_dir),
                 "shm_dir": str(self.config.shm_dir), "uptime": time.time() - self.started,
                 "save_storage_interval": self.config.save_storage_interval,
@@ -392,10 +248,7 @@ class Agent:
                     self._claim(step, rank, info)
                 elif due and info.header is not None and info.map.read_ack() != info.header.generation:
                     info.map.write_ack(info.header.generation)  # on disk already: free the rank's slot
-        if self.peers is not None:
-            self._replicate()
-            self._pin_replicated()
-            self._commit_stages()
+        self.cluster.tick()
         if self.failed_ranks:
             self._flush_on_failure()
         self._drop_unreachable_claims()
@@ -411,66 +264,15 @@ class Agent:
         if rank in held:
             return True
         header = info.header
-        if header is None or not self._hold(info, ("persist", step)):
+        if header is None or not self.holds.hold(info, ("persist", step)):
             return False
         current = info.map.header()
         if not current.committed or current.generation != header.generation or current.step != step:
-            self._release(info, ("persist", step))
+            self.holds.release(info, ("persist", step))
             return False
         info.map.write_ack(current.generation)
         held[rank] = Claim(info, current.generation)
         return True
-
-    # slot holds: a shared flock keeps the rank from overwriting a slot (it skips a snapshot instead) --
-    def _hold(self, info: SlotInfo, reason: tuple[Any, ...]) -> bool:
-        """Several reasons share the one flock of a slot's fd; it is dropped when the last one goes."""
-        reasons = self.holds.setdefault(id(info.map), set())
-        if not reasons and not info.map.try_lock(exclusive=False):
-            return False
-        reasons.add(reason)
-        return True
-
-    def _release(self, info: SlotInfo, reason: tuple[Any, ...]) -> None:
-        reasons = self.holds.get(id(info.map), set())
-        reasons.discard(reason)
-        if not reasons:
-            self.holds.pop(id(info.map), None)
-            try:
-                info.map.unlock()
-            except (OSError, ValueError):  # the watcher closed the map (file gone): the flock went with it
-                pass
-
-    def _pin_replicated(self) -> None:
-        """Keep the newest step this node can serve in full to a lost predecessor node.
-
-        The buddy backup of a step arrives a few milliseconds after the peer's ranks commit it; without
-        a pin, this node's ranks could overwrite their copy of that step before it is complete, and a
-        peer dying in that window could only come back from disk. So the local slots of the newest
-        step whose backup is complete stay shared-locked: the ranks skip a snapshot rather than
-        overwrite them (training never waits), and the pin moves on with the next complete backup.
-        """
-        assert self.peers is not None
-        predecessor = self.peers.predecessor()
-        wanted: dict[int, SlotInfo] = {}
-        if predecessor is not None:
-            ranks = self.watcher.local_ranks()
-            local = set.intersection(*(set(self.watcher.committed(r)) for r in ranks)) if ranks else set()
-            complete = self.holdings.backed_up_steps(self.peers.nodes[predecessor]["ranks"]) & local
-            step = max(complete, default=None)
-            if step is not None and step != self.pinned_step:
-                self.pinned_step, self._pinned_at = step, time.monotonic()
-            if step is not None and time.monotonic() - self._pinned_at < PIN_TIMEOUT:
-                wanted = {id(info.map): info for r in ranks for s, info in self.watcher.committed(r).items() if s == step}
-            elif step is not None and self.pinned:
-                logger.warning("no newer complete backup from node %s for %.0fs: unpinning step %d",
-                               predecessor, PIN_TIMEOUT, step)
-        for key, info in list(self.pinned.items()):
-            if key not in wanted:
-                self._release(info, ("replica",))
-                del self.pinned[key]
-        for key, info in wanted.items():
-            if key not in self.pinned and self._hold(info, ("replica",)):
-                self.pinned[key] = info
 
     def _flush_on_failure(self) -> None:
         """Ranks died: persist the newest snapshot every local rank holds, if disk lacks it."""
@@ -504,7 +306,7 @@ class Agent:
     def _release_claims(self, which: Any) -> None:
         for step in [s for s in self.claims if which(s)]:
             for claim in self.claims.pop(step).values():
-                self._release(claim.info, ("persist", step))
+                self.holds.release(claim.info, ("persist", step))
 
     def _start_ready_persist(self) -> None:
         if self.inflight is not None:
@@ -522,7 +324,7 @@ class Agent:
     def _persist(self, step: int, snaps: list[RankSnapshot]) -> PersistStats:
         world_size = snaps[0].meta["world_size"]
         if len(snaps) != world_size:
-            if self.peers is None:
+            if self.cluster.peers is None:
                 raise RuntimeError(
                     f"this node holds ranks {sorted(s.rank for s in snaps)} of a {world_size}-rank job but no rank "
                     "told this agent the job's other nodes (PEERS): a multi-node checkpoint needs every node's "
@@ -533,26 +335,6 @@ class Agent:
         stats = persist(self.save_dir, step, snaps, self.audit, self.config.persist_threads)
         rotate(self.save_dir, self.config.max_ckpt_num, step, self.audit)
         return stats
-
-    def _commit_stages(self) -> None:
-        """Leader: publish each staged step whose every rank is durable; drop superseded stages."""
-        now = time.monotonic()
-        if self.peers is None or not self.peers.is_leader or now - self._stages_at < 0.2:
-            return
-        self._stages_at = now
-        for step in sorted(stage_steps(self.save_dir), reverse=True):
-            if self.complete is not None and step <= self.complete:
-                drop_stage(self.save_dir, step, self.audit, f"superseded by complete step {self.complete}")
-                continue
-            try:
-                stats = commit_stage(self.save_dir, step, self.audit)
-            except OSError as exc:
-                logger.warning("cannot commit staged step %d: %s", step, exc)
-                continue
-            if stats is not None:
-                self.complete = step
-                rotate(self.save_dir, self.config.max_ckpt_num, step, self.audit)
-                logger.info("committed step %d: every node's shards are durable (%s)", step, describe(stats, 0))
 
     def _finish_inflight(self) -> None:
         if self.inflight is None or not self.inflight[1].done():
@@ -579,7 +361,7 @@ class Agent:
                 logger.warning("cannot append to log_file_path %s: %s", self.config.log_file_path, exc)
 
     def _answer_waiters(self, force: bool = False) -> None:
-        if not self.waiters or (not force and (self.inflight is not None or self.claims or self._awaiting_stages())):
+        if not self.waiters or (not force and (self.inflight is not None or self.claims or self.cluster.awaiting_stages())):
             return
         for identity, request_id in self.waiters:
             self._send(identity, protocol.reply(True, id=request_id, persisted=self.persisted))

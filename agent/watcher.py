@@ -166,3 +166,29 @@ class Watcher:
         for info in self.slots.values():
             info.map.close()
         self.slots.clear()
+
+
+class SlotHolds:
+    """The agent's shared flocks on slots, by reason: a rank cannot overwrite a held slot (it skips a
+    snapshot instead). Persist claims and replica pins may hold the same slot; the flock of a slot's
+    fd is taken by the first reason and dropped with the last."""
+
+    def __init__(self) -> None:
+        self.reasons: dict[int, set[tuple[Any, ...]]] = {}   # id(slot map) -> why
+
+    def hold(self, info: SlotInfo, reason: tuple[Any, ...]) -> bool:
+        reasons = self.reasons.setdefault(id(info.map), set())
+        if not reasons and not info.map.try_lock(exclusive=False):
+            return False
+        reasons.add(reason)
+        return True
+
+    def release(self, info: SlotInfo, reason: tuple[Any, ...]) -> None:
+        reasons = self.reasons.get(id(info.map), set())
+        reasons.discard(reason)
+        if not reasons:
+            self.reasons.pop(id(info.map), None)
+            try:
+                info.map.unlock()
+            except (OSError, ValueError):  # the watcher closed the map (file gone): the flock went with it
+                pass

@@ -1,0 +1,253 @@
+"""Multi-node coordination of one agent: peers, hashing, buddy backups, pins, staged commits.
+
+The agent's main loop calls :meth:`NodeReplication.tick` every round once the ranks have told it the
+job's other nodes (PEERS). Hashing, pushes to the buddy and coverage surveys run in their own threads,
+so the loop keeps answering its ranks; the replica server answers other nodes in its own thread.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import zmq
+
+from easyckpt_wire import protocol
+from easyckpt_wire.shm import SlotFormatError
+
+from agent.persister import AuditLog, commit_stage, describe, drop_stage, rotate, stage_steps
+from agent.replica import (BuddyPuller, Holdings, MapCache, Peers, ReplicaServer, build_manifest,
+                           push_manifests, survey_coverage)
+from agent.watcher import SlotHolds, SlotInfo, Watcher
+
+logger = logging.getLogger(__name__)
+
+STAGE_WAIT = 120.0  # how long a leader whose ranks finished waits for other nodes' shards
+MAX_TENSOR_BYTES = 1 << 40  # a manifest naming a bigger tensor is refused (the buddy would allocate it)
+PIN_TIMEOUT = 60.0  # a step pinned for a lost peer is released when no newer backup completes this long
+COVERAGE_EVERY = 2.0
+
+
+def _logged(function: Callable[..., Any], *args: Any) -> None:
+    """Run a background task; a thread pool would swallow its exception."""
+    try:
+        function(*args)
+    except Exception:
+        logger.exception("background task %s failed", getattr(function, "__name__", function))
+
+
+class NodeReplication:
+    def __init__(self, *, node: str, bind_host: str, port: int, save_dir: Path, audit: AuditLog, watcher: Watcher,
+                 holds: SlotHolds, ctx: zmq.Context, max_ckpt_num: Callable[[], int], complete: int | None) -> None:
+        self.node = node
+        self.bind_host = bind_host
+        self.port = port
+        self.save_dir = save_dir
+        self.audit = audit
+        self.watcher = watcher
+        self.holds = holds
+        self.ctx = ctx
+        self.max_ckpt_num = max_ckpt_num
+        self.complete = complete                 # newest complete multi-node checkpoint (leader)
+        self.holdings = Holdings(node)
+        self.peers: Peers | None = None
+        self.replica: ReplicaServer | None = None
+        self.hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hash")
+        self.surveyor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="survey")
+        self.hashing: set[tuple[int, int, int]] = set()     # (rank, slot, generation) queued or hashed
+        self.pushed: set[int] = set()
+        self.puller = BuddyPuller(self.holdings, lambda: self.peers)
+        self._hash_maps = MapCache()
+        self.coverage: dict[str, Any] | None = None
+        self._coverage_at = 0.0
+        self._stages_at = 0.0
+        self._stage_wait_since: float | None = None
+        self.pinned: dict[int, SlotInfo] = {}
+        self.pinned_step: int | None = None
+        self._pinned_at = 0.0
+
+    def tick(self) -> None:
+        if self.peers is not None:
+            self._hash_and_push()
+            self._pin()
+            self._commit_stages()
+
+    def status(self) -> dict[str, Any]:
+        peers = self.peers
+        return {"node": self.node, "endpoint": self.replica.endpoint if self.replica else None,
+                "leader": peers.leader if peers else None, "buddy": peers.buddy() if peers else None,
+                "nodes": {n: v["endpoint"] for n, v in peers.nodes.items()} if peers else {},
+                "coverage": self.coverage, "complete_step": self.complete, "pinned_step": self.pinned_step,
+                "served_bytes": self.replica.served_bytes if self.replica else 0,
+                "refused": self.replica.refused if self.replica else 0,
+                "malformed": self.replica.dropped if self.replica else 0}
+
+    def close(self) -> None:
+        for info in self.pinned.values():
+            self.holds.release(info, ("replica",))
+        self.pinned.clear()
+        self.hasher.shutdown(wait=True, cancel_futures=True)
+        self.surveyor.shutdown(wait=True, cancel_futures=True)
+        self.puller.close()
+        if self.replica is not None:
+            self.replica.stop()
+
+    def awaiting_stages(self) -> bool:
+        """Leader: staged steps other nodes are still writing (bounded by STAGE_WAIT once ranks finish)."""
+        if self.peers is None or not self.peers.is_leader:
+            return False
+        pending = [s for s in stage_steps(self.save_dir) if self.complete is None or s > self.complete]
+        if not pending:
+            return False
+        if self.watcher.any_alive():
+            self._stage_wait_since = None
+            return True
+        now = time.monotonic()
+        self._stage_wait_since = self._stage_wait_since or now
+        if now - self._stage_wait_since < STAGE_WAIT:
+            return True
+        logger.warning("staged steps %s never got every node's shards within %.0fs: not committed", pending, STAGE_WAIT)
+        return False
+
+    def start_server(self) -> None:
+        if self.replica is None:
+            self.replica = ReplicaServer(self.holdings, self.ctx, self.bind_host, self.port,
+                                         self.on_push)
+            self.replica.start()
+            logger.info("replica server of node %s listening on %s", self.node, self.replica.endpoint)
+
+    def set_peers(self, message: dict[str, Any]) -> str | None:
+        """A rank's PEERS message; returns what is wrong with it, or None once adopted."""
+        nodes: dict[str, dict[str, Any]] = {}
+        for item in message["nodes"]:
+            if not (isinstance(item, dict) and isinstance(item.get("node"), str) and isinstance(item.get("endpoint"), str)
+                    and isinstance(item.get("ranks"), list) and all(isinstance(r, int) for r in item["ranks"])):
+                return f"malformed node entry {item!r}"
+            nodes[item["node"]] = {"endpoint": item["endpoint"], "ranks": item["ranks"]}
+        if message["node"] != self.node or message["leader"] not in nodes or len(message["token"]) < 16:
+            return (f"PEERS for node {message['node']!r} (leader {message['leader']!r}) reached the agent of node "
+                    f"{self.node!r}: set EASYCKPT_NODE_ID alike for the ranks and their agent")
+        self.start_server()
+        peers = Peers(token=message["token"], node=message["node"], leader=message["leader"], nodes=nodes,
+                      world_size=message["world_size"], replicate_unique=message["replicate_unique"])
+        if self.peers is None or (peers.token, peers.nodes, peers.leader) != (self.peers.token, self.peers.nodes,
+                                                                             self.peers.leader):
+            logger.info("job spans nodes %s; leader %s; buddy %s", sorted(nodes), peers.leader, peers.buddy())
+        self.peers = peers
+        assert self.replica is not None
+        self.replica.token = peers.token
+        return None
+
+    def on_push(self, message: dict[str, Any]) -> None:
+        """Server thread: a peer handed us its ranks' manifests of one step."""
+        peers = self.peers
+        if peers is None or message["node"] != peers.predecessor():
+            raise ValueError(f"PUSH from node {message['node']!r}: only node "
+                             f"{peers.predecessor() if peers else None!r} hands this one its manifests")
+        manifests = message["manifests"]
+        for manifest in manifests:
+            if not (isinstance(manifest, dict) and isinstance(manifest.get("rank"), int)
+                    and manifest.get("step") == message["step"] and isinstance(manifest.get("tensors"), list)
+                    and isinstance(manifest.get("checksums"), list)
+                    and len(manifest["checksums"]) == len(manifest["tensors"])
+                    and all(isinstance(c, bytes) and len(c) == protocol.CHECKSUM_BYTES for c in manifest["checksums"])
+                    and all(isinstance(e, list) and len(e) >= 7 and isinstance(e[0], str) and isinstance(e[4], int)
+                            and isinstance(e[5], int) and 0 <= e[4] and 0 <= e[5] <= MAX_TENSOR_BYTES
+                            for e in manifest["tensors"])):
+                raise ValueError(f"PUSH from node {message['node']!r} holds a malformed manifest")
+        for manifest in manifests:
+            self.holdings.add_backup(manifest)
+        self.puller.submit(message["node"], message["step"], manifests)
+
+    def _hash_and_push(self) -> None:
+        """Hash new local snapshots, hand complete steps to the buddy, refresh coverage (all off-loop)."""
+        live = set()
+        self.holdings.local_ranks = frozenset(self.watcher.local_ranks())
+        for (rank, slot), info in self.watcher.slots.items():
+            header = info.header
+            if header is None or not header.committed or info.meta is None or info.meta_generation != header.generation:
+                continue
+            live.add((rank, slot))
+            key = (rank, slot, header.generation)
+            if key not in self.hashing:
+                self.hashing = {k for k in self.hashing if k[:2] != (rank, slot)} | {key}
+                self.hasher.submit(_logged, self._hash, rank, slot, info.path, info.meta, header.generation)
+        self.holdings.forget_local(live)
+        for step in sorted(self.holdings.hashed_steps() - self.pushed):
+            self.pushed = {s for s in self.pushed if s > step - 8} | {step}
+            self.hasher.submit(_logged, push_manifests, self.peers, step, self.holdings.local_at(step))
+        now = time.monotonic()
+        if now - self._coverage_at > COVERAGE_EVERY:
+            self._coverage_at = now
+            self.surveyor.submit(_logged, self._refresh_coverage)
+
+    def _hash(self, rank: int, slot: int, path: Path, meta: dict[str, Any], generation: int) -> None:
+        maps = self._hash_maps
+        try:
+            entry = build_manifest(maps.get(path), meta, generation, self.node)
+        except (OSError, SlotFormatError) as exc:
+            logger.warning("cannot hash %s: %s", path, exc)
+            return
+        if entry is not None:
+            self.holdings.set_local(rank, slot, entry)
+
+    def _refresh_coverage(self) -> None:
+        if self.peers is not None:
+            self.coverage = survey_coverage(self.peers, self.holdings)
+
+
+    def _pin(self) -> None:
+        """Keep the newest step this node can serve in full to a lost predecessor node.
+
+        The buddy backup of a step arrives a few milliseconds after the peer's ranks commit it; without
+        a pin, this node's ranks could overwrite their copy of that step before it is complete, and a
+        peer dying in that window could only come back from disk. So the local slots of the newest
+        step whose backup is complete stay shared-locked: the ranks skip a snapshot rather than
+        overwrite them (training never waits), and the pin moves on with the next complete backup.
+        """
+        assert self.peers is not None
+        predecessor = self.peers.predecessor()
+        wanted: dict[int, SlotInfo] = {}
+        if predecessor is not None:
+            ranks = self.watcher.local_ranks()
+            local = set.intersection(*(set(self.watcher.committed(r)) for r in ranks)) if ranks else set()
+            complete = self.holdings.backed_up_steps(self.peers.nodes[predecessor]["ranks"]) & local
+            step = max(complete, default=None)
+            if step is not None and step != self.pinned_step:
+                self.pinned_step, self._pinned_at = step, time.monotonic()
+            if step is not None and time.monotonic() - self._pinned_at < PIN_TIMEOUT:
+                wanted = {id(info.map): info for r in ranks for s, info in self.watcher.committed(r).items() if s == step}
+            elif step is not None and self.pinned:
+                logger.warning("no newer complete backup from node %s for %.0fs: unpinning step %d",
+                               predecessor, PIN_TIMEOUT, step)
+        for key, info in list(self.pinned.items()):
+            if key not in wanted:
+                self.holds.release(info, ("replica",))
+                del self.pinned[key]
+        for key, info in wanted.items():
+            if key not in self.pinned and self.holds.hold(info, ("replica",)):
+                self.pinned[key] = info
+
+
+    def _commit_stages(self) -> None:
+        """Leader: publish each staged step whose every rank is durable; drop superseded stages."""
+        now = time.monotonic()
+        if self.peers is None or not self.peers.is_leader or now - self._stages_at < 0.2:
+            return
+        self._stages_at = now
+        for step in sorted(stage_steps(self.save_dir), reverse=True):
+            if self.complete is not None and step <= self.complete:
+                drop_stage(self.save_dir, step, self.audit, f"superseded by complete step {self.complete}")
+                continue
+            try:
+                stats = commit_stage(self.save_dir, step, self.audit)
+            except OSError as exc:
+                logger.warning("cannot commit staged step %d: %s", step, exc)
+                continue
+            if stats is not None:
+                self.complete = step
+                rotate(self.save_dir, self.max_ckpt_num(), step, self.audit)
+                logger.info("committed step %d: every node's shards are durable (%s)", step, describe(stats, 0))
+
