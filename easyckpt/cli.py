@@ -1,4 +1,4 @@
-"""``easyckpt ls DIR | verify DIR | status``: look at checkpoints and at the node agent."""
+"""``easyckpt ls DIR | verify DIR | status | convert``: look at checkpoints and at the node agent."""
 from __future__ import annotations
 
 import argparse
@@ -121,6 +121,26 @@ def _print_coverage(coverage: dict | None) -> int:
     return 2 if warned else 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    """easyckpt -> Megatron's native legacy format (iter_N/mp_rank_XX/model_optim_rng.pt + tracker)."""
+    from easyckpt.megatron.legacy import LegacyCheckpointError, convert_to_megatron
+
+    src, dst = Path(args.src), Path(args.dst)
+    if not src.is_dir():
+        print(f"{src}: no such directory", file=sys.stderr)
+        return 2
+    try:
+        step, files = convert_to_megatron(src, dst, no_optim=args.no_optim)
+    except (LegacyCheckpointError, layout.CheckpointFormatError, OSError) as exc:
+        print(f"convert: {exc}", file=sys.stderr)
+        return 1
+    for path in files:
+        print(path)
+    print(f"wrote iteration {step} of {src} as a Megatron checkpoint in {dst} ({len(files)} file(s)); "
+          f"load it with Megatron's --load {dst} --ckpt-format torch")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="easyckpt", description="Inspect easyckpt checkpoints and agents.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -136,6 +156,13 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--timeout", type=float, default=5.0)
     status.set_defaults(func=cmd_status)
+    convert = sub.add_parser("convert", help="write a checkpoint in another framework's native format")
+    convert.add_argument("--to", required=True, choices=["megatron"], help="target format")
+    convert.add_argument("src", help="an easyckpt save_dir (its newest complete iteration) or one iteration_N directory")
+    convert.add_argument("dst", help="the Megatron checkpoint directory to write (its --load)")
+    convert.add_argument("--no-optim", action="store_true",
+                         help="leave optimizer and scheduler out (resume Megatron with --no-load-optim)")
+    convert.set_defaults(func=cmd_convert)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return int(args.func(args))

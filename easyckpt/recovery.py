@@ -240,6 +240,9 @@ def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, templa
         except (SlotFormatError, CheckpointFormatError, TimeoutError, ValueError, KeyError, TypeError,
                 replica.ReplicaError, OSError) as exc:
             code, problem = _RETRY, f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # unexpected, but raising here alone would leave the other ranks waiting
+            logger.exception("rank %d: unexpected error loading step %d from %s", rank, step, source)
+            code, problem = _RETRY, f"{type(exc).__name__}: {exc}"
         codes = _outcomes(code, world_size)
         if code != _OK:
             logger.warning("rank %d could not load step %d from %s: %s", rank, step, source, problem)

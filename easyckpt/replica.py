@@ -180,13 +180,20 @@ def fetch(peers: PeerSet, replica: ReplicaPlan, slots: RankSlots, *, rank: int, 
     """Rebuild this rank's snapshot of ``replica.step`` in one of its own slots; returns transfer stats."""
     manifest = replica.manifest
     meta = {k: v for k, v in manifest.items() if k not in ("checksums", "node", "generation")}
-    meta.update(pid=os.getpid(), pid_start=psutil.Process().create_time(), created=time.time())
+    # The snapshot now belongs to this process and this node's agent (a rank may come back elsewhere).
+    meta.update(pid=os.getpid(), pid_start=psutil.Process().create_time(), created=time.time(),
+                local_world_size=slots.local_world_size)
     blob = pack_meta(meta)
     data_len = max((e[4] + e[5] for e in manifest["tensors"]), default=0)
     index = slots.choose(persist_due=lambda step: False, agent_alive=lambda: False, pin_timeout=0.0)
     if index is None:
         raise ReplicaError(f"rank {rank}: no slot of {slots.directory} is free for the replica of step {replica.step}")
-    slot = slots.ensure(index, slot_size(data_len, len(blob)))
+    try:
+        slot = slots.ensure(index, slot_size(data_len, len(blob)))
+    except BaseException:
+        if slots.maps[index] is not None:
+            slots.maps[index].unlock()
+        raise
     generation = slots.next_generation()
     slot.begin_write(generation=generation, rank=rank, world_size=slots.world_size, job_id=slots.job_id)
     clients: dict[str, PeerClient] = {}
