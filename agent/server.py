@@ -251,6 +251,8 @@ class Agent:
         self.cluster.tick()
         if self.failed_ranks:
             self._flush_on_failure()
+        if self.cluster.peers is None and self.watcher.all_said_bye():
+            self._flush_missed_due()
         self._drop_unreachable_claims()
         self._start_ready_persist()
         self._answer_waiters()
@@ -284,6 +286,21 @@ class Agent:
         if all(self._claim(step, rank, self.watcher.committed(rank)[step]) for rank in self.watcher.local_ranks()):
             logger.warning("flush on failure: persisting step %d, the newest snapshot of every local rank", step)
             self.failed_ranks.clear()
+
+    def _flush_missed_due(self) -> None:
+        """The job finished, but its last due snapshot was skipped (its rank found both slots busy while
+        an older step was being persisted): persist the newest snapshot instead of losing the tail."""
+        ssi = self.config.save_storage_interval
+        common = self.watcher.common_steps()
+        if ssi <= 0 or not common or common[0] <= self._floor():
+            return
+        newest, last_due = common[0], common[0] // ssi * ssi
+        if last_due <= self._floor() or last_due in common or newest in self.claims:
+            return
+        if all(self._claim(newest, rank, self.watcher.committed(rank)[newest]) for rank in self.watcher.local_ranks()):
+            logger.warning("due step %d was skipped (slots busy while an older step was persisted): persisting "
+                           "step %d, the newest snapshot of every rank, before the job's memory is released",
+                           last_due, newest)
 
     def _drop_unreachable_claims(self) -> None:
         """Release claims on a step some rank will never commit (it moved past it without it)."""

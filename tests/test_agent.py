@@ -228,3 +228,43 @@ def test_second_agent_finds_the_running_one_and_runtime_dir_is_private(env: Env)
         assert stat.S_IMODE((env.job_dir() / "agent.sock").stat().st_mode) & 0o077 == 0
     finally:
         ck.close()
+
+
+def test_a_skipped_last_due_snapshot_is_made_up_for_at_close(env: Env) -> None:
+    """Step 4 is due but skipped (the free slot is held: here by the test's own shared flock, as the agent
+    holds it while persisting). When the job closes, the newest snapshot (5) is persisted instead, so the
+    tail of the run is not lost with the job's shared memory."""
+    import fcntl
+
+    state = {"w": torch.arange(1000, dtype=torch.float32)}
+    ck = make(env, save_storage_interval=4)
+    try:
+        save_and_persist(ck, env, 0, state)
+        for step in (1, 2, 3):
+            wait_for(lambda: ck.save_if_needed(step, state), 30, f"a free slot for step {step}")
+            ck.wait()
+        held = next(p for p in env.slot_files() if slot_step(p) == 2)
+        fd = os.open(held, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            assert not ck.save_if_needed(4, state), "step 4 should have been skipped: its only free slot is held"
+        finally:
+            os.close(fd)
+        assert ck.save_if_needed(5, state)
+        ck.wait()
+    finally:
+        ck.close()
+    assert complete_steps(env)[-1] == 5 and layout.read_tracker(env.save_dir) == 5
+    log = next(env.runtime_dir.iterdir()) / "agent.log"
+    assert "due step 4 was skipped" in log.read_text()
+
+
+def slot_step(path: Path) -> int | None:
+    from easyckpt_wire.shm import SlotMap
+
+    slot = SlotMap(path, writable=False)
+    try:
+        header = slot.header()
+        return header.step if header.committed else None
+    finally:
+        slot.close()
