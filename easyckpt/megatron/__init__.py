@@ -1,0 +1,255 @@
+"""Megatron-LM integration: three lines in a Megatron training loop.
+
+::
+
+    from easyckpt.megatron import initialize_easyckpt, save_checkpoint_if_needed, load_checkpoint
+    initialize_easyckpt(save_mem_interval=1, save_storage_interval=5, max_ckpt_num=5, log_file_path=None)
+    iteration, num_floating_point_operations_so_far = load_checkpoint(model, optimizer, opt_param_scheduler)
+    ...
+    save_checkpoint_if_needed(iteration, model, optimizer, opt_param_scheduler)   # after each train_step
+
+``model`` is Megatron's list of model chunks (one per virtual pipeline stage), ``optimizer`` Megatron's
+optimizer (or any torch optimizer), ``opt_param_scheduler`` Megatron's OptimizerParamScheduler (or any
+object with ``state_dict``/``load_state_dict``). The state is what Megatron itself saves (see
+``easyckpt.megatron.snapshot``), snapshotted to shared memory and persisted by the node agent.
+
+Directories: with ``megatron.training`` importable and its args initialised, ``--save`` is the save_dir
+and ``--load`` (or the ``load_arg`` of load_checkpoint) where else to look; otherwise the keywords
+``save_dir=`` and ``load_dir=`` of initialize_easyckpt. ``load_checkpoint`` resumes this job's own state
+first (memory, replicas on other nodes, save_dir); if there is none, it loads the load directory: an
+easyckpt save_dir, one of its ``iteration_N`` directories, or a native Megatron legacy checkpoint
+(``iter_N/mp_rank_XX/model_optim_rng.pt`` + tracker: the migration path). ``easyckpt convert --to
+megatron SRC DST`` goes the other way.
+
+``import easyckpt.megatron.hook`` adds exit handling (SIGTERM, uncaught exceptions): see that module.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from easyckpt.checkpointer import Checkpointer
+from easyckpt_wire import layout
+from easyckpt.megatron import legacy, snapshot
+from easyckpt.megatron.legacy import LegacyCheckpointError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["initialize_easyckpt", "save_checkpoint_if_needed", "load_checkpoint", "get_checkpointer",
+           "last_load", "finalize_easyckpt", "LegacyCheckpointError"]
+
+
+@dataclasses.dataclass
+class LoadInfo:
+    """What the last load_checkpoint did (for logs and tests)."""
+
+    iteration: int
+    source: str | None          # "memory" | "replica" | "disk" | "megatron-legacy" | None (fresh start)
+    path: str | None = None
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class _Context:
+    ckpt: Checkpointer
+    save_dir: Path
+    load_dir: Path | None
+    args: Any                   # Megatron's args, or the args= keyword (a Namespace or dict), or None
+    megatron_args: bool
+    trust_legacy_pickle: bool
+    flops: float | int = 0
+    last: LoadInfo | None = None
+
+
+_ctx: _Context | None = None
+
+
+def _megatron_args() -> Any:
+    """Megatron's global args when megatron.training is importable and they are initialised, else None."""
+    try:
+        from megatron.training import global_vars
+    except Exception:  # not installed (megatron-core alone has no megatron.training), or broken on import
+        return None
+    return getattr(global_vars, "_GLOBAL_ARGS", None)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def initialize_easyckpt(save_mem_interval: int, save_storage_interval: int, max_ckpt_num: int,
+                        log_file_path: str | None = None, **kwargs: Any) -> Checkpointer:
+    """Create this rank's Checkpointer (after torch.distributed and Megatron's parallel state are set up).
+
+    Keywords besides the Checkpointer's own (``job_id``, ``shm_dir``, ``copy_threads``, ...): ``save_dir``
+    and ``load_dir`` (used when Megatron's args are not available), ``args`` (a Namespace or dict saved
+    and restored like Megatron's args when megatron.training is absent), ``trust_legacy_pickle`` (see
+    ``easyckpt.megatron.legacy``). A second call returns the existing Checkpointer.
+    """
+    global _ctx
+    if _ctx is not None:
+        logger.warning("initialize_easyckpt called again: keeping the existing Checkpointer (%s)", _ctx.save_dir)
+        return _ctx.ckpt
+    save_kw, load_kw = kwargs.pop("save_dir", None), kwargs.pop("load_dir", None)
+    user_args = kwargs.pop("args", None)
+    trust = bool(kwargs.pop("trust_legacy_pickle", False))
+    margs = _megatron_args()
+    save_dir = getattr(margs, "save", None) if margs is not None else None
+    load_dir = getattr(margs, "load", None) if margs is not None else None
+    save_dir, load_dir = save_dir or save_kw, load_dir or load_kw
+    if save_dir is None:
+        raise ValueError("initialize_easyckpt needs a save directory: Megatron's --save, or save_dir=... when "
+                         "megatron.training is not used")
+    ckpt = Checkpointer(save_dir, save_mem_interval, save_storage_interval, max_ckpt_num,
+                        log_file_path=log_file_path, **kwargs)
+    _ctx = _Context(ckpt=ckpt, save_dir=ckpt.config.save_dir, load_dir=Path(load_dir) if load_dir else None,
+                    args=margs if margs is not None else user_args, megatron_args=margs is not None,
+                    trust_legacy_pickle=trust)
+    info = snapshot.parallel_info()
+    logger.info("easyckpt megatron rank %d: tp %d/%d, pp %d/%d, dp %d/%d, ep %d/%d: model and optimizer state "
+                "is the same on the %d data-parallel ranks of this tensor/pipeline rank, and replicas are found "
+                "by content checksum", info["rank"], info["tp_rank"], info["tp_size"], info["pp_rank"],
+                info["pp_size"], info["dp_rank"], info["dp_size"], info["ep_rank"], info["ep_size"], info["dp_size"])
+    return ckpt
+
+
+def _require() -> _Context:
+    if _ctx is None:
+        raise RuntimeError("easyckpt.megatron: call initialize_easyckpt(...) before saving or loading")
+    return _ctx
+
+
+def get_checkpointer() -> Checkpointer | None:
+    return _ctx.ckpt if _ctx is not None else None
+
+
+def last_load() -> LoadInfo | None:
+    return _ctx.last if _ctx is not None else None
+
+
+def _args(ctx: _Context) -> Any:
+    return _megatron_args() if ctx.megatron_args else ctx.args
+
+
+_said_private = False
+
+
+def save_checkpoint_if_needed(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
+                              num_floating_point_operations_so_far: float | int | None = None) -> bool:
+    """Snapshot Megatron's state when ``iteration % save_mem_interval == 0``; returns at once.
+
+    Pass ``num_floating_point_operations_so_far`` to keep Megatron's counter exact; without it the value
+    returned by the last load_checkpoint is saved.
+    """
+    global _said_private
+    ctx = _require()
+    if num_floating_point_operations_so_far is not None:
+        ctx.flops = num_floating_point_operations_so_far
+    if iteration % ctx.ckpt.config.save_mem_interval:
+        return ctx.ckpt.save_if_needed(iteration, None)  # not due: only keeps the agent watched
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    state = snapshot.build(iteration, list(chunks), optimizer, opt_param_scheduler, args=_args(ctx), flops=ctx.flops)
+    if "optimizer_param_state" in state and not _said_private:
+        _said_private = True
+        info = state[snapshot.META_KEY]["parallel"]
+        logger.info("easyckpt megatron rank %d: distributed optimizer: its optimizer shards (dp rank %d of %d) "
+                    "are rank-private; no other rank of this job holds them, so only a replica on another node "
+                    "(replicate_unique) or disk can restore them if this node is lost",
+                    info["rank"], info["dp_rank"], info["dp_size"])
+    return ctx.ckpt.save_if_needed(iteration, state)
+
+
+def _agree(ok: bool) -> bool:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        flag = flag.cuda()
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _load_elsewhere(ctx: _Context, load_dir: Path, template: dict[str, Any]) -> tuple[dict[str, Any] | None, LoadInfo, bool]:
+    """Nothing of this job's own: load ``load_dir`` (easyckpt iteration / save_dir, or Megatron legacy)."""
+    if layout.ITERATION_RE.match(load_dir.name):
+        result = ctx.ckpt.load(template, load_dir=load_dir)
+        return result.state, LoadInfo(result.step or 0, result.source, result.path, result.seconds), False
+    found = legacy.find(load_dir)
+    complete = layout.complete_iterations(load_dir) if load_dir.resolve() != ctx.save_dir else []
+    if complete and found is None:
+        result = ctx.ckpt.load(template, load_dir=complete[-1][1])
+        return result.state, LoadInfo(result.step or 0, result.source, result.path, result.seconds), False
+    if found is None:
+        other = legacy.other_format(load_dir)
+        if other is not None:
+            raise LegacyCheckpointError(other)
+        return None, LoadInfo(0, None), False
+    problem, state, release, path = "", None, False, None
+    try:
+        state, release, path = legacy.read(load_dir, snapshot.parallel_info(), trust_pickle=ctx.trust_legacy_pickle)
+    except (LegacyCheckpointError, OSError, RuntimeError, ValueError) as exc:
+        problem = str(exc)
+    if not _agree(not problem):
+        raise LegacyCheckpointError(problem or f"another rank could not read the Megatron checkpoint in {load_dir}; see its log")
+    if load_dir.resolve() == ctx.save_dir:
+        logger.warning("%s holds a native Megatron checkpoint and is also easyckpt's save_dir: easyckpt's "
+                       "persists will replace its %s; use another --save to keep it intact", load_dir, legacy.TRACKER)
+    return state, LoadInfo(found[0], "megatron-legacy", str(path)), release
+
+
+def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
+                    strict: bool = True, concat: bool = False) -> tuple[int, float | int]:
+    """Resume: returns (iteration, num_floating_point_operations_so_far), (0, 0) for a fresh start.
+
+    Collective: every rank calls it. This job's memory, replicas and save_dir come first (all ranks agree
+    on one iteration); then the load directory (``--load``, ``getattr(args, load_arg)``, or load_dir=).
+    """
+    ctx = _require()
+    if concat:
+        raise NotImplementedError("load_checkpoint(concat=True) (merging tensor-parallel shards into fewer "
+                                  "ranks) is not supported: resume with the same tensor and pipeline sizes")
+    args = _args(ctx)
+    load_dir = ctx.load_dir
+    if ctx.megatron_args and args is not None:
+        load_dir = Path(getattr(args, load_arg)) if getattr(args, load_arg, None) else None
+    elif load_arg != "load" and args is not None and snapshot.get_arg(args, load_arg):
+        load_dir = Path(snapshot.get_arg(args, load_arg))
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    template = snapshot.model_template(chunks)
+    result = ctx.ckpt.load(template)
+    state, release = result.state, False
+    info = LoadInfo(result.step or 0, result.source, result.path, result.seconds)
+    if result.step is None and load_dir is not None and load_dir.exists():
+        state, info, release = _load_elsewhere(ctx, load_dir, template)
+    if state is None:
+        ctx.last, ctx.flops = LoadInfo(0, None), 0
+        if _rank() == 0:
+            logger.info("easyckpt megatron: nothing to resume from (memory, %s%s): starting at iteration 0",
+                        ctx.save_dir, f", {load_dir}" if load_dir else "")
+        return 0, 0
+    iteration, flops = snapshot.apply(state, chunks, optimizer, opt_param_scheduler, args=args, strict=strict,
+                                      release=release)
+    if (info.source == "megatron-legacy" and not release and snapshot.distributed_optimizers(optimizer)
+            and not snapshot.get_arg(args, "no_load_optim", False) and not snapshot.get_arg(args, "finetune", False)):
+        legacy.load_distributed_optimizer(optimizer, Path(info.path or ""))
+    info.iteration = iteration
+    ctx.last, ctx.flops = info, flops
+    if _rank() == 0:
+        logger.info("easyckpt megatron: resumed at iteration %d from %s (%s) in %.3fs", iteration, info.source,
+                    info.path, info.seconds)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return iteration, flops
+
+
+def finalize_easyckpt() -> None:
+    """Close the Checkpointer at the end of training: waits (bounded) for the due persist."""
+    global _ctx
+    if _ctx is not None:
+        _ctx.ckpt.close()
+        _ctx = None

@@ -1,0 +1,191 @@
+"""HuggingFace Trainer with easyckpt: a tiny GPT-2 under torchrun; kill a rank, run it again.
+
+    torchrun --nproc-per-node=2 examples/hf_trainer.py --output-dir /tmp/hf --out /tmp/hf-run --steps 24
+    # kill -9 one rank mid-training, then resume (from memory while the node's agent holds the snapshot):
+    torchrun --nproc-per-node=2 examples/hf_trainer.py --output-dir /tmp/hf --out /tmp/hf-run --steps 24 --resume
+
+The model is GPT-2 built from a tiny config (nothing is downloaded); the data is synthetic. The usual
+Trainer code gains two lines::
+
+    trainer = TrainerWrapper(Trainer(model=model, args=args, train_dataset=data), save_mem_interval=1)
+    trainer.train(resume_from_checkpoint=True)     # memory, replica, disk; a fresh start when nothing exists
+
+Every optimizer step is snapshotted into shared memory; every ``--save-steps``-th is persisted and
+exported as a Trainer-native ``<output-dir>/checkpoint-N/``, which a plain Trainer can resume from
+(``--plain --resume <output-dir>/checkpoint-N``).
+
+Each rank appends one JSON line per optimizer step to ``--out/losses-rank<r>.jsonl``: the step, the loss
+the Trainer logged (averaged over the ranks, logging_steps=1), two draws from Python's and numpy's
+RNGs taken at the step's start, and a digest of the model and optimizer state after the step; it writes
+``--out/resume-rank<r>-<n>.json`` (where the run resumed from) when training starts. Those files are what
+the tests compare against an uninterrupted run.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import xxhash
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+import easyckpt.state
+from easyckpt.transformers import TrainerWrapper
+
+VOCAB, SEQ = 64, 16
+
+
+class SyntheticTokens(torch.utils.data.Dataset):
+    """Fixed random token sequences; labels are the inputs (GPT-2 shifts them itself)."""
+
+    def __init__(self, size: int, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, VOCAB, (size, SEQ), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.tokens[index], "labels": self.tokens[index]}
+
+
+def state_digest(model: torch.nn.Module, optimizer: Any) -> str:
+    """xxh3-128 over every tensor of model and optimizer, in order: equal digests mean equal bits."""
+    digest = xxhash.xxh3_128()
+    _, refs, values = easyckpt.state.flatten({"model": model.state_dict(), "optim": optimizer.state_dict()})
+    for ref, value in zip(refs, values):
+        digest.update(ref.name.encode())
+        digest.update(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+class StepLog(TrainerCallback):
+    """One JSON line per optimizer step: loss (from the Trainer's own log), RNG draws, state digest."""
+
+    def __init__(self, path: Path, attempt: str) -> None:
+        self.path = path
+        self.attempt = attempt
+        self.draws: dict[str, float] = {}
+        self.digest = ""
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Drawn after the Trainer restored the RNGs on resume: equal draws mean the RNGs continued exactly.
+        self.draws = {"py_rand": random.random(), "np_rand": float(np.random.rand())}
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.digest = state_digest(kwargs["model"], kwargs["optimizer"])
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if not logs or "loss" not in logs:
+            return
+        row = {"step": state.global_step, "loss": logs["loss"], "learning_rate": logs.get("learning_rate"),
+               "grad_norm": logs.get("grad_norm"), "epoch": logs.get("epoch"), "attempt": self.attempt,
+               "digest": self.digest, **self.draws}
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(row) + "\n")
+
+
+class BusyStep(TrainerCallback):
+    """Extra compute per step, so that a test can kill a rank mid-training without racing the end."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        deadline = time.perf_counter() + self.seconds
+        while time.perf_counter() < deadline:
+            pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output-dir", required=True, help="the Trainer's output_dir (checkpoint-N/, easyckpt/)")
+    parser.add_argument("--out", required=True, help="directory for loss logs and resume reports")
+    parser.add_argument("--steps", type=int, default=24, help="max_steps (the data is 8 steps per epoch on 2 ranks)")
+    parser.add_argument("--save-steps", type=int, default=5)
+    parser.add_argument("--save-strategy", default="steps", choices=("steps", "no", "epoch"))
+    parser.add_argument("--save-total-limit", type=int, default=None)
+    parser.add_argument("--save-mem-interval", type=int, default=1)
+    parser.add_argument("--resume", nargs="?", const="true", default=None,
+                        help="no value: newest state (memory, replica, disk); or a checkpoint-N path")
+    parser.add_argument("--plain", action="store_true", help="a plain Trainer without easyckpt")
+    parser.add_argument("--step-seconds", type=float, default=0.0, help="extra compute per step (busy loop)")
+    args = parser.parse_args()
+    run(args)
+    # The Trainer leaves its process group up. Torn down during interpreter exit, gloo's DDP group can
+    # deadlock or abort ("terminate called without an active exception"): its worker threads may still
+    # need the GIL to drop a finished collective's tensors while the exiting thread joins them, holding it
+    # (see pytorch/pytorch#190489). So: run() returned after a barrier, the Trainer and the DDP module are
+    # collected now, and the group is destroyed while the interpreter is whole.
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> None:
+    logging.basicConfig(level=os.environ.get("EASYCKPT_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s rank%(process)d %(name)s: %(message)s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", 0))
+    (out / f"pid-rank{rank}").write_text(str(os.getpid()))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+
+    training_args = TrainingArguments(
+        output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=4, learning_rate=3e-3,
+        warmup_steps=4, logging_steps=1, save_strategy=args.save_strategy, save_steps=args.save_steps,
+        save_total_limit=args.save_total_limit, seed=0, data_seed=1234, report_to="none", use_cpu=True,
+        disable_tqdm=True, dataloader_num_workers=0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32))
+    step_log = StepLog(out / f"losses-rank{rank}.jsonl", attempt)
+    trainer = Trainer(model=model, args=training_args, train_dataset=SyntheticTokens(64), callbacks=[step_log])
+    # Each rank its own dropout and noise streams (the sampler is seeded by data_seed), so a resumed rank
+    # must get its own RNG states back, not rank 0's.
+    torch.manual_seed(1 + rank)
+    random.seed(1 + rank)
+    np.random.seed(1 + rank)
+
+    if args.step_seconds:
+        trainer.add_callback(BusyStep(args.step_seconds))
+
+    resume: str | bool | None = True if args.resume == "true" else args.resume
+    wrapper = None if args.plain else TrainerWrapper(trainer, save_mem_interval=args.save_mem_interval,
+                                                     log_file_path=str(out / "persist.log"))
+
+    class ResumeReport(TrainerCallback):
+        """Where this run started, written before its first step (a killed run still has it)."""
+
+        def on_train_begin(self, args_: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if wrapper is not None:
+                assert wrapper.resumed is not None
+                info = wrapper.resumed.as_dict()
+            else:
+                info = {"step": state.global_step if resume else None, "source": "path" if resume else None,
+                        "path": resume}
+            report = {"rank": rank, "attempt": attempt, "pid": os.getpid(), "plain": args.plain,
+                      "global_step": state.global_step, **info}
+            index = len(list(out.glob(f"resume-rank{rank}-*.json")))
+            (out / f"resume-rank{rank}-{index}.json").write_text(json.dumps(report))
+            if rank == 0 and info["step"] is not None:
+                print(f"resumed at step {info['step']} from {info['source']} ({info['path']})", flush=True)
+
+    trainer.add_callback(ResumeReport())
+    (wrapper or trainer).train(resume_from_checkpoint=resume)
+    if rank == 0:
+        print(f"done at step {trainer.state.global_step}", flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,336 @@
+"""HuggingFace Trainer + TrainerWrapper under a real torchrun (2 ranks, gloo, CPU), a tiny GPT-2 built
+from a config: kill -9 and resume from memory, from disk with memory wiped, a plain Trainer resuming
+from a wrapper-written checkpoint-N, and torn checkpoint-N folders that are never chosen.
+
+The reference is a plain Trainer (no easyckpt) run uninterrupted: every resumed run must log the same
+losses (exact float equality), draw the same Python and numpy random numbers, and hold the same model
+and optimizer bits (digest) at every step after the resumed one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers", reason="the HF integration needs transformers: pip install -e '.[hf]'")
+pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate: pip install -e '.[hf]'")
+
+import torch  # noqa: E402
+
+from conftest import ROOT, Env, gone, wait_for  # noqa: E402
+from ddp_job import TORCHRUN, Job, newest_common_committed, slot_states  # noqa: E402
+from easyckpt_wire import layout  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = ROOT / "examples" / "hf_trainer.py"
+STEPS = 20          # 8 optimizer steps per epoch: the runs cross two epoch boundaries
+SAVE_STEPS = 5
+NATIVE_FILES = {"config.json", "generation_config.json", "model.safetensors", "optimizer.pt", "scheduler.pt",
+                "rng_state_0.pth", "rng_state_1.pth", "trainer_state.json", "training_args.bin"}
+
+
+class HFJob(Job):
+    """examples/hf_trainer.py under torchrun; the loss/resume/pid files are those Job reads."""
+
+    def __init__(self, env: Env, output_dir: Path, out: Path, *, resume: str | None = None, plain: bool = False,
+                 step_seconds: float = 0.0, save_total_limit: int | None = None,
+                 extra_env: dict[str, str] | None = None) -> None:
+        self.out = out
+        self.nproc = 2
+        out.mkdir(parents=True, exist_ok=True)
+        self.log_path = out / "torchrun.log"
+        command = TORCHRUN + ["--standalone", "--nproc-per-node=2", "--max-restarts=0", str(SCRIPT),
+                              "--output-dir", str(output_dir), "--out", str(out), "--steps", str(STEPS),
+                              "--save-steps", str(SAVE_STEPS), "--step-seconds", str(step_seconds)]
+        if resume is not None:
+            command += ["--resume"] + ([] if resume == "newest" else [resume])
+        if plain:
+            command.append("--plain")
+        if save_total_limit is not None:
+            command += ["--save-total-limit", str(save_total_limit)]
+        extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TOKENIZERS_PARALLELISM": "false",
+                 "HF_HUB_OFFLINE": "1", **(extra_env or {})}
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=env.environ(EASYCKPT_LOG_LEVEL="INFO", **extra), cwd=str(ROOT))
+
+
+def run_to_end(job: HFJob, timeout: float = 120) -> HFJob:
+    try:
+        assert job.wait(timeout) == 0, job.log()[-4000:]
+    finally:
+        job.kill()
+    return job
+
+
+def assert_continues_exactly(resumed: Job, reference: Job, from_step: int) -> None:
+    for rank in range(2):
+        ours, theirs = resumed.losses(rank), reference.losses(rank)
+        assert sorted(ours) == list(range(from_step + 1, STEPS + 1)), f"rank {rank} ran steps {sorted(ours)}"
+        for step, row in ours.items():
+            for key in ("loss", "digest", "py_rand", "np_rand", "learning_rate", "grad_norm", "epoch"):
+                assert row[key] == theirs[step][key], f"rank {rank} step {step}: {key} {row[key]!r} != {theirs[step][key]!r}"
+
+
+def resumed_at(job: Job) -> list[dict[str, Any]]:
+    return [job.resumes(rank)[-1] for rank in range(2)]
+
+
+def wipe_memory(env: Env) -> None:
+    """The node lost its memory: the agent is gone and so are the slot files."""
+    pid = env.agent_pid()
+    if pid is not None:
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: gone(pid), 30, f"agent {pid} to die")
+    env.wait_agent_gone()
+    for path in env.slot_files():
+        path.unlink()
+
+
+def killed_run(env: Env, output_dir: Path, out: Path, at_step: int) -> HFJob:
+    job = HFJob(env, output_dir, out, step_seconds=0.15)
+    try:
+        job.kill_rank(1, at_step)
+        assert job.wait(90) != 0
+    finally:
+        job.kill()
+    return job
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[HFJob, Path]:
+    """A plain Trainer, no easyckpt, uninterrupted: the losses of every step and its native checkpoints."""
+    env = Env(tmp_path_factory.mktemp("plain-reference"))
+    try:
+        job = run_to_end(HFJob(env, env.tmp_path / "hf", env.tmp_path / "out", plain=True, save_total_limit=2))
+        return job, env.tmp_path / "hf"
+    finally:
+        env.cleanup()
+
+
+def test_wrapped_run_matches_plain_trainer_and_writes_native_checkpoints(env: Env, reference: tuple[HFJob, Path]) -> None:
+    """The wrapper changes nothing in the run, and its checkpoint-N folders are the Trainer's own:
+    same files, the same model bytes, equal optimizer/scheduler/RNG states; save_total_limit applies."""
+    plain, plain_dir = reference
+    output_dir = env.tmp_path / "hf"
+    job = run_to_end(HFJob(env, output_dir, env.tmp_path / "out", save_total_limit=2))
+    assert resumed_at(job)[0]["source"] is None
+    assert_continues_exactly(job, plain, 0)
+    assert sorted(p.name for p in output_dir.iterdir() if p.name.startswith("checkpoint-")) == \
+        ["checkpoint-15", "checkpoint-20"], "save_total_limit=2 keeps the two newest, as the Trainer does"
+    assert not [p for p in output_dir.iterdir() if p.name.startswith(".easyckpt-")]
+    for step in (15, 20):
+        ours, theirs = output_dir / f"checkpoint-{step}", plain_dir / f"checkpoint-{step}"
+        assert {p.name for p in ours.iterdir()} == {p.name for p in theirs.iterdir()} == NATIVE_FILES
+        assert (ours / "model.safetensors").read_bytes() == (theirs / "model.safetensors").read_bytes()
+        for name in ("optimizer.pt", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"):
+            a, b = (torch.load(d / name, weights_only=False) for d in (ours, theirs))
+            assert repr(a) == repr(b), f"checkpoint-{step}/{name} differs from the Trainer's own"
+        a, b = (json.loads((d / "trainer_state.json").read_text()) for d in (ours, theirs))
+        for record in (a, b):  # the Trainer records its control flags in the middle of its save
+            record["stateful_callbacks"]["TrainerControl"]["args"].pop("should_save")
+        assert a == b
+
+
+def test_kill9_then_resume_from_memory_continues_the_loss_curve(env: Env, reference: tuple[HFJob, Path]) -> None:
+    output_dir = env.tmp_path / "hf"
+    killed_run(env, output_dir, env.tmp_path / "first", random.Random().randint(6, 13))
+    newest = newest_common_committed(slot_states(env, output_dir / "easyckpt"))
+    assert newest is not None and newest >= 1
+
+    second = run_to_end(HFJob(env, output_dir, env.tmp_path / "second", resume="newest"))
+    for report in resumed_at(second):
+        assert (report["step"], report["source"], report["global_step"]) == (newest, "memory", newest), report
+    assert_continues_exactly(second, reference[0], newest)
+    assert "resumed at step" in second.log()
+    assert not list(env.shm_dir.glob("easyckpt-hf-resume-*")), "the staging directory is removed after resume"
+    complete = {p.name for p in output_dir.iterdir() if p.name.startswith("checkpoint-")}
+    assert complete == {f"checkpoint-{s}" for s in range(SAVE_STEPS, STEPS + 1, SAVE_STEPS)}
+
+
+def test_memory_wiped_resumes_from_newest_complete_on_disk(env: Env, reference: tuple[HFJob, Path]) -> None:
+    output_dir = env.tmp_path / "hf"
+    killed_run(env, output_dir, env.tmp_path / "first", random.Random().randint(11, 14))
+    wipe_memory(env)
+    iterations = [step for step, _ in layout.complete_iterations(output_dir / "easyckpt")]
+    checkpoints = [int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*")]
+    assert iterations, f"nothing persisted: {sorted(os.listdir(output_dir / 'easyckpt'))}"
+    newest = max(iterations)
+    assert newest >= max(checkpoints, default=0), "a checkpoint-N is exported from a persisted iteration"
+
+    second = run_to_end(HFJob(env, output_dir, env.tmp_path / "second", resume="newest"))
+    for report in resumed_at(second):
+        assert (report["step"], report["source"]) == (newest, "disk"), report
+    assert_continues_exactly(second, reference[0], newest)
+
+
+def test_plain_trainer_resumes_from_a_wrapper_checkpoint(env: Env, reference: tuple[HFJob, Path]) -> None:
+    """Kill the wrapped job, then resume it with a plain Trainer from the checkpoint-N the wrapper wrote."""
+    output_dir = env.tmp_path / "hf"
+    checkpoint = output_dir / "checkpoint-10"
+    first = HFJob(env, output_dir, env.tmp_path / "first", step_seconds=0.15)
+    try:
+        wait_for(lambda: checkpoint.is_dir() or first.proc.poll() is not None, 90, f"{checkpoint} to be exported")
+        first.kill_rank(1, random.Random().randint(11, 14))
+        assert first.wait(90) != 0
+    finally:
+        first.kill()
+    assert {p.name for p in checkpoint.iterdir()} == NATIVE_FILES
+
+    plain = run_to_end(HFJob(env, output_dir, env.tmp_path / "plain", plain=True, resume=str(checkpoint)))
+    assert all(r["global_step"] == 10 for r in resumed_at(plain))
+    assert_continues_exactly(plain, reference[0], 10)
+
+
+def test_torn_checkpoints_are_never_chosen(env: Env, reference: tuple[HFJob, Path]) -> None:
+    """Rank 0 dies (SIGKILL at a named fault point) while publishing checkpoint-10; two more folders look
+    like a plain Trainer killed mid-save. With memory and easyckpt's iterations gone, the newest complete
+    checkpoint-N is 5, which is where the job resumes; the Trainer's own pick would be a torn one."""
+    from transformers.trainer_utils import get_last_checkpoint
+
+    output_dir = env.tmp_path / "hf"
+    first = HFJob(env, output_dir, env.tmp_path / "first", step_seconds=0.1,
+                  extra_env={"EASYCKPT_FAULT": "hf.export.before_rename@10#0"})
+    try:
+        assert first.wait(90) != 0, "the fault point never fired"
+    finally:
+        first.kill()
+    assert "fault point hf.export.before_rename reached" in first.log()
+    assert (output_dir / ".easyckpt-tmp-checkpoint-10").is_dir() and not (output_dir / "checkpoint-10").exists()
+    complete = output_dir / "checkpoint-5"
+    torn_no_optimizer = output_dir / "checkpoint-14"      # killed before optimizer.pt: the state file came early
+    shutil.copytree(complete, torn_no_optimizer)
+    (torn_no_optimizer / "optimizer.pt").unlink()
+    state = json.loads((torn_no_optimizer / "trainer_state.json").read_text())
+    (torn_no_optimizer / "trainer_state.json").write_text(json.dumps({**state, "global_step": 14}))
+    torn_truncated = output_dir / "checkpoint-15"         # killed while writing the weights
+    torn_truncated.mkdir()
+    shutil.copy(complete / "config.json", torn_truncated)
+    weights = (complete / "model.safetensors").read_bytes()
+    (torn_truncated / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    assert get_last_checkpoint(str(output_dir)) == str(torn_truncated)
+
+    wipe_memory(env)
+    for _step, path in layout.complete_iterations(output_dir / "easyckpt"):
+        shutil.rmtree(path)
+
+    second = run_to_end(HFJob(env, output_dir, env.tmp_path / "second", resume="newest"))
+    for report in resumed_at(second):
+        assert (report["step"], report["source"], report["path"]) == (5, "checkpoint", str(complete)), report
+    assert_continues_exactly(second, reference[0], 5)
+    for torn in (torn_no_optimizer, torn_truncated):
+        assert f"skipping {torn}: incomplete" in second.log()
+    assert not (output_dir / ".easyckpt-tmp-checkpoint-10").exists(), "the dead writer's temp folder is cleaned up"
+
+
+def test_an_explicit_torn_checkpoint_is_refused(env: Env, reference: tuple[HFJob, Path]) -> None:
+    """resume_from_checkpoint=<a torn checkpoint-N> fails on every rank, naming the folder, what is missing
+    and the fix, instead of training on from a half-written state."""
+    output_dir = env.tmp_path / "hf"
+    torn = output_dir / "checkpoint-15"
+    shutil.copytree(reference[1] / "checkpoint-15", torn)
+    (torn / "optimizer.pt").unlink()
+    refused = HFJob(env, output_dir, env.tmp_path / "out", resume=str(torn))
+    try:
+        assert refused.wait(90) != 0
+    finally:
+        refused.kill()
+    log = refused.log()
+    assert f"resume_from_checkpoint='{torn}' is incomplete: {torn}/optimizer.pt is missing" in log, log[-3000:]
+    assert "pass True to resume from the newest complete state" in log
+    assert not refused.losses(0) and not refused.losses(1)
+
+
+def _example_module() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_trainer_example", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _in_process_run(output_dir: Path, wrapped: bool) -> Any:
+    """One process, no torchrun: eval every 4 steps with a scripted metric whose best is step 8, saves every
+    4 steps and at the final step 14 (not a multiple: written synchronously), save_total_limit=2, the best
+    model loaded at the end."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from easyckpt.transformers import TrainerWrapper
+
+    example = _example_module()
+    scores = iter([1.0, 3.0, 2.0, 1.0])
+    args = TrainingArguments(
+        output_dir=str(output_dir), max_steps=14, per_device_train_batch_size=4, learning_rate=3e-3, warmup_steps=2,
+        logging_steps=1, eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=4,
+        save_total_limit=2, metric_for_best_model="score", greater_is_better=True, load_best_model_at_end=True,
+        seed=0, data_seed=1234, report_to="none", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=example.VOCAB, n_positions=32))
+    trainer = Trainer(model=model, args=args, train_dataset=example.SyntheticTokens(32),
+                      eval_dataset=example.SyntheticTokens(8, seed=1), compute_metrics=lambda _: {"score": next(scores)})
+    runner = TrainerWrapper(trainer, save_mem_interval=2) if wrapped else trainer
+    runner.train(resume_from_checkpoint=True if wrapped else None)
+    return trainer
+
+
+def test_single_process_best_checkpoint_final_save_and_limit_as_the_trainer(env: Env, tmp_path: Path) -> None:
+    """save_total_limit keeps the best checkpoint (step 8) besides the newest, the final step's save (not
+    on the save_steps grid) is written too, load_best_model_at_end finds the best one: the same folders,
+    files and states as a plain Trainer's, in one process (rng_state.pth)."""
+    plain = _in_process_run(tmp_path / "plain", wrapped=False)
+    wrapped = _in_process_run(tmp_path / "wrapped", wrapped=True)
+    for trainer in (plain, wrapped):
+        kept = sorted(p.name for p in Path(trainer.args.output_dir).iterdir() if p.name.startswith("checkpoint-"))
+        assert kept == ["checkpoint-14", "checkpoint-8"], kept
+        assert Path(trainer.state.best_model_checkpoint).name == "checkpoint-8"
+    assert [r.get("loss") for r in plain.state.log_history] == [r.get("loss") for r in wrapped.state.log_history]
+    for name in ("checkpoint-8", "checkpoint-14"):
+        ours, theirs = tmp_path / "wrapped" / name, tmp_path / "plain" / name
+        assert {p.name for p in ours.iterdir()} == {p.name for p in theirs.iterdir()}
+        assert "rng_state.pth" in {p.name for p in ours.iterdir()}
+        assert (ours / "model.safetensors").read_bytes() == (theirs / "model.safetensors").read_bytes()
+        for file in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+            a, b = (torch.load(d / file, weights_only=False) for d in (ours, theirs))
+            assert repr(a) == repr(b), f"{name}/{file}"
+        a, b = (json.loads((d / "trainer_state.json").read_text()) for d in (ours, theirs))
+        assert (a["global_step"], a["best_global_step"], a["best_metric"]) == \
+            (b["global_step"], b["best_global_step"], b["best_metric"])
+        assert Path(a["best_model_checkpoint"]).name == Path(b["best_model_checkpoint"]).name
+    # the model in memory at the end is the best one, loaded back from checkpoint-8
+    for (key, a), (_, b) in zip(plain.model.state_dict().items(), wrapped.model.state_dict().items()):
+        assert torch.equal(a, b), key
+
+
+def test_configuration_errors_name_the_fix(tmp_path: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from easyckpt.transformers import TrainerWrapper
+
+    def trainer(**overrides: Any) -> Trainer:
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, report_to="none", use_cpu=True,
+                                 **{"save_steps": 5, **overrides})
+        return Trainer(model=GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)),
+                       args=args)
+
+    with pytest.raises(ValueError, match=r"save_steps=5 is not a multiple of save_mem_interval=2.*save_mem_interval=1"):
+        TrainerWrapper(trainer(), save_mem_interval=2)
+    with pytest.raises(ValueError, match=r"save_steps=0.5 is a fraction.*save_steps=<int>"):
+        TrainerWrapper(trainer(save_steps=0.5))
+    with pytest.raises(ValueError, match=r"derives save_storage_interval.*save_steps"):
+        TrainerWrapper(trainer(), save_storage_interval=10)
+    with pytest.raises(NotImplementedError, match="save_on_each_node=False"):
+        TrainerWrapper(trainer(save_on_each_node=True))
+    with pytest.raises(TypeError, match="wraps a transformers.Trainer"):
+        TrainerWrapper(object())  # type: ignore[arg-type]
+    wrapper = TrainerWrapper(trainer(save_strategy="no"))
+    assert wrapper.args.max_steps == 4 and wrapper.save_steps is None  # other attributes are the Trainer's

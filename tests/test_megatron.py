@@ -1,0 +1,414 @@
+"""easyckpt.megatron with megatron-core on CPU: the three lines in a Megatron-style loop under real torchrun.
+
+The loop is examples/megatron_gpt.py (megatron-core's GPTModel, its OptimizerParamScheduler, a torch
+AdamW; gloo). Every resumed run is compared with one uninterrupted reference run of the same script:
+the loss of every iteration and the final model/optimizer digest must be bitwise equal.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+
+from conftest import ROOT, Env, assert_same, gone, run_cli, wait_for  # noqa: E402
+from easyckpt_wire import layout  # noqa: E402
+
+SCRIPT = ROOT / "examples" / "megatron_gpt.py"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+ITERS = 24
+IDLE = "0.03"
+
+
+class Job:
+    """One torchrun of examples/megatron_gpt.py with 2 ranks."""
+
+    def __init__(self, env: Env, out: Path, *, save_dir: Path, iters: int = ITERS, max_restarts: int = 0,
+                 storage_interval: int = 5, extra: tuple[str, ...] = ()) -> None:
+        self.out = out
+        out.mkdir(parents=True, exist_ok=True)
+        self.log_path = out / "torchrun.log"
+        command = TORCHRUN + ["--standalone", "--nproc-per-node=2", f"--max-restarts={max_restarts}", str(SCRIPT),
+                              "--save-dir", str(save_dir), "--out", str(out), "--train-iters", str(iters),
+                              "--save-storage-interval", str(storage_interval), "--step-idle", IDLE, *extra]
+        self._log = open(self.log_path, "w")
+        # A rendezvous store per attempt: restarted gloo workers otherwise get stale addresses (pytorch#135712).
+        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(ROOT),
+                                     env=env.environ(EASYCKPT_LOG_LEVEL="INFO", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+
+    def wait(self, timeout: float = 90) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"job did not end within {timeout:.0f}s:\n{self.log()[-3000:]}") from None
+        finally:
+            self._log.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def pid(self, rank: int) -> int:
+        return int((self.out / f"pid-rank{rank}").read_text())
+
+    def losses(self, rank: int) -> dict[int, float]:
+        path = self.out / f"losses-rank{rank}.jsonl"
+        rows: dict[int, float] = {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                if line.endswith("}"):
+                    row = json.loads(line)
+                    rows[row["iteration"]] = row["loss"]   # a re-run iteration overwrites: the curve as resumed
+        return rows
+
+    def reached(self, rank: int, iteration: int) -> bool:
+        return any(i >= iteration for i in self.losses(rank))
+
+    def wait_reached(self, rank: int, iteration: int) -> None:
+        wait_for(lambda: self.reached(rank, iteration) or self.proc.poll() is not None, 60,
+                 f"rank {rank} to reach iteration {iteration}")
+        assert self.proc.poll() is None, f"job ended before iteration {iteration}:\n{self.log()[-3000:]}"
+
+    def resumes(self, rank: int) -> list[dict[str, Any]]:
+        paths = sorted(self.out.glob(f"resume-rank{rank}-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+        return [json.loads(p.read_text()) for p in paths]
+
+    def final(self, rank: int) -> dict[str, Any]:
+        return json.loads((self.out / f"final-rank{rank}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    """One uninterrupted run: {rank: (losses, final)}."""
+    tmp = tmp_path_factory.mktemp("megatron-reference")
+    env = Env(tmp)
+    try:
+        job = Job(env, tmp / "run", save_dir=env.save_dir)
+        assert job.wait() == 0, job.log()[-3000:]
+        found = {rank: (job.losses(rank), job.final(rank)) for rank in (0, 1)}
+        assert sorted(found[0][0]) == list(range(1, ITERS + 1))
+        return found
+    finally:
+        env.cleanup()
+
+
+def assert_same_curve(job: Job, reference: dict[int, Any], *, start: int = 1) -> None:
+    for rank in (0, 1):
+        losses, expected = job.losses(rank), reference[rank][0]
+        assert sorted(losses) == list(range(start, ITERS + 1)), f"rank {rank}: iterations {sorted(losses)}"
+        diff = {i: (losses[i], expected[i]) for i in losses if losses[i] != expected[i]}
+        assert not diff, f"rank {rank}: losses differ from the uninterrupted run (got, expected): {diff}"
+        assert job.final(rank)["digest"] == reference[rank][1]["digest"], f"rank {rank}: final state differs"
+        assert job.final(rank)["flops"] == reference[rank][1]["flops"]
+
+
+# --- torchrun: kill and resume ------------------------------------------------------------------------
+def test_kill_rank_resumes_from_memory_with_identical_losses(env: Env, reference: dict[int, Any]) -> None:
+    job = Job(env, env.tmp_path / "run", save_dir=env.save_dir, max_restarts=1)
+    job.wait_reached(1, 10)
+    os.kill(job.pid(1), signal.SIGKILL)
+    killed_at = max(job.losses(1))
+    assert job.wait() == 0, job.log()[-3000:]
+    for rank in (0, 1):
+        first, second = job.resumes(rank)
+        assert first["source"] is None and second["source"] == "memory", second
+        assert second["attempt"] == "1" and 0 < second["iteration"] <= killed_at + 1, (second, killed_at)
+        assert second["consumed_train_samples"] == second["iteration"] * 8
+    assert job.resumes(0)[1]["iteration"] == job.resumes(1)[1]["iteration"]
+    assert_same_curve(job, reference)
+
+
+def test_memory_wiped_resumes_from_disk_with_identical_losses(env: Env, reference: dict[int, Any]) -> None:
+    first = Job(env, env.tmp_path / "run1", save_dir=env.save_dir)
+    first.wait_reached(1, 13)
+    os.kill(first.pid(1), signal.SIGKILL)
+    assert first.wait() != 0
+    agent = env.agent_pid()
+    if agent is not None:
+        os.kill(agent, signal.SIGKILL)
+        wait_for(lambda: gone(agent), 30, "the killed agent to exit")
+    env.wait_agent_gone()
+    for path in env.slot_files():
+        path.unlink()
+    on_disk = [step for step, _ in layout.complete_iterations(env.save_dir)]
+    assert on_disk, "nothing was persisted before the kill"
+
+    second = Job(env, env.tmp_path / "run2", save_dir=env.save_dir)
+    assert second.wait() == 0, second.log()[-3000:]
+    for rank in (0, 1):
+        (resume,) = second.resumes(rank)
+        assert resume["source"] == "disk" and resume["iteration"] == max(on_disk), (resume, on_disk)
+    assert_same_curve(second, reference, start=max(on_disk) + 1)
+
+
+# --- the exit hook ------------------------------------------------------------------------------------
+def _persisted(save_dir: Path) -> list[int]:
+    return [step for step, _ in layout.complete_iterations(save_dir)]
+
+
+def test_hook_on_sigterm_persists_the_newest_snapshot(env: Env) -> None:
+    # save_storage_interval 1000: nothing is ever due, so whatever reaches disk is the hook's flush.
+    job = Job(env, env.tmp_path / "run", save_dir=env.save_dir, storage_interval=1000)
+    job.wait_reached(0, 8)
+    job.wait_reached(1, 8)
+    job.proc.send_signal(signal.SIGTERM)   # torchrun passes SIGTERM on to both ranks
+    assert job.wait() != 0
+    logged = [max(job.losses(rank)) for rank in (0, 1)]
+    steps = wait_for(lambda: _persisted(env.save_dir), 30, "the agent to flush the newest snapshot")
+    # The newest snapshot every rank holds: a rank logs an iteration right after its snapshot call.
+    assert steps == [steps[0]] and min(logged) <= steps[0] <= max(logged) + 1, (steps, logged)
+    assert "SIGTERM: the newest snapshot" in job.log(), job.log()[-3000:]
+    verify = run_cli("verify", str(env.save_dir), env=env)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def test_hook_on_uncaught_exception_persists_the_newest_snapshot(env: Env) -> None:
+    job = Job(env, env.tmp_path / "run", save_dir=env.save_dir, storage_interval=1000, extra=("--raise-at", "7"))
+    assert job.wait() != 0
+    assert "uncaught RuntimeError: the newest snapshot (step 7)" in job.log(), job.log()[-3000:]
+    steps = wait_for(lambda: _persisted(env.save_dir), 30, "the agent to flush the newest snapshot")
+    assert steps == [7], steps
+
+
+# --- migration both ways ------------------------------------------------------------------------------
+def test_migrates_from_a_native_megatron_checkpoint(env: Env, reference: dict[int, Any]) -> None:
+    native = env.tmp_path / "megatron-native"
+    first = Job(env, env.tmp_path / "run1", save_dir=env.tmp_path / "first", iters=10,
+                extra=("--native-save-dir", str(native), "--native-save-at", "10"))
+    assert first.wait() == 0, first.log()[-3000:]
+    assert (native / "latest_checkpointed_iteration.txt").read_text() == "10"
+    assert sorted(p.name for p in (native / "iter_0000010").iterdir()) == ["mp_rank_00"]
+
+    second = Job(env, env.tmp_path / "run2", save_dir=env.save_dir, extra=("--load-dir", str(native)))
+    assert second.wait() == 0, second.log()[-3000:]
+    for rank in (0, 1):
+        (resume,) = second.resumes(rank)
+        assert resume["source"] == "megatron-legacy" and resume["iteration"] == 10, resume
+        assert resume["path"].endswith("iter_0000010/mp_rank_00/model_optim_rng.pt")
+        assert resume["consumed_train_samples"] == 80
+    assert_same_curve(second, reference, start=11)
+
+
+def _megatron_loader_accepts(path: Path, iteration: int) -> None:
+    """What megatron.training.checkpointing.load_checkpoint does with a legacy file, on CPU."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    state = torch.load(path, map_location="cpu")   # Megatron's own call: torch's default weights_only=True
+    args = state["args"]
+    assert isinstance(args, argparse.Namespace)
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads) == (2, 32, 4)
+    assert state["checkpoint_version"] == 3.0 and state["iteration"] == iteration
+    assert args.consumed_train_samples == iteration * 8
+    model = _gpt(seed=5)
+    model.load_state_dict(state["model"], strict=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=3e-3, min_lr=3e-4, lr_warmup_steps=40,
+                                        lr_decay_steps=1600, lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
+                                        wd_incr_steps=1600, wd_incr_style="constant")
+    scheduler.load_state_dict(state["opt_param_scheduler"])
+    assert scheduler.num_steps == iteration * 8
+    rng = state["rng_state"][0]
+    random.setstate(rng["random_rng_state"])
+    np.random.set_state(rng["np_rng_state"])
+    torch.set_rng_state(rng["torch_rng_state"])
+    assert set(rng["rng_tracker_states"]) == {"data-parallel-rng", "model-parallel-rng", "expert-parallel-rng"}
+
+
+def test_convert_to_megatron_output_loads_back(env: Env, reference: dict[int, Any], megatron_world: None) -> None:
+    first = Job(env, env.tmp_path / "run1", save_dir=env.save_dir, iters=10)
+    assert first.wait() == 0, first.log()[-3000:]
+    # 10 unless its snapshot was skipped because the agent was still persisting 5 (training never waits)
+    newest = max(_persisted(env.save_dir))
+    assert newest in (5, 10)
+    dst = env.tmp_path / "converted"
+    done = run_cli("convert", "--to", "megatron", str(env.save_dir), str(dst), env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (dst / "latest_checkpointed_iteration.txt").read_text() == str(newest)
+    files = sorted(dst.rglob("*.pt"))
+    assert files == [dst / f"iter_{newest:07d}" / "mp_rank_00" / "model_optim_rng.pt"], files  # DP rank 0 only
+    _megatron_loader_accepts(files[0], newest)
+    again = run_cli("convert", "--to", "megatron", str(env.save_dir), str(dst), env=env)
+    assert again.returncode == 1 and "exists already" in again.stderr
+
+    second = Job(env, env.tmp_path / "run2", save_dir=env.tmp_path / "resumed", extra=("--load-dir", str(dst)))
+    assert second.wait() == 0, second.log()[-3000:]
+    for rank in (0, 1):
+        (resume,) = second.resumes(rank)
+        assert resume["source"] == "megatron-legacy" and resume["iteration"] == newest, resume
+    assert_same_curve(second, reference, start=newest + 1)
+
+
+# --- in one process: the state itself -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def megatron_world() -> Any:
+    """A one-rank gloo group with Megatron's parallel state, as GPTModel needs to be built."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if dist.is_initialized():
+        yield
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _gpt(seed: int) -> Any:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                               hidden_dropout=0.1, attention_dropout=0.1)
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
+                    max_sequence_length=16)
+
+
+def _training_objects(seed: int) -> tuple[list[Any], Any, Any]:
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    chunks = [_gpt(seed), _gpt(seed + 1)]   # two virtual pipeline chunks: saved as model0, model1
+    optimizer = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-3)
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=2,
+                                        lr_decay_steps=10, lr_decay_style="linear", start_wd=0.0, end_wd=0.1,
+                                        wd_incr_steps=10, wd_incr_style="linear")
+    return chunks, optimizer, scheduler
+
+
+def test_gpt_model_state_round_trips_through_memory(env: Env, megatron_world: None) -> None:
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    import easyckpt.megatron as em
+
+    chunks, optimizer, scheduler = _training_objects(seed=1)
+    for _ in range(2):   # real optimizer state and a moved schedule (gradients made up: forward needs CUDA shims)
+        for param in optimizer.param_groups[0]["params"]:
+            param.grad = torch.randn_like(param)
+        optimizer.step()
+        scheduler.step(increment=1)
+    tracker = get_cuda_rng_tracker()
+    tracker.set_states({"model-parallel-rng": torch.Generator().manual_seed(7).get_state()})
+    args = argparse.Namespace(consumed_train_samples=16, num_layers=2, params_dtype=torch.bfloat16,
+                              init_method=lambda x: x, save=str(env.save_dir))
+    with pytest.raises(RuntimeError, match="initialize_easyckpt"):
+        em.save_checkpoint_if_needed(1, chunks, optimizer, scheduler)
+    em.initialize_easyckpt(save_mem_interval=1, save_storage_interval=5, max_ckpt_num=2, save_dir=env.save_dir,
+                           args=args)
+    try:
+        assert em.save_checkpoint_if_needed(2, chunks, optimizer, scheduler, num_floating_point_operations_so_far=123)
+        em.get_checkpointer().wait()
+        saved_rng = torch.get_rng_state()
+        saved_py, saved_np = random.getstate(), np.random.get_state()
+        expected = {"model0": chunks[0].state_dict(), "model1": chunks[1].state_dict(),
+                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+
+        fresh, fresh_optimizer, fresh_scheduler = _training_objects(seed=50)
+        torch.manual_seed(999)
+        random.seed(999)
+        np.random.seed(999)
+        tracker.set_states({})
+        args.consumed_train_samples = 0
+        with pytest.raises(NotImplementedError):
+            em.load_checkpoint(fresh, fresh_optimizer, fresh_scheduler, concat=True)
+        assert em.load_checkpoint(fresh, fresh_optimizer, fresh_scheduler) == (2, 123)
+        assert em.last_load().source == "memory"
+        assert_same(fresh[0].state_dict(), expected["model0"])
+        assert_same(fresh[1].state_dict(), expected["model1"])
+        assert_same(fresh_optimizer.state_dict(), expected["optimizer"])
+        assert fresh_scheduler.state_dict() == expected["scheduler"]
+        assert torch.equal(torch.get_rng_state(), saved_rng)
+        assert random.getstate() == saved_py
+        assert_same(np.random.get_state(), saved_np)
+        assert torch.equal(tracker.get_states()["model-parallel-rng"], torch.Generator().manual_seed(7).get_state())
+        assert args.consumed_train_samples == 16
+
+        from easyckpt.megatron import snapshot
+        state = snapshot.build(3, chunks, optimizer, scheduler, args=args, flops=0)
+        assert state["args"] == {"consumed_train_samples": 16, "num_layers": 2, "params_dtype": torch.bfloat16,
+                                 "save": str(env.save_dir), "skipped_train_samples": 0,
+                                 "consumed_valid_samples": 0}       # the function is not saved: never pickled
+        assert {"model0", "model1", "optimizer", "opt_param_scheduler", "rng_state", "iteration",
+                "num_floating_point_operations_so_far", "checkpoint_version"} <= set(state)
+        assert state[snapshot.META_KEY]["parallel"]["dp_size"] == 1
+    finally:
+        tracker.set_states({})
+        em.finalize_easyckpt()
+
+
+
+def test_dirs_and_args_come_from_megatron_training_args(env: Env, megatron_world: None, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With megatron.training importable (a stand-in here: megatron-core alone does not ship it), --save is
+    the save_dir, getattr(args, load_arg) the load dir, and its args are saved and restored."""
+    import types
+
+    import easyckpt.megatron as em
+
+    margs = argparse.Namespace(save=str(env.save_dir), load=None, other_load=str(tmp_path / "empty"),
+                               consumed_train_samples=24, no_save_rng=True)
+    training, global_vars = types.ModuleType("megatron.training"), types.ModuleType("megatron.training.global_vars")
+    global_vars._GLOBAL_ARGS = margs
+    training.global_vars = global_vars
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
+    ckpt = em.initialize_easyckpt(save_mem_interval=2, save_storage_interval=4, max_ckpt_num=2)
+    try:
+        assert ckpt.config.save_dir == env.save_dir.resolve()
+        chunks, optimizer, scheduler = _training_objects(seed=3)
+        assert not em.save_checkpoint_if_needed(3, chunks, optimizer, scheduler)   # not due
+        assert em.save_checkpoint_if_needed(4, chunks, optimizer, scheduler)
+        ckpt.wait()
+        margs.consumed_train_samples = 0
+        assert em.load_checkpoint(chunks, optimizer, scheduler, load_arg="other_load") == (4, 0)
+        assert margs.consumed_train_samples == 24 and em.last_load().source == "memory"
+        state = ckpt.load().state
+        assert "rng_state" not in state and state["args"]["consumed_train_samples"] == 24   # --no-save-rng honoured
+    finally:
+        em.finalize_easyckpt()
+
+def test_legacy_files_are_read_without_unpickling_arbitrary_objects(tmp_path: Path) -> None:
+    from easyckpt.megatron import legacy
+
+    info = {"tp_rank": 0, "tp_size": 1, "pp_rank": 0, "pp_size": 1, "ep_rank": 0, "ep_size": 1}
+    target = tmp_path / "iter_0000003" / "mp_rank_00" / "model_optim_rng.pt"
+    target.parent.mkdir(parents=True)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("3")
+    torch.save({"args": argparse.Namespace(hidden_size=8, odd=_Odd()), "iteration": 3, "model": {"w": torch.ones(2)}},
+               target)
+    with pytest.raises(legacy.LegacyCheckpointError, match="trust_legacy_pickle"):
+        legacy.read(tmp_path, info)
+    state, release, path = legacy.read(tmp_path, info, trust_pickle=True)
+    assert state["args"] == {"hidden_size": 8} and state["iteration"] == 3 and not release and path == target
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("4")
+    assert legacy.find(tmp_path) is None and legacy.other_format(tmp_path) is None   # iteration 4 is not there
+    (tmp_path / "iter_0000004").mkdir()
+    (tmp_path / "iter_0000004" / ".metadata").write_bytes(b"")   # a torch_dist checkpoint: refused, not ignored
+    assert "torch_dist" in legacy.other_format(tmp_path)
+
+
+class _Odd:
+    pass
