@@ -1,4 +1,8 @@
-"""``easyckpt-agent`` / ``python -m agent``: take the job's lock, then serve until the job ends."""
+"""``easyckpt-agent`` / ``python -m agent``: take the job's lock, then serve until the job ends.
+
+Under ``torchrun --nnodes=N --nproc-per-node=1 -m agent ...`` the process is a launcher instead: it starts
+this node's agent detached and introduces the agents to each other through torchrun's rendezvous
+(``agent.standalone``)."""
 from __future__ import annotations
 
 import argparse
@@ -13,6 +17,7 @@ import psutil
 from easyckpt_wire import protocol
 from easyckpt_wire.shm import check_job_id, shm_dir
 
+from agent import standalone
 from agent.server import Agent, AgentConfig
 
 logger = logging.getLogger("agent")
@@ -35,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--addr", help="address peers reach this agent at, multi-node jobs only "
                                        "(default: EASYCKPT_AGENT_ADDR, else the route to MASTER_ADDR)")
     parser.add_argument("--port", type=int, help="tcp port of the replica server (default: EASYCKPT_AGENT_PORT, else any)")
+    parser.add_argument("--serve-peers", action="store_true",
+                        help="start the tcp replica server at once (set by the torchrun launcher)")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -47,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     job_id = check_job_id(args.job_id or protocol.job_id_for(save_dir))
     if args.node_id:
         os.environ[protocol.NODE_ID_ENV] = args.node_id  # the runtime directory is per node
+    if standalone.under_torchrun() and not args.serve_peers:
+        return standalone.launch(list(sys.argv[1:] if argv is None else argv), job_id)
     job_dir = protocol.runtime_dir(job_id)
     lock_fd = os.open(protocol.agent_lock_path(job_dir), os.O_RDWR | os.O_CREAT, 0o600)
     try:
@@ -67,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
                          max_ckpt_num=args.max_ckpt_num, log_file_path=args.log_file,
                          idle_timeout=args.idle_timeout, persist_threads=args.persist_threads,
                          node_id=protocol.node_id(), bind_host=args.addr or protocol.advertised_address(),
-                         port=args.port if args.port is not None else int(os.environ.get(protocol.AGENT_PORT_ENV, 0)))
+                         port=args.port if args.port is not None else int(os.environ.get(protocol.AGENT_PORT_ENV, 0)),
+                         serve_peers=args.serve_peers)
     try:
         return Agent(config).run()
     except KeyboardInterrupt:

@@ -43,6 +43,7 @@ class AgentConfig:
     node_id: str = "localhost"
     bind_host: str = "127.0.0.1"         # the replica server's address (multi-node jobs only)
     port: int = 0                        # 0: any free port
+    serve_peers: bool = False            # start the replica server at once (standalone agents under torchrun)
 
     def __post_init__(self) -> None:
         if self.save_storage_interval < 0:
@@ -96,6 +97,8 @@ class Agent:
             socket_path.unlink()  # a dead agent's; we hold the lock, so no live one owns it
         self.sock.bind(protocol.agent_endpoint(self.config.job_dir))
         os.chmod(socket_path, 0o600)
+        if self.config.serve_peers:
+            self.cluster.start_server()
         for path in clean_leftovers(self.save_dir, self.audit):
             logger.info("removed leftover %s", path)
         logger.info("agent pid %d serving job %s: save_dir=%s shm_dir=%s", os.getpid(), self.config.job_id,

@@ -82,6 +82,25 @@ class Cluster:
             wait_for(lambda: accepting(self.port) or self.procs[0].poll() is not None, 60,
                      "node 0's torchrun to host the rendezvous store")
 
+    def start_agents(self) -> None:
+        """The standalone mode: one agent per node, launched by their own 2-node torchrun."""
+        port = free_port()
+        procs = {}
+        for node in range(NODES):
+            command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}", f"--node-rank={node}",
+                       "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                       "--rdzv-id=agents", f"--rdzv-conf=is_host={1 if node == 0 else 0}", "-m", "agent",
+                       "--save-dir", str(self.env.save_dir), "--idle-timeout", "120"]
+            log = open(self.out / f"agents-node{node}.log", "w")
+            procs[node] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.environ(node),
+                                           cwd=str(ROOT))
+            log.close()
+            if node == 0:
+                wait_for(lambda: accepting(port) or procs[0].poll() is not None, 60,
+                         "node 0's agent torchrun to host its rendezvous store")
+        for node, proc in procs.items():
+            assert proc.wait(timeout=120) == 0, (self.out / f"agents-node{node}.log").read_text()[-3000:]
+
     def start_all(self) -> None:
         self.start(0, max_restarts=2)
         self.start(1)

@@ -211,3 +211,22 @@ def test_status_shows_replica_coverage(cluster: Cluster, env: Env) -> None:
         [sys.executable, "-m", "easyckpt.cli", "status", "--save-dir", str(env.save_dir)], capture_output=True,
         text=True, timeout=60, env=job.environ(0)).stdout) and out, 60, "status to warn about single copies")
     assert "unreachable nodes: ['node1']" in text
+
+
+def test_standalone_agents_find_each_other_through_their_own_torchrun(cluster: Cluster, reference: Cluster,
+                                                                       env: Env) -> None:
+    """``torchrun --nnodes=2 --nproc-per-node=1 -m agent``: the agents rendezvous on their own, the training
+    ranks use them (no agent is spawned by the library), and a lost node still comes back from replicas."""
+    job = cluster()
+    job.start_agents()
+    agents = {node: job.agent_pid(node) for node in range(NODES)}
+    assert all(agents.values()), f"the launchers must leave one agent per node running: {agents}"
+    status = subprocess.run([sys.executable, "-m", "easyckpt.cli", "status", "--save-dir", str(env.save_dir), "--json"],
+                            capture_output=True, text=True, timeout=60, env=job.environ(1))
+    report = json.loads(status.stdout)[0]
+    assert set(report["nodes"]) == {"node0", "node1"} and report["leader"] == "node0", report
+    run_until_killed(job)
+    assert job.agent_pid(0) == agents[0], "the training ranks of node 0 must have used the standalone agent"
+    reports = finish(job)
+    check_exact(job, reference, reports)
+    assert [r["source"] for r in reports] == ["memory", "memory", "replica", "replica"], reports
