@@ -40,8 +40,10 @@ def _logged(function: Callable[..., Any], *args: Any) -> None:
 
 class NodeReplication:
     def __init__(self, *, node: str, bind_host: str, port: int, save_dir: Path, audit: AuditLog, watcher: Watcher,
-                 holds: SlotHolds, ctx: zmq.Context, max_ckpt_num: Callable[[], int], complete: int | None) -> None:
+                 holds: SlotHolds, ctx: zmq.Context, max_ckpt_num: Callable[[], int], complete: int | None,
+                 port_file: Path | None = None) -> None:
         self.node = node
+        self.port_file = port_file
         self.bind_host = bind_host
         self.port = port
         self.save_dir = save_dir
@@ -113,8 +115,8 @@ class NodeReplication:
 
     def start_server(self) -> None:
         if self.replica is None:
-            self.replica = ReplicaServer(self.holdings, self.ctx, self.bind_host, self.port,
-                                         self.on_push)
+            self.replica = ReplicaServer(self.holdings, self.ctx, self.bind_host, self.port, self.on_push,
+                                         port_file=self.port_file)
             self.replica.start()
             logger.info("replica server of node %s listening on %s", self.node, self.replica.endpoint)
 

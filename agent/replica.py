@@ -227,7 +227,7 @@ class ReplicaServer(threading.Thread):
     """Serves this agent's holdings to token holders over tcp."""
 
     def __init__(self, holdings: Holdings, ctx: zmq.Context, bind_host: str, port: int,
-                 on_push: Any) -> None:
+                 on_push: Any, port_file: Path | None = None) -> None:
         super().__init__(name="replica-server", daemon=True)
         self.holdings = holdings
         self.token: str | None = None
@@ -239,7 +239,7 @@ class ReplicaServer(threading.Thread):
         if port:
             self.sock.bind(f"tcp://{bind_host}:{port}")
         else:
-            port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
+            port = self._bind_previous_or_any(bind_host, port_file)
         self.endpoint = f"tcp://{bind_host}:{port}"
         self.maps = MapCache()
         self.stopping = threading.Event()
@@ -247,6 +247,28 @@ class ReplicaServer(threading.Thread):
         self.refused = 0
         self.dropped = 0
         self._last_warning = 0.0
+
+    def _bind_previous_or_any(self, bind_host: str, port_file: Path | None) -> int:
+        """A restarted agent takes its predecessor's port when it can: the other nodes' agents and the
+        ranks' peer lists keep naming it, so replication resumes without a new introduction."""
+        previous = None
+        if port_file is not None:
+            try:
+                previous = int(port_file.read_text())
+            except (OSError, ValueError):
+                pass
+        port = None
+        if previous:
+            try:
+                self.sock.bind(f"tcp://{bind_host}:{previous}")
+                port = previous
+            except zmq.ZMQError as exc:
+                logger.info("port %d of the previous agent is taken (%s): binding another", previous, exc)
+        if port is None:
+            port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
+        if port_file is not None:
+            port_file.write_text(f"{port}\n")
+        return port
 
     def stop(self) -> None:
         self.stopping.set()

@@ -88,7 +88,7 @@ class Agent:
         self.cluster = NodeReplication(node=config.node_id, bind_host=config.bind_host, port=config.port,
                                        save_dir=self.save_dir, audit=self.audit, watcher=self.watcher, holds=self.holds,
                                        ctx=self.ctx, max_ckpt_num=lambda: self.config.max_ckpt_num,
-                                       complete=self.persisted)
+                                       complete=self.persisted, port_file=config.job_dir / "agent.port")
 
     # lifecycle --------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -381,7 +381,9 @@ class Agent:
                 logger.warning("cannot append to log_file_path %s: %s", self.config.log_file_path, exc)
 
     def _answer_waiters(self, force: bool = False) -> None:
-        if not self.waiters or (not force and (self.inflight is not None or self.claims or self.cluster.awaiting_stages())):
+        # Not for the leader's staged steps: a rank's close() waits for its own node's shards only; the
+        # leader commits the step (or gives up after STAGE_WAIT) on its own before it exits.
+        if not self.waiters or (not force and (self.inflight is not None or self.claims)):
             return
         for identity, request_id in self.waiters:
             self._send(identity, protocol.reply(True, id=request_id, persisted=self.persisted))

@@ -91,6 +91,10 @@ class AgentClient:
         root = str(Path(easyckpt.__file__).resolve().parent.parent)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        # The agent is not a torchrun worker: without these it cannot mistake itself for the launcher of
+        # ``torchrun -m agent`` (MASTER_ADDR stays: it picks the address other nodes reach the agent at).
+        for name in ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE"):
+            env.pop(name, None)
         if not env.get("EASYCKPT_FAULT", "").startswith("agent."):
             env.pop("EASYCKPT_FAULT", None)  # a rank's fault point must not fire in the agent
         command = [sys.executable, "-m", "agent", "--save-dir", str(self.save_dir), "--job-id", self.job_id,

@@ -107,7 +107,8 @@ def test_no_replica_holding_the_step_falls_back_to_disk(cluster: Cluster, refere
     on_disk = layout.read_tracker(job.env.save_dir)
     reports = finish(job)
     step = check_exact(job, reference, reports)
-    assert step == on_disk and {r["source"] for r in reports} == {"disk"}, (on_disk, reports)
+    # A stage both nodes finished before the kill may still be committed by node 0's next agent.
+    assert step >= on_disk and {r["source"] for r in reports} == {"disk"}, (on_disk, reports)
     assert "no agent holds a replica of rank 2" in job.log(1)
 
 
@@ -135,7 +136,7 @@ def test_corrupted_replica_is_caught(cluster: Cluster, reference: Cluster) -> No
     on_disk = layout.read_tracker(job.env.save_dir)
     reports = finish(job)
     step = check_exact(job, reference, reports)
-    assert step == on_disk and {r["source"] for r in reports} == {"disk"}, reports
+    assert step >= on_disk and {r["source"] for r in reports} == {"disk"}, (on_disk, reports)
     assert "does not match the checksum" in job.log(0), "rank 0 must notice its own corrupted memory"
     assert "trying another copy" in job.log(1), "node 1's ranks must skip the corrupted copy"
 
