@@ -70,14 +70,6 @@ class AuditLog:
             os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_safetensors(path: Path, snap: RankSnapshot, entries: list[tuple[int, list[Any]]],
                        step: int) -> list[dict]:
     """Write one safetensors file from the slot; returns the metadata.json records of its tensors.
@@ -190,7 +182,7 @@ def persist(save_dir: Path, step: int, snapshots: list[RankSnapshot], audit: Aud
         shutil.rmtree(trash)
     else:
         os.rename(tmp, final)
-    _fsync_dir(save_dir)
+    layout.fsync_dir(save_dir)
     audit.record("write", final, step=step, bytes=nbytes)
     fault_point("agent.persist.before_tracker", step=step)
     write_tracker(save_dir, step, audit)
@@ -214,7 +206,7 @@ def _write_marker(tmp: Path, step: int, world_size: int, ranks_meta: dict[str, A
         "world_size": world_size, "framework": "pytorch", "created": time.time(),
         "checksum_algo": layout.CHECKSUM_ALGO, "bytes": nbytes, "health": None, "ranks": ranks_meta,
     })
-    _fsync_dir(tmp)
+    layout.fsync_dir(tmp)
 
 
 def _write_rank_files(tmp: Path, step: int, snapshots: list[RankSnapshot],
@@ -265,7 +257,7 @@ def persist_shards(save_dir: Path, step: int, snapshots: list[RankSnapshot], nod
         _write_json(tmp, {"node": node, "step": step, "world_size": world_size, "bytes": nbytes,
                           "ranks": ranks_meta, "common": common})
         os.rename(tmp, note)
-        _fsync_dir(stage)
+        layout.fsync_dir(stage)
     except BaseException:
         audit.record("write-failed", stage, step=step, node=node)
         raise
@@ -314,7 +306,7 @@ def commit_stage(save_dir: Path, step: int, audit: AuditLog) -> PersistStats | N
         os.rename(final, trash)
         shutil.rmtree(trash)
     os.rename(stage, final)
-    _fsync_dir(save_dir)
+    layout.fsync_dir(save_dir)
     audit.record("write", final, step=step, bytes=nbytes, nodes="all")
     fault_point("agent.persist.before_tracker", step=step)
     write_tracker(save_dir, step, audit)
@@ -343,7 +335,7 @@ def write_tracker(save_dir: Path, step: int, audit: AuditLog) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tmp, save_dir / layout.TRACKER)
-    _fsync_dir(save_dir)
+    layout.fsync_dir(save_dir)
     audit.record("tracker", save_dir / layout.TRACKER, step=step)
 
 

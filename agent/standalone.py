@@ -15,7 +15,6 @@ torch is imported here, in the launcher process, never in the agent itself.
 from __future__ import annotations
 
 import datetime
-import fcntl
 import logging
 import os
 import secrets
@@ -37,20 +36,6 @@ _FIELD = 256
 
 def under_torchrun() -> bool:
     return all(name in os.environ for name in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR"))
-
-
-def _agent_running(job_dir: Path) -> bool:
-    try:
-        fd = os.open(protocol.agent_lock_path(job_dir), os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 def _request(job_dir: Path, kind: Kind, timeout: float, **fields: Any) -> dict[str, Any]:
@@ -91,7 +76,7 @@ def launch(agent_argv: list[str], job_id: str, timeout: float = 60.0) -> int:
 
     node = protocol.node_id()
     job_dir = protocol.runtime_dir(job_id)
-    if not _agent_running(job_dir):
+    if not protocol.agent_running(job_dir):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "GROUP_RANK")}
         with open(job_dir / "agent.log", "ab") as log:
             proc = subprocess.Popen([sys.executable, "-m", "agent", *agent_argv, "--serve-peers"],

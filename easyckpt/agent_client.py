@@ -7,7 +7,6 @@ moment are harmless, because the loser of the lock exits at once.
 """
 from __future__ import annotations
 
-import fcntl
 import itertools
 import logging
 import os
@@ -58,17 +57,7 @@ class AgentClient:
         """True while some process holds the job's agent lock, or the agent we started is still starting."""
         if self._proc is not None and self._proc.poll() is None:
             return True
-        try:
-            fd = os.open(protocol.agent_lock_path(self.job_dir), os.O_RDONLY)
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)  # closing drops the probe lock if we got it
-        return False
+        return protocol.agent_running(self.job_dir)
 
     def ensure(self, *, force: bool = False) -> None:
         """Start an agent if none runs (checked at most once a second unless forced); never waits."""

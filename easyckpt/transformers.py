@@ -234,15 +234,7 @@ def _fsync_tree(directory: Path) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(Path(root))
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        layout.fsync_dir(Path(root))
 
 
 def _distinct_storage(state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -800,7 +792,7 @@ class TrainerWrapper:
                 trash = self.output_dir / f"{EXPORT_TRASH_PREFIX}{step}-{os.getpid()}"
                 os.rename(final, trash)
             os.rename(tmp, final)
-            _fsync_dir(self.output_dir)
+            layout.fsync_dir(self.output_dir)
             if trash is not None:
                 shutil.rmtree(trash, ignore_errors=True)
             self._rotate()

@@ -47,6 +47,15 @@ def iteration_dirname(step: int) -> str:
     return f"iteration_{step:07d}"
 
 
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new file in ``path`` durable (the last step of every atomic publish here)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def stage_dirname(step: int) -> str:
     return f"{STAGE_PREFIX}{step:07d}"
 

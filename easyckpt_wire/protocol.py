@@ -18,6 +18,7 @@ a field of the wrong type raises :class:`ProtocolError`, which the receiver logs
 from __future__ import annotations
 
 import enum
+import fcntl
 import hashlib
 import hmac
 import os
@@ -228,3 +229,18 @@ def agent_endpoint(job_dir: Path) -> str:
 
 def agent_lock_path(job_dir: Path) -> Path:
     return job_dir / "agent.lock"
+
+
+def agent_running(job_dir: Path) -> bool:
+    """Whether some process holds the job's agent lock (an flock dies with its holder, a pid file does not)."""
+    try:
+        fd = os.open(agent_lock_path(job_dir), os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the probe lock if we got it
+    return False

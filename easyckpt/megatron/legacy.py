@@ -174,14 +174,6 @@ def _rank_state(iteration_dir: Path, rank: int, world_size: int, *, tensors: boo
     return unflatten(entry.skeleton, values)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def convert_to_megatron(src: Path, dst: Path, *, no_optim: bool = False) -> tuple[int, list[Path]]:
     """Write the newest complete iteration of ``src`` (or ``src`` itself, an ``iteration_N`` directory)
     as a native legacy Megatron checkpoint under ``dst``; returns (iteration, files written)."""
@@ -233,12 +225,12 @@ def convert_to_megatron(src: Path, dst: Path, *, no_optim: bool = False) -> tupl
             os.fsync(handle.fileno())
         written.append(target / name / FILE)
     os.rename(tmp, target)
-    _fsync_dir(dst)
+    layout.fsync_dir(dst)
     tracker_tmp = dst / f".{TRACKER}.tmp-{os.getpid()}"
     with open(tracker_tmp, "w", encoding="utf-8") as handle:
         handle.write(str(step))
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(tracker_tmp, dst / TRACKER)
-    _fsync_dir(dst)
+    layout.fsync_dir(dst)
     return step, written
