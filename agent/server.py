@@ -75,6 +75,9 @@ class Agent:
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="persist")
         self.inflight: tuple[int, concurrent.futures.Future[PersistStats]] | None = None
         self.waiters: list[tuple[bytes, Any]] = []   # (identity, request id) of BYE(wait=True)
+        self.flush_wanted: set[int] = set()          # steps a rank asked to persist now (FLUSH)
+        self.flush_waiters: list[tuple[bytes, Any, int]] = []   # (identity, request id, step) of FLUSH(wait=True)
+        self.flush_failed: dict[int, str] = {}       # requested step -> why it cannot be persisted
         self.failed_ranks: set[int] = set()
         self.given_up = -1  # the newest step whose persist failed: not retried, a newer one will be
         self.no_rank_since: float | None = None
@@ -149,6 +152,10 @@ class Agent:
         self.pool.shutdown(wait=True)
         self.cluster.close()
         self._answer_waiters(force=True)
+        for step in self.flush_wanted:
+            self.flush_failed.setdefault(step, "the agent exited before every local rank held it")
+        self.flush_wanted.clear()
+        self._answer_flush_waiters()
         self.sock.close()
         self.ctx.term()
         self.watcher.close()
@@ -190,6 +197,10 @@ class Agent:
                 self.waiters.append((identity, request_id))
             else:
                 self._send(identity, protocol.reply(True, id=request_id))
+        elif kind == Kind.FLUSH:
+            self._request_flush(message["rank"], message["step"])
+            if message["wait"]:
+                self.flush_waiters.append((identity, request_id, message["step"]))
         elif kind == Kind.STATUS:
             self._send(identity, protocol.reply(True, id=request_id, **self.status()))
         elif kind == Kind.PING:
@@ -233,6 +244,7 @@ class Agent:
                 "save_storage_interval": self.config.save_storage_interval,
                 "max_ckpt_num": self.config.max_ckpt_num, "ranks": ranks, "slots": slots,
                 "persisted_step": self.persisted, "persisting": self.inflight[0] if self.inflight else None,
+                "flush_requested": sorted(self.flush_wanted),
                 "last_persist": None if last is None else {"step": last.step, "bytes": last.nbytes,
                                                            "seconds": last.seconds, "path": str(last.path)}}
 
@@ -246,7 +258,7 @@ class Agent:
         ssi = self.config.save_storage_interval
         for rank in self.watcher.local_ranks():
             for step, info in self.watcher.committed(rank).items():
-                due = ssi > 0 and step % ssi == 0
+                due = (ssi > 0 and step % ssi == 0) or step in self.flush_wanted
                 if due and step > self._floor():
                     self._claim(step, rank, info)
                 elif due and info.header is not None and info.map.read_ack() != info.header.generation:
@@ -257,8 +269,10 @@ class Agent:
         if self.cluster.peers is None and self.watcher.all_said_bye():
             self._flush_missed_due()
         self._drop_unreachable_claims()
+        self._drop_unreachable_flushes()
         self._start_ready_persist()
         self._answer_waiters()
+        self._answer_flush_waiters()
 
     def _floor(self) -> int:
         """Steps at or below this are on disk, or were given up on: never persisted again."""
@@ -289,6 +303,68 @@ class Agent:
         if all(self._claim(step, rank, self.watcher.committed(rank)[step]) for rank in self.watcher.local_ranks()):
             logger.warning("flush on failure: persisting step %d, the newest snapshot of every local rank", step)
             self.failed_ranks.clear()
+
+    def _request_flush(self, rank: int, step: int) -> None:
+        if step in self.flush_wanted:
+            return
+        if step <= self._floor():
+            if self.persisted is None or self.persisted < step:
+                self.flush_failed[step] = (f"persisting step {self.given_up} failed (see the agent log), so no step up "
+                                           "to it is persisted again")
+            return
+        logger.info("rank %d asks for step %d to be persisted now: persisting it once every local rank holds it",
+                    rank, step)
+        self.flush_wanted.add(step)
+        self.flush_failed.pop(step, None)
+
+    def _drop_unreachable_flushes(self) -> None:
+        """Forget requested steps that are on disk, or that some local rank will never hold."""
+        for step in sorted(self.flush_wanted):
+            if step <= self._floor():
+                self.flush_wanted.discard(step)
+                if self.persisted is None or self.persisted < step:
+                    self.flush_failed[step] = f"persisting step {self.given_up} failed (see the agent log)"
+                continue
+            for rank in self.watcher.local_ranks():
+                held = self.watcher.committed(rank)
+                if step in held:
+                    continue
+                proc = self.watcher.ranks.get(rank)
+                finished = proc is not None and (proc.said_bye or proc.dead)
+                if finished or (held and min(held) > step):
+                    why = f"rank {rank} {'ended' if finished else 'moved on'} without a snapshot of step {step}"
+                    logger.warning("requested persist of step %d given up: %s", step, why)
+                    self.flush_wanted.discard(step)
+                    self.flush_failed[step] = why
+                    self._release_claims(lambda s, step=step: s == step)
+                    self._free_step(step)
+                    break
+
+    def _free_step(self, step: int) -> None:
+        """Tell the ranks that still hold ``step`` that the agent will not read it: they may reuse its slot."""
+        for rank in self.watcher.local_ranks():
+            info = self.watcher.committed(rank).get(step)
+            if info is not None and info.header is not None and info.map.read_ack() != info.header.generation:
+                info.map.write_ack(info.header.generation)
+
+    def _answer_flush_waiters(self) -> None:
+        if not self.flush_waiters:
+            return
+        waiting = []
+        for identity, request_id, step in self.flush_waiters:
+            if self.persisted is not None and self.persisted >= step:
+                # In a multi-node job ``persisted`` is this node's durable shards; the leader renames the
+                # iteration into place once every node's are.
+                committed = (self.save_dir / layout.iteration_dirname(self.persisted)).is_dir()
+                self._send(identity, protocol.reply(True, id=request_id, persisted=self.persisted, committed=committed))
+            elif step not in self.flush_wanted:
+                self._send(identity, protocol.reply(False, id=request_id, persisted=self.persisted,
+                                                    error=self.flush_failed.get(step, "not persisted")))
+            else:
+                waiting.append((identity, request_id, step))
+        self.flush_waiters = waiting
+        still = {step for _, _, step in waiting} | self.flush_wanted
+        self.flush_failed = {s: why for s, why in self.flush_failed.items() if s in still}
 
     def _flush_missed_due(self) -> None:
         """The job finished, but its last due snapshot was skipped (its rank found both slots busy while

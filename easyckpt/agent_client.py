@@ -154,6 +154,9 @@ class AgentClient:
             if remaining <= 0 or self.sock is None or not self.sock.poll(int(min(remaining, 1.0) * 1000)):
                 if remaining <= 0 or self.sock is None:
                     break
+                if not self.alive():
+                    raise AgentTimeout(f"agent {kind.name} request of rank {self.rank}: the agent exited before "
+                                       f"answering (agent log: {self.job_dir / 'agent.log'})")
                 continue
             try:
                 _, message = protocol.decode(self.sock.recv())
@@ -164,6 +167,29 @@ class AgentClient:
                 return message
         raise AgentTimeout(f"agent {kind.name} request of rank {self.rank}: no reply within {timeout:.0f}s "
                            f"(agent log: {self.job_dir / 'agent.log'})")
+
+    def flush(self, step: int, *, wait: bool, timeout: float) -> dict[str, Any] | None:
+        """Ask the agent to persist ``step`` now. With ``wait``, block (bounded) for its answer: a reply
+        with ``persisted`` (the newest step durable on this node) and ``committed``, or ``error``; None when
+        no agent answered in time. Without, return None at once (the agent does not answer)."""
+        if not wait:
+            self.ensure()
+            if not self.send(Kind.FLUSH, rank=self.rank, step=step, wait=False):
+                logger.warning("rank %d: the request to persist step %d did not reach the agent (no agent, or "
+                               "its queue is full); the step stays in memory", self.rank, step)
+            return None
+        deadline = time.monotonic() + timeout
+        while True:
+            self.ensure(force=True)   # an agent that died is replaced; the new one adopts the slots
+            if not self.alive():
+                return None
+            try:
+                return self.request(Kind.FLUSH, max(0.0, deadline - time.monotonic()), rank=self.rank, step=step,
+                                    wait=True)
+            except AgentTimeout as exc:
+                logger.warning("%s", exc)
+                if time.monotonic() >= deadline:
+                    return None
 
     def _drain(self) -> None:
         while self.sock is not None:

@@ -6,8 +6,10 @@ and under torchrun (rank and world from the process group, else from torchrun's 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,18 @@ from easyckpt.slots import RankSlots
 from easyckpt.stager import Stager
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FlushResult:
+    """What ``Checkpointer.flush()`` achieved."""
+
+    step: int | None          # the snapshot asked for (None: this process took none)
+    durable: bool             # this node's files of ``step`` (or of a newer step) are fsynced in save_dir
+    committed: bool           # ... and the iteration is complete (multi-node: every node's files are)
+    persisted: int | None     # the newest step this node's agent has persisted
+    seconds: float
+    error: str | None = None  # why not durable
 
 
 def _topology() -> tuple[int, int, int, int]:
@@ -95,6 +109,50 @@ class Checkpointer:
         if step % self.config.save_mem_interval:
             return False
         return self.stager.snapshot(step, state_dict)
+
+    def save(self, step: int, state_dict: Any, *, persist: bool = False) -> bool:
+        """Snapshot now, whatever ``save_mem_interval`` says; returns at once (True if the copy started,
+        False if it was skipped: no free slot, the agent still reads both).
+
+        With ``persist=True`` the node agent is also asked to persist this step as soon as every local rank
+        holds it, whatever ``save_storage_interval`` says (the call does not wait for the disk; ``flush()``
+        does). In a multi-node job every rank must ask, or the iteration is never complete.
+        """
+        if self._closed:
+            raise RuntimeError(f"save(step={step}) after close(): create a new Checkpointer")
+        self.stager.wait()
+        self.agent.ensure()
+        if not self.stager.snapshot(step, state_dict):
+            return False
+        if persist:
+            self.stager.want_persisted(step)
+            self.agent.flush(step, wait=False, timeout=0)
+        return True
+
+    def flush(self, *, timeout: float | None = None) -> FlushResult:
+        """Make the newest snapshot durable now: finish its copy, ask the agent to persist it, and wait
+        (at most ``timeout``, default ``flush_timeout``) until its files are fsynced. For a process that is
+        about to end (SIGTERM, a fatal error); the training loop itself never needs it."""
+        timeout = self.config.flush_timeout if timeout is None else timeout
+        started = time.monotonic()
+        self.stager.wait()
+        step = self.stager.last_commit_step
+        if step is None:
+            return FlushResult(step=None, durable=False, committed=False, persisted=None, seconds=0.0,
+                               error="this process has taken no snapshot")
+        self.stager.want_persisted(step)
+        reply = self.agent.flush(step, wait=True, timeout=max(0.0, timeout - (time.monotonic() - started)))
+        seconds = time.monotonic() - started
+        if reply is None:
+            error = (f"the agent did not answer within {timeout:.0f}s (flush_timeout); it goes on persisting step "
+                     f"{step} after this process ends" if self.agent.alive() else "no agent runs for this job")
+            return FlushResult(step=step, durable=False, committed=False, persisted=None, seconds=seconds, error=error)
+        persisted = reply.get("persisted")
+        if not reply.get("ok"):
+            return FlushResult(step=step, durable=False, committed=False, persisted=persisted, seconds=seconds,
+                               error=str(reply.get("error")))
+        return FlushResult(step=step, durable=True, committed=bool(reply.get("committed")), persisted=persisted,
+                           seconds=seconds)
 
     def wait(self) -> None:
         """Block until the last snapshot's copy is in shared memory.

@@ -28,6 +28,9 @@ class CheckpointerConfig:
     copy_threads: int = 1                # CPU copy threads: more copies faster, but takes cores from training
     replicate_unique: bool = True        # multi-node: the buddy node also keeps large tensors no other node holds
     peer_timeout: float = 10.0           # multi-node: one request to another node's agent
+    # flush() waiting for the newest snapshot to be durable; under torchrun a SIGTERMed worker is killed
+    # 30 s later, so the exit hook's flush must end before that
+    flush_timeout: float = 25.0
 
     def __post_init__(self) -> None:
         self.save_dir = Path(self.save_dir).expanduser().resolve()
@@ -42,7 +45,7 @@ class CheckpointerConfig:
                 f"use e.g. save_storage_interval={self.save_storage_interval // self.save_mem_interval * self.save_mem_interval or self.save_mem_interval}"
             )
         for name in ("agent_idle_timeout", "agent_start_timeout", "load_timeout", "close_timeout", "pin_timeout",
-                     "peer_timeout"):
+                     "peer_timeout", "flush_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         self.job_id = check_job_id(self.job_id or protocol.job_id_for(self.save_dir))

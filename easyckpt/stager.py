@@ -9,6 +9,7 @@ is the slot committed (header COMMITTED, even generation) and unlocked.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import ctypes
 import dataclasses
@@ -85,6 +86,7 @@ class Stager:
         self._hook: Any = None
         self._cuda_stream: Any = None
         self._registered: dict[int, int] = {}                    # slot index -> registered address
+        self._persist_requested: collections.deque[int] = collections.deque(maxlen=4)
         self.skipped = 0
         self._skip_run = 0
         self.committed = 0
@@ -101,7 +103,7 @@ class Stager:
         skeleton, refs, values = flatten(state)
         plan = self._plan(refs)
         meta = self._meta(plan, step, skeleton)
-        index = self.slots.choose(persist_due=self.config.persist_due, agent_alive=self.agent_alive,
+        index = self.slots.choose(persist_due=self._persist_wanted, agent_alive=self.agent_alive,
                                   pin_timeout=self.config.pin_timeout)
         if index is None:
             self.skipped += 1
@@ -134,6 +136,13 @@ class Stager:
         if self._hook is None:
             self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
         return True
+
+    def want_persisted(self, step: int) -> None:
+        """Keep ``step``'s slot, like a due one, until the agent has claimed it (it was asked to persist it)."""
+        self._persist_requested.append(step)
+
+    def _persist_wanted(self, step: int) -> bool:
+        return self.config.persist_due(step) or step in self._persist_requested
 
     def wait(self) -> None:
         """Block until the pending copy is committed (or failed); a no-op when nothing is pending."""

@@ -47,6 +47,8 @@ class Kind(enum.IntEnum):
     STATUS = 3   # the agent's view: ranks, slots, steps, last persist
     PING = 4     # liveness probe
     PEERS = 5    # a rank tells its agent the job token, the other nodes' agents and the leader
+    FLUSH = 6    # persist this step now, whatever save_storage_interval says; with wait=True the agent
+                 # replies once it is durable (or cannot be), else it does not reply
     # tcp, token required
     LIST = 10      # which steps, ranks' manifests and tensor checksums does this agent hold
     MANIFEST = 11  # one rank's manifest at one step (tensor index with checksums, plain values)
@@ -71,6 +73,7 @@ _SCHEMA: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.BYE: {"rank": _INT, "pid": _INT, "wait": _BOOL},
     Kind.STATUS: {},
     Kind.PING: {},
+    Kind.FLUSH: {"rank": _INT, "step": _INT, "wait": _BOOL},
     Kind.PEERS: {"token": _STR, "node": _STR, "leader": _STR, "nodes": _LIST, "world_size": _INT,
                   "replicate_unique": _BOOL},
     # the token of peer kinds is checked by token_ok(), so that a request without one gets a refusal

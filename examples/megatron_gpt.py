@@ -18,7 +18,7 @@ a clean end. The three lines (the rest is an ordinary Megatron loop)::
 
 (With Megatron-LM's ``megatron.training`` the dirs come from ``--save``/``--load`` and ``args=`` is not
 needed.) ``import easyckpt.megatron.hook`` adds the exit handling: on SIGTERM or an uncaught exception the
-newest snapshot is completed and the node agent persists it.
+newest snapshot is persisted (``Checkpointer.flush()``) before the process exits.
 
 On CPU, megatron-core's forward needs two stand-ins, installed by ``use_cpu_megatron()``: its global
 attention buffer is allocated on CPU, and its tensor-parallel RNG tracker forks the CPU generator

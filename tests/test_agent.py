@@ -268,3 +268,51 @@ def slot_step(path: Path) -> int | None:
         return header.step if header.committed else None
     finally:
         slot.close()
+
+
+def test_flush_makes_the_newest_snapshot_durable_before_it_returns(env: Env) -> None:
+    """Nothing is due (save_storage_interval=1000): what reaches disk is the flush's. The agent is
+    SIGKILLed the moment flush() returns, so the files must already be durable and committed by then."""
+    ck = make(env, save_storage_interval=1000)
+    try:
+        for step in (1, 2, 3):
+            ck.save_if_needed(step, {"w": torch.full((4096,), float(step)), "step": step})
+        result = ck.flush(timeout=60)
+        os.kill(env.agent_pid(), signal.SIGKILL)
+        assert (result.step, result.durable, result.committed, result.persisted, result.error) == (3, True, True, 3, None)
+        assert complete_steps(env) == [3] and layout.read_tracker(env.save_dir) == 3
+        again = ck.flush(timeout=60)  # nothing newer: already durable (by a new agent, which adopts the slots)
+        assert again.durable and again.step == 3 and again.persisted == 3, again
+        # save(persist=True): an off-interval step, persisted without waiting for it
+        assert wait_for(lambda: ck.save(5, {"w": torch.full((4096,), 5.0), "step": 5}, persist=True), 30,
+                        "a free slot for step 5")
+        wait_for(lambda: complete_steps(env) == [3, 5], 60, "the agent to persist step 5 on request")
+    finally:
+        ck.close()
+    assert run_cli("verify", str(env.save_dir), env=env).returncode == 0
+    restored = make(env).load()
+    assert (restored.step, restored.source) == (5, "disk") and torch.equal(restored.state["w"], torch.full((4096,), 5.0))
+
+
+def test_a_flush_no_local_rank_can_complete_is_answered_at_once(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 asks for step 2, which rank 1 (same node) moved past without: the agent says so instead of
+    letting rank 0 wait out its timeout; and nothing is written."""
+    ranks = []
+    for rank in (0, 1):
+        for name, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 2}.items():
+            monkeypatch.setenv(name, str(value))
+        ranks.append(make(env, save_storage_interval=1000))
+    zero, one = ranks
+    try:
+        for step in (1, 2):
+            zero.save_if_needed(step, {"w": torch.full((64,), float(step))})
+        for step in (1, 3, 4):
+            one.save_if_needed(step, {"w": torch.full((64,), float(step))})
+        one.wait()
+        result = zero.flush(timeout=60)
+        assert result.step == 2 and not result.durable and result.seconds < 30, result
+        assert "rank 1 moved on without a snapshot of step 2" in (result.error or ""), result
+        assert complete_steps(env) == []
+    finally:
+        for ck in ranks:
+            ck.close()

@@ -36,14 +36,14 @@ IDLE = "0.03"
 
 
 class Job:
-    """One torchrun of examples/megatron_gpt.py with 2 ranks."""
+    """One torchrun of examples/megatron_gpt.py (2 ranks unless told)."""
 
     def __init__(self, env: Env, out: Path, *, save_dir: Path, iters: int = ITERS, max_restarts: int = 0,
-                 storage_interval: int = 5, extra: tuple[str, ...] = ()) -> None:
+                 storage_interval: int = 5, extra: tuple[str, ...] = (), nproc: int = 2) -> None:
         self.out = out
         out.mkdir(parents=True, exist_ok=True)
         self.log_path = out / "torchrun.log"
-        command = TORCHRUN + ["--standalone", "--nproc-per-node=2", f"--max-restarts={max_restarts}", str(SCRIPT),
+        command = TORCHRUN + ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", str(SCRIPT),
                               "--save-dir", str(save_dir), "--out", str(out), "--train-iters", str(iters),
                               "--save-storage-interval", str(storage_interval), "--step-idle", IDLE, *extra]
         self._log = open(self.log_path, "w")
@@ -156,9 +156,54 @@ def test_memory_wiped_resumes_from_disk_with_identical_losses(env: Env, referenc
     assert_same_curve(second, reference, start=max(on_disk) + 1)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: runs on a GPU machine")
+@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["optimizer", "distributed-optimizer"])
+def test_cuda_megatron_core_ddp_and_optimizer_resume_from_memory_then_disk(env: Env, distributed_optimizer: bool) -> None:
+    """The real megatron-core loop (its DDP wrapper and get_megatron_optimizer, NCCL): kill -9 a rank and
+    resume from memory; then, with the slots gone, from disk. CUDA kernels with atomics (embedding
+    backward) are not bitwise reproducible, so the curves are compared with a tolerance."""
+    nproc = min(2, torch.cuda.device_count())
+    extra = ("--cuda", "--use-distributed-optimizer") if distributed_optimizer else ("--cuda",)
+    reference = Job(env, env.tmp_path / "reference", save_dir=env.tmp_path / "reference-ckpt", extra=extra, nproc=nproc)
+    assert reference.wait(300) == 0, reference.log()[-3000:]
+    expected = reference.losses(0)
+    assert sorted(expected) == list(range(1, ITERS + 1))
+
+    job = Job(env, env.tmp_path / "run", save_dir=env.save_dir, max_restarts=1, extra=extra, nproc=nproc)
+    job.wait_reached(nproc - 1, 10)
+    os.kill(job.pid(nproc - 1), signal.SIGKILL)
+    assert job.wait(300) == 0, job.log()[-3000:]
+    resumed = job.resumes(0)[1]
+    assert resumed["source"] == "memory" and resumed["iteration"] >= 9, resumed
+    losses = job.losses(0)
+    assert sorted(losses) == list(range(1, ITERS + 1))
+    assert np.allclose([losses[i] for i in range(1, ITERS + 1)], [expected[i] for i in range(1, ITERS + 1)],
+                       rtol=1e-3), (losses, expected)
+
+    env.wait_agent_gone()   # a clean end: the agent persisted what was due and released the slots
+    on_disk = max(step for step, _ in layout.complete_iterations(env.save_dir))
+    again = Job(env, env.tmp_path / "again", save_dir=env.save_dir, extra=extra, nproc=nproc)
+    assert again.wait(300) == 0, again.log()[-3000:]
+    (resume,) = again.resumes(0)
+    assert resume["source"] == "disk" and resume["iteration"] == on_disk, resume
+    tail = again.losses(0)
+    assert sorted(tail) == list(range(on_disk + 1, ITERS + 1))
+    assert np.allclose([tail[i] for i in sorted(tail)], [expected[i] for i in sorted(tail)], rtol=1e-3)
+
+
 # --- the exit hook ------------------------------------------------------------------------------------
 def _persisted(save_dir: Path) -> list[int]:
     return [step for step, _ in layout.complete_iterations(save_dir)]
+
+
+def _persisted_before_exit(env: Env) -> list[int]:
+    """The job has exited: kill its agent at once, so only what was durable before the exit counts."""
+    agent = env.agent_pid()
+    if agent is not None:
+        os.kill(agent, signal.SIGKILL)
+        wait_for(lambda: gone(agent), 30, "the agent to die")
+    return _persisted(env.save_dir)
 
 
 def test_hook_on_sigterm_persists_the_newest_snapshot(env: Env) -> None:
@@ -168,11 +213,11 @@ def test_hook_on_sigterm_persists_the_newest_snapshot(env: Env) -> None:
     job.wait_reached(1, 8)
     job.proc.send_signal(signal.SIGTERM)   # torchrun passes SIGTERM on to both ranks
     assert job.wait() != 0
+    steps = _persisted_before_exit(env)
     logged = [max(job.losses(rank)) for rank in (0, 1)]
-    steps = wait_for(lambda: _persisted(env.save_dir), 30, "the agent to flush the newest snapshot")
     # The newest snapshot every rank holds: a rank logs an iteration right after its snapshot call.
     assert steps == [steps[0]] and min(logged) <= steps[0] <= max(logged) + 1, (steps, logged)
-    assert "SIGTERM: the newest snapshot" in job.log(), job.log()[-3000:]
+    assert f"SIGTERM: the newest snapshot (step {steps[0]}) is durable" in job.log(), job.log()[-3000:]
     verify = run_cli("verify", str(env.save_dir), env=env)
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
@@ -180,9 +225,8 @@ def test_hook_on_sigterm_persists_the_newest_snapshot(env: Env) -> None:
 def test_hook_on_uncaught_exception_persists_the_newest_snapshot(env: Env) -> None:
     job = Job(env, env.tmp_path / "run", save_dir=env.save_dir, storage_interval=1000, extra=("--raise-at", "7"))
     assert job.wait() != 0
-    assert "uncaught RuntimeError: the newest snapshot (step 7)" in job.log(), job.log()[-3000:]
-    steps = wait_for(lambda: _persisted(env.save_dir), 30, "the agent to flush the newest snapshot")
-    assert steps == [7], steps
+    assert _persisted_before_exit(env) == [7]
+    assert "uncaught RuntimeError: the newest snapshot (step 7) is durable" in job.log(), job.log()[-3000:]
 
 
 # --- migration both ways ------------------------------------------------------------------------------

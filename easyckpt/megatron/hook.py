@@ -2,19 +2,18 @@
 
 What the hook does when the process is about to end that way:
 
-1. it waits for the snapshot copy in flight (``Checkpointer.wait()``), so that the newest snapshot is
-   committed to its shared-memory slot instead of being left half-copied;
-2. it does *not* close the Checkpointer: a rank that says goodbye is a rank that finished, and an agent
-   whose ranks all finished deletes their slots; a rank that dies without goodbye makes the node agent
-   persist the newest snapshot that every local rank holds ("flush on failure"), due by
-   ``save_storage_interval`` or not, and keep the slots for a restart;
-3. it lets the process end as it would have: SIGTERM is re-raised with its previous disposition (a
+1. ``Checkpointer.flush()``: it finishes the snapshot copy in flight, asks the node agent to persist
+   that step now (due by ``save_storage_interval`` or not) and waits until its files are fsynced, at
+   most ``flush_timeout`` (25 s by default: torchrun kills a worker 30 s after its SIGTERM). The agent
+   persists the step once every rank of the node holds it; every rank gets the same signal and asks
+   for its own newest step, and a rank one step behind gets the older one persisted. Past the timeout
+   the agent goes on on its own.
+2. It does *not* close the Checkpointer: a rank that says goodbye is a rank that finished, and an agent
+   whose ranks all finished deletes their slots. A rank that dies without goodbye leaves its slots for
+   the restart, which resumes from memory.
+3. It lets the process end as it would have: SIGTERM is re-raised with its previous disposition (a
    Python handler installed before the hook is called; the default action otherwise, so the exit
    status still says SIGTERM), an exception goes on to the previous ``sys.excepthook``.
-
-Limitation: the persist starts when the agent sees this process gone (within its poll interval), not
-before the process exits; the Checkpointer has no "persist the newest snapshot now and tell me when it
-is durable" request yet, which would let the hook wait for the file (bounded) before exiting.
 
 Install it after anything else that sets a SIGTERM handler you want chained (Megatron's
 ``--exit-signal-handler`` replaces it when installed later). The hook is harmless before
@@ -39,7 +38,7 @@ _flushing = threading.Lock()
 
 
 def flush_newest(reason: str) -> int | None:
-    """Make the newest snapshot complete in shared memory; returns its step (None if none was taken)."""
+    """Make the newest snapshot durable (bounded); returns the newest step on disk, None if unknown."""
     from easyckpt.megatron import get_checkpointer
 
     ckpt = get_checkpointer()
@@ -48,15 +47,20 @@ def flush_newest(reason: str) -> int | None:
     if not _flushing.acquire(blocking=False):
         return None  # a second signal while the first is being handled
     try:
-        ckpt.wait()
-        step = ckpt.stats().get("last_step")
-        if step is None:
+        result = ckpt.flush()
+        if result.step is None:
             logger.warning("easyckpt rank %d: %s before any snapshot was taken: nothing to persist", ckpt.rank, reason)
             return None
-        logger.warning("easyckpt rank %d: %s: the newest snapshot (step %s) is complete in shared memory; the node "
-                       "agent persists it to %s once this process has exited", ckpt.rank, reason, step,
-                       ckpt.config.save_dir)
-        return step
+        if result.durable:
+            where = ("committed" if result.committed else
+                     "this node's files; the leader commits the iteration once every node's are")
+            logger.warning("easyckpt rank %d: %s: the newest snapshot (step %d) is durable in %s (step %s, %s) after "
+                           "%.2fs", ckpt.rank, reason, result.step, ckpt.config.save_dir, result.persisted, where,
+                           result.seconds)
+        else:
+            logger.warning("easyckpt rank %d: %s: the newest snapshot (step %d) is not durable: %s; newest step on "
+                           "disk: %s", ckpt.rank, reason, result.step, result.error, result.persisted)
+        return result.persisted
     except Exception:
         logger.exception("easyckpt: could not complete the newest snapshot on %s", reason)
         return None
