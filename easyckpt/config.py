@@ -50,6 +50,11 @@ class CheckpointerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
         self.job_id = check_job_id(self.job_id or protocol.job_id_for(self.save_dir))
         self.shm_dir = Path(self.shm_dir) if self.shm_dir is not None else shm_dir()
+        try:
+            self.shm_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OSError(f"shm_dir {self.shm_dir} (EASYCKPT_SHM_DIR or shm_dir=) does not exist and cannot be "
+                          f"created: {exc.strerror or exc}; point it at a writable tmpfs such as /dev/shm") from None
         if self.log_file_path is not None:
             self.log_file_path = str(Path(self.log_file_path).expanduser().resolve())
         check_writable(self.save_dir)

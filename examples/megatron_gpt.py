@@ -28,6 +28,9 @@ steps a torch AdamW, driven by megatron-core's own OptimizerParamScheduler. With
 uses megatron-core's DistributedDataParallel and get_megatron_optimizer (``--use-distributed-optimizer``
 for the sharded optimizer); that path is not run by the tests (no GPU there).
 
+``--tp 2`` splits every layer over two tensor-parallel ranks (megatron-core's parallel layers run on gloo
+too); the remaining ranks are data-parallel, and gradients are averaged over the data-parallel group.
+
 ``--native-save-at N --native-save-dir D`` additionally writes, at iteration N, a native Megatron legacy
 checkpoint the way megatron.training.checkpointing does (``D/iter_000000N/mp_rank_00/model_optim_rng.pt``
 + tracker): the tests migrate from it with ``--load-dir D``.
@@ -105,8 +108,9 @@ def use_cpu_megatron() -> None:
     tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
-def build_model(cuda: bool) -> tuple[GPTModel, TransformerConfig]:
+def build_model(cuda: bool, tp: int = 1) -> tuple[GPTModel, TransformerConfig]:
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=not cuda,
+                               tensor_model_parallel_size=tp,
                                hidden_dropout=0.1, attention_dropout=0.1)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
                      max_sequence_length=SEQ)
@@ -123,12 +127,13 @@ def batch(consumed: int, dp_rank: int, device: torch.device) -> tuple[torch.Tens
     return inputs, positions, mask, labels
 
 
-def average_gradients(module: torch.nn.Module, world_size: int) -> None:
-    """One flat all-reduce in a fixed order: bitwise the same sums at every step and after a restart."""
+def average_gradients(module: torch.nn.Module) -> None:
+    """One flat all-reduce over the data-parallel ranks in a fixed order: bitwise the same sums at every
+    step and after a restart."""
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= world_size
+    dist.all_reduce(flat, group=parallel_state.get_data_parallel_group())
+    flat /= parallel_state.get_data_parallel_world_size()
     offset = 0
     for grad in grads:
         grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
@@ -181,6 +186,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--cuda", action="store_true", help="megatron-core DDP and optimizer on CUDA (NCCL)")
     parser.add_argument("--use-distributed-optimizer", action="store_true")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the rest is data-parallel)")
     cli = parser.parse_args()
     logging.basicConfig(level=os.environ.get("EASYCKPT_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s rank%(process)d %(name)s: %(message)s")
@@ -191,7 +197,7 @@ def main() -> None:
     out = Path(cli.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"pid-rank{rank}").write_text(str(os.getpid()))
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=cli.tp, pipeline_model_parallel_size=1)
     if not cli.cuda:
         use_cpu_megatron()
     # Megatron's _set_random_seed: the same seed on every data-parallel rank.
@@ -200,7 +206,7 @@ def main() -> None:
     torch.manual_seed(cli.seed)
     tp_random.model_parallel_cuda_manual_seed(cli.seed)
     device = torch.device("cuda") if cli.cuda else torch.device("cpu")
-    gpt, config = build_model(cli.cuda)
+    gpt, config = build_model(cli.cuda, cli.tp)
     if cli.cuda:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -213,7 +219,7 @@ def main() -> None:
     else:
         model = [gpt]
         optimizer = torch.optim.AdamW(gpt.parameters(), lr=3e-3, weight_decay=0.01)
-    global_batch = MICRO_BATCH * world
+    global_batch = MICRO_BATCH * parallel_state.get_data_parallel_world_size()
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=3e-3, min_lr=3e-4,
                                         lr_warmup_steps=5 * global_batch, lr_decay_steps=200 * global_batch,
                                         lr_decay_style="cosine", start_wd=0.01, end_wd=0.01,
@@ -221,7 +227,7 @@ def main() -> None:
     args = argparse.Namespace(num_layers=2, hidden_size=32, num_attention_heads=4, max_position_embeddings=SEQ,
                               seq_length=SEQ, padded_vocab_size=VOCAB, micro_batch_size=MICRO_BATCH,
                               global_batch_size=global_batch, train_iters=cli.train_iters, seed=cli.seed,
-                              tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                              tensor_model_parallel_size=cli.tp, pipeline_model_parallel_size=1,
                               use_distributed_optimizer=cli.use_distributed_optimizer, ckpt_format="torch",
                               consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
                               save=cli.save_dir, load=cli.load_dir or cli.save_dir)
@@ -258,7 +264,7 @@ def main() -> None:
                 for chunk in model:
                     chunk.finish_grad_sync()
             else:
-                average_gradients(gpt, world)
+                average_gradients(gpt)
             optimizer.step()
             scheduler.step(increment=global_batch)
             iteration += 1

@@ -248,6 +248,44 @@ def test_migrates_from_a_native_megatron_checkpoint(env: Env, reference: dict[in
     assert_same_curve(second, reference, start=11)
 
 
+def test_tensor_parallel_ranks_resume_their_own_shards_from_memory_and_a_native_checkpoint(env: Env) -> None:
+    """TP=2 (gloo on CPU; every parameter is split across the two ranks, so each rank's state is its own):
+    kill -9 one rank and both resume from memory; a native checkpoint (mp_rank_00 and mp_rank_01) migrates.
+    Both must continue the uninterrupted run's curve bitwise, each with its own shard's final digest."""
+    iters, tp = 16, ("--tp", "2")
+    native = env.tmp_path / "megatron-native"
+    reference = Job(env, env.tmp_path / "reference", save_dir=env.tmp_path / "reference-ckpt", iters=iters,
+                    extra=(*tp, "--native-save-dir", str(native), "--native-save-at", "8"))
+    assert reference.wait() == 0, reference.log()[-3000:]
+    expected = {rank: (reference.losses(rank), reference.final(rank)["digest"]) for rank in (0, 1)}
+    assert expected[0][1] != expected[1][1], "the two tensor-parallel ranks should hold different shards"
+    assert sorted(p.name for p in (native / "iter_0000008").iterdir()) == ["mp_rank_00", "mp_rank_01"]
+
+    def same_curve(job: Job, start: int) -> None:
+        for rank in (0, 1):
+            losses = job.losses(rank)
+            assert sorted(losses) == list(range(start, iters + 1)), (rank, sorted(losses))
+            assert all(losses[i] == expected[rank][0][i] for i in losses), (rank, losses, expected[rank][0])
+            assert job.final(rank)["digest"] == expected[rank][1], f"rank {rank}: final state differs"
+
+    killed = Job(env, env.tmp_path / "killed", save_dir=env.save_dir, iters=iters, max_restarts=1, extra=tp)
+    killed.wait_reached(1, 6)
+    os.kill(killed.pid(1), signal.SIGKILL)
+    assert killed.wait() == 0, killed.log()[-3000:]
+    for rank in (0, 1):
+        assert killed.resumes(rank)[1]["source"] == "memory", killed.resumes(rank)
+    same_curve(killed, 1)
+
+    migrated = Job(env, env.tmp_path / "migrated", save_dir=env.tmp_path / "migrated-ckpt", iters=iters,
+                   extra=(*tp, "--load-dir", str(native)))
+    assert migrated.wait() == 0, migrated.log()[-3000:]
+    for rank in (0, 1):
+        (resume,) = migrated.resumes(rank)
+        assert resume["source"] == "megatron-legacy" and resume["iteration"] == 8, resume
+        assert resume["path"].endswith(f"iter_0000008/mp_rank_0{rank}/model_optim_rng.pt"), resume
+    same_curve(migrated, 9)
+
+
 def _megatron_loader_accepts(path: Path, iteration: int) -> None:
     """What megatron.training.checkpointing.load_checkpoint does with a legacy file, on CPU."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
