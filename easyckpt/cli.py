@@ -97,7 +97,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         last = report["last_persist"]
         print(f"  newest on disk: step {report['persisted_step']}" + (
             f"; last persist step {last['step']}, {format_bytes(last['bytes'])} in {last['seconds']:.2f}s"
-            if last else "") + (f"; persisting step {report['persisting']}" if report["persisting"] is not None else ""))
+            if last else "") + (f"; persisting step {report['persisting']}" if report["persisting"] is not None else "")
+            + (f"; asked to persist steps {report['flush_requested']}" if report.get("flush_requested") else ""))
     return code
 
 
