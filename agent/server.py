@@ -307,10 +307,12 @@ class Agent:
     def _request_flush(self, rank: int, step: int) -> None:
         if step in self.flush_wanted:
             return
+        self.watcher.scan()   # the rank asks once its copy is committed: see that copy, not an older one
         if step <= self._floor():
             if self.persisted is None or self.persisted < step:
                 self.flush_failed[step] = (f"persisting step {self.given_up} failed (see the agent log), so no step up "
                                            "to it is persisted again")
+            self._free_step(step)   # nothing to do: the rank need not keep the slot for us
             return
         logger.info("rank %d asks for step %d to be persisted now: persisting it once every local rank holds it",
                     rank, step)

@@ -118,9 +118,15 @@ class Watcher:
         return {rank for (rank, _), info in self.slots.items() if self._current(info)} | set(self.ranks)
 
     def committed(self, rank: int) -> dict[int, SlotInfo]:
-        """{step: slot} of the rank's committed slots."""
-        return {info.committed_step(): info for (r, _), info in self.slots.items()
-                if r == rank and info.committed_step() is not None and self._current(info)}
+        """{step: slot} of the rank's committed slots; of two copies of one step, the newer generation."""
+        found: dict[int, SlotInfo] = {}
+        for (r, _), info in self.slots.items():
+            step = info.committed_step()
+            if r != rank or step is None or not self._current(info):
+                continue
+            if step not in found or found[step].header.generation < info.header.generation:
+                found[step] = info
+        return found
 
     def common_steps(self) -> list[int]:
         """Steps that every expected local rank holds committed, newest first."""

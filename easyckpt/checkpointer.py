@@ -81,7 +81,8 @@ class Checkpointer:
                                    replicate_unique=config.replicate_unique, timeout=config.agent_start_timeout)
         self.stager = Stager(config, self.slots, rank=self.rank, world_size=self.world_size,
                              local_rank=self.local_rank, local_world_size=self.local_world_size,
-                             agent_alive=self.agent.alive)
+                             agent_alive=self.agent.alive,
+                             request_persist=lambda step: self.agent.flush(step, wait=False, timeout=0))
         self._closed = False
         logger.info("easyckpt rank %d/%d: job %s, save_dir %s, shm %s, snapshot every %d, persist every %d, keep %d",
                     self.rank, self.world_size, config.job_id, config.save_dir, config.shm_dir,
@@ -115,19 +116,16 @@ class Checkpointer:
         False if it was skipped: no free slot, the agent still reads both).
 
         With ``persist=True`` the node agent is also asked to persist this step as soon as every local rank
-        holds it, whatever ``save_storage_interval`` says (the call does not wait for the disk; ``flush()``
-        does). In a multi-node job every rank must ask, or the iteration is never complete.
+        holds it, whatever ``save_storage_interval`` says: the request goes out once the copy is committed
+        (at the next optimizer step, ``save_if_needed``, ``save``, ``wait()``, ``flush()`` or ``close()``)
+        and nothing waits for the disk (``flush()`` does). In a multi-node job every rank must ask, or the
+        iteration is never complete.
         """
         if self._closed:
             raise RuntimeError(f"save(step={step}) after close(): create a new Checkpointer")
         self.stager.wait()
         self.agent.ensure()
-        if not self.stager.snapshot(step, state_dict):
-            return False
-        if persist:
-            self.stager.want_persisted(step)
-            self.agent.flush(step, wait=False, timeout=0)
-        return True
+        return self.stager.snapshot(step, state_dict, persist=persist)
 
     def flush(self, *, timeout: float | None = None) -> FlushResult:
         """Make the newest snapshot durable now: finish its copy, ask the agent to persist it, and wait

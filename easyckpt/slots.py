@@ -178,6 +178,18 @@ class RankSlots:
                     logger.info("rank %d: dropped slot %d with step %d (resumed at %d)", self.rank, index,
                                 header.step, step)
 
+    def drop_stale_copies(self, newest: int, step: int) -> None:
+        """Invalidate other slots that hold ``step`` too (older copies); one the agent is reading stays,
+        and readers prefer the newer generation anyway."""
+        for index in range(NUM_SLOTS):
+            header, slot = self.header(index), self.maps[index]
+            if index == newest or slot is None or header is None or not header.committed or header.step != step:
+                continue
+            if slot.try_lock(exclusive=True):
+                slot.invalidate()
+                slot.unlock()
+                logger.info("rank %d: dropped the older snapshot of step %d in slot %d", self.rank, step, index)
+
     def close(self) -> None:
         for index, slot in enumerate(self.maps):
             if slot is not None:

@@ -61,12 +61,15 @@ class _Plan:
 @dataclasses.dataclass(slots=True)
 class _Pending:
     step: int
+    index: int                                 # the slot being written
+    persist: bool                              # ask the agent to persist it once committed
     future: concurrent.futures.Future[float]   # the copy thread's result: seconds from launch to commit
 
 
 class Stager:
     def __init__(self, config: CheckpointerConfig, slots: RankSlots, *, rank: int, world_size: int,
-                 local_rank: int, local_world_size: int, agent_alive: Callable[[], bool]) -> None:
+                 local_rank: int, local_world_size: int, agent_alive: Callable[[], bool],
+                 request_persist: Callable[[int], None] = lambda step: None) -> None:
         self.config = config
         self.slots = slots
         self.rank = rank
@@ -74,6 +77,7 @@ class Stager:
         self.local_rank = local_rank
         self.local_world_size = local_world_size
         self.agent_alive = agent_alive
+        self.request_persist = request_persist
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"easyckpt-copy-r{rank}")
         self._chunk_pool = concurrent.futures.ThreadPoolExecutor(
             config.copy_threads, thread_name_prefix=f"easyckpt-chunk-r{rank}") if config.copy_threads > 1 else None
@@ -96,8 +100,10 @@ class Stager:
         self._pid, self._pid_start = proc.pid, proc.create_time()
 
     # public -----------------------------------------------------------------------------------------
-    def snapshot(self, step: int, state: object) -> bool:
-        """Launch a snapshot of ``state`` at ``step``; False when it was skipped (no free slot)."""
+    def snapshot(self, step: int, state: object, *, persist: bool = False) -> bool:
+        """Launch a snapshot of ``state`` at ``step``; False when it was skipped (no free slot). With
+        ``persist``, the agent is asked to persist it once it is committed (not before: the agent would
+        take any committed copy of that step, and an older one of the same step may be in the other slot)."""
         self.wait()
         started = time.perf_counter()
         skeleton, refs, values = flatten(state)
@@ -132,14 +138,15 @@ class Stager:
         dst = self._slot_views(index, slot, plan)
         event = self._launch_cuda(dst, values) if self._uses_cuda(values) else None
         future = self.pool.submit(self._finish_copy, step, slot, generation, plan, meta, dst, values, event, started)
-        self.pending = _Pending(step, future)
+        self.pending = _Pending(step, index, persist, future)
         if self._hook is None:
             self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
         return True
 
     def want_persisted(self, step: int) -> None:
         """Keep ``step``'s slot, like a due one, until the agent has claimed it (it was asked to persist it)."""
-        self._persist_requested.append(step)
+        if step not in self._persist_requested:
+            self._persist_requested.append(step)
 
     def _persist_wanted(self, step: int) -> bool:
         return self.config.persist_due(step) or step in self._persist_requested
@@ -161,6 +168,12 @@ class Stager:
             return
         self.committed += 1
         self.last_commit_step = pending.step
+        # The same step snapshotted again (a save point after the step's own snapshot): the older copy is
+        # stale, so no reader may take it for this step.
+        self.slots.drop_stale_copies(pending.index, pending.step)
+        if pending.persist:
+            self.want_persisted(pending.step)
+            self.request_persist(pending.step)
 
     def close(self) -> None:
         self.wait()

@@ -286,11 +286,13 @@ def test_flush_makes_the_newest_snapshot_durable_before_it_returns(env: Env) -> 
         # save(persist=True): an off-interval step, persisted without waiting for it
         assert wait_for(lambda: ck.save(5, {"w": torch.full((4096,), 5.0), "step": 5}, persist=True), 30,
                         "a free slot for step 5")
+        ck.wait()   # the request goes out once the copy is committed
         wait_for(lambda: complete_steps(env) == [3, 5], 60, "the agent to persist step 5 on request")
     finally:
         ck.close()
     assert run_cli("verify", str(env.save_dir), env=env).returncode == 0
-    restored = make(env).load()
+    with make(env) as again_ck:
+        restored = again_ck.load()
     assert (restored.step, restored.source) == (5, "disk") and torch.equal(restored.state["w"], torch.full((4096,), 5.0))
 
 
@@ -316,3 +318,25 @@ def test_a_flush_no_local_rank_can_complete_is_answered_at_once(env: Env, monkey
     finally:
         for ck in ranks:
             ck.close()
+
+
+def test_a_step_snapshotted_twice_persists_its_newer_copy_and_pins_nothing(env: Env) -> None:
+    """A save point after the step's own snapshot (HF: the epoch-end evaluation and save) takes the same
+    step again with persist=True: the agent must persist the newer copy, the older one is dropped, and
+    the next snapshots find a free slot at once."""
+    ck = make(env, save_storage_interval=1000, pin_timeout=300)
+    try:
+        assert ck.save_if_needed(4, {"w": torch.full((512,), 1.0), "eval": None})
+        assert ck.save(4, {"w": torch.full((512,), 2.0), "eval": 0.5}, persist=True)
+        ck.wait()   # commits the copy, which sends the request
+        wait_for(lambda: complete_steps(env) == [4], 60, "the agent to persist step 4 on request")
+        assert sorted(step for step in (slot_step(p) for p in env.slot_files()) if step is not None) == [4]
+        for step in (5, 6, 7):   # the agent may hold slot 4 for a moment after its commit; not for pin_timeout
+            wait_for(lambda: ck.save_if_needed(step, {"w": torch.full((512,), float(step)), "eval": None}), 15,
+                     f"a free slot for step {step} (pin_timeout is 300 s)")
+            ck.wait()
+    finally:
+        ck.close()
+    with make(env) as reader:
+        restored = reader.load(load_dir=env.save_dir / layout.iteration_dirname(4))
+    assert restored.state["eval"] == 0.5 and torch.equal(restored.state["w"], torch.full((512,), 2.0))

@@ -9,6 +9,7 @@ and optimizer bits (digest) at every step after the resumed one.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -41,7 +42,7 @@ class HFJob(Job):
     """examples/hf_trainer.py under torchrun; the loss/resume/pid files are those Job reads."""
 
     def __init__(self, env: Env, output_dir: Path, out: Path, *, resume: str | None = None, plain: bool = False,
-                 step_seconds: float = 0.0, save_total_limit: int | None = None,
+                 step_seconds: float = 0.0, save_total_limit: int | None = None, save_strategy: str = "steps",
                  extra_env: dict[str, str] | None = None) -> None:
         self.out = out
         self.nproc = 2
@@ -49,7 +50,8 @@ class HFJob(Job):
         self.log_path = out / "torchrun.log"
         command = TORCHRUN + ["--standalone", "--nproc-per-node=2", "--max-restarts=0", str(SCRIPT),
                               "--output-dir", str(output_dir), "--out", str(out), "--steps", str(STEPS),
-                              "--save-steps", str(SAVE_STEPS), "--step-seconds", str(step_seconds)]
+                              "--save-steps", str(SAVE_STEPS), "--save-strategy", save_strategy,
+                              "--step-seconds", str(step_seconds)]
         if resume is not None:
             command += ["--resume"] + ([] if resume == "newest" else [resume])
         if plain:
@@ -138,6 +140,37 @@ def test_wrapped_run_matches_plain_trainer_and_writes_native_checkpoints(env: En
         for record in (a, b):  # the Trainer records its control flags in the middle of its save
             record["stateful_callbacks"]["TrainerControl"]["args"].pop("should_save")
         assert a == b
+
+
+def test_epoch_saves_are_persisted_by_the_agent_and_exported(env: Env, reference: tuple[HFJob, Path]) -> None:
+    """save_strategy="epoch": the Trainer saves at the epoch ends (steps 8 and 16) and at the last step
+    (20, mid-epoch), none on the persist interval. Each is snapshotted with a persist request, persisted
+    by the agent as iteration_N and exported by the export thread, not written by the ranks; the run is
+    unchanged, checkpoint-20 holds the reference's step-20 state, and a plain Trainer resumes from
+    checkpoint-16 exactly."""
+    plain_run, plain_dir = reference
+    output_dir = env.tmp_path / "hf"
+    save_dir = output_dir / "easyckpt"
+    job = run_to_end(HFJob(env, output_dir, env.tmp_path / "out", save_strategy="epoch"))
+    assert_continues_exactly(job, plain_run, 0)
+    log = job.log()
+    for step in (8, 16, 20):
+        assert f"exported {save_dir / layout.iteration_dirname(step)} to checkpoint-{step} in" in log, log[-4000:]
+        assert {p.name for p in (output_dir / f"checkpoint-{step}").iterdir()} == NATIVE_FILES
+    assert "synchronously" not in log
+    assert sorted(p.name for p in output_dir.iterdir() if p.name.startswith(("checkpoint-", ".easyckpt-"))) == \
+        ["checkpoint-16", "checkpoint-20", "checkpoint-8"]
+    assert 20 in [step for step, _ in layout.complete_iterations(save_dir)]
+    ours, theirs = output_dir / "checkpoint-20", plain_dir / "checkpoint-20"
+    assert (ours / "model.safetensors").read_bytes() == (theirs / "model.safetensors").read_bytes()
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"):
+        a, b = (torch.load(d / name, weights_only=False) for d in (ours, theirs))
+        assert repr(a) == repr(b), f"checkpoint-20/{name} differs from the Trainer's own"
+
+    plain = run_to_end(HFJob(env, output_dir, env.tmp_path / "plain", plain=True,
+                             resume=str(output_dir / "checkpoint-16")))
+    assert all(r["global_step"] == 16 for r in resumed_at(plain))
+    assert_continues_exactly(plain, plain_run, 16)
 
 
 def test_kill9_then_resume_from_memory_continues_the_loss_curve(env: Env, reference: tuple[HFJob, Path]) -> None:
@@ -259,21 +292,33 @@ def _example_module() -> Any:
     return module
 
 
-def _in_process_run(output_dir: Path, wrapped: bool) -> Any:
-    """One process, no torchrun: eval every 4 steps with a scripted metric whose best is step 8, saves every
-    4 steps and at the final step 14 (not a multiple: written synchronously), save_total_limit=2, the best
-    model loaded at the end."""
+# Two single-process setups, each saving on steps the persist interval does not cover:
+# "steps": eval and save every 4 steps, a scripted metric whose best is step 8, the final step 14 (not on
+#   the save_steps grid), save_total_limit=2: checkpoint-8 (best) and checkpoint-14 (newest) stay.
+# "epoch": eval and save at each epoch end (8 and 16) and at the last step (20, mid-epoch), best at 16,
+#   save_total_limit=1: the Trainer keeps the best besides the newest, and at the end only the best.
+IN_PROCESS = {
+    "steps": ({"max_steps": 14, "eval_strategy": "steps", "eval_steps": 4, "save_strategy": "steps", "save_steps": 4,
+               "save_total_limit": 2}, [1.0, 3.0, 2.0, 1.0], ["checkpoint-14", "checkpoint-8"], [14]),
+    "epoch": ({"max_steps": 20, "eval_strategy": "epoch", "save_strategy": "epoch", "save_total_limit": 1},
+              [1.0, 3.0, 2.0], ["checkpoint-16"], [8, 16, 20]),
+}
+
+
+def _in_process_run(output_dir: Path, wrapped: bool, setup: str) -> Any:
+    """One process, no torchrun, the best model loaded at the end (see IN_PROCESS)."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from easyckpt.transformers import TrainerWrapper
 
     example = _example_module()
-    scores = iter([1.0, 3.0, 2.0, 1.0])
+    overrides, score_list, _, _ = IN_PROCESS[setup]
+    scores = iter(score_list)
     args = TrainingArguments(
-        output_dir=str(output_dir), max_steps=14, per_device_train_batch_size=4, learning_rate=3e-3, warmup_steps=2,
-        logging_steps=1, eval_strategy="steps", eval_steps=4, save_strategy="steps", save_steps=4,
-        save_total_limit=2, metric_for_best_model="score", greater_is_better=True, load_best_model_at_end=True,
-        seed=0, data_seed=1234, report_to="none", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
+        output_dir=str(output_dir), per_device_train_batch_size=4, learning_rate=3e-3, warmup_steps=2,
+        logging_steps=1, metric_for_best_model="score", greater_is_better=True, load_best_model_at_end=True,
+        seed=0, data_seed=1234, report_to="none", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
+        **overrides)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=example.VOCAB, n_positions=32))
     trainer = Trainer(model=model, args=args, train_dataset=example.SyntheticTokens(32),
@@ -283,18 +328,27 @@ def _in_process_run(output_dir: Path, wrapped: bool) -> Any:
     return trainer
 
 
-def test_single_process_best_checkpoint_final_save_and_limit_as_the_trainer(env: Env, tmp_path: Path) -> None:
-    """save_total_limit keeps the best checkpoint (step 8) besides the newest, the final step's save (not
-    on the save_steps grid) is written too, load_best_model_at_end finds the best one: the same folders,
+@pytest.mark.parametrize("setup", sorted(IN_PROCESS))
+def test_single_process_best_checkpoint_final_save_and_limit_as_the_trainer(
+        env: Env, tmp_path: Path, caplog: pytest.LogCaptureFixture, setup: str) -> None:
+    """save_total_limit keeps the best checkpoint besides the newest, saves off the persist interval
+    (the final step, epoch ends) are persisted by the agent and exported like due ones, even when the
+    best folder appears after training went on, and load_best_model_at_end finds it: the same folders,
     files and states as a plain Trainer's, in one process (rng_state.pth)."""
-    plain = _in_process_run(tmp_path / "plain", wrapped=False)
-    wrapped = _in_process_run(tmp_path / "wrapped", wrapped=True)
+    _, _, expected, exported = IN_PROCESS[setup]
+    plain = _in_process_run(tmp_path / "plain", wrapped=False, setup=setup)
+    caplog.set_level(logging.INFO, logger="easyckpt")
+    wrapped = _in_process_run(tmp_path / "wrapped", wrapped=True, setup=setup)
+    for step in exported:
+        iteration = tmp_path / "wrapped" / "easyckpt" / layout.iteration_dirname(step)
+        assert f"exported {iteration} to checkpoint-{step} in" in caplog.text
+    assert "synchronously" not in caplog.text
     for trainer in (plain, wrapped):
         kept = sorted(p.name for p in Path(trainer.args.output_dir).iterdir() if p.name.startswith("checkpoint-"))
-        assert kept == ["checkpoint-14", "checkpoint-8"], kept
-        assert Path(trainer.state.best_model_checkpoint).name == "checkpoint-8"
+        assert kept == expected, kept
+        assert Path(trainer.state.best_model_checkpoint).name == expected[-1]
     assert [r.get("loss") for r in plain.state.log_history] == [r.get("loss") for r in wrapped.state.log_history]
-    for name in ("checkpoint-8", "checkpoint-14"):
+    for name in expected:
         ours, theirs = tmp_path / "wrapped" / name, tmp_path / "plain" / name
         assert {p.name for p in ours.iterdir()} == {p.name for p in theirs.iterdir()}
         assert "rng_state.pth" in {p.name for p in ours.iterdir()}
@@ -306,7 +360,9 @@ def test_single_process_best_checkpoint_final_save_and_limit_as_the_trainer(env:
         assert (a["global_step"], a["best_global_step"], a["best_metric"]) == \
             (b["global_step"], b["best_global_step"], b["best_metric"])
         assert Path(a["best_model_checkpoint"]).name == Path(b["best_model_checkpoint"]).name
-    # the model in memory at the end is the best one, loaded back from checkpoint-8
+        # the state of the save point, after that step's evaluation (not the snapshot taken before it)
+        assert [r.get("eval_score") for r in a["log_history"]] == [r.get("eval_score") for r in b["log_history"]]
+    # the model in memory at the end is the best one, loaded back from its checkpoint
     for (key, a), (_, b) in zip(plain.model.state_dict().items(), wrapped.model.state_dict().items()):
         assert torch.equal(a, b), key
 

@@ -1,0 +1,129 @@
+"""The export thread: on the process with ``args.should_save``, turns each requested step into a
+``checkpoint-N`` folder once the node agent has persisted it as a complete ``iteration_N``.
+
+Off the training path on purpose: the ranks only snapshot to memory; reading the iteration back and
+writing the Trainer's files happens here while training goes on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from easyckpt import storage
+from easyckpt.state import unflatten
+from easyckpt.transformers.folders import CheckpointFolders
+from easyckpt_wire import layout
+
+logger = logging.getLogger(__name__)
+
+POLL = 0.05               # seconds between looks at the disk for a persisted iteration
+
+
+def read_rank_state(iteration_dir: Path, rank: int, world_size: int, only: str | None = None) -> Any:
+    """One rank's saved state from a complete iteration (checksums verified); with ``only`` (a top-level
+    key), only that part's tensors are read and the rest are None."""
+    entry = storage.rank_entry(iteration_dir, rank, world_size)
+    wanted = entry.records if only is None else [r for r in entry.records if r.name.split("/", 1)[0] == only]
+    values: list[Any] = [None] * len(entry.records)
+    for record, tensor in storage.read_tensors(dataclasses.replace(entry, records=wanted)):
+        values[record.index] = tensor.numpy() if record.kind == "numpy" else tensor
+    return unflatten(entry.skeleton, values)
+
+
+class Exporter:
+    """On the saving process: waits for persisted iterations and exports them as checkpoint-N folders."""
+
+    def __init__(self, folders: CheckpointFolders, save_dir: Path, timeout: float) -> None:
+        self.folders = folders
+        self.save_dir = save_dir
+        self.timeout = timeout
+        self.requests: queue.Queue[int | None] = queue.Queue()
+        self.idle = threading.Condition()
+        self.outstanding = 0
+        self.exported: list[int] = []
+        self.failed: dict[int, str] = {}
+        self.thread = threading.Thread(target=self._run, name="easyckpt-hf-export", daemon=True)
+        self.thread.start()
+
+    def request(self, step: int) -> None:
+        with self.idle:
+            self.outstanding += 1
+        self.requests.put(step)
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every requested export is done (or given up); False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self.idle:
+            while self.outstanding:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.idle.wait(left)
+        return True
+
+    def stop(self) -> None:
+        self.requests.put(None)
+        self.thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while True:
+            step = self.requests.get()
+            if step is None:
+                return
+            try:
+                self.export(step)
+            except Exception as exc:  # one failed export must not stop the next ones
+                self.failed[step] = f"{type(exc).__name__}: {exc}"
+                logger.exception("export of step %d to checkpoint-%d failed; the easyckpt iteration stays usable",
+                                 step, step)
+            finally:
+                with self.idle:
+                    self.outstanding -= 1
+                    self.idle.notify_all()
+
+    def _wait_complete(self, step: int) -> Path | None:
+        path = self.save_dir / layout.iteration_dirname(step)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            done = dict(layout.complete_iterations(self.save_dir))
+            if step in done:
+                return path
+            if any(s > step for s in done) and not path.exists():
+                logger.warning("step %d was never persisted to %s (a newer iteration is complete): no checkpoint-%d",
+                               step, self.save_dir, step)
+                return None
+            if time.monotonic() > deadline:
+                logger.warning("step %d not persisted to %s after %.0fs: no checkpoint-%d; is the agent running "
+                               "(easyckpt status)?", step, self.save_dir, self.timeout, step)
+                return None
+            time.sleep(POLL)  # polling the disk for the agent's commit marker
+
+    def export(self, step: int) -> None:
+        """Export iteration ``step`` (waiting for it to be complete) in the calling thread."""
+        path = self._wait_complete(step)
+        if path is None:
+            self.failed[step] = "not persisted"
+            return
+        started = time.perf_counter()
+        meta = layout.read_metadata(path)
+        world_size = int(meta["world_size"])
+        try:
+            common = read_rank_state(path, 0, world_size)
+            rngs = {0: common["rng"]}
+            for rank in range(1, world_size):
+                rngs[rank] = read_rank_state(path, rank, world_size, only="rng")["rng"]
+        except (FileNotFoundError, layout.CheckpointFormatError):
+            if not path.exists():
+                logger.warning("iteration %s was rotated away before it could be exported: no checkpoint-%d "
+                               "(raise max_ckpt_num)", path, step)
+                self.failed[step] = "rotated away"
+                return
+            raise
+        self.folders.write_checkpoint(step, common, rngs, world_size)
+        self.exported.append(step)
+        logger.info("exported %s to checkpoint-%d in %.2fs", path, step, time.perf_counter() - started)

@@ -1,0 +1,257 @@
+"""``<output_dir>/checkpoint-N`` folders: whether one is complete, writing one with the Trainer's file
+names, publishing it atomically and applying ``save_total_limit`` as the Trainer does.
+
+Every folder written here is assembled under a temporary name, fsynced and renamed into place, so it is
+complete or absent; folders of other writers (a plain Trainer killed mid-save) are checked before use.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, Trainer
+
+from easyckpt.transformers.snapshot import unwrapped_model
+from easyckpt_wire import layout
+from easyckpt_wire.faults import fault_point
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_PREFIX = "checkpoint"
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+EXPORT_TMP_PREFIX = ".easyckpt-tmp-checkpoint-"
+EXPORT_TRASH_PREFIX = ".easyckpt-trash-checkpoint-"
+TRAINER_STATE_NAME = "trainer_state.json"
+OPTIMIZER_NAME = "optimizer.pt"
+SCHEDULER_NAME = "scheduler.pt"
+SCALER_NAME = "scaler.pt"
+TRAINING_ARGS_NAME = "training_args.bin"
+SAFE_WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+                 "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin")
+
+
+def rng_file_name(rank: int, world_size: int) -> str:
+    """The Trainer's name for a rank's RNG file."""
+    return "rng_state.pth" if world_size <= 1 else f"rng_state_{rank}.pth"
+
+
+def checkpoint_problem(path: Path, *, world_size: int, need_optimizer: bool = True,
+                       need_rng: bool = True) -> str | None:
+    """Why the Trainer checkpoint folder ``path`` is not complete, or None when it is.
+
+    Used for folders this module did not write (ours are complete or absent): the Trainer writes
+    ``trainer_state.json`` after the weights, optimizer, scheduler and its own RNG file, so a folder
+    killed mid-save lacks it or one of the others.
+    """
+    if not path.is_dir():
+        return f"{path} is not a directory"
+    state_path = path / TRAINER_STATE_NAME
+    try:
+        state = json.loads(state_path.read_text(encoding="utf-8"))
+        step = state["global_step"]
+    except FileNotFoundError:
+        return f"{state_path} is missing"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"{state_path} is unreadable ({type(exc).__name__}: {exc})"
+    match = CHECKPOINT_RE.match(path.name)
+    if match is not None and int(match.group(1)) != step:
+        return f"{state_path} says global_step {step}, the folder name says {match.group(1)}"
+    weights = [name for name in WEIGHTS_FILES if (path / name).is_file()]
+    if not weights:
+        return f"{path} has no model weights (none of {', '.join(WEIGHTS_FILES)})"
+    if SAFE_WEIGHTS_NAME in weights:
+        try:
+            from safetensors import safe_open
+            with safe_open(str(path / SAFE_WEIGHTS_NAME), framework="pt"):
+                pass
+        except Exception as exc:  # safetensors raises its own error types for a truncated file
+            return f"{path / SAFE_WEIGHTS_NAME} is not a readable safetensors file ({exc})"
+    if need_optimizer:
+        for name in (OPTIMIZER_NAME, SCHEDULER_NAME):
+            if not (path / name).is_file():
+                return f"{path / name} is missing"
+    if need_rng:
+        for rank in range(world_size):
+            if not (path / rng_file_name(rank, world_size)).is_file():
+                return f"{path / rng_file_name(rank, world_size)} is missing (written by {world_size} ranks?)"
+    return None
+
+
+def complete_checkpoints(output_dir: Path, **checks: Any) -> list[tuple[int, Path]]:
+    """Complete ``checkpoint-N`` folders of ``output_dir``, newest first; torn ones are logged and skipped."""
+    found = []
+    try:
+        entries = list(output_dir.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    for entry in entries:
+        match = CHECKPOINT_RE.match(entry.name)
+        if match is not None and entry.is_dir():
+            found.append((int(match.group(1)), entry))
+    complete = []
+    for step, path in sorted(found, reverse=True):
+        problem = checkpoint_problem(path, **checks)
+        if problem is None:
+            complete.append((step, path))
+        else:
+            logger.warning("skipping %s: incomplete (%s); it was probably being written when a job died", path, problem)
+    return complete
+
+
+def _fsync_tree(directory: Path) -> None:
+    for root, _dirs, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        layout.fsync_dir(Path(root))
+
+
+def _distinct_storage(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """safetensors refuses tensors that share memory (tied weights): give each its own copy."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in state_dict.items():
+        key = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.detach().clone().contiguous() if key in seen else tensor.detach().contiguous()
+        seen.add(key)
+    return out
+
+
+def _retie(model: Any, model_state: dict[str, Any]) -> dict[str, Any]:
+    """A loaded state has its own tensor for each name; where the live model shares one tensor between
+    names (tied embeddings), share it here too, so that ``save_pretrained`` writes what it writes for
+    the live model."""
+    groups: dict[tuple[int, int, tuple[int, ...]], list[str]] = {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        groups.setdefault(key, []).append(name)
+    tied = dict(model_state)
+    for names in groups.values():
+        present = [name for name in names if name in tied]
+        for name in present[1:]:
+            tied[name] = tied[present[0]]
+    return tied
+
+
+class CheckpointFolders:
+    """The checkpoint-N folders of one Trainer's ``output_dir``; used by the training thread (saves now,
+    resume staging) and the export thread."""
+
+    def __init__(self, trainer: Trainer, output_dir: Path) -> None:
+        self.trainer = trainer
+        self.output_dir = output_dir
+        # Both threads publish and rotate: one rename-and-rotate at a time keeps the listing consistent.
+        self._publish_lock = threading.Lock()
+
+    def path(self, step: int) -> Path:
+        return self.output_dir / f"{CHECKPOINT_PREFIX}-{step}"
+
+    def tmp_path(self, step: int) -> Path:
+        return self.output_dir / f"{EXPORT_TMP_PREFIX}{step}"
+
+    def clean_stale(self) -> None:
+        """Remove the temporary and trash folders of a writer that died."""
+        try:
+            entries = list(self.output_dir.iterdir())
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            if entry.name.startswith((EXPORT_TMP_PREFIX, EXPORT_TRASH_PREFIX)) and entry.is_dir():
+                logger.info("removing %s, left by a job that died while writing or deleting a checkpoint", entry)
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def write_checkpoint(self, step: int, common: dict[str, Any], rngs: dict[int, Any], world_size: int) -> Path:
+        """Export a saved state (all ranks' RNGs) as checkpoint-N, atomically. Runs on the saving process."""
+        tmp = self.tmp_path(step)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self.write_files(tmp, common, rngs, world_size, native=True)
+        return self.publish(tmp, step)
+
+    def write_files(self, directory: Path, common: dict[str, Any], rngs: dict[int, Any], world_size: int,
+                    *, native: bool) -> None:
+        """The Trainer's files for ``common`` (rank 0's state) and the given ranks' RNG states.
+
+        ``native``: a checkpoint-N folder (model through ``save_pretrained``, config, processing class,
+        training args, ``save_only_model`` honoured); else a directory only the Trainer's resume reads.
+        """
+        trainer = self.trainer
+        args = trainer.args
+        model_state = common["model"]
+        step = common.get("step")
+        model = unwrapped_model(trainer)
+        if native and isinstance(model, PreTrainedModel):
+            model.save_pretrained(str(directory), state_dict=_retie(model, model_state), is_main_process=True)
+        else:
+            import safetensors.torch
+            safetensors.torch.save_file(_distinct_storage(model_state), str(directory / SAFE_WEIGHTS_NAME),
+                                        metadata={"format": "pt"})
+        if native:
+            fault_point("hf.export.mid_write", step=step, rank=args.process_index)
+            if trainer.processing_class is not None:
+                trainer.processing_class.save_pretrained(str(directory))
+            elif getattr(trainer.data_collator, "tokenizer", None) is not None:
+                trainer.data_collator.tokenizer.save_pretrained(str(directory))
+            torch.save(args, directory / TRAINING_ARGS_NAME)
+        if not (native and args.save_only_model):
+            torch.save(common["optim"], directory / OPTIMIZER_NAME)
+            torch.save(common["sched"], directory / SCHEDULER_NAME)
+            if "scaler" in common:
+                torch.save(common["scaler"], directory / SCALER_NAME)
+            for rank, rng in rngs.items():
+                torch.save(rng, directory / rng_file_name(rank, world_size))
+        (directory / TRAINER_STATE_NAME).write_text(common["trainer_state"], encoding="utf-8")
+
+    def publish(self, tmp: Path, step: int) -> Path:
+        """fsync ``tmp`` and rename it to checkpoint-N (replacing an older one), then rotate."""
+        final = self.path(step)
+        with self._publish_lock:
+            _fsync_tree(tmp)
+            fault_point("hf.export.before_rename", step=step, rank=self.trainer.args.process_index)
+            trash = None
+            if final.exists():
+                trash = self.output_dir / f"{EXPORT_TRASH_PREFIX}{step}-{os.getpid()}"
+                os.rename(final, trash)
+            os.rename(tmp, final)
+            layout.fsync_dir(self.output_dir)
+            if trash is not None:
+                shutil.rmtree(trash, ignore_errors=True)
+            self._rotate()
+        logger.info("wrote %s", final)
+        return final
+
+    def _rotate(self) -> None:
+        """``save_total_limit`` as the Trainer applies it: the newest and the best checkpoint stay."""
+        limit = self.trainer.args.save_total_limit
+        if not limit or limit <= 0:
+            return
+        found = sorted((int(m.group(1)), p) for p in self.output_dir.iterdir()
+                       if (m := CHECKPOINT_RE.match(p.name)) and p.is_dir())
+        if len(found) <= limit:
+            return
+        protected = {found[-1][1].name}
+        best = self.trainer.state.best_model_checkpoint
+        if best:
+            protected.add(Path(best).name)
+        remaining, keep = len(found), max(limit, len(protected))
+        for step, path in found:
+            if remaining <= keep:
+                break
+            if path.name in protected:
+                continue
+            trash = self.output_dir / f"{EXPORT_TRASH_PREFIX}{step}-{os.getpid()}"
+            os.rename(path, trash)  # never a half-deleted folder under the checkpoint-N name
+            shutil.rmtree(trash, ignore_errors=True)
+            logger.info("deleted %s (save_total_limit=%d)", path, limit)
+            remaining -= 1

@@ -1,0 +1,170 @@
+"""Where ``train(resume_from_checkpoint=...)`` starts from, and laying that state out for the Trainer.
+
+The newest of easyckpt's states (memory, replicas, ``iteration_N``; chosen collectively by the
+Checkpointer) and the complete ``checkpoint-N`` folders wins. An easyckpt state is written as a Trainer
+checkpoint directory in the node's shared-memory directory and handed to the Trainer's own resume path,
+so that it restores everything at exactly the points it always does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+from easyckpt.checkpointer import Checkpointer
+from easyckpt.recovery import LoadError, LoadResult
+from easyckpt.transformers.collectives import all_ok, broadcast_int
+from easyckpt.transformers.folders import (TRAINER_STATE_NAME, CheckpointFolders, checkpoint_problem,
+                                           complete_checkpoints, rng_file_name)
+from easyckpt.transformers.snapshot import STATE_FORMAT
+from easyckpt_wire import layout
+
+logger = logging.getLogger(__name__)
+
+STAGING_PREFIX = "easyckpt-hf-resume-"
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumeInfo:
+    """Where ``train()`` resumed from."""
+
+    step: int | None            # the global step resumed at; None: fresh start
+    source: str | None          # "memory" | "replica" | "disk" | "checkpoint" (a complete checkpoint-N) | "path" | None
+    path: str | None = None     # the iteration, slot, checkpoint-N or path it came from
+    seconds: float = 0.0        # time to get the state (easyckpt sources)
+    nbytes: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class Resumer:
+    """Resolves ``resume_from_checkpoint`` for one ``train()`` call, on every rank."""
+
+    def __init__(self, ckpt: Checkpointer, trainer: Trainer, folders: CheckpointFolders, *, save_dir: Path,
+                 staging_dir: Path | None) -> None:
+        self.ckpt = ckpt
+        self.trainer = trainer
+        self.folders = folders
+        self.output_dir = folders.output_dir
+        self.save_dir = save_dir
+        self.staging_dir = staging_dir
+        self.staged: Path | None = None    # the staged directory this process removes once the Trainer read it
+
+    def release(self) -> None:
+        """Remove the staged directory (every rank has read it once the first step is done)."""
+        if self.staged is not None:
+            shutil.rmtree(self.staged, ignore_errors=True)
+            self.staged = None
+
+    def resolve(self, resume: str | os.PathLike[str] | bool | None) -> tuple[str | None, ResumeInfo]:
+        """The path to hand to ``Trainer.train`` and where it comes from."""
+        if resume is None or resume is False:
+            self._drop_old_snapshots()
+            return None, ResumeInfo(None, None)
+        if resume is True:
+            return self._resolve_newest()
+        if not isinstance(resume, (str, os.PathLike)):
+            raise TypeError(f"resume_from_checkpoint must be True, False, None or a path, got {resume!r}")
+        path = Path(resume).expanduser().resolve()
+        if not path.exists():
+            raise FileNotFoundError(f"resume_from_checkpoint={str(resume)!r} does not exist: pass True to resume from "
+                                    f"the newest state of {self.output_dir}, or the path of a checkpoint-N folder")
+        if layout.ITERATION_RE.match(path.name):
+            result = self.ckpt.load(load_dir=path)
+            return self._stage(result), self._info(result)
+        problem = checkpoint_problem(path, world_size=self.trainer.args.world_size,
+                                     need_optimizer=not self.trainer.args.save_only_model, need_rng=False)
+        if problem is not None:
+            raise ValueError(f"resume_from_checkpoint={str(path)!r} is incomplete: {problem}. It was probably being "
+                             "written when a job died; pass True to resume from the newest complete state, or "
+                             "another checkpoint-N")
+        step = json.loads((path / TRAINER_STATE_NAME).read_text(encoding="utf-8"))["global_step"]
+        return str(path), ResumeInfo(step, "path", str(path))
+
+    def _resolve_newest(self) -> tuple[str | None, ResumeInfo]:
+        args = self.trainer.args
+        newest = -1
+        newest_path: Path | None = None
+        if self.ckpt.rank == 0:
+            try:
+                found = complete_checkpoints(self.output_dir, world_size=args.world_size,
+                                             need_optimizer=not args.save_only_model,
+                                             need_rng=not args.save_only_model)
+            except OSError as exc:  # decided with the other ranks below: nobody may hang
+                logger.warning("cannot look for checkpoint-N folders in %s (%s): using easyckpt's states only",
+                               self.output_dir, exc)
+                found = []
+            if found:
+                newest, newest_path = found[0]
+        newest = broadcast_int(newest)
+        if newest >= 0:
+            newest_path = self.folders.path(newest)
+        try:
+            result = self.ckpt.load()
+        except LoadError as exc:
+            if newest < 0:
+                raise
+            logger.warning("easyckpt could not load its newest state (%s); resuming from %s instead", exc, newest_path)
+            result = LoadResult(None, None, None)
+        if result.step is not None and result.step >= newest:
+            return self._stage(result), self._info(result)
+        if newest >= 0:
+            assert newest_path is not None
+            if result.step is not None:
+                logger.info("%s (step %d) is newer than easyckpt's step %d (%s): resuming from it", newest_path,
+                            newest, result.step, result.source)
+            return str(newest_path), ResumeInfo(newest, "checkpoint", str(newest_path))
+        logger.info("nothing to resume from in memory, %s or %s: fresh start", self.save_dir, self.output_dir)
+        return None, ResumeInfo(None, None)
+
+    @staticmethod
+    def _info(result: LoadResult) -> ResumeInfo:
+        return ResumeInfo(result.step, result.source, result.path, result.seconds, result.nbytes)
+
+    def _stage(self, result: LoadResult) -> str | None:
+        """Lay the loaded state out as a Trainer checkpoint directory, once per node; each rank adds its RNG."""
+        if result.step is None:
+            return None
+        state = result.state
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"the easyckpt state of step {result.step} ({result.source}, {result.path}) was not "
+                             f"written by TrainerWrapper (format {state.get('format') if isinstance(state, dict) else None!r}): "
+                             f"give the wrapper a save_dir of its own (now {self.save_dir})")
+        base = self.staging_dir or self.ckpt.config.shm_dir
+        assert base is not None
+        directory = Path(base) / f"{STAGING_PREFIX}{self.ckpt.config.job_id}"
+        world_size = self.trainer.args.world_size
+        problem = ""
+        if self.ckpt.local_rank == 0:
+            try:
+                shutil.rmtree(directory, ignore_errors=True)
+                directory.mkdir(parents=True)
+                self.folders.write_files(directory, state, {}, world_size, native=False)
+            except OSError as exc:
+                problem = f"{directory}: {exc}"
+        if not all_ok(not problem):
+            raise RuntimeError(f"could not lay out the state of step {result.step} for the Trainer "
+                               f"({problem or 'on another node, see its log'}): free space there or pass "
+                               "TrainerWrapper(..., staging_dir=<a directory with room for one copy of the state>)")
+        try:
+            torch.save(state["rng"], directory / rng_file_name(self.ckpt.rank, world_size))
+        except OSError as exc:
+            problem = f"{directory}: {exc}"
+        if not all_ok(not problem):
+            raise RuntimeError(f"could not write the RNG state of step {result.step} for the Trainer "
+                               f"({problem or 'on another rank, see its log'})")
+        self.staged = directory if self.ckpt.local_rank == 0 else None
+        return str(directory)
+
+    def _drop_old_snapshots(self) -> None:
+        if self.ckpt.slots.committed():
+            logger.info("rank %d: fresh start: dropping this job's old snapshots from memory", self.ckpt.rank)
+            self.ckpt.slots.invalidate_newer_than(-1)

@@ -1,0 +1,75 @@
+"""The state TrainerWrapper snapshots, taken from the live Trainer in the layout its own checkpoints use.
+
+Model, optimizer, LR scheduler, grad scaler (when there is one), ``trainer_state.json`` as the Trainer
+would write it now (callbacks' states included) and every RNG as in its ``rng_state`` files. The data
+position needs nothing more: the Trainer derives it from the global step and the seeds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import Trainer
+from transformers.trainer_callback import ExportableState
+
+logger = logging.getLogger(__name__)
+
+STATE_FORMAT = "easyckpt-hf-1"
+
+
+def unwrapped_model(trainer: Trainer) -> Any:
+    """The model without DDP (and torch.compile) wrappers: what the Trainer saves."""
+    accelerator = trainer.accelerator
+    try:
+        return accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
+    except TypeError:  # accelerate versions without keep_torch_compile
+        return accelerator.unwrap_model(trainer.model)
+
+
+def trainer_state_json(trainer: Trainer) -> str:
+    """The Trainer's state as ``trainer_state.json`` holds it, callbacks' states taken now."""
+    record = dataclasses.asdict(trainer.state)
+    stateful: dict[str, Any] = {}
+    for callback in trainer.callback_handler.callbacks + [trainer.control]:
+        if isinstance(callback, ExportableState):
+            name = type(callback).__name__
+            if name in stateful:
+                if not isinstance(stateful[name], list):
+                    stateful[name] = [stateful[name]]
+                stateful[name].append(callback.state())
+            else:
+                stateful[name] = callback.state()
+    record["stateful_callbacks"] = stateful
+    return json.dumps(record, indent=2, sort_keys=True) + "\n"
+
+
+def rng_state(trainer: Trainer) -> dict[str, Any]:
+    """Every RNG, in the layout of the Trainer's rng_state files."""
+    rng: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                           "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        distributed = str(getattr(trainer.args.parallel_mode, "value", "")) == "distributed"
+        rng["cuda"] = torch.cuda.random.get_rng_state_all() if distributed else torch.cuda.random.get_rng_state()
+    return rng
+
+
+def capture(trainer: Trainer) -> dict[str, Any]:
+    """This rank's whole state now (tensors by reference: the Checkpointer copies them)."""
+    state: dict[str, Any] = {
+        "format": STATE_FORMAT,
+        "step": trainer.state.global_step,
+        "model": unwrapped_model(trainer).state_dict(),
+        "optim": trainer.optimizer.state_dict(),
+        "sched": trainer.lr_scheduler.state_dict(),
+        "rng": rng_state(trainer),
+        "trainer_state": trainer_state_json(trainer),
+    }
+    scaler = getattr(trainer.accelerator, "scaler", None)
+    if scaler is not None:
+        state["scaler"] = scaler.state_dict()
+    return state

@@ -1,0 +1,284 @@
+"""TrainerWrapper: hooks on the Trainer's save point, snapshots, saves, and ``train()`` with resume.
+
+See the package docstring (``easyckpt.transformers``) for what it does and why this way.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from transformers import Trainer
+
+from easyckpt.checkpointer import Checkpointer
+from easyckpt.transformers import snapshot
+from easyckpt.transformers.collectives import all_ok
+from easyckpt.transformers.export import POLL, Exporter
+from easyckpt.transformers.folders import CheckpointFolders, rng_file_name
+from easyckpt.transformers.resume import Resumer, ResumeInfo
+from easyckpt_wire import layout
+
+logger = logging.getLogger(__name__)
+
+_NEVER = 1 << 40           # save_storage_interval = save_mem_interval * _NEVER: memory only
+
+
+class TrainerWrapper:
+    """Wraps a ``transformers.Trainer``: easyckpt snapshots, persistence, Trainer-native exports, resume.
+
+    ``save_mem_interval``: snapshot every that many optimizer steps. Further keywords go to
+    ``easyckpt.Checkpointer`` (``save_dir`` defaults to ``<output_dir>/easyckpt``, ``max_ckpt_num`` to 2,
+    since the Trainer-native ``checkpoint-N`` folders keep the history under ``save_total_limit``), except:
+    ``staging_dir`` (where a resumed state is laid out for the Trainer; default: the shm directory) and
+    ``export_timeout`` (how long an export waits for its iteration, default 600 s).
+    Any other attribute is the wrapped Trainer's (``wrapper.evaluate()``, ``wrapper.state``...).
+    """
+
+    def __init__(self, trainer: Trainer, save_mem_interval: int = 1, **checkpointer_kwargs: Any) -> None:
+        if not isinstance(trainer, Trainer):
+            raise TypeError(f"TrainerWrapper wraps a transformers.Trainer, got {type(trainer).__qualname__}")
+        if not isinstance(save_mem_interval, int) or isinstance(save_mem_interval, bool) or save_mem_interval < 1:
+            raise ValueError(f"save_mem_interval must be a positive int, got {save_mem_interval!r}")
+        if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+            raise NotImplementedError(
+                "TrainerWrapper supports one process or DDP (every rank holds the whole model and optimizer); "
+                "this Trainer uses DeepSpeed or FSDP, whose sharded states it does not snapshot yet: "
+                "drop the wrapper or use plain DDP")
+        if trainer.args.save_on_each_node:
+            raise NotImplementedError(
+                "TrainerWrapper writes checkpoint-N folders from the process with rank 0 only; "
+                "save_on_each_node=True would need one export per node: set save_on_each_node=False "
+                "(output_dir on a file system every node sees)")
+        if trainer.args.push_to_hub:
+            logger.warning("push_to_hub: the checkpoint-N folders TrainerWrapper writes are not pushed at each save; "
+                           "call trainer.push_to_hub() when training is done")
+        if "save_storage_interval" in checkpointer_kwargs:
+            raise ValueError("TrainerWrapper derives save_storage_interval from the Trainer's save_strategy and "
+                             "save_steps: set TrainingArguments(save_steps=...) instead")
+        self.trainer = trainer
+        args = trainer.args
+        self.output_dir = Path(args.output_dir).expanduser().resolve()
+        self.save_mem_interval = save_mem_interval
+        self.strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
+        self.save_steps = self._save_steps(args)
+        self.persist_interval = self.save_steps if self.save_steps else save_mem_interval * _NEVER
+        self.save_dir = Path(checkpointer_kwargs.pop("save_dir", self.output_dir / "easyckpt")).expanduser().resolve()
+        self.max_ckpt_num = int(checkpointer_kwargs.pop("max_ckpt_num", 2))
+        self.log_file_path = checkpointer_kwargs.pop("log_file_path", None)
+        staging = checkpointer_kwargs.pop("staging_dir", None)
+        self.staging_dir = Path(staging) if staging is not None else None
+        self.export_timeout = float(checkpointer_kwargs.pop("export_timeout", 600.0))
+        self.options = checkpointer_kwargs
+        self.ckpt: Checkpointer | None = None
+        self.resumed: ResumeInfo | None = None
+        self.folders = CheckpointFolders(trainer, self.output_dir)
+        self._exporter: Exporter | None = None
+        self._resumer: Resumer | None = None
+        self._last_step: int | None = None    # the last step the post-save-point snapshot was handled for
+        self._checkpoint_steps: set[int] = set()   # checkpoint-N this run has written or asked for
+        self._original_mlse = trainer._maybe_log_save_evaluate
+        trainer._maybe_log_save_evaluate = self._maybe_log_save_evaluate   # type: ignore[method-assign]
+        trainer._save_checkpoint = self._save_checkpoint                   # type: ignore[method-assign]
+
+    def _save_steps(self, args: Any) -> int | None:
+        if self.strategy == "no" or self.strategy in ("epoch", "best"):
+            return None
+        if self.strategy != "steps":
+            raise ValueError(f"save_strategy={self.strategy!r} is not supported by TrainerWrapper: "
+                             "use 'steps', 'epoch', 'best' or 'no'")
+        steps = args.save_steps
+        if not float(steps).is_integer() or steps < 1:
+            raise ValueError(f"save_steps={steps} is a fraction of the run; TrainerWrapper needs a whole number "
+                             "of steps to persist at: set TrainingArguments(save_steps=<int>)")
+        steps = int(steps)
+        if steps % self.save_mem_interval:
+            raise ValueError(f"save_steps={steps} is not a multiple of save_mem_interval={self.save_mem_interval}: "
+                             "a persisted step must also be a snapshot step; use e.g. "
+                             f"save_mem_interval={self._divisor(steps)}")
+        return steps
+
+    def _divisor(self, steps: int) -> int:
+        return max(d for d in range(1, self.save_mem_interval + 1) if steps % d == 0)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "trainer":  # not set yet (failed __init__): no recursion
+            raise AttributeError(name)
+        return getattr(self.trainer, name)
+
+    # the public entry point ------------------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | os.PathLike[str] | bool | None = None, trial: Any = None,
+              **kwargs: Any) -> Any:
+        """``Trainer.train`` with easyckpt: ``True`` resumes from the newest state (memory, replica, disk,
+        or a complete checkpoint-N), a fresh start when there is none; a path as in the Trainer (a
+        ``checkpoint-N`` folder or an easyckpt ``iteration_N``); None/False: fresh."""
+        if trial is not None:
+            raise NotImplementedError("hyperparameter search (trial=...) is not supported by TrainerWrapper: "
+                                      "search with the plain Trainer, then train the chosen setup wrapped")
+        if self.ckpt is None:
+            self.ckpt = Checkpointer(self.save_dir, self.save_mem_interval, self.persist_interval, self.max_ckpt_num,
+                                     log_file_path=self.log_file_path, **self.options)
+        if self.trainer.args.should_save and self._exporter is None:
+            self._exporter = Exporter(self.folders, self.ckpt.config.save_dir, self.export_timeout)
+        self._resumer = Resumer(self.ckpt, self.trainer, self.folders, save_dir=self.save_dir,
+                                staging_dir=self.staging_dir)
+        try:
+            if self.trainer.args.should_save:
+                self.folders.clean_stale()
+            path, self.resumed = self._resumer.resolve(resume_from_checkpoint)
+            self._last_step = self.resumed.step
+            self._checkpoint_steps.clear()
+            self._catch_up(self.resumed.step)
+            return self.trainer.train(resume_from_checkpoint=path, **kwargs)
+        finally:
+            self._finish()
+
+    def _catch_up(self, resumed: int | None) -> None:
+        """Export persisted due iterations up to the resumed step that have no checkpoint-N yet (a job died
+        before or while exporting them). Now, before training: the agent's rotation would soon delete them."""
+        if self._exporter is None or resumed is None or not self.save_steps:
+            return
+        for step, _ in layout.complete_iterations(self.save_dir):
+            if step <= resumed and step % self.save_steps == 0 and not self.folders.path(step).exists():
+                logger.info("exporting iteration %d, which has no checkpoint-%d yet", step, step)
+                try:
+                    self._exporter.export(step)
+                except Exception:
+                    logger.exception("export of iteration %d to checkpoint-%d failed; training goes on", step, step)
+
+    # hooks on the Trainer ---------------------------------------------------------------------------
+    def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        self._original_mlse(*args, **kwargs)
+        trainer = self.trainer
+        step = trainer.state.global_step
+        if self._resumer is not None:  # every rank has loaded what it needed (they met in the step's all-reduce)
+            self._resumer.release()
+        if step > 0 and step != self._last_step:
+            self._last_step = step
+            if step % self.save_mem_interval == 0:
+                self._snapshot(step)
+        if trainer.control.should_training_stop:
+            self._drain()
+
+    def _save_checkpoint(self, model: Any, trial: Any, *args: Any, **kwargs: Any) -> None:
+        """Replaces ``Trainer._save_checkpoint``: the step is persisted by the agent (a due one by the
+        interval, any other on request) and exported asynchronously; written now only as a fallback."""
+        trainer = self.trainer
+        step = trainer.state.global_step
+        if getattr(trainer, "hp_search_backend", None) is None and trial is None:
+            trainer.store_flos()
+        best = trainer.state.best_global_step
+        if best and self.strategy in ("steps", "epoch", "best"):
+            best_dir = self.folders.path(best)
+            # The best folder may still be on its way (exported after training went on): name it anyway,
+            # so that rotation keeps it and load_best_model_at_end finds it once the exports are drained.
+            if best_dir.is_dir() or self._due(best) or best in self._checkpoint_steps or best == step:
+                trainer.state.best_model_checkpoint = str(best_dir)
+        if self._due(step) or self._persist_now(step):
+            if self._exporter is not None:
+                self._exporter.request(step)
+        else:
+            self._save_now(step)
+        self._checkpoint_steps.add(step)
+
+    def _due(self, step: int) -> bool:
+        return bool(self.save_steps) and step % self.persist_interval == 0
+
+    # snapshots and saves ----------------------------------------------------------------------------
+    def _snapshot(self, step: int) -> None:
+        """The snapshot after the Trainer's save point; a due one waits for a free slot."""
+        ckpt = self.ckpt
+        assert ckpt is not None
+        state = snapshot.capture(self.trainer)
+        if ckpt.save_if_needed(step, state) or not ckpt.config.persist_due(step):
+            return
+        # A due snapshot found no free slot (the agent still holds the previous due one): the Trainer
+        # asked for this save, so wait for a slot rather than lose checkpoint-N.
+        if self._until_slot(step, lambda: ckpt.save_if_needed(step, state), f"save_steps={self.save_steps}"):
+            return
+        logger.warning("rank %d: no free slot for the due snapshot of step %d after %.0fs: step %d will not be "
+                       "persisted and checkpoint-%d not written", ckpt.rank, step, ckpt.config.pin_timeout,
+                       step, step)
+
+    def _persist_now(self, step: int) -> bool:
+        """A save the interval does not cover: snapshot the live state now and ask the agent to persist
+        it, as for a due step. False, on every rank alike, when it must be written synchronously instead."""
+        ckpt = self.ckpt
+        assert ckpt is not None
+        # The step may be in memory already (the snapshot after the last step of an epoch, taken before
+        # the epoch-end evaluation and save): the Checkpointer drops that copy once this one is committed,
+        # and only then asks the agent, which takes the newer copy of a step.
+        state = snapshot.capture(self.trainer)
+        started = ckpt.save(step, state, persist=True) or \
+            self._until_slot(step, lambda: ckpt.save(step, state, persist=True), "this save")
+        if started:
+            self._last_step = step  # the snapshot after the Trainer's save point is this one
+        if all_ok(started):
+            return True
+        logger.warning("rank %d: no free slot to snapshot step %d within %gs (pin_timeout) on this rank or "
+                       "another (the agent is still persisting older steps): writing checkpoint-%d synchronously, "
+                       "all ranks blocking on the disk", ckpt.rank, step, ckpt.config.pin_timeout, step)
+        return False
+
+    def _until_slot(self, step: int, attempt: Callable[[], bool], pace: str) -> bool:
+        """Retry a snapshot that found no free slot until it starts (True) or ``pin_timeout`` passes."""
+        assert self.ckpt is not None
+        started = time.monotonic()
+        deadline = started + self.ckpt.config.pin_timeout
+        while time.monotonic() < deadline:
+            time.sleep(POLL)  # polling for the agent to release a slot, against a deadline
+            if attempt():
+                logger.warning("rank %d: snapshot of step %d waited %.2fs for a free slot (persisting is slower "
+                               "than %s)", self.ckpt.rank, step, time.monotonic() - started, pace)
+                return True
+        return False
+
+    def _save_now(self, step: int) -> None:
+        """A save written now from the live state, every rank blocking on the disk: the fallback when
+        the step could not be snapshotted for the agent to persist."""
+        args = self.trainer.args
+        world_size = args.world_size
+        state = snapshot.capture(self.trainer)
+        tmp = self.folders.tmp_path(step)
+        problem = ""
+        if args.should_save:
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            except OSError as exc:
+                problem = str(exc)
+        if not all_ok(not problem):
+            raise RuntimeError(f"cannot create {tmp} for checkpoint-{step}: {problem or 'see rank 0'}")
+        try:
+            if args.should_save:
+                self.folders.write_files(tmp, state, {}, world_size, native=True)
+            if not args.save_only_model:
+                torch.save(state["rng"], tmp / rng_file_name(args.process_index, world_size))
+        except OSError as exc:
+            problem = str(exc)
+        if not all_ok(not problem):
+            raise RuntimeError(f"writing checkpoint-{step} into {tmp} failed: {problem or 'on another rank'}")
+        if args.should_save:
+            self.folders.publish(tmp, step)
+
+    # end of training --------------------------------------------------------------------------------
+    def _drain(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.wait()   # a save's persist request goes out when its copy is committed: now, not never
+        if self._exporter is not None and not self._exporter.drain(self.export_timeout):
+            logger.warning("checkpoint exports still pending after %.0fs", self.export_timeout)
+
+    def _finish(self) -> None:
+        if self._resumer is not None:
+            self._resumer.release()
+            self._resumer = None
+        ckpt, self.ckpt = self.ckpt, None
+        if ckpt is not None:
+            ckpt.close()
+        self._drain()
+        if self._exporter is not None:
+            self._exporter.stop()
+            self._exporter = None
