@@ -62,8 +62,26 @@ def run_until_killed(job: Cluster) -> int:
     assert (job.env.save_dir / layout.iteration_dirname(5) / layout.METADATA).exists() or wait_for(
         lambda: (job.env.save_dir / layout.iteration_dirname(5) / layout.METADATA).exists(), 30,
         "step 5 committed by the leader")
+    # Under load the buddy backup can trail the disk (a persisted step whose backup is not complete yet):
+    # node 1 would then come back from disk and the replica path would go untested.
+    wait_for(lambda: replica_ahead_of_disk(job), 60, "node 0 to hold a complete backup of node 1 newer than the disk")
     job.kill_node(1)
     return kill_at
+
+
+def replica_ahead_of_disk(job: Cluster) -> bool:
+    """Node 0's agent pins a step of which it holds node 1's ranks in full, newer than the newest on disk."""
+    from easyckpt.agent_client import AgentTimeout, query_status
+
+    found = [p for p in job.env.runtime_dir.iterdir() if p.name.endswith("@node0")]
+    if not found:
+        return False
+    try:
+        pinned = query_status(found[0], timeout=5).get("pinned_step")
+    except (AgentTimeout, OSError):
+        return False
+    disk = layout.read_tracker(job.env.save_dir)
+    return pinned is not None and (disk is None or pinned > disk)
 
 
 def finish(job: Cluster) -> list[dict]:
