@@ -308,10 +308,7 @@ class Agent:
         if step in self.flush_wanted:
             return
         self.watcher.scan()   # the rank asks once its copy is committed: see that copy, not an older one
-        if step <= self._floor():
-            if self.persisted is None or self.persisted < step:
-                self.flush_failed[step] = (f"persisting step {self.given_up} failed (see the agent log), so no step up "
-                                           "to it is persisted again")
+        if step <= self._floor():   # on disk, or at/below a failed persist: answered as such
             self._free_step(step)   # nothing to do: the rank need not keep the slot for us
             return
         logger.info("rank %d asks for step %d to be persisted now: persisting it once every local rank holds it",
@@ -324,17 +321,10 @@ class Agent:
         for step in sorted(self.flush_wanted):
             if step <= self._floor():
                 self.flush_wanted.discard(step)
-                if self.persisted is None or self.persisted < step:
-                    self.flush_failed[step] = f"persisting step {self.given_up} failed (see the agent log)"
                 continue
             for rank in self.watcher.local_ranks():
-                held = self.watcher.committed(rank)
-                if step in held:
-                    continue
-                proc = self.watcher.ranks.get(rank)
-                finished = proc is not None and (proc.said_bye or proc.dead)
-                if finished or (held and min(held) > step):
-                    why = f"rank {rank} {'ended' if finished else 'moved on'} without a snapshot of step {step}"
+                if why := self._never_holds(rank, step):
+                    why = f"rank {rank} {why}"
                     logger.warning("requested persist of step %d given up: %s", step, why)
                     self.flush_wanted.discard(step)
                     self.flush_failed[step] = why
@@ -361,7 +351,8 @@ class Agent:
                 self._send(identity, protocol.reply(True, id=request_id, persisted=self.persisted, committed=committed))
             elif step not in self.flush_wanted:
                 self._send(identity, protocol.reply(False, id=request_id, persisted=self.persisted,
-                                                    error=self.flush_failed.get(step, "not persisted")))
+                                                    error=self.flush_failed.get(step, f"persisting step {self.given_up} "
+                                                                                "failed (see the agent log)")))
             else:
                 waiting.append((identity, request_id, step))
         self.flush_waiters = waiting
@@ -390,16 +381,20 @@ class Agent:
                 self._release_claims(lambda s, step=step: s == step)
                 continue
             for rank in self.watcher.local_ranks():
-                if rank in self.claims[step]:
-                    continue
-                held = self.watcher.committed(rank)
-                proc = self.watcher.ranks.get(rank)
-                finished = proc is not None and (proc.said_bye or proc.dead)
-                moved_on = held and step not in held and min(held) > step
-                if moved_on or (finished and step not in held):
-                    logger.warning("step %d cannot be persisted: rank %d no longer holds it", step, rank)
+                if rank not in self.claims[step] and (why := self._never_holds(rank, step)):
+                    logger.warning("step %d cannot be persisted: rank %d %s", step, rank, why)
                     self._release_claims(lambda s, step=step: s == step)
                     break
+
+    def _never_holds(self, rank: int, step: int) -> str:
+        """Why ``rank`` will never hold ``step`` committed (it moved past it, or ended without it); "" if it may."""
+        held = self.watcher.committed(rank)
+        if step in held:
+            return ""
+        proc = self.watcher.ranks.get(rank)
+        if proc is not None and (proc.said_bye or proc.dead):
+            return f"ended without a snapshot of step {step}"
+        return f"moved on without a snapshot of step {step}" if held and min(held) > step else ""
 
     def _release_claims(self, which: Any) -> None:
         for step in [s for s in self.claims if which(s)]:

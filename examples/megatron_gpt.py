@@ -193,7 +193,7 @@ def main() -> None:
     if cli.cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cli.cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     out = Path(cli.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"pid-rank{rank}").write_text(str(os.getpid()))
