@@ -188,18 +188,26 @@ def test_status_without_any_agent_exits_1_and_says_so(env: Env) -> None:
     assert "Traceback" not in proc.stderr
 
 
-def test_status_with_a_dead_agent_exits_1_naming_the_job(env: Env) -> None:
+def test_status_with_a_stuck_or_dead_agent_exits_1_naming_the_job_and_which(env: Env) -> None:
     ck = make_ck(env)
     try:
         agent_pid = env.agent_pid()
         assert agent_pid is not None
         job = env.job_dir().name
+        os.kill(agent_pid, signal.SIGSTOP)
+        try:
+            proc = run_cli("status", "--timeout", "1", env=env)
+        finally:
+            os.kill(agent_pid, signal.SIGCONT)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert f"job {job}" in proc.stdout and "no reply within 1s (the agent is alive but busy or stuck" in proc.stdout
         os.kill(agent_pid, signal.SIGKILL)  # the agent this test's Checkpointer started; its socket file stays
         wait_for(lambda: not env.agent_alive(), 30, f"agent pid {agent_pid} to die")
         assert (env.job_dir() / "agent.sock").exists()
         proc = run_cli("status", "--timeout", "1", env=env)
         assert proc.returncode == 1, proc.stdout + proc.stderr
-        assert f"job {job}" in proc.stdout and "no reply" in proc.stdout
+        assert f"job {job}" in proc.stdout and "no agent is running" in proc.stdout
+        assert str(env.job_dir() / "agent.log") in proc.stdout
         assert "Traceback" not in proc.stderr
         as_json = run_cli("status", "--json", "--timeout", "1", env=env)
         assert as_json.returncode == 1

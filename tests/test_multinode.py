@@ -46,7 +46,8 @@ def cluster(env: Env) -> Cluster:
     made: list[Cluster] = []
 
     def make(**kwargs: object) -> Cluster:
-        made.append(Cluster(env, env.tmp_path / "out", steps=STEPS, **kwargs))
+        kwargs.setdefault("steps", STEPS)
+        made.append(Cluster(env, env.tmp_path / "out", **kwargs))
         return made[-1]
 
     yield make  # type: ignore[misc]
@@ -208,7 +209,9 @@ def test_node_dying_mid_persist_leaves_no_complete_checkpoint(cluster: Cluster, 
 
 
 def test_status_shows_replica_coverage(cluster: Cluster, env: Env) -> None:
-    job = cluster(step_idle=0.3)
+    # Steps enough to outlast the checks even under load: once the job ends its agents exit, and there is
+    # nothing left to ask (the cleanup kills the job).
+    job = cluster(step_idle=0.3, steps=1000)
     job.start_all()
     wait_for(lambda: job.reached(3), 120, "every rank to reach step 3")
 
