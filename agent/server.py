@@ -28,6 +28,8 @@ from agent.watcher import SlotHolds, SlotInfo, Watcher
 
 logger = logging.getLogger(__name__)
 
+LOOP_STALL_WARN = 1.0   # seconds one loop step may take before the log says so
+
 @dataclasses.dataclass(kw_only=True)
 class AgentConfig:
     save_dir: Path
@@ -109,13 +111,24 @@ class Agent:
         try:
             while True:
                 if self.sock.poll(int(self.config.poll_interval * 1000)):
+                    started = time.monotonic()
                     self._receive()
+                    self._warn_if_slow("answering requests", started)
+                started = time.monotonic()
                 self._tick()
+                self._warn_if_slow("a round of bookkeeping", started)
                 if self._should_exit():
                     break
         finally:
             self._shutdown()
         return 0
+
+    def _warn_if_slow(self, what: str, started: float) -> None:
+        # Ranks' requests (HELLO, FLUSH, STATUS) wait while the loop is busy: a stall here is what makes
+        # them time out, so it is named in the log rather than left to guess.
+        took = time.monotonic() - started
+        if took > LOOP_STALL_WARN:
+            logger.warning("the agent loop spent %.1fs on %s; requests waited meanwhile", took, what)
 
     def _should_exit(self) -> bool:
         if self.inflight is not None or self.claims or self.cluster.awaiting_stages():
