@@ -21,10 +21,8 @@ import secrets
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-import zmq
 
 from easyckpt_wire import protocol
 from easyckpt_wire.protocol import Kind, ProtocolError
@@ -36,23 +34,6 @@ _FIELD = 256
 
 def under_torchrun() -> bool:
     return all(name in os.environ for name in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR"))
-
-
-def _request(job_dir: Path, kind: Kind, timeout: float, **fields: Any) -> dict[str, Any]:
-    """One request to this node's agent over its ipc socket (no HELLO: the launcher is not a rank)."""
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(protocol.agent_endpoint(job_dir))
-        sock.send(protocol.encode(kind, id=1, **fields))
-        if not sock.poll(int(timeout * 1000)):
-            raise TimeoutError(f"agent {kind.name} request in {job_dir}: no reply within {timeout:.0f}s "
-                               f"(agent log: {job_dir / 'agent.log'})")
-        _, message = protocol.decode(sock.recv())
-        return message
-    finally:
-        sock.close(linger=0)
 
 
 def _gather(text: str, world_size: int) -> list[str]:
@@ -87,7 +68,7 @@ def launch(agent_argv: list[str], job_id: str, timeout: float = 60.0) -> int:
     while True:
         problem = "it serves no tcp endpoint (started by a single-node job?)"
         try:
-            reply = _request(job_dir, Kind.PING, min(2.0, max(0.1, deadline - time.monotonic())))
+            reply = protocol.request_agent(job_dir, Kind.PING, min(2.0, max(0.1, deadline - time.monotonic())))
             if reply.get("endpoint"):
                 break
         except (TimeoutError, ProtocolError) as exc:
@@ -108,9 +89,9 @@ def launch(agent_argv: list[str], job_id: str, timeout: float = 60.0) -> int:
                 logger.error("node id %r names two agents (%s and %s): give every node its own %s", name,
                              nodes[name]["endpoint"], address, protocol.NODE_ID_ENV)
                 return 1
-        reply = _request(job_dir, Kind.PEERS, timeout, token=token, node=node, leader=rows[0][0],
-                         nodes=[{"node": n, **v} for n, v in sorted(nodes.items())], world_size=1,
-                         replicate_unique=True)
+        reply = protocol.request_agent(job_dir, Kind.PEERS, timeout, token=token, node=node, leader=rows[0][0],
+                                       nodes=[{"node": n, **v} for n, v in sorted(nodes.items())], world_size=1,
+                                       replicate_unique=True)
         if not reply.get("ok"):
             logger.error("node %s: the agent refused the peer list: %s", node, reply.get("error"))
             return 1

@@ -220,26 +220,7 @@ class AgentClient:
 
 def query_status(job_dir: Path, timeout: float = 5.0) -> dict[str, Any]:
     """Ask the agent of one job on this node (its runtime directory) for its view (``easyckpt status``)."""
-    job_id = job_dir.name
-    gone = (f"agent STATUS request for job {job_id}: no agent is running (the job finished, or the agent died: "
-            f"see {job_dir / 'agent.log'})")
-    if not protocol.agent_running(job_dir):
-        raise AgentTimeout(gone)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(protocol.agent_endpoint(job_dir))
-        sock.send(protocol.encode(Kind.STATUS, id=1))
-        deadline = time.monotonic() + timeout
-        while not sock.poll(100):   # short slices: an agent that exits meanwhile is named as such
-            if not protocol.agent_running(job_dir):
-                raise AgentTimeout(gone)
-            if time.monotonic() > deadline:
-                raise AgentTimeout(f"agent STATUS request for job {job_id}: no reply within {timeout:.0f}s "
-                                   f"(the agent is alive but busy or stuck: see {job_dir / 'agent.log'})")
-        _, message = protocol.decode(sock.recv())
-        return message
-    finally:
-        sock.close(linger=0)
-        ctx.term()
+        return protocol.request_agent(job_dir, Kind.STATUS, timeout)
+    except protocol.AgentNoReply as exc:
+        raise AgentTimeout(str(exc)) from None

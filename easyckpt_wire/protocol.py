@@ -24,10 +24,12 @@ import hmac
 import os
 import re
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
 import msgpack
+import zmq
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20
@@ -247,3 +249,34 @@ def agent_running(job_dir: Path) -> bool:
     finally:
         os.close(fd)  # closing drops the probe lock if we got it
     return False
+
+
+class AgentNoReply(TimeoutError):
+    pass
+
+
+def request_agent(job_dir: Path, kind: Kind, timeout: float, **fields: Any) -> dict[str, Any]:
+    """One request to a job's agent over its ipc socket, outside any rank's session (no HELLO): the
+    CLI's STATUS, a standalone launcher's PING and PEERS. Raises AgentNoReply saying whether no agent
+    runs (it exited, or has not started) or one runs but does not answer."""
+    where = f"agent {kind.name} request for job {job_dir.name}"
+    gone = f"{where}: no agent is running (it exited, died or has not started: see {job_dir / 'agent.log'})"
+    if not agent_running(job_dir):
+        raise AgentNoReply(gone)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(agent_endpoint(job_dir))
+        sock.send(encode(kind, id=1, **fields))
+        deadline = time.monotonic() + timeout
+        while not sock.poll(100):   # short slices: an agent that exits meanwhile is named as such
+            if not agent_running(job_dir):
+                raise AgentNoReply(gone)
+            if time.monotonic() > deadline:
+                raise AgentNoReply(f"{where}: no reply within {timeout:.0f}s (the agent is alive but busy or "
+                                   f"stuck: see {job_dir / 'agent.log'})")
+        return decode(sock.recv())[1]
+    finally:
+        sock.close(linger=0)
+        ctx.term()
