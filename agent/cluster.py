@@ -1,4 +1,4 @@
-"""Multi-node coordination of one agent: peers, hashing, buddy backups, pins, staged commits.
+"""Multi-node coordination of one agent: peers, hashing, buddy backups, backed-up steps, staged commits.
 
 The agent's main loop calls :meth:`NodeReplication.tick` every round once the ranks have told it the
 job's other nodes (PEERS). Hashing, pushes to the buddy and coverage surveys run in their own threads,
@@ -20,13 +20,12 @@ from easyckpt_wire.shm import SlotFormatError
 from agent.persister import AuditLog, commit_stage, describe, drop_stage, rotate, stage_steps
 from agent.replica import (BuddyPuller, Holdings, MapCache, Peers, ReplicaServer, build_manifest,
                            push_manifests, survey_coverage)
-from agent.watcher import SlotHolds, SlotInfo, Watcher
+from agent.watcher import Watcher
 
 logger = logging.getLogger(__name__)
 
 STAGE_WAIT = 120.0  # how long a leader whose ranks finished waits for other nodes' shards
 MAX_TENSOR_BYTES = 1 << 40  # a manifest naming a bigger tensor is refused (the buddy would allocate it)
-PIN_TIMEOUT = 60.0  # a step pinned for a lost peer is released when no newer backup completes this long
 COVERAGE_EVERY = 2.0
 
 
@@ -40,7 +39,7 @@ def _logged(function: Callable[..., Any], *args: Any) -> None:
 
 class NodeReplication:
     def __init__(self, *, node: str, bind_host: str, port: int, save_dir: Path, audit: AuditLog, watcher: Watcher,
-                 holds: SlotHolds, ctx: zmq.Context, max_ckpt_num: Callable[[], int], complete: int | None,
+                 ctx: zmq.Context, max_ckpt_num: Callable[[], int], complete: int | None,
                  port_file: Path | None = None) -> None:
         self.node = node
         self.port_file = port_file
@@ -49,7 +48,6 @@ class NodeReplication:
         self.save_dir = save_dir
         self.audit = audit
         self.watcher = watcher
-        self.holds = holds
         self.ctx = ctx
         self.max_ckpt_num = max_ckpt_num
         self.complete = complete                 # newest complete multi-node checkpoint (leader)
@@ -66,14 +64,11 @@ class NodeReplication:
         self._coverage_at = 0.0
         self._stages_at = 0.0
         self._stage_wait_since: float | None = None
-        self.pinned: dict[int, SlotInfo] = {}
-        self.pinned_step: int | None = None
-        self._pinned_at = 0.0
+        self.safe_step: int | None = None   # the agent's, shown by status
 
     def tick(self) -> None:
         if self.peers is not None:
             self._hash_and_push()
-            self._pin()
             self._commit_stages()
 
     def status(self) -> dict[str, Any]:
@@ -81,15 +76,12 @@ class NodeReplication:
         return {"node": self.node, "endpoint": self.replica.endpoint if self.replica else None,
                 "leader": peers.leader if peers else None, "buddy": peers.buddy() if peers else None,
                 "nodes": {n: v["endpoint"] for n, v in peers.nodes.items()} if peers else {},
-                "coverage": self.coverage, "complete_step": self.complete, "pinned_step": self.pinned_step,
+                "coverage": self.coverage, "complete_step": self.complete, "pinned_step": self.safe_step,
                 "served_bytes": self.replica.served_bytes if self.replica else 0,
                 "refused": self.replica.refused if self.replica else 0,
                 "malformed": self.replica.dropped if self.replica else 0}
 
     def close(self) -> None:
-        for info in self.pinned.values():
-            self.holds.release(info, ("replica",))
-        self.pinned.clear()
         self.hasher.shutdown(wait=True, cancel_futures=True)
         self.surveyor.shutdown(wait=True, cancel_futures=True)
         self.puller.close()
@@ -200,38 +192,20 @@ class NodeReplication:
             self.coverage = survey_coverage(self.peers, self.holdings)
 
 
-    def _pin(self) -> None:
-        """Keep the newest step this node can serve in full to a lost predecessor node.
+    def backed_up(self) -> set[int] | None:
+        """Steps whose backup from the predecessor node is complete here (its ranks' tensors that this
+        node's own ranks do not hold were pulled), or None when no node backs up to this one.
 
-        The buddy backup of a step arrives a few milliseconds after the peer's ranks commit it; without
-        a pin, this node's ranks could overwrite their copy of that step before it is complete, and a
-        peer dying in that window could only come back from disk. So the local slots of the newest
-        step whose backup is complete stay shared-locked: the ranks skip a snapshot rather than
-        overwrite them (training never waits), and the pin moves on with the next complete backup.
+        The agent's safe step must be one of them (``policy.next_safe``): the safe step's slots are held,
+        so losing the predecessor at any moment leaves a step its ranks can get from this node, even though
+        the backup trails the snapshot by milliseconds.
         """
-        assert self.peers is not None
+        if self.peers is None:
+            return None
         predecessor = self.peers.predecessor()
-        wanted: dict[int, SlotInfo] = {}
-        if predecessor is not None:
-            ranks = self.watcher.local_ranks()
-            local = set.intersection(*(set(self.watcher.committed(r)) for r in ranks)) if ranks else set()
-            complete = self.holdings.backed_up_steps(self.peers.nodes[predecessor]["ranks"]) & local
-            step = max(complete, default=None)
-            if step is not None and step != self.pinned_step:
-                self.pinned_step, self._pinned_at = step, time.monotonic()
-            if step is not None and time.monotonic() - self._pinned_at < PIN_TIMEOUT:
-                wanted = {id(info.map): info for r in ranks for s, info in self.watcher.committed(r).items() if s == step}
-            elif step is not None and self.pinned:
-                logger.warning("no newer complete backup from node %s for %.0fs: unpinning step %d",
-                               predecessor, PIN_TIMEOUT, step)
-        for key, info in list(self.pinned.items()):
-            if key not in wanted:
-                self.holds.release(info, ("replica",))
-                del self.pinned[key]
-        for key, info in wanted.items():
-            if key not in self.pinned and self.holds.hold(info, ("replica",)):
-                self.pinned[key] = info
-
+        if predecessor is None:
+            return None
+        return self.holdings.backed_up_steps(self.peers.nodes[predecessor]["ranks"])
 
     def _commit_stages(self) -> None:
         """Leader: publish each staged step whose every rank is durable; drop superseded stages."""

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -145,9 +146,50 @@ def _write_range(fd: int, path: Path, view: memoryview, file_offset: int) -> Non
         view.release()
 
 
+class _Throttle:
+    """A cap on the persist write rate, shared by the writer threads (``EASYCKPT_PERSIST_MBPS``): leaves
+    bandwidth to others on a shared file system, and reproduces a slow one in tests and benchmarks."""
+
+    PIECE = 4 << 20
+
+    def __init__(self, mbps: float) -> None:
+        self.rate = mbps * 1e6
+        self.lock = threading.Lock()
+        self.free_at = time.monotonic()
+
+    def take(self, nbytes: int) -> None:
+        with self.lock:
+            now = time.monotonic()
+            self.free_at = max(self.free_at, now) + nbytes / self.rate
+            delay = self.free_at - now - nbytes / self.rate
+        if delay > 0:
+            time.sleep(delay)   # pacing the writes, not waiting for an event
+
+
+def _throttle_from_env() -> _Throttle | None:
+    text = os.environ.get(PERSIST_MBPS_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        mbps = float(text)
+    except ValueError:
+        raise ValueError(f"{PERSIST_MBPS_ENV}={text!r} is not a number of MB/s") from None
+    if mbps <= 0:
+        raise ValueError(f"{PERSIST_MBPS_ENV}={text!r} must be positive (unset it for no cap)")
+    logger.info("persist writes capped at %.0f MB/s (%s)", mbps, PERSIST_MBPS_ENV)
+    return _Throttle(mbps)
+
+
+PERSIST_MBPS_ENV = "EASYCKPT_PERSIST_MBPS"
+_THROTTLE = _throttle_from_env()
+
+
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while len(data):
-        written = os.pwrite(fd, data, offset)
+        piece = data if _THROTTLE is None else data[:_Throttle.PIECE]
+        if _THROTTLE is not None:
+            _THROTTLE.take(len(piece))
+        written = os.pwrite(fd, piece, offset)
         data, offset = data[written:], offset + written
 
 

@@ -1,10 +1,11 @@
 """The node agent's main loop: answer ranks, claim due snapshots, persist them, flush on failure.
 
 One loop thread owns the ZeroMQ socket and all bookkeeping; persists run one at a time in a worker
-thread so the loop keeps answering while gigabytes go to disk. A due snapshot is *claimed* per rank as
-soon as that rank commits it: the agent takes a shared flock on the slot and writes the slot's
-generation into the header's ack field, which tells the rank not to overwrite that slot (the rank
-skips a snapshot instead; training never waits for the agent).
+thread so the loop keeps answering while gigabytes go to disk. Every round it reads the slot headers
+and lets ``policy`` decide: the safe step (invariant 9), held with shared flocks on its slots and
+published in the control block that ranks read before they choose a slot, and the due step to
+persist, *claimed* (its slots held) only when every local rank holds it and the persister is free. A
+rank cannot overwrite a held slot; it never waits for one either (training never waits for the agent).
 """
 from __future__ import annotations
 
@@ -19,9 +20,12 @@ from typing import Any
 import zmq
 
 from easyckpt_wire import layout, protocol
+from easyckpt_wire.control import ControlWriter, control_path
+from easyckpt_wire.episode import Episode
 from easyckpt_wire.protocol import Kind, ProtocolError
 from easyckpt_wire.shm import list_slots
 
+from agent import policy
 from agent.cluster import NodeReplication
 from agent.persister import AuditLog, PersistStats, RankSnapshot, clean_leftovers, describe, persist, persist_shards, rotate
 from agent.watcher import SlotHolds, SlotInfo, Watcher
@@ -83,6 +87,12 @@ class Agent:
         self.failed_ranks: set[int] = set()
         self.given_up = -1  # the newest step whose persist failed: not retried, a newer one will be
         self.no_rank_since: float | None = None
+        self.control = ControlWriter(control_path(config.shm_dir, config.job_id))
+        adopted = self.control.adopted
+        # The predecessor's word stands until this agent holds the step itself: ranks keep it meanwhile.
+        self.safe: int | None = adopted.safe if adopted is not None else None
+        self.safe_holds: list[SlotInfo] = []
+        self.passed = Episode(logger, logging.INFO)   # due steps passed over while a persist ran
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -91,7 +101,7 @@ class Agent:
         self.holds = SlotHolds()
         # Multi-node only: started by the first HELLO of a job spanning nodes, active once PEERS arrives.
         self.cluster = NodeReplication(node=config.node_id, bind_host=config.bind_host, port=config.port,
-                                       save_dir=self.save_dir, audit=self.audit, watcher=self.watcher, holds=self.holds,
+                                       save_dir=self.save_dir, audit=self.audit, watcher=self.watcher,
                                        ctx=self.ctx, max_ckpt_num=lambda: self.config.max_ckpt_num,
                                        complete=self.persisted, port_file=config.job_dir / "agent.port")
 
@@ -108,9 +118,16 @@ class Agent:
             logger.info("removed leftover %s", path)
         logger.info("agent pid %d serving job %s: save_dir=%s shm_dir=%s", os.getpid(), self.config.job_id,
                     self.save_dir, self.config.shm_dir)
+        wake = self._open_wake()
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
         try:
             while True:
-                if self.sock.poll(int(self.config.poll_interval * 1000)):
+                ready = dict(poller.poll(int(self.config.poll_interval * 1000)))
+                if wake in ready:
+                    self._drain_wake(wake)
+                if self.sock in ready:
                     started = time.monotonic()
                     self._receive()
                     self._warn_if_slow("answering requests", started)
@@ -120,8 +137,24 @@ class Agent:
                 if self._should_exit():
                     break
         finally:
+            os.close(wake)
             self._shutdown()
         return 0
+
+    def _open_wake(self) -> int:
+        path = protocol.wake_path(self.config.job_dir)
+        path.unlink(missing_ok=True)
+        os.mkfifo(path, 0o600)
+        # O_RDWR: a FIFO read end with no writer would poll as hung up, over and over.
+        return os.open(path, os.O_RDWR | os.O_NONBLOCK)
+
+    @staticmethod
+    def _drain_wake(fd: int) -> None:
+        try:
+            while os.read(fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
 
     def _warn_if_slow(self, what: str, started: float) -> None:
         # Ranks' requests (HELLO, FLUSH, STATUS) wait while the loop is busy: a stall here is what makes
@@ -155,13 +188,21 @@ class Agent:
         return True
 
     def _unlink_slots(self) -> None:
+        self._release_safe()
         self.watcher.close()
         for path in list_slots(self.config.shm_dir, self.config.job_id).values():
             path.unlink(missing_ok=True)
             logger.info("unlinked %s", path)
+        self.control.close(unlink=True)
+
+    def _release_safe(self) -> None:
+        for info in self.safe_holds:
+            self.holds.release(info, ("safe",))
+        self.safe_holds = []
 
     def _shutdown(self) -> None:
         self._release_claims(lambda step: True)
+        self._release_safe()
         self.pool.shutdown(wait=True)
         self.cluster.close()
         self._answer_waiters(force=True)
@@ -172,6 +213,7 @@ class Agent:
         self.sock.close()
         self.ctx.term()
         self.watcher.close()
+        self.control.close()   # the block stays (unless unlinked): ranks keep its safe step, a new agent adopts it
 
     # messages ---------------------------------------------------------------------------------------
     def _receive(self) -> None:
@@ -257,7 +299,8 @@ class Agent:
                 "save_storage_interval": self.config.save_storage_interval,
                 "max_ckpt_num": self.config.max_ckpt_num, "ranks": ranks, "slots": slots,
                 "persisted_step": self.persisted, "persisting": self.inflight[0] if self.inflight else None,
-                "flush_requested": sorted(self.flush_wanted),
+                "flush_requested": sorted(self.flush_wanted), "safe_step": self.safe,
+                "held_steps": sorted(set(self.claims) | ({self.inflight[0]} if self.inflight else set())),
                 "last_persist": None if last is None else {"step": last.step, "bytes": last.nbytes,
                                                            "seconds": last.seconds, "path": str(last.path)}}
 
@@ -268,24 +311,81 @@ class Agent:
         for proc in self.watcher.newly_dead():
             logger.warning("rank %d (pid %d) died without closing", proc.rank, proc.pid)
             self.failed_ranks.add(proc.rank)
-        ssi = self.config.save_storage_interval
-        for rank in self.watcher.local_ranks():
-            for step, info in self.watcher.committed(rank).items():
-                due = (ssi > 0 and step % ssi == 0) or step in self.flush_wanted
-                if due and step > self._floor():
-                    self._claim(step, rank, info)
-                elif due and info.header is not None and info.map.read_ack() != info.header.generation:
-                    info.map.write_ack(info.header.generation)  # on disk already: free the rank's slot
+        ranks = self.watcher.local_ranks()
+        held = {rank: self.watcher.committed(rank) for rank in ranks}
+        common = policy.common_steps(held, self.watcher.local_world_size)
         self.cluster.tick()
+        self._advance_safe(ranks, held, common)
+        for step in self.flush_wanted:   # asked for by the ranks: claimed rank by rank as each commits it
+            if step > self._floor():
+                for rank in ranks:
+                    if step in held[rank]:
+                        self._claim(step, rank, held[rank][step])
+        busy = self.inflight is not None or bool(self.claims)
+        floor, interval = self._floor(), self.config.save_storage_interval
+        due = policy.due_to_claim(common, floor=floor, interval=interval, busy=busy)
+        if due is not None and self._claim_all(due, ranks, held):
+            self.passed.end("due steps passed over while a persist ran: persisting step %d now", due)
+        skipped = policy.passed_over(common, floor=floor, interval=interval, busy=busy)
+        if skipped is not None and skipped not in self.claims and skipped != self._inflight_step():
+            self.passed.hit("due step %d passed over: the persist of step %s is still running (a persist takes "
+                            "longer than save_storage_interval=%d steps); the next due step after it is persisted",
+                            skipped, self._inflight_step(), interval)
         if self.failed_ranks:
             self._flush_on_failure()
         if self.cluster.peers is None and self.watcher.all_said_bye():
-            self._flush_missed_due()
+            self._flush_missed_due(common)
         self._drop_unreachable_claims()
         self._drop_unreachable_flushes()
         self._start_ready_persist()
+        self._publish()
         self._answer_waiters()
         self._answer_flush_waiters()
+
+    def _inflight_step(self) -> int | None:
+        return self.inflight[0] if self.inflight is not None else None
+
+    def _advance_safe(self, ranks: set[int], held: dict[int, dict[int, SlotInfo]], common: frozenset[int]) -> None:
+        """Move the safe step to what ``policy.next_safe`` says: hold every local rank's slot of the new step
+        first (all or none: a rank already rewriting one makes the step unsafe), publish it, then let go
+        of the old one. The control block's odd generation tells a rank that finds no free slot meanwhile
+        to wait for the move instead of skipping."""
+        target = policy.next_safe(common, self.safe, self.cluster.backed_up())
+        if target == self.safe and (target is None or self.safe_holds):
+            return
+        self.control.begin_move()
+        taken: list[SlotInfo] = []
+        if target is not None:
+            for rank in sorted(ranks):
+                info = held[rank][target]
+                if not self._hold_if_current(info, target, ("safe",)):
+                    for other in taken:
+                        self.holds.release(other, ("safe",))
+                    self._publish()   # the move failed: the old safe step stands
+                    return
+                taken.append(info)
+        for info in self.safe_holds:
+            self.holds.release(info, ("safe",))
+        if target != self.safe:
+            logger.debug("safe step %s -> %s", self.safe, target)
+        self.safe, self.safe_holds = target, taken
+        self.cluster.safe_step = target
+        self._publish()
+
+    def _hold_if_current(self, info: SlotInfo, step: int, reason: tuple[Any, ...]) -> bool:
+        """Hold ``info``'s slot for ``reason`` if it still holds ``step`` at the generation the watcher saw."""
+        header = info.header
+        if header is None or not self.holds.hold(info, reason):
+            return False
+        current = info.map.header()
+        if not current.committed or current.generation != header.generation or current.step != step:
+            self.holds.release(info, reason)
+            return False
+        return True
+
+    def _publish(self) -> None:
+        held = frozenset(self.claims) | ({self.inflight[0]} if self.inflight else set())
+        self.control.publish(self.safe, held)
 
     def _floor(self) -> int:
         """Steps at or below this are on disk, or were given up on: never persisted again."""
@@ -295,16 +395,22 @@ class Agent:
         held = self.claims.setdefault(step, {})
         if rank in held:
             return True
-        header = info.header
-        if header is None or not self.holds.hold(info, ("persist", step)):
+        if not self._hold_if_current(info, step, ("persist", step)):
+            if not held:
+                del self.claims[step]
             return False
-        current = info.map.header()
-        if not current.committed or current.generation != header.generation or current.step != step:
-            self.holds.release(info, ("persist", step))
-            return False
-        info.map.write_ack(current.generation)
-        held[rank] = Claim(info, current.generation)
+        assert info.header is not None
+        held[rank] = Claim(info, info.header.generation)
         return True
+
+    def _claim_all(self, step: int, ranks: set[int], held: dict[int, dict[int, SlotInfo]]) -> bool:
+        """Claim ``step`` on every local rank, or on none."""
+        fresh = step not in self.claims
+        if all(self._claim(step, rank, held[rank][step]) for rank in sorted(ranks)):
+            return True
+        if fresh:
+            self._release_claims(lambda s: s == step)
+        return False
 
     def _flush_on_failure(self) -> None:
         """Ranks died: persist the newest snapshot every local rank holds, if disk lacks it."""
@@ -313,21 +419,22 @@ class Agent:
             self.failed_ranks.clear()
             return
         step = common[0]
-        if all(self._claim(step, rank, self.watcher.committed(rank)[step]) for rank in self.watcher.local_ranks()):
+        ranks = self.watcher.local_ranks()
+        if self._claim_all(step, ranks, {rank: self.watcher.committed(rank) for rank in ranks}):
             logger.warning("flush on failure: persisting step %d, the newest snapshot of every local rank", step)
             self.failed_ranks.clear()
 
     def _request_flush(self, rank: int, step: int) -> None:
-        if step in self.flush_wanted:
+        if step in self.flush_wanted or step <= self._floor():   # on disk, or at/below a failed persist
             return
         self.watcher.scan()   # the rank asks once its copy is committed: see that copy, not an older one
-        if step <= self._floor():   # on disk, or at/below a failed persist: answered as such
-            self._free_step(step)   # nothing to do: the rank need not keep the slot for us
-            return
         logger.info("rank %d asks for step %d to be persisted now: persisting it once every local rank holds it",
                     rank, step)
         self.flush_wanted.add(step)
         self.flush_failed.pop(step, None)
+        info = self.watcher.committed(rank).get(step)
+        if info is not None:
+            self._claim(step, rank, info)   # at once: the rank goes on snapshotting into its other slots
 
     def _drop_unreachable_flushes(self) -> None:
         """Forget requested steps that are on disk, or that some local rank will never hold."""
@@ -342,15 +449,7 @@ class Agent:
                     self.flush_wanted.discard(step)
                     self.flush_failed[step] = why
                     self._release_claims(lambda s, step=step: s == step)
-                    self._free_step(step)
                     break
-
-    def _free_step(self, step: int) -> None:
-        """Tell the ranks that still hold ``step`` that the agent will not read it: they may reuse its slot."""
-        for rank in self.watcher.local_ranks():
-            info = self.watcher.committed(rank).get(step)
-            if info is not None and info.header is not None and info.map.read_ack() != info.header.generation:
-                info.map.write_ack(info.header.generation)
 
     def _answer_flush_waiters(self) -> None:
         if not self.flush_waiters:
@@ -372,20 +471,18 @@ class Agent:
         still = {step for _, _, step in waiting} | self.flush_wanted
         self.flush_failed = {s: why for s, why in self.flush_failed.items() if s in still}
 
-    def _flush_missed_due(self) -> None:
-        """The job finished, but its last due snapshot was skipped (its rank found both slots busy while
-        an older step was being persisted): persist the newest snapshot instead of losing the tail."""
-        ssi = self.config.save_storage_interval
-        common = self.watcher.common_steps()
-        if ssi <= 0 or not common or common[0] <= self._floor():
+    def _flush_missed_due(self, common: frozenset[int]) -> None:
+        """The job finished, but its last due snapshot never reached disk (passed over while an older step
+        was persisted): persist the newest snapshot instead of losing the tail."""
+        step = policy.tail_to_persist(common, floor=self._floor(), interval=self.config.save_storage_interval)
+        if step is None or step in self.claims or self.inflight is not None:
             return
-        newest, last_due = common[0], common[0] // ssi * ssi
-        if last_due <= self._floor() or last_due in common or newest in self.claims:
-            return
-        if all(self._claim(newest, rank, self.watcher.committed(rank)[newest]) for rank in self.watcher.local_ranks()):
-            logger.warning("due step %d was skipped (slots busy while an older step was persisted): persisting "
-                           "step %d, the newest snapshot of every rank, before the job's memory is released",
-                           last_due, newest)
+        ranks = self.watcher.local_ranks()
+        if self._claim_all(step, ranks, {rank: self.watcher.committed(rank) for rank in ranks}):
+            logger.warning("due step %d never reached disk (passed over while an older step was persisted): "
+                           "persisting step %d, the newest snapshot of every rank, before the job's memory is "
+                           "released", step // self.config.save_storage_interval * self.config.save_storage_interval,
+                           step)
 
     def _drop_unreachable_claims(self) -> None:
         """Release claims on a step some rank will never commit (it moved past it without it)."""
@@ -397,17 +494,16 @@ class Agent:
                 if rank not in self.claims[step] and (why := self._never_holds(rank, step)):
                     logger.warning("step %d cannot be persisted: rank %d %s", step, rank, why)
                     self._release_claims(lambda s, step=step: s == step)
+                    if step in self.flush_wanted:   # or the next round would claim it again
+                        self.flush_wanted.discard(step)
+                        self.flush_failed[step] = f"rank {rank} {why}"
                     break
 
     def _never_holds(self, rank: int, step: int) -> str:
         """Why ``rank`` will never hold ``step`` committed (it moved past it, or ended without it); "" if it may."""
-        held = self.watcher.committed(rank)
-        if step in held:
-            return ""
         proc = self.watcher.ranks.get(rank)
-        if proc is not None and (proc.said_bye or proc.dead):
-            return f"ended without a snapshot of step {step}"
-        return f"moved on without a snapshot of step {step}" if held and min(held) > step else ""
+        return policy.never_holds(step, set(self.watcher.committed(rank)),
+                                  ended=proc is not None and (proc.said_bye or proc.dead))
 
     def _release_claims(self, which: Any) -> None:
         for step in [s for s in self.claims if which(s)]:

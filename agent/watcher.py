@@ -69,7 +69,8 @@ class Watcher:
     # slots ------------------------------------------------------------------------------------------
     def scan(self, *, relist_every: float = 0.25) -> None:
         now = time.monotonic()
-        missing = len(self.slots) < 2 * len(self.ranks)  # a registered rank whose slots we have not seen
+        seen = {rank for rank, _ in self.slots}
+        missing = any(rank not in seen for rank in self.ranks)  # a registered rank whose slots we have not seen
         if missing or now - self._last_listing >= relist_every:
             self._last_listing = now
             found = list_slots(self.shm_dir, self.job_id)
@@ -176,7 +177,7 @@ class Watcher:
 
 class SlotHolds:
     """The agent's shared flocks on slots, by reason: a rank cannot overwrite a held slot (it skips a
-    snapshot instead). Persist claims and replica pins may hold the same slot; the flock of a slot's
+    snapshot instead). The safe step and a persist claim may hold the same slot; the flock of a slot's
     fd is taken by the first reason and dropped with the last."""
 
     def __init__(self) -> None:

@@ -4,13 +4,59 @@ Each rank snapshots its full training state into shared memory every ``save_mem_
 per-node agent persists every ``save_storage_interval``-th snapshot; a restarted job resumes from
 memory when it can and from disk otherwise. See ``Checkpointer``.
 """
-from easyckpt.checkpointer import Checkpointer, FlushResult
-from easyckpt.config import CheckpointerConfig
-from easyckpt.recovery import LoadError, LoadResult, StateMismatchError
-from easyckpt.slots import ShmSpaceError
-from easyckpt.storage import CheckpointCorruptError
-from easyckpt_wire.layout import CheckpointFormatError
+from __future__ import annotations
 
-__all__ = ["Checkpointer", "FlushResult", "CheckpointerConfig", "LoadResult", "LoadError", "StateMismatchError",
-           "ShmSpaceError", "CheckpointCorruptError", "CheckpointFormatError"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from easyckpt.checkpointer import Checkpointer, FlushResult
+    from easyckpt.config import CheckpointerConfig
+    from easyckpt.recovery import LoadError, LoadResult, StateMismatchError
+    from easyckpt.slots import ShmSpaceError
+    from easyckpt.storage import CheckpointCorruptError
+    from easyckpt_wire.layout import CheckpointFormatError
+
+__all__ = [
+    "CheckpointCorruptError",
+    "CheckpointFormatError",
+    "Checkpointer",
+    "CheckpointerConfig",
+    "FlushResult",
+    "LoadError",
+    "LoadResult",
+    "ShmSpaceError",
+    "StateMismatchError",
+]
 __version__ = "0.1.0"
+
+# Imported on first use (PEP 562): most of these pull in torch (~1.5 s), which the ``easyckpt`` CLI and
+# the agent's helpers must not pay for just by importing a submodule of this package.
+_LAZY = {
+    "Checkpointer": "easyckpt.checkpointer", "FlushResult": "easyckpt.checkpointer",
+    "CheckpointerConfig": "easyckpt.config",
+    "LoadResult": "easyckpt.recovery", "LoadError": "easyckpt.recovery", "StateMismatchError": "easyckpt.recovery",
+    "ShmSpaceError": "easyckpt.slots",
+    "CheckpointCorruptError": "easyckpt.storage",
+    "CheckpointFormatError": "easyckpt_wire.layout",
+}
+# An eager ``import easyckpt`` used to load these submodules as a side effect, and user code relies on
+# it (``import easyckpt; easyckpt.state.flatten(...)``); ``megatron`` and ``transformers`` were never
+# among them: they need optional packages, which a mere attribute probe must not import.
+_EAGER_BEFORE = frozenset({"agent_client", "checkpointer", "config", "recovery", "replica", "slots", "stager",
+                           "state", "storage"})
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value  # later lookups skip this hook
+        return value
+    if name in _EAGER_BEFORE:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

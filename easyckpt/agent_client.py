@@ -44,7 +44,10 @@ class AgentClient:
         self.idle_timeout = idle_timeout
         self.spawn_allowed = spawn
         self.job_dir = protocol.runtime_dir(job_id)
-        self.ctx = zmq.Context()
+        self.waker = protocol.Waker(self.job_dir)
+        # The process-wide context: a context of our own, collected with a Checkpointer that was dropped
+        # without close() (in a reference cycle its socket is not closed first), blocks forever in term().
+        self.ctx = zmq.Context.instance()
         self.sock: zmq.Socket | None = None
         self._ids = itertools.count(1)
         self._last_check = 0.0
@@ -211,11 +214,15 @@ class AgentClient:
         except AgentTimeout as exc:
             logger.warning("%s", exc)
         finally:
-            if self.sock is not None:
-                self.sock.close(linger=0)
-                self.sock = None
-            self.ctx.term()
+            self.detach()
         return reply
+
+    def detach(self) -> None:
+        """Close the socket without a word to the agent (it notices the process is gone)."""
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+        self.waker.close()
 
 
 def query_status(job_dir: Path, timeout: float = 5.0) -> dict[str, Any]:

@@ -64,7 +64,8 @@ class Checkpointer:
                            self.rank, self.world_size)
         config = self.config
         assert config.shm_dir is not None and config.job_id is not None
-        self.slots = RankSlots(config.shm_dir, config.job_id, self.rank, self.world_size, self.local_world_size)
+        self.slots = RankSlots(config.shm_dir, config.job_id, self.rank, self.world_size, self.local_world_size,
+                               config.slots)
         self.agent = AgentClient(
             job_id=config.job_id, save_dir=config.save_dir, shm_dir=config.shm_dir, rank=self.rank,
             world_size=self.world_size, local_world_size=self.local_world_size, idle_timeout=config.agent_idle_timeout,
@@ -81,8 +82,8 @@ class Checkpointer:
                                    replicate_unique=config.replicate_unique, timeout=config.agent_start_timeout)
         self.stager = Stager(config, self.slots, rank=self.rank, world_size=self.world_size,
                              local_rank=self.local_rank, local_world_size=self.local_world_size,
-                             agent_alive=self.agent.alive,
-                             request_persist=lambda step: self.agent.flush(step, wait=False, timeout=0))
+                             request_persist=lambda step: self.agent.flush(step, wait=False, timeout=0),
+                             committed=self.agent.waker.wake)
         self._closed = False
         logger.info("easyckpt rank %d/%d: job %s, save_dir %s, shm %s, snapshot every %d, persist every %d, keep %d",
                     self.rank, self.world_size, config.job_id, config.save_dir, config.shm_dir,
@@ -138,7 +139,6 @@ class Checkpointer:
         if step is None:
             return FlushResult(step=None, durable=False, committed=False, persisted=None, seconds=0.0,
                                error="this process has taken no snapshot")
-        self.stager.want_persisted(step)
         reply = self.agent.flush(step, wait=True, timeout=max(0.0, timeout - (time.monotonic() - started)))
         seconds = time.monotonic() - started
         if reply is None:

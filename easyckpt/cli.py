@@ -1,17 +1,32 @@
-"""``easyckpt ls DIR | verify DIR | status | convert``: look at checkpoints and at the node agent."""
+"""``easyckpt ls DIR | verify DIR | status [SAVE_DIR] | convert``: look at checkpoints and at the node agent.
+
+Only ``verify`` and ``convert`` import torch (through ``easyckpt.storage``): ``--help``, ``ls`` and
+``status`` must answer at once, so nothing imported at module level may pull it in.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
+import shlex
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from easyckpt import storage
 from easyckpt.agent_client import AgentTimeout, query_status
 from easyckpt_wire import layout, protocol
-from easyckpt_wire.shm import format_bytes
+from easyckpt_wire.control import control_path
+from easyckpt_wire.shm import (
+    HEADER_SIZE,
+    SlotFormatError,
+    SlotMap,
+    SlotState,
+    format_bytes,
+    list_slots,
+    shm_dir,
+)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -25,10 +40,27 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for step, path, complete in rows:
         status = "complete" if complete and _parses(path) else "INCOMPLETE (no commit marker)"
         mark = "  <- tracker" if step == tracker else ""
-        print(f"{path.name:<20} {step:>10} {format_bytes(storage.iteration_bytes(path)):>12}  {status}{mark}")
+        print(f"{path.name:<20} {step:>10} {format_bytes(_dir_bytes(path)):>12}  {status}{mark}")
     if not rows:
         print("(no iterations)")
     return 0
+
+
+def _dir_bytes(path: Path) -> int:
+    """Bytes of the files directly in ``path``, as ``storage.iteration_bytes`` counts them, without its
+    torch import; files (or the whole iteration) that the agent's rotation removes meanwhile count 0."""
+    total = 0
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                try:
+                    if entry.is_file():
+                        total += entry.stat().st_size
+                except FileNotFoundError:
+                    continue
+    except FileNotFoundError:
+        pass
+    return total
 
 
 def _parses(path: Path) -> bool:
@@ -40,6 +72,8 @@ def _parses(path: Path) -> bool:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    from easyckpt import storage  # imports torch: only here and in convert
+
     save_dir = Path(args.dir)
     if not save_dir.is_dir():
         print(f"{save_dir}: no such directory", file=sys.stderr)
@@ -60,45 +94,155 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     base = protocol.runtime_base()
-    if args.job_id or args.save_dir:
-        jobs = [base / protocol.job_dir_name(args.job_id or protocol.job_id_for(args.save_dir))]
-    else:  # every agent of this user on this node (several simulated nodes share one runtime base)
-        jobs = sorted(p for p in base.iterdir() if (p / "agent.sock").exists()) if base.is_dir() else []
-    if not jobs:
-        print("no easyckpt agent found (is a job running on this node?)")
-        return 1
-    code = 0
-    reports = []
-    for job in jobs:
+    if args.save_dir_pos and args.save_dir and Path(args.save_dir_pos).resolve() != Path(args.save_dir).resolve():
+        print(f"status: SAVE_DIR {args.save_dir_pos} and --save-dir {args.save_dir} differ: give one of them",
+              file=sys.stderr)
+        return 2
+    save_dir = args.save_dir_pos or args.save_dir
+    if args.job_id or save_dir:
+        job = base / protocol.job_dir_name(args.job_id or protocol.job_id_for(save_dir))
+        entry, code = _probe(job, args.timeout, named=True)
+        entries = [entry] if entry is not None else []
+    else:
+        # Every job of this user on this node (several simulated nodes share one runtime base). Job
+        # directories outlive their agents, so only live and recoverable ones are shown.
         try:
-            reports.append(query_status(job, timeout=args.timeout))
-        except AgentTimeout as exc:
-            reports.append({"job_id": job.name, "error": str(exc)})
-            code = 1
+            jobs = sorted(p for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+        except OSError as exc:
+            print(f"status: cannot list the runtime directory {base}: {exc.strerror}; set "
+                  f"{protocol.RUNTIME_DIR_ENV} to the directory your jobs use", file=sys.stderr)
+            return 1
+        entries, code = [], 0
+        for job in jobs:
+            entry, job_code = _probe(job, args.timeout, named=False)
+            if entry is not None:
+                entries.append(entry)
+                code = max(code, job_code)
     if args.json:
-        print(json.dumps(reports, indent=2))
+        print(json.dumps(entries, indent=2))
         return code
-    for report in reports:
-        if "error" in report:
-            print(f"job {report['job_id']}: {report['error']}")
+    if not entries:
+        print(f"no easyckpt job is running (looked for agents in {base} and their slot files in {shm_dir()})")
+        return 0
+    for entry in entries:
+        if entry["job_state"] == "live":
+            code = max(code, _print_live(entry))
             continue
-        print(f"job {report['job_id']}: agent pid {report['pid']}, save_dir {report['save_dir']}, "
-              f"shm {report['shm_dir']}, persist every {report['save_storage_interval']}, keep {report['max_ckpt_num']}")
-        for rank in report["ranks"]:
-            state = "finished" if rank["finished"] else ("alive" if rank["alive"] else "DEAD")
-            print(f"  rank {rank['rank']}: pid {rank['pid']} {state}")
-        for slot in report["slots"]:
-            print(f"  rank {slot['rank']} slot {slot['slot']}: {slot['state']:<10} step {slot['step']} "
-                  f"({format_bytes(slot['bytes'])})")
-        if report.get("endpoint"):
-            print(f"  node {report['node']} at {report['endpoint']}; leader {report['leader']}, buddy {report['buddy']}; "
-                  f"nodes {report['nodes']}")
-            code = max(code, _print_coverage(report.get("coverage")))
-        last = report["last_persist"]
-        print(f"  newest on disk: step {report['persisted_step']}" + (
-            f"; last persist step {last['step']}, {format_bytes(last['bytes'])} in {last['seconds']:.2f}s"
-            if last else "") + (f"; persisting step {report['persisting']}" if report["persisting"] is not None else "")
-            + (f"; asked to persist steps {report['flush_requested']}" if report.get("flush_requested") else ""))
+        if "error" in entry:
+            print(f"job {Path(entry['job_dir']).name}: {entry['error']}")
+        if entry.get("slot_files"):  # a job whose agent does not answer has none listed: it still holds them
+            _print_recoverable(entry)
+    return code
+
+
+def _probe(job: Path, timeout: float, *, named: bool) -> tuple[dict[str, Any] | None, int]:
+    """One job directory as a status entry and its exit code; None for a job that is over (its agent gone,
+    no slot left) unless the user ``named`` it. ``job_state``: live, not answering, recoverable, no agent."""
+    try:
+        return {**query_status(job, timeout=timeout), "job_dir": str(job), "job_state": "live"}, 0
+    except AgentTimeout as exc:
+        error = str(exc)
+    if protocol.agent_running(job):  # alive but busy or stuck: the one state that needs someone to look
+        return {"job_id": job.name, "job_dir": str(job), "job_state": "not answering", "error": error}, 1
+    # The agent is gone (or exited while we asked). The job dir is "<job_id>" or "<job_id>@<node>"
+    # (protocol.job_dir_name) and a job id never contains "@" (shm.check_job_id).
+    job_id = job.name.partition("@")[0]
+    slots = _slot_files(job_id)
+    if not slots and not named:
+        return None, 0
+    directory = shm_dir()
+    control = control_path(directory, job_id)
+    quoted = shlex.quote(str(directory))
+    entry: dict[str, Any] = {
+        "job_id": job_id, "job_dir": str(job), "job_state": "recoverable" if slots else "no agent",
+        "shm_dir": str(directory), "slot_files": slots,
+        # The agent's control block goes with the slots: a block left alone would hand a later run of the
+        # job a safe step whose slots are gone.
+        "control_file": str(control) if control.exists() else None,
+        # The exact pattern of shm.slot_path: a bare "-r*" would also match job ids such as "<id>-r1".
+        "remove": f"rm -f {quoted}/easyckpt-{job_id}-r{'[0-9]' * 6}-s[0-9] {shlex.quote(str(control))}",
+    }
+    if named:  # asked about this job by name: "no agent" is the answer, with exit 1 as before
+        entry["error"] = error
+        return entry, 1
+    return entry, 0
+
+
+def _slot_files(job_id: str) -> list[dict[str, Any]]:
+    """The job's slot files in this node's shm dir: path, rank, slot, sizes, and the step each holds."""
+    found = []
+    for (rank, slot), path in sorted(list_slots(shm_dir(), job_id).items()):
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            continue  # removed between the listing and now
+        info: dict[str, Any] = {"path": str(path), "rank": rank, "slot": slot, "bytes": stat.st_size,
+                                "memory_bytes": stat.st_blocks * 512, "state": "UNREADABLE", "step": None}
+        if stat.st_size >= HEADER_SIZE:  # SlotMap leaks its fd when the file is too small to map
+            try:
+                # No flock: a shared lock, however short, makes a rank still writing skip its snapshot.
+                # The header's generation says whether what we read is a committed snapshot.
+                slot_map = SlotMap(path, writable=False)
+                try:
+                    header = slot_map.header()
+                finally:
+                    slot_map.close()
+                if header.committed:
+                    info["state"], info["step"] = "COMMITTED", header.step
+                else:  # an odd generation is a write that never finished (its rank died mid-snapshot)
+                    info["state"] = "EMPTY" if header.state == SlotState.EMPTY else "INCOMPLETE"
+            except (OSError, SlotFormatError, ValueError) as exc:
+                info["error"] = str(exc)
+        found.append(info)
+    return found
+
+
+def _print_recoverable(entry: dict[str, Any]) -> None:
+    slots = entry["slot_files"]
+    memory = sum(s["memory_bytes"] for s in slots)
+    steps = sorted({s["step"] for s in slots if s["step"] is not None})
+    if "error" not in entry:
+        print(f"job {Path(entry['job_dir']).name}: no agent is running, but {len(slots)} slot file(s) of the job "
+              f"are left in shared memory, holding {format_bytes(memory)}:")
+    else:
+        print(f"  {len(slots)} slot file(s) of the job are left in shared memory, holding {format_bytes(memory)}:")
+    for slot in slots:
+        what = f"step {slot['step']}" if slot["step"] is not None else slot["state"]
+        size = format_bytes(slot["memory_bytes"]) + (
+            f" (file size {format_bytes(slot['bytes'])})" if slot["bytes"] != slot["memory_bytes"] else "")
+        print(f"  {slot['path']}: rank {slot['rank']} slot {slot['slot']}, {what}, {size}"
+              + (f"; {slot['error']}" if "error" in slot else ""))
+    if entry["control_file"]:
+        print(f"  {entry['control_file']}: the agent's control block")
+    if steps:
+        print(f"  they hold snapshots of step(s) {', '.join(map(str, steps))}, not necessarily on disk (see "
+              f"`easyckpt ls SAVE_DIR`): restart the job with the same save_dir (and {protocol.JOB_ID_ENV}, if it "
+              f"was set) to resume from them, or free the memory, once no process of the job is left, with:")
+    else:
+        print("  they hold no complete snapshot; free the memory, once no process of the job is left, with:")
+    print(f"    {entry['remove']}")
+
+
+def _print_live(report: dict[str, Any]) -> int:
+    """The agent's report as text; 2 when replica coverage warrants a warning, else 0."""
+    code = 0
+    print(f"job {report['job_id']}: agent pid {report['pid']}, save_dir {report['save_dir']}, "
+          f"shm {report['shm_dir']}, persist every {report['save_storage_interval']}, keep {report['max_ckpt_num']}")
+    for rank in report["ranks"]:
+        state = "finished" if rank["finished"] else ("alive" if rank["alive"] else "DEAD")
+        print(f"  rank {rank['rank']}: pid {rank['pid']} {state}")
+    for slot in report["slots"]:
+        print(f"  rank {slot['rank']} slot {slot['slot']}: {slot['state']:<10} step {slot['step']} "
+              f"({format_bytes(slot['bytes'])})")
+    if report.get("endpoint"):
+        print(f"  node {report['node']} at {report['endpoint']}; leader {report['leader']}, buddy {report['buddy']}; "
+              f"nodes {report['nodes']}")
+        code = max(code, _print_coverage(report.get("coverage")))
+    last = report["last_persist"]
+    print(f"  newest on disk: step {report['persisted_step']}" + (
+        f"; last persist step {last['step']}, {format_bytes(last['bytes'])} in {last['seconds']:.2f}s"
+        if last else "") + (f"; persisting step {report['persisting']}" if report["persisting"] is not None else "")
+        + (f"; asked to persist steps {report['flush_requested']}" if report.get("flush_requested") else ""))
     return code
 
 
@@ -151,8 +295,14 @@ def main(argv: list[str] | None = None) -> int:
     verify = sub.add_parser("verify", help="re-read every file and check every checksum (exit 1 on damage)")
     verify.add_argument("dir", help="a save_dir or one iteration_N directory")
     verify.set_defaults(func=cmd_verify)
-    status = sub.add_parser("status", help="the agent's view: ranks, slots, steps, last persist")
-    status.add_argument("--save-dir", help="the job's save_dir (default: every agent of this user)")
+    status = sub.add_parser("status", help="the agent's view: ranks, slots, steps, last persist",
+                            description="Without SAVE_DIR or --job-id: every job of this user on this node whose "
+                                        "agent runs, or whose snapshots are left in shared memory. Exit 0 when "
+                                        "all is well, 1 when an agent does not answer (or a named job has no "
+                                        "agent), 2 when a rank's tensors have a single copy in memory.")
+    status.add_argument("save_dir_pos", nargs="?", metavar="SAVE_DIR",
+                        help="the job's save_dir (default: every job of this user on this node)")
+    status.add_argument("--save-dir", help="the same as SAVE_DIR (kept for scripts that use it)")
     status.add_argument("--job-id", help="the job id (EASYCKPT_JOB_ID)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--timeout", type=float, default=5.0)

@@ -7,7 +7,10 @@ import tempfile
 from pathlib import Path
 
 from easyckpt_wire import protocol
-from easyckpt_wire.shm import check_job_id, shm_dir
+from easyckpt_wire.shm import MAX_SLOTS, check_job_id, shm_dir
+
+SLOTS_ENV = "EASYCKPT_SLOTS"
+MIN_SLOTS = 2
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -24,7 +27,10 @@ class CheckpointerConfig:
     agent_start_timeout: float = 30.0    # __init__ waits this long at most for the agent to answer
     load_timeout: float = 120.0          # reading a slot that another process holds for writing
     close_timeout: float = 600.0         # close() waiting for the agent to finish the due persist
-    pin_timeout: float = 60.0            # longest a due, unclaimed snapshot keeps a slot from reuse
+    # slots per rank: None takes 3 when shared memory has room (EASYCKPT_SLOTS overrides), else 2; with 2 a
+    # kill may cost a persist's time plus two intervals instead of two intervals
+    slots: int | None = None
+    pin_timeout: float = 60.0            # HF Trainer: longest a due snapshot that found no free slot retries
     copy_threads: int = 1                # CPU copy threads: more copies faster, but takes cores from training
     replicate_unique: bool = True        # multi-node: the buddy node also keeps large tensors no other node holds
     peer_timeout: float = 10.0           # multi-node: one request to another node's agent
@@ -48,6 +54,15 @@ class CheckpointerConfig:
                      "peer_timeout", "flush_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.slots is None and os.environ.get(SLOTS_ENV):
+            text = os.environ[SLOTS_ENV]
+            if not text.strip().isdigit():
+                raise ValueError(f"{SLOTS_ENV}={text!r} is not a number of slots: use 2 or 3")
+            self.slots = int(text)
+        if self.slots is not None and (not isinstance(self.slots, int) or isinstance(self.slots, bool)
+                                       or not MIN_SLOTS <= self.slots <= MAX_SLOTS):
+            raise ValueError(f"slots must be an int from {MIN_SLOTS} to {MAX_SLOTS} (or None for 3 when shared "
+                             f"memory has room, else 2), got {self.slots!r}")
         self.job_id = check_job_id(self.job_id or protocol.job_id_for(self.save_dir))
         self.shm_dir = Path(self.shm_dir) if self.shm_dir is not None else shm_dir()
         try:

@@ -185,7 +185,7 @@ def fetch(peers: PeerSet, replica: ReplicaPlan, slots: RankSlots, *, rank: int, 
                 local_world_size=slots.local_world_size)
     blob = pack_meta(meta)
     data_len = max((e[4] + e[5] for e in manifest["tensors"]), default=0)
-    index = slots.choose(persist_due=lambda step: False, agent_alive=lambda: False, pin_timeout=0.0)
+    index = slots.choose()
     if index is None:
         raise ReplicaError(f"rank {rank}: no slot of {slots.directory} is free for the replica of step {replica.step}")
     try:

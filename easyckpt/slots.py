@@ -1,8 +1,9 @@
-"""A rank's two shared-memory slots: allocate (after a free-space check), re-attach, choose, read.
+"""A rank's shared-memory slots (3 by default, 2 when memory is short): allocate after a free-space
+check, re-attach after a restart, choose where the next snapshot goes, invalidate, close.
 
-Slot choice keeps invariant 2: a snapshot never goes into the slot that holds the rank's newest
-committed snapshot, nor into one the agent holds (shared flock) or has yet to claim for a due persist.
-When no slot is free the snapshot is skipped, never waited for.
+The choice itself is the pure rule of ``slot_choice`` over the slot headers and the node agent's control
+block (the safe step and the steps it holds); here it is carried out with exclusive flocks. When no
+slot is free the snapshot is skipped, never waited for.
 """
 from __future__ import annotations
 
@@ -12,13 +13,18 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
 
-from easyckpt_wire.shm import (SlotFormatError, SlotHeader, SlotMap, format_bytes, slot_path)
+from easyckpt_wire.control import ControlReader, ControlView, control_path
+from easyckpt_wire.episode import Episode
+from easyckpt_wire.shm import SlotFormatError, SlotHeader, SlotMap, format_bytes, list_slots, slot_path
+from easyckpt.config import MIN_SLOTS
+from easyckpt.slot_choice import SlotView, write_order
 
 logger = logging.getLogger(__name__)
 
-NUM_SLOTS = 2
+DEFAULT_SLOTS = 3
+MOVE_WAIT = 0.05   # longest a rank waits for the agent to finish moving the safe step (a few flock calls)
+SAFE_WAIT = 0.02   # longest a rank waits for the agent to declare a step every local rank holds safe
 
 
 class ShmSpaceError(RuntimeError):
@@ -26,15 +32,26 @@ class ShmSpaceError(RuntimeError):
 
 
 class RankSlots:
-    def __init__(self, directory: Path, job_id: str, rank: int, world_size: int, local_world_size: int) -> None:
+    def __init__(self, directory: Path, job_id: str, rank: int, world_size: int, local_world_size: int,
+                 count: int | None = None) -> None:
+        """``count`` slots, or None: 3 when shared memory has room for three, else 2 (decided at the first
+        snapshot, when the size is known)."""
         self.directory = directory
         self.job_id = job_id
         self.rank = rank
         self.world_size = world_size
         self.local_world_size = local_world_size
-        self.maps: list[SlotMap | None] = [None] * NUM_SLOTS
-        self._pinned_since: dict[tuple[int, int], float] = {}
-        for index in range(NUM_SLOTS):
+        self.wanted = count
+        existing = sorted(s for (r, s) in list_slots(directory, job_id) if r == rank)
+        # A restarted rank keeps every slot its predecessor left: they may hold the step to resume from.
+        self.count = max([count or DEFAULT_SLOTS, *(s + 1 for s in existing)])
+        self.sized = False   # the count is final once the first snapshot allocated its slots
+        self.maps: list[SlotMap | None] = [None] * self.count
+        self.control = ControlReader(control_path(directory, job_id))
+        self._peer_maps: dict[Path, tuple[int, SlotMap]] = {}   # other local ranks' slots, headers only
+        self._stalled = Episode(logger)
+        self._stalled_at = -1   # control generation at which the agent last let a wait run out
+        for index in existing:
             path = self.path(index)
             if path.exists():
                 try:
@@ -61,7 +78,7 @@ class RankSlots:
     def committed(self) -> dict[int, tuple[int, SlotHeader]]:
         """{step: (slot index, header)} of committed slots; the newer generation wins a tie."""
         found: dict[int, tuple[int, SlotHeader]] = {}
-        for index in range(NUM_SLOTS):
+        for index in range(self.count):
             header = self.header(index)
             if header is not None and header.committed and header.world_size == self.world_size:
                 if header.step not in found or found[header.step][1].generation < header.generation:
@@ -69,38 +86,70 @@ class RankSlots:
         return found
 
     def next_generation(self) -> int:
-        newest = max((h.generation for h in map(self.header, range(NUM_SLOTS)) if h is not None), default=0)
+        newest = max((h.generation for h in map(self.header, range(self.count)) if h is not None), default=0)
         return newest + 1 if newest % 2 == 0 else newest + 2
 
     # allocation -------------------------------------------------------------------------------------
     def ensure(self, index: int, size: int) -> SlotMap:
-        """Make slot ``index`` at least ``size`` bytes; both slots are sized together the first time."""
+        """Make slot ``index`` at least ``size`` bytes; all slots are sized together the first time."""
         slot = self.maps[index]
         if slot is not None and slot.size >= size:
             return slot
-        first = all(m is None for m in self.maps)
-        targets = [i for i in range(NUM_SLOTS) if self.maps[i] is None] if first else [index]
-        current = sum(self.maps[i].size if self.maps[i] is not None else 0 for i in targets)
+        first = not self.sized
+        if first:
+            self._decide_count(size)
+        sizes = [m.size if m is not None else 0 for m in self.maps]
+        targets = [i for i in range(self.count) if sizes[i] < size] if first else [index]
+        current = sum(sizes[i] for i in targets)
         self.check_space(size * len(targets) - current, size)
         for target in targets:
             self._grow(target, size)
+        self.sized = True
         result = self.maps[index]
         assert result is not None
         if slot is None and not result.try_lock(exclusive=True):
             raise RuntimeError(f"{result.path} was locked by another process right after rank {self.rank} created it")
         return result
 
-    def check_space(self, needed: int, slot_bytes: int) -> None:
+    def _free(self) -> int:
         stats = os.statvfs(self.directory)
-        free = stats.f_bavail * stats.f_frsize
+        return stats.f_bavail * stats.f_frsize
+
+    def _decide_count(self, slot_bytes: int) -> None:
+        """Three slots when every local rank's three fit in shared memory, else two, said once and loudly:
+        two slots cannot keep the safe step, a persist and a new snapshot at once."""
+        if self.wanted is not None or any(m is not None for m in self.maps[MIN_SLOTS:]):
+            return
+        # Bytes this job already has there count as room: they are re-used, not added.
+        ours = sum(p.stat().st_size for p in list_slots(self.directory, self.job_id).values() if p.exists())
+        free = self._free()
+        local = max(1, self.local_world_size)
+        three = DEFAULT_SLOTS * slot_bytes * local
+        if free + ours >= three:
+            logger.info("rank %d: %d slots of %s each (%s for %d local ranks; %s free in %s)", self.rank,
+                        DEFAULT_SLOTS, format_bytes(slot_bytes), format_bytes(three), local, format_bytes(free),
+                        self.directory)
+            return
+        self.count = MIN_SLOTS
+        del self.maps[MIN_SLOTS:]
+        suggest = math.ceil(three * 1.25 / (1 << 30))
+        (logger.warning if self.rank % local == 0 or local == 1 else logger.info)(
+            "rank %d: %s has %s free, 3 slots per rank need %s (%d local ranks x 3 x %s): using 2 slots. A kill "
+            "may then cost the time of a persist plus two snapshot intervals instead of two intervals; run the "
+            "container with --shm-size=%dg (or set EASYCKPT_SLOTS=2 to choose this)", self.rank, self.directory,
+            format_bytes(free + ours), format_bytes(three), local, format_bytes(slot_bytes), suggest)
+
+    def check_space(self, needed: int, slot_bytes: int) -> None:
+        free = self._free()
         if needed > free:
-            total = slot_bytes * NUM_SLOTS * max(1, self.local_world_size)
+            total = slot_bytes * self.count * max(1, self.local_world_size)
             suggest = math.ceil(total * 1.25 / (1 << 30))
             raise ShmSpaceError(
                 f"{self.directory} has {format_bytes(free)} free, the snapshot of rank {self.rank} needs "
-                f"{format_bytes(needed)} more ({NUM_SLOTS} slots of {format_bytes(slot_bytes)}; "
+                f"{format_bytes(needed)} more ({self.count} slots of {format_bytes(slot_bytes)}; "
                 f"{format_bytes(total)} for all {self.local_world_size} local ranks): run the container with "
                 f"--shm-size={suggest}g, or set EASYCKPT_SHM_DIR to a larger tmpfs"
+                + (" or EASYCKPT_SLOTS=2" if self.count > MIN_SLOTS else "")
             )
 
     def _grow(self, index: int, size: int) -> None:
@@ -137,39 +186,86 @@ class RankSlots:
         logger.info("rank %d slot %d: %s (%s)", self.rank, index, path, format_bytes(size))
 
     # choice -----------------------------------------------------------------------------------------
-    def choose(self, *, persist_due: Any, agent_alive: Any, pin_timeout: float) -> int | None:
-        """The slot index to write next, locked exclusively; None means skip this snapshot."""
-        headers = [self.header(i) for i in range(NUM_SLOTS)]
-        committed = [i for i in range(NUM_SLOTS) if headers[i] is not None and headers[i].committed]
-        newest = max(committed, key=lambda i: headers[i].generation) if committed else None
-        order = [i for i in range(NUM_SLOTS) if i != newest]
-        for index in order:
-            slot = self.maps[index]
-            if slot is None:
-                return index  # not allocated yet: ensure() creates and locks it
-            header = headers[index]
-            if header is not None and header.committed and persist_due(header.step) \
-                    and slot.read_ack() != header.generation and self._pinned(index, header, agent_alive, pin_timeout):
-                continue
-            if slot.try_lock(exclusive=True):
-                self._pinned_since.pop((index, header.generation if header else -1), None)
-                return index
+    def views(self) -> list[SlotView]:
+        views = []
+        for index in range(self.count):
+            header = self.header(index)
+            committed = header is not None and header.committed
+            views.append(SlotView(index, self.maps[index] is not None, committed,
+                                  header.step if committed and header else -1, header.generation if header else 0))
+        return views
+
+    def agent_word(self) -> ControlView | None:
+        return self.control.read()
+
+    def choose(self) -> int | None:
+        """The slot index to write next, locked exclusively (or not allocated yet: ensure() creates and
+        locks it); None means skip this snapshot: every slot holds a step the agent keeps."""
+        word = self.control.read()
+        if word is not None:
+            word = self._let_newest_become_safe(word)
+        for attempt in range(2):
+            order = write_order(self.views(), word.keeps if word is not None else (lambda step: False))
+            for index in order:
+                slot = self.maps[index]
+                if slot is None or slot.try_lock(exclusive=True):
+                    return index
+            if attempt or word is None or not word.changing:
+                return None
+            word = self.control.read(wait=MOVE_WAIT)   # the old safe step's slot is free in a moment
         return None
 
-    def _pinned(self, index: int, header: SlotHeader, agent_alive: Any, pin_timeout: float) -> bool:
-        """A due snapshot the agent has not claimed yet keeps its slot, within limits."""
-        if not agent_alive():
-            return False
-        since = self._pinned_since.setdefault((index, header.generation), time.monotonic())
-        if time.monotonic() - since > pin_timeout:
-            logger.warning("rank %d: the agent has not claimed due step %d for %.0fs; overwriting it",
-                           self.rank, header.step, pin_timeout)
-            return False
-        return True
+    def _let_newest_become_safe(self, word: ControlView) -> ControlView:
+        """Freshness with one free slot (the others hold the safe step and a persist): that slot holds this
+        rank's newest snapshot, and overwriting it before the agent declares it safe would leave the safe
+        step where it is for as long as the persist runs. When every local rank has committed that step,
+        the agent (woken by their commits) declares it within a moment: wait for that, at most SAFE_WAIT,
+        and not again while an agent that let a wait run out shows no sign of life."""
+        views = self.views()
+        order = write_order(views, word.keeps)
+        committed = [v for v in views if v.committed]
+        if len(order) != 1 or not committed or self._stalled_at == word.generation:
+            return word
+        newest = max(committed, key=lambda v: v.generation)
+        if order[0] != newest.index or (word.safe is not None and newest.step <= word.safe) \
+                or not self._every_local_rank_has(newest.step):
+            return word
+        deadline = time.monotonic() + SAFE_WAIT
+        while time.monotonic() < deadline:
+            time.sleep(0.0002)   # polling the control block for the agent's word, against a deadline
+            current = self.control.read()
+            if current is not None and (current.safe or -1) >= newest.step:
+                self._stalled.end("rank %d: the agent declares steps safe again", self.rank)
+                return current
+        self._stalled_at = word.generation
+        self._stalled.hit("rank %d: the agent did not declare step %d safe within %.0f ms although every local rank "
+                          "holds it; overwriting it (the safe step stays %s until the agent catches up)", self.rank,
+                          newest.step, SAFE_WAIT * 1000, word.safe)
+        return self.control.read() or word
+
+    def _every_local_rank_has(self, step: int) -> bool:
+        """Whether every local rank's slots hold ``step`` committed (read from their headers, read-only)."""
+        if len(self._peer_maps) < self.local_world_size * MIN_SLOTS:
+            for (rank, _), path in list_slots(self.directory, self.job_id).items():
+                if path not in self._peer_maps and rank != self.rank:
+                    try:
+                        self._peer_maps[path] = (rank, SlotMap(path, writable=False))
+                    except (OSError, SlotFormatError):
+                        continue
+        holders = {self.rank}
+        for rank, slot in self._peer_maps.values():
+            try:
+                slot.refresh()
+                header = slot.header()
+            except (OSError, ValueError, SlotFormatError):
+                continue
+            if header.committed and header.step == step and header.job_id == self.job_id:
+                holders.add(rank)
+        return len(holders) >= self.local_world_size
 
     def invalidate_newer_than(self, step: int) -> None:
         """Forget snapshots past the resumed step: they belong to a timeline the job abandoned."""
-        for index in range(NUM_SLOTS):
+        for index in range(self.count):
             header, slot = self.header(index), self.maps[index]
             if header is not None and slot is not None and header.committed and header.step > step:
                 if slot.try_lock(exclusive=True):
@@ -181,7 +277,7 @@ class RankSlots:
     def drop_stale_copies(self, newest: int, step: int) -> None:
         """Invalidate other slots that hold ``step`` too (older copies); one the agent is reading stays,
         and readers prefer the newer generation anyway."""
-        for index in range(NUM_SLOTS):
+        for index in range(self.count):
             header, slot = self.header(index), self.maps[index]
             if index == newest or slot is None or header is None or not header.committed or header.step != step:
                 continue
@@ -195,3 +291,7 @@ class RankSlots:
             if slot is not None:
                 slot.close()
                 self.maps[index] = None
+        self.control.close()
+        for _, slot in self._peer_maps.values():
+            slot.close()
+        self._peer_maps.clear()

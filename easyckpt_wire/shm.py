@@ -2,7 +2,7 @@
 
 A slot file is laid out as::
 
-    [0, 4096)                  header (struct below; the agent owns only the ack field)
+    [0, 4096)                  header (struct below), written only by the owning rank
     [4096, 4096 + data_len)    tensor bytes, each tensor contiguous at a 64-byte aligned offset
     [meta_offset, +meta_len)   msgpack metadata: skeleton, tensor index, rank, step
 
@@ -39,8 +39,6 @@ MAX_META_BYTES = 256 << 20
 # magic, version, state, step, generation, data_offset, data_len, meta_offset, meta_len,
 # meta_checksum, rank, world_size, committed_at, job_id
 _HEADER = struct.Struct("<8sIIqQQQQQQiid64s")
-_ACK = struct.Struct("<Q")
-ACK_OFFSET = 512  # written only by the agent: the generation it has claimed for persisting
 
 DEFAULT_SHM_DIR = "/dev/shm"
 SHM_DIR_ENV = "EASYCKPT_SHM_DIR"
@@ -93,7 +91,8 @@ def slot_path(directory: Path, job_id: str, rank: int, slot: int) -> Path:
     return directory / f"easyckpt-{job_id}-r{rank:06d}-s{slot}"
 
 
-_SLOT_NAME_RE = re.compile(r"^easyckpt-(?P<job>[A-Za-z0-9_.-]+)-r(?P<rank>\d{6})-s(?P<slot>[01])$")
+_SLOT_NAME_RE = re.compile(r"^easyckpt-(?P<job>[A-Za-z0-9_.-]+)-r(?P<rank>\d{6})-s(?P<slot>\d)$")
+MAX_SLOTS = 8  # slot indices are one digit in the file name
 
 
 def list_slots(directory: Path, job_id: str) -> dict[tuple[int, int], Path]:
@@ -230,10 +229,6 @@ class SlotMap:
             raise SlotFormatError(f"{self.path}: tensor range [{start}, {start + nbytes}) out of bounds")
         return memoryview(self.mm)[start:start + nbytes]
 
-    def read_ack(self) -> int:
-        assert self.mm is not None
-        return _ACK.unpack_from(self.mm, ACK_OFFSET)[0]
-
     # writer side (the owning rank, and the agent for the ack field only) ---------------------------
     def init_empty(self, *, rank: int, world_size: int, job_id: str) -> None:
         assert self.mm is not None and self.writable
@@ -244,10 +239,6 @@ class SlotMap:
         """Mark a committed slot EMPTY (its step belongs to an abandoned timeline); caller holds LOCK_EX."""
         assert self.mm is not None and self.writable
         struct.pack_into("<I", self.mm, 12, SlotState.EMPTY)
-
-    def write_ack(self, generation: int) -> None:
-        assert self.mm is not None and self.writable
-        _ACK.pack_into(self.mm, ACK_OFFSET, generation)
 
     def begin_write(self, *, generation: int, rank: int, world_size: int, job_id: str) -> None:
         """Mark the slot WRITING under ``generation`` (odd; the commit makes it ``generation + 1``).

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import random
+import signal
 import time
 from pathlib import Path
 
@@ -90,6 +91,12 @@ def main() -> None:
                         help="extra idle time per step, as when the CPU waits for a GPU step to finish")
     parser.add_argument("--grad-sync", choices=("ddp", "flat"), default="ddp",
                         help="DDP's buckets, or one flat all-reduce in a fixed order (bitwise-stable across restarts)")
+    parser.add_argument("--ballast-mb", type=float, default=0.0,
+                        help="an extra tensor of this size in the state, rewritten every step, so that persisting "
+                             "takes many steps as for a large model")
+    parser.add_argument("--kill-at", type=int, default=None,
+                        help="the first attempt SIGKILLs --kill-rank right after this step's snapshot starts")
+    parser.add_argument("--kill-rank", type=int, default=1, help="-1: every rank")
     parser.add_argument("--peer-timeout", type=float, default=10.0,
                         help="multi-node: seconds one request to another node's agent may take")
     args = parser.parse_args()
@@ -111,6 +118,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
 
+    ballast = torch.zeros(int(args.ballast_mb * (1 << 20)) // 4, dtype=torch.float32)
     ckpt = easyckpt.Checkpointer(args.save_dir, args.save_mem_interval, args.save_storage_interval,
                                  args.max_ckpt_num, log_file_path=str(out / "persist.log"),
                                  peer_timeout=args.peer_timeout)
@@ -125,6 +133,12 @@ def main() -> None:
         random.setstate(result.state["rng"]["python"])
         np.random.set_state(result.state["rng"]["numpy"])
         start = result.state["data_position"]
+        if ballast.numel():
+            expected = float(result.state["step"])
+            saved = result.state["ballast"]
+            if saved.shape != ballast.shape or not bool((saved == expected).all()):
+                raise SystemExit(f"rank {rank}: the ballast resumed at step {result.step} is not all {expected}")
+            ballast.copy_(saved)
     report = {"rank": rank, "step": result.step, "source": result.source, "seconds": result.seconds,
               "bytes": result.nbytes, "attempt": attempt, "pid": os.getpid(),
               "digest": state_digest(result.state) if result.step is not None else None}
@@ -153,7 +167,14 @@ def main() -> None:
                      "sched": scheduler.state_dict(), "data_position": step + 1, "step": step,
                      "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                              "numpy": np.random.get_state()}}
+            if ballast.numel():
+                ckpt.wait()   # the previous snapshot's copy reads the ballast: change it only after
+                ballast.fill_(float(step))
+                state["ballast"] = ballast
             ckpt.save_if_needed(step, state)
+            if step == args.kill_at and args.kill_rank in (rank, -1) and attempt == "0":
+                (out / f"killed-rank{rank}").write_text(str(step))
+                os.kill(os.getpid(), signal.SIGKILL)
             log.write(json.dumps({"step": step, "loss": loss.item(), "attempt": attempt,
                                   "digest": state_digest(state)}) + "\n")
             log.flush()

@@ -113,6 +113,11 @@ class Env:
         wait_for(lambda: not self.agent_alive(), 30, "the agent to exit (release its lock)")
 
     def slot_files(self) -> list[Path]:
+        """The job's slot files (not the agent's control block)."""
+        return [p for p in self.shm_files() if not p.name.endswith("-control")]
+
+    def shm_files(self) -> list[Path]:
+        """Every file the job keeps in shared memory: its slots and the agent's control block."""
         return sorted(self.shm_dir.glob("easyckpt-*"))
 
     def cleanup(self) -> None:

@@ -63,7 +63,7 @@ def test_roundtrip_through_memory_and_disk_is_bitwise(env: Env) -> None:
         assert_same(state, result.state)
     finally:
         ck.close()
-    wait_for(lambda: env.agent_pid() is None and not env.slot_files(), 30, "agent exit and shm unlinked after close")
+    wait_for(lambda: env.agent_pid() is None and not env.shm_files(), 30, "agent exit and shm unlinked after close")
     ck = make(env)
     try:
         result = ck.load()
@@ -199,20 +199,21 @@ def test_agent_killed_during_training_is_replaced_and_adopts_slots(env: Env) -> 
             ck.save_if_needed(step, {"w": torch.full((128,), float(step)), "step": step})
             return env.agent_pid() not in (None, first)
         wait_for(next_step, 30, "a replacement agent")
-        status = wait_for(lambda: _status_with_slots(env), 30, "the new agent to report the existing slots")
-        assert {slot["slot"] for slot in status["slots"]} == {0, 1}
+        status = wait_for(lambda: _status_with_slots(env, ck.slots.count), 30,
+                          "the new agent to report the existing slots")
+        assert {slot["slot"] for slot in status["slots"]} == set(range(ck.slots.count)) == {0, 1, 2}
         due = (step // 20 + 1) * 20
         save_and_persist(ck, env, due, {"w": torch.full((128,), float(due)), "step": due})
     finally:
         ck.close()
 
 
-def _status_with_slots(env: Env) -> dict[str, Any] | None:
+def _status_with_slots(env: Env, count: int) -> dict[str, Any] | None:
     result = run_cli("status", "--json", env=env)
     if result.returncode != 0:
         return None
     report = json.loads(result.stdout)[0]
-    return report if len(report["slots"]) == 2 and all(s["state"] == "COMMITTED" for s in report["slots"]) else None
+    return report if len(report["slots"]) == count and all(s["state"] == "COMMITTED" for s in report["slots"]) else None
 
 
 def test_second_agent_finds_the_running_one_and_runtime_dir_is_private(env: Env) -> None:
@@ -243,25 +244,31 @@ def test_a_skipped_last_due_snapshot_is_made_up_for_at_close(env: Env) -> None:
         for step in (1, 2, 3):
             wait_for(lambda: ck.save_if_needed(step, state), 30, f"a free slot for step {step}")
             ck.wait()
-        held = next(p for p in env.slot_files() if slot_step(p) == 2)
-        fd = os.open(held, os.O_RDONLY)
+        # Step 3 is the safe step; the test holds every other slot as the agent holds a step it persists.
+        wait_for(lambda: (word := ck.slots.agent_word()) is not None and word.safe == 3, 30, "step 3 to be safe")
+        fds = [os.open(p, os.O_RDONLY) for p in env.slot_files() if slot_step(p) != 3]
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            assert not ck.save_if_needed(4, state), "step 4 should have been skipped: its only free slot is held"
+            assert len(fds) == ck.slots.count - 1
+            for fd in fds:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            assert not ck.save_if_needed(4, state), "step 4 should have been skipped: every free slot is held"
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
         assert ck.save_if_needed(5, state)
         ck.wait()
     finally:
         ck.close()
     assert complete_steps(env)[-1] == 5 and layout.read_tracker(env.save_dir) == 5
     log = next(env.runtime_dir.iterdir()) / "agent.log"
-    assert "due step 4 was skipped" in log.read_text()
+    assert "due step 4 never reached disk" in log.read_text()
 
 
 def slot_step(path: Path) -> int | None:
     from easyckpt_wire.shm import SlotMap
 
+    if path.name.endswith("-control"):
+        return None
     slot = SlotMap(path, writable=False)
     try:
         header = slot.header()

@@ -52,7 +52,7 @@ def test_throughput_benchmark_smoke(env: Env, tmp_path: Path) -> None:
     assert row["recovery_disk"]["cache_drop"] == "best effort" and "best effort" in result["notes"]["cache_drop"]
     assert row["snapshot_skipped"] == 0
     # The agent unlinks the persisted job's slots when it exits; the memory job's are removed by the benchmark.
-    wait_for(lambda: not env.slot_files(), 30, "no slot files left in the test's shm dir")
+    wait_for(lambda: not env.shm_files(), 30, "no slot files left in the test's shm dir")
     env.wait_agent_gone()
 
 
@@ -121,5 +121,5 @@ def test_replica_fetch_benchmark_smoke(env: Env, tmp_path: Path) -> None:
         assert c["gbps"] > 0 and abs(c["ratio"] - c["gbps"] / row["raw"]["gbps"]) < 1e-9, c
     assert row["easyckpt"] == row["grid"][0] and row["easyckpt"]["default"] is True
     assert row["met"] == (row["easyckpt"]["ratio"] >= 0.70) and row["xxh3_128_gbps"] > 0
-    wait_for(lambda: not env.slot_files(), 30, "no slot files left in the test's shm dir")
+    wait_for(lambda: not env.shm_files(), 30, "no slot files left in the test's shm dir")
     env.wait_agent_gone()

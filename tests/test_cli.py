@@ -13,19 +13,18 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import ROOT, Env, run_cli, save_and_persist, wait_for
 
 import easyckpt
 from easyckpt_wire import layout
 from easyckpt_wire.shm import format_bytes
 
-from conftest import Env, run_cli, save_and_persist, wait_for
-
 MODEL_FILE = "easyckpt-model-0000000-0000001.safetensors"
 
 
 def make_ck(env: Env, **overrides: Any) -> easyckpt.Checkpointer:
-    kwargs: dict[str, Any] = dict(save_mem_interval=2, save_storage_interval=2, max_ckpt_num=5,
-                                  agent_idle_timeout=30.0)
+    kwargs: dict[str, Any] = {"save_mem_interval": 2, "save_storage_interval": 2, "max_ckpt_num": 5,
+                              "agent_idle_timeout": 30.0}
     kwargs.update(overrides)
     return easyckpt.Checkpointer(env.save_dir, **kwargs)
 
@@ -47,6 +46,11 @@ def persisted(env: Env) -> Env:
         ck.close()
     env.wait_agent_gone()
     return env
+
+
+def slot_files(env: Env) -> list[Path]:
+    """The job's slot files (``easyckpt-<job>-r<rank>-s<slot>``), without the agent's control block."""
+    return [p for p in env.slot_files() if re.search(r"-r\d{6}-s\d$", p.name)]
 
 
 def row(output: str, name: str) -> str:
@@ -138,6 +142,7 @@ def test_verify_of_a_missing_dir_exits_2(env: Env) -> None:
 
 
 # status -----------------------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
 def test_status_shows_rank_pid_and_slots_while_a_checkpointer_is_open(env: Env) -> None:
     ck = make_ck(env)
     try:
@@ -147,48 +152,152 @@ def test_status_shows_rank_pid_and_slots_while_a_checkpointer_is_open(env: Env) 
         assert agent_pid is not None
 
         def text_status() -> subprocess.CompletedProcess[str] | None:
-            proc = run_cli("status", env=env)
+            proc = run_cli("status", str(env.save_dir), env=env)
             return proc if "newest on disk: step 4" in proc.stdout else None
 
-        proc = wait_for(text_status, 30, "`easyckpt status` to report step 4 on disk")
+        proc = wait_for(text_status, 30, "`easyckpt status SAVE_DIR` to report step 4 on disk")
         assert proc.returncode == 0, proc.stdout + proc.stderr
         out = proc.stdout
         assert f"agent pid {agent_pid}" in out
         assert f"save_dir {env.save_dir.resolve()}" in out and f"shm {env.shm_dir}" in out
         assert re.search(rf"rank 0: pid {os.getpid()} alive", out), out
-        slot_lines = [line for line in out.splitlines() if re.match(r"\s+rank 0 slot [01]:", line)]
-        assert len(slot_lines) == 2, out
-        assert {re.search(r"step (\d+)", line).group(1) for line in slot_lines} == {"2", "4"}, out
-        assert all("COMMITTED" in line for line in slot_lines), out
+        slot_lines = [line for line in out.splitlines() if re.match(r"\s+rank 0 slot \d:", line)]
+        assert len(slot_lines) == len(slot_files(env)) >= 2, out
+        committed = [line for line in slot_lines if "COMMITTED" in line]
+        assert {re.search(r"step (\d+)", line).group(1) for line in committed} == {"2", "4"}, out
 
-        proc = run_cli("status", "--json", env=env)
+        proc = run_cli("status", str(env.save_dir), "--json", env=env)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         reports = json.loads(proc.stdout)
         assert isinstance(reports, list) and len(reports) == 1
         report = reports[0]
-        assert report["pid"] == agent_pid
+        assert report["pid"] == agent_pid and report["job_state"] == "live"
         assert report["persisted_step"] == 4
         assert [(r["rank"], r["pid"], r["alive"]) for r in report["ranks"]] == [(0, os.getpid(), True)]
         slots = sorted(report["slots"], key=lambda s: s["slot"])
-        assert [(s["rank"], s["slot"]) for s in slots] == [(0, 0), (0, 1)]
+        assert [(s["rank"], s["path"]) for s in slots] == [(0, str(p)) for p in slot_files(env)]
+        slots = [s for s in slots if s["state"] == "COMMITTED"]
         assert sorted(s["step"] for s in slots) == [2, 4]
-        assert all(s["state"] == "COMMITTED" and isinstance(s["bytes"], int) and s["bytes"] > 2 * 16 * 16 * 4
-                   for s in slots), slots
+        assert all(isinstance(s["bytes"], int) and s["bytes"] > 2 * 16 * 16 * 4 for s in slots), slots
 
-        by_dir = run_cli("status", "--json", "--save-dir", str(env.save_dir), env=env)
-        assert by_dir.returncode == 0 and json.loads(by_dir.stdout)[0]["pid"] == agent_pid
+        by_option = run_cli("status", "--json", "--save-dir", str(env.save_dir), env=env)  # the old spelling
+        assert by_option.returncode == 0 and json.loads(by_option.stdout)[0]["pid"] == agent_pid
+        both = run_cli("status", str(env.save_dir), "--save-dir", str(env.tmp_path / "other"), env=env)
+        assert both.returncode == 2 and "differ: give one of them" in both.stderr
     finally:
         ck.close()
 
 
-def test_status_without_any_agent_exits_1_and_says_so(env: Env) -> None:
+@pytest.mark.timeout(60)
+def test_status_without_any_job_exits_0_with_one_line(env: Env) -> None:
+    for runtime in (env.runtime_dir, env.tmp_path / "never-created"):  # an empty runtime base, and none at all
+        proc = subprocess.run([sys.executable, "-m", "easyckpt.cli", "status"], check=False, capture_output=True,
+                              text=True, timeout=60, env=env.environ(EASYCKPT_RUNTIME_DIR=str(runtime)))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert proc.stdout.splitlines() == [
+            f"no easyckpt job is running (looked for agents in {runtime} and their slot files in {env.shm_dir})"]
+        assert proc.stderr == ""
+    as_json = run_cli("status", "--json", env=env)
+    assert as_json.returncode == 0 and json.loads(as_json.stdout) == []
+
+
+@pytest.mark.timeout(120)
+def test_status_lists_live_jobs_and_skips_a_finished_one(env: Env, tmp_path: Path) -> None:
+    # A finished job: its agent exited after the last rank's goodbye and unlinked the slots, but the
+    # job's runtime directory (lock, socket, log) stays behind.
+    finished = easyckpt.Checkpointer(tmp_path / "finished", save_mem_interval=2, save_storage_interval=2,
+                                     max_ckpt_num=2, agent_idle_timeout=30.0)
+    finished.close()
+    env.wait_agent_gone()
+    stale = env.job_dir()
+    assert (stale / "agent.sock").exists() and not slot_files(env)
     proc = run_cli("status", env=env)
-    assert proc.returncode == 1
-    assert "no easyckpt agent found" in proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("no easyckpt job is running") and len(proc.stdout.splitlines()) == 1, proc.stdout
+
+    ck = make_ck(env)
+    try:
+        agent_pid = wait_for(env.agent_pid, 30, "the live job's agent pid file")
+        proc = run_cli("status", env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert f"agent pid {agent_pid}" in proc.stdout and f"save_dir {env.save_dir.resolve()}" in proc.stdout
+        assert stale.name not in proc.stdout and "no agent is running" not in proc.stdout, proc.stdout
+        reports = json.loads(run_cli("status", "--json", env=env).stdout)
+        assert [(r["pid"], r["job_state"]) for r in reports] == [(agent_pid, "live")]
+        # Named, the finished job still answers as before: no agent, exit 1, where to look.
+        named = run_cli("status", str(tmp_path / "finished"), env=env)
+        assert named.returncode == 1, named.stdout + named.stderr
+        assert f"job {stale.name}" in named.stdout and "no agent is running" in named.stdout
+        assert str(stale / "agent.log") in named.stdout and "slot file" not in named.stdout
+    finally:
+        ck.close()
 
 
-def test_status_with_a_stuck_or_dead_agent_exits_1_naming_the_job_and_which(env: Env) -> None:
+PARKED_RANK = """
+import sys, torch, easyckpt
+ck = easyckpt.Checkpointer(sys.argv[1], 1, 1000, 3, agent_idle_timeout=60.0)
+for step in (1, 2):
+    ck.save_if_needed(step, {"w": torch.full((4096,), float(step)), "step": step})
+    ck.wait()
+print("ready", flush=True)
+sys.stdin.read()  # parked until the test kills it
+"""
+
+
+@pytest.mark.timeout(120)
+def test_status_lists_a_recoverable_job_with_its_slot_files_and_how_to_free_them(env: Env) -> None:
+    child = subprocess.Popen([sys.executable, "-c", PARKED_RANK, str(env.save_dir)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, env=env.environ(), cwd=str(ROOT))
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
+        agent_pid = wait_for(env.agent_pid, 30, "the rank's agent pid file")
+        # Stopped first, so that it cannot react to the rank's death (flush, unlink); the rank killed
+        # next cannot start a new agent. Then both are gone and only the slot files remain.
+        os.kill(agent_pid, signal.SIGSTOP)
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+        os.kill(agent_pid, signal.SIGKILL)
+        env.wait_agent_gone()
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    slots = slot_files(env)
+    assert len(slots) >= 2, env.slot_files()
+    job = env.job_dir().name
+
+    proc = run_cli("status", env=env)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stdout + proc.stderr
+    out = proc.stdout
+    assert f"job {job}: no agent is running, but {len(slots)} slot file(s) of the job are left in shared memory" \
+        in out, out
+    lines = [row(out, f"{path}:") for path in slots]
+    assert sorted(re.search(r"rank 0 slot \d, step (\d+), ", line).group(1)
+                  for line in lines if "step" in line) == ["1", "2"], out
+    assert "snapshots of step(s) 1, 2, not necessarily on disk" in out, out
+    remove = out.splitlines()[-1].strip()
+    control = env.shm_dir / f"easyckpt-{job}-control"
+    assert remove == f"rm -f {env.shm_dir}/easyckpt-{job}-r{'[0-9]' * 6}-s[0-9] {control}", out
+
+    report = json.loads(run_cli("status", "--json", env=env).stdout)
+    assert len(report) == 1 and report[0]["job_state"] == "recoverable" and report[0]["remove"] == remove
+    files = report[0]["slot_files"]
+    assert [f["path"] for f in files] == [str(p) for p in slots]
+    assert all(f["bytes"] == p.stat().st_size for f, p in zip(files, slots))
+    committed = [f for f in files if f["state"] == "COMMITTED"]
+    assert sorted(f["step"] for f in committed) == [1, 2]
+    assert all(f["memory_bytes"] > 4096 * 4 for f in committed), committed
+
+    named = run_cli("status", str(env.save_dir), env=env)  # named: "no agent" is still exit 1, with the slots
+    assert named.returncode == 1 and "no agent is running" in named.stdout and str(slots[0]) in named.stdout
+
+    subprocess.run(remove, shell=True, check=True, timeout=30)  # the printed command, as a user would run it
+    assert env.slot_files() == []
+    after = run_cli("status", env=env)
+    assert after.returncode == 0 and after.stdout.startswith("no easyckpt job is running"), after.stdout
+
+
+@pytest.mark.timeout(120)
+def test_status_with_a_stuck_or_dead_agent_names_the_job_and_which(env: Env) -> None:
     ck = make_ck(env)
     try:
         agent_pid = env.agent_pid()
@@ -201,17 +310,21 @@ def test_status_with_a_stuck_or_dead_agent_exits_1_naming_the_job_and_which(env:
             os.kill(agent_pid, signal.SIGCONT)
         assert proc.returncode == 1, proc.stdout + proc.stderr
         assert f"job {job}" in proc.stdout and "no reply within 1s (the agent is alive but busy or stuck" in proc.stdout
+        assert proc.stderr == "", proc.stderr
         os.kill(agent_pid, signal.SIGKILL)  # the agent this test's Checkpointer started; its socket file stays
         wait_for(lambda: not env.agent_alive(), 30, f"agent pid {agent_pid} to die")
         assert (env.job_dir() / "agent.sock").exists()
-        proc = run_cli("status", "--timeout", "1", env=env)
+        # Unnamed, a dead agent is no failure: the job is listed only if its slots are left.
+        assert run_cli("status", "--timeout", "1", env=env).returncode == 0
+        proc = run_cli("status", str(env.save_dir), "--timeout", "1", env=env)
         assert proc.returncode == 1, proc.stdout + proc.stderr
         assert f"job {job}" in proc.stdout and "no agent is running" in proc.stdout
         assert str(env.job_dir() / "agent.log") in proc.stdout
         assert "Traceback" not in proc.stderr
-        as_json = run_cli("status", "--json", "--timeout", "1", env=env)
+        as_json = run_cli("status", "--json", "--timeout", "1", "--save-dir", str(env.save_dir), env=env)
         assert as_json.returncode == 1
-        assert json.loads(as_json.stdout)[0]["job_id"] == job and "error" in json.loads(as_json.stdout)[0]
+        report = json.loads(as_json.stdout)[0]
+        assert report["job_id"] == job and "error" in report and report["job_state"] in ("no agent", "recoverable")
     finally:
         ck.close()
 
@@ -219,8 +332,8 @@ def test_status_with_a_stuck_or_dead_agent_exits_1_naming_the_job_and_which(env:
 # entry points -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("module, expect", [("agent", "--save-dir"), ("easyckpt.cli", "verify")])
 def test_python_m_help_exits_0(env: Env, module: str, expect: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60,
-                          env=env.environ())
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], check=False, capture_output=True, text=True,
+                          timeout=60, env=env.environ())
     assert proc.returncode == 0, proc.stderr
     assert "usage:" in proc.stdout and expect in proc.stdout
 
@@ -230,9 +343,38 @@ def test_console_scripts_help_exit_0(env: Env, script: str, expect: str) -> None
     path = Path(sys.executable).parent / script
     if not path.exists():
         pytest.skip(f"{path} not installed (run `pip install -e .` in this interpreter's environment)")
-    proc = subprocess.run([str(path), "--help"], capture_output=True, text=True, timeout=60, env=env.environ())
+    proc = subprocess.run([str(path), "--help"], check=False, capture_output=True, text=True, timeout=60,
+                          env=env.environ())
     assert proc.returncode == 0, proc.stderr
     assert "usage:" in proc.stdout and expect in proc.stdout
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args", [["--help"], ["ls", "EMPTY"], ["status"], ["status", "EMPTY"]])
+def test_cli_commands_without_torch_do_not_import_it(env: Env, args: list[str]) -> None:
+    """--help, ls and status must not pay torch's import (seconds): checked with -X importtime, not a clock."""
+    empty = env.tmp_path / "empty"
+    empty.mkdir()
+    argv = [str(empty) if arg == "EMPTY" else arg for arg in args]
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "easyckpt.cli", *argv], check=False,
+                          capture_output=True, text=True, timeout=60, env=env.environ())
+    assert proc.returncode == (1 if argv[:1] == ["status"] and len(argv) == 2 else 0), proc.stdout + proc.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert "easyckpt_wire.layout" in imported, proc.stderr[-2000:]  # importtime output is there at all
+    assert not [name for name in imported if name.split(".")[0] in ("torch", "safetensors", "numpy")], \
+        [name for name in imported if name.split(".")[0] in ("torch", "safetensors", "numpy")][:10]
+
+
+@pytest.mark.timeout(120)
+def test_package_names_still_import_lazily(env: Env) -> None:
+    code = ("import sys, easyckpt; assert 'torch' not in sys.modules, 'import easyckpt pulled torch in'; "
+            "from easyckpt import Checkpointer, CheckpointFormatError; assert 'torch' in sys.modules; "
+            "assert easyckpt.LoadError.__module__ == 'easyckpt.recovery'; assert callable(easyckpt.state.flatten); "
+            "assert not hasattr(easyckpt, 'no_such_name'); "
+            "ns = {}; exec('from easyckpt import *', ns); assert set(easyckpt.__all__) <= set(ns), ns.keys()")
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
+                          env=env.environ())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_cli_without_a_command_exits_2_with_usage(env: Env) -> None:

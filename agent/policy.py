@@ -1,0 +1,78 @@
+"""The node agent's decisions as pure functions over plain data: which step is safe, which step to persist.
+
+The agent's loop (``server``) feeds them what the watcher sees in the slot headers and carries out what
+they return (flocks, the control block, a persist); nothing here does I/O, so the rules are tested in one
+process, alone and in randomized interleavings (``tests/test_policy.py``).
+
+Invariant 9: the safe step is the newest step every local rank has committed (multi-node: and whose
+backup from the predecessor node is complete here, so that losing that node leaves a step it can get).
+The agent holds the safe step's slots and publishes it; ranks never overwrite it. It moves forward only,
+except when the ranks themselves dropped it (a resume invalidated the slots of an abandoned timeline).
+The persister takes at most one due step at a time and only one that every local rank holds: with three
+slots a rank then always has one to write (the agent keeps the safe step and the step it persists), so a
+due step that arrives while a persist runs is passed over rather than held, and the next due step after
+the persist is taken instead.
+"""
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+
+
+def common_steps(committed: Mapping[int, Iterable[int]], expected_ranks: int) -> frozenset[int]:
+    """Steps that every local rank holds committed; none until all ``expected_ranks`` ranks are known."""
+    if not committed or len(committed) < expected_ranks:
+        return frozenset()
+    sets = [frozenset(steps) for steps in committed.values()]
+    return frozenset.intersection(*sets)
+
+
+def next_safe(common: Collection[int], current: int | None, backed_up: Collection[int] | None = None) -> int | None:
+    """The safe step after this round.
+
+    ``backed_up``: multi-node only, the steps whose backup from the predecessor node is complete here
+    (None in a single-node job). The current safe step stays while every rank holds it and nothing newer
+    qualifies; a safe step the ranks no longer hold (their resume dropped it) is replaced by the newest
+    one that qualifies, older or not.
+    """
+    eligible = set(common) if backed_up is None else set(common) & set(backed_up)
+    newest = max(eligible, default=None)
+    if current is not None and current in common and (newest is None or newest <= current):
+        return current
+    return newest
+
+
+def due_to_claim(common: Collection[int], *, floor: int, interval: int, busy: bool) -> int | None:
+    """The due step to persist now: the newest step every local rank holds that is a multiple of
+    ``interval`` and newer than ``floor`` (on disk, or given up), when the persister is free."""
+    if busy or interval <= 0:
+        return None
+    return max((s for s in common if s % interval == 0 and s > floor), default=None)
+
+
+def passed_over(common: Collection[int], *, floor: int, interval: int, busy: bool) -> int | None:
+    """A due step every rank holds that the busy persister cannot take (it will not be held for later)."""
+    if not busy or interval <= 0:
+        return None
+    return max((s for s in common if s % interval == 0 and s > floor), default=None)
+
+
+def tail_to_persist(common: Collection[int], *, floor: int, interval: int) -> int | None:
+    """The job ended: the newest step every rank holds, if the last due step before it never reached
+    disk (it was passed over or skipped), so that the tail of the run is not lost."""
+    newest = max(common, default=None)
+    if newest is None or newest <= floor or interval <= 0:
+        return None
+    last_due = newest // interval * interval
+    if last_due <= floor or last_due in common:
+        return None
+    return newest
+
+
+def never_holds(step: int, held: Collection[int], *, ended: bool) -> str:
+    """Why a rank holding ``held`` will never hold ``step`` committed; "" while it still may."""
+    if step in held:
+        return ""
+    if ended:
+        return f"ended without a snapshot of step {step}"
+    # Snapshots go in step order: a rank whose newer snapshot is committed is past ``step`` for good.
+    return f"moved on without a snapshot of step {step}" if held and max(held) > step else ""
