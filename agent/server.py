@@ -93,6 +93,7 @@ class Agent:
         self.safe: int | None = adopted.safe if adopted is not None else None
         self.safe_holds: list[SlotInfo] = []
         self.passed = Episode(logger, logging.INFO)   # due steps passed over while a persist ran
+        self.last_passed = -1
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -237,6 +238,7 @@ class Agent:
         request_id = message.get("id")
         if kind == Kind.HELLO:
             self.watcher.register(message["rank"], message["pid"], message.get("pid_start"))
+            self.watcher.ranks[message["rank"]].said_bye = False   # a new Checkpointer of a process that closed one
             self.watcher.set_shape(message["world_size"], message["local_world_size"])
             self._adopt_config(message)
             self.failed_ranks.discard(message["rank"])
@@ -325,9 +327,11 @@ class Agent:
         floor, interval = self._floor(), self.config.save_storage_interval
         due = policy.due_to_claim(common, floor=floor, interval=interval, busy=busy)
         if due is not None and self._claim_all(due, ranks, held):
-            self.passed.end("due steps passed over while a persist ran: persisting step %d now", due)
+            self.passed.end("due steps were passed over while a persist ran; persisting step %d now", due)
         skipped = policy.passed_over(common, floor=floor, interval=interval, busy=busy)
-        if skipped is not None and skipped not in self.claims and skipped != self._inflight_step():
+        if skipped is not None and skipped not in self.claims and skipped != self._inflight_step() \
+                and skipped != self.last_passed:
+            self.last_passed = skipped   # counted once per step, not per loop turn
             self.passed.hit("due step %d passed over: the persist of step %s is still running (a persist takes "
                             "longer than save_storage_interval=%d steps); the next due step after it is persisted",
                             skipped, self._inflight_step(), interval)
@@ -385,7 +389,7 @@ class Agent:
 
     def _publish(self) -> None:
         held = frozenset(self.claims) | ({self.inflight[0]} if self.inflight else set())
-        self.control.publish(self.safe, held)
+        self.control.publish(self.safe, held, gated=self.cluster.backed_up() is not None)
 
     def _floor(self) -> int:
         """Steps at or below this are on disk, or were given up on: never persisted again."""
@@ -414,6 +418,7 @@ class Agent:
 
     def _flush_on_failure(self) -> None:
         """Ranks died: persist the newest snapshot every local rank holds, if disk lacks it."""
+        self.watcher.scan()   # the round's scan may predate the dead rank's last commit
         common = self.watcher.common_steps()
         if not common or common[0] <= self._floor():
             self.failed_ranks.clear()

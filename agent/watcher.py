@@ -27,6 +27,7 @@ class RankProcess:
     start_time: float | None
     said_bye: bool = False
     dead: bool = False
+    reported: bool = False   # its death was handed to the agent (any_alive() may see it first)
 
     def alive(self) -> bool:
         if self.said_bye or self.dead:
@@ -157,7 +158,8 @@ class Watcher:
         """Ranks that died without saying goodbye since the last call."""
         died = []
         for proc in self.ranks.values():
-            if not proc.said_bye and not proc.dead and not proc.alive():
+            if not proc.said_bye and not proc.reported and not proc.alive():
+                proc.reported = True
                 died.append(proc)
         return died
 

@@ -6,10 +6,14 @@ and under torchrun (rank and world from the process group, else from torchrun's 
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import functools
 import logging
 import os
+import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +40,27 @@ class FlushResult:
     persisted: int | None     # the newest step this node's agent has persisted
     seconds: float
     error: str | None = None  # why not durable
+
+
+def _release(stager: Stager, agent: AgentClient, slots: RankSlots) -> None:
+    """A Checkpointer collected without close(): finish the copy in flight and drop sockets and maps
+    without a word to the agent (a later Checkpointer of this process may go on with the same rank)."""
+    try:
+        stager.close()
+    finally:
+        agent.detach()
+        slots.close()
+
+
+def _goodbye_at_exit(ref: "weakref.ReferenceType[Checkpointer]") -> None:
+    ckpt = ref()
+    # An uncaught exception (sys.last_value is set before atexit runs) is a failure, not the end of the
+    # run: no goodbye, so the agent sees a dead rank and keeps its memory (flush on failure).
+    if ckpt is not None and getattr(sys, "last_value", None) is None:
+        try:
+            ckpt._exit_without_close()
+        except Exception:   # at exit nothing is left to handle it: say what happened and go on exiting
+            logger.exception("easyckpt: saying goodbye at exit failed")
 
 
 def _topology() -> tuple[int, int, int, int]:
@@ -82,9 +107,13 @@ class Checkpointer:
                                    replicate_unique=config.replicate_unique, timeout=config.agent_start_timeout)
         self.stager = Stager(config, self.slots, rank=self.rank, world_size=self.world_size,
                              local_rank=self.local_rank, local_world_size=self.local_world_size,
-                             request_persist=lambda step: self.agent.flush(step, wait=False, timeout=0),
+                             request_persist=functools.partial(self.agent.flush, wait=False, timeout=0),
                              committed=self.agent.waker.wake)
         self._closed = False
+        # Nothing the finalizer holds refers back to self, so a dropped Checkpointer is collected, and its
+        # sockets and maps are released without blocking; at interpreter exit an unclosed one says goodbye.
+        self._finalizer = weakref.finalize(self, _release, self.stager, self.agent, self.slots)
+        atexit.register(_goodbye_at_exit, weakref.ref(self))
         logger.info("easyckpt rank %d/%d: job %s, save_dir %s, shm %s, snapshot every %d, persist every %d, keep %d",
                     self.rank, self.world_size, config.job_id, config.save_dir, config.shm_dir,
                     config.save_mem_interval, config.save_storage_interval, config.max_ckpt_num)
@@ -168,11 +197,25 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         self.stager.close()
         reply = self.agent.close(wait=True, timeout=self.config.close_timeout)
         self.slots.close()
         logger.info("easyckpt rank %d closed: %d snapshots, %d skipped, newest on disk: %s", self.rank,
                     self.stager.committed, self.stager.skipped, reply.get("persisted") if reply else "unknown")
+
+    def _exit_without_close(self) -> None:
+        """The interpreter exits and close() was never called (the Megatron API has none): say goodbye
+        without waiting, so the agent persists what is due and exits at once instead of after
+        agent_idle_timeout."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        self.stager.close()
+        self.agent.close(wait=False, timeout=5.0)
+        self.slots.close()
+        logger.info("easyckpt rank %d: process exit without close(): said goodbye to the agent", self.rank)
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -220,11 +220,12 @@ class RankSlots:
         rank's newest snapshot, and overwriting it before the agent declares it safe would leave the safe
         step where it is for as long as the persist runs. When every local rank has committed that step,
         the agent (woken by their commits) declares it within a moment: wait for that, at most SAFE_WAIT,
-        and not again while an agent that let a wait run out shows no sign of life."""
+        and not again while an agent that let a wait run out shows no sign of life. Not in a multi-node job
+        (``gated``): there the step also waits for another node's backup, which may take longer than a step."""
         views = self.views()
         order = write_order(views, word.keeps)
         committed = [v for v in views if v.committed]
-        if len(order) != 1 or not committed or self._stalled_at == word.generation:
+        if len(order) != 1 or not committed or word.gated or self._stalled_at == word.generation:
             return word
         newest = max(committed, key=lambda v: v.generation)
         if order[0] != newest.index or (word.safe is not None and newest.step <= word.safe) \

@@ -9,8 +9,11 @@ trying, and keeps the last safe step known after the agent died (its flocks went
 
 Layout (little endian)::
 
-    magic 8s | version I | reserved I | generation Q | safe_step q | agent_pid q | updated_at d |
+    magic 8s | version I | flags I | generation Q | safe_step q | agent_pid q | updated_at d |
     n_held I | held_steps q * MAX_HELD
+
+``flags`` bit 0 (GATED): the safe step also waits for another node's backup (multi-node), so a step every
+local rank holds is not declared safe at once.
 
 ``generation`` is a seqlock: odd while the agent moves the safe step (it takes the flocks of the new
 safe step, publishes it, then drops the old one's flocks), even when the fields are consistent. A rank
@@ -32,6 +35,7 @@ SIZE = 4096
 MAX_HELD = 64
 _HEAD = struct.Struct("<8sIIQqqdI")
 _GENERATION_OFFSET = 16
+GATED = 1
 
 
 def control_path(directory: Path, job_id: str) -> Path:
@@ -47,6 +51,7 @@ class ControlView:
     generation: int
     agent_pid: int
     updated_at: float
+    gated: bool = False           # multi-node: a step is safe only once another node backed it up
     changing: bool = False        # the agent was moving the safe step: read again shortly
 
     def keeps(self, step: int) -> bool:
@@ -101,14 +106,14 @@ class ControlReader:
 def _read(mm: mmap.mmap) -> ControlView | None:
     for _ in range(1000):
         before = struct.unpack_from("<Q", mm, _GENERATION_OFFSET)[0]
-        magic, version, _reserved, generation, safe, pid, updated, count = _HEAD.unpack_from(mm, 0)
+        magic, version, flags, generation, safe, pid, updated, count = _HEAD.unpack_from(mm, 0)
         if magic != MAGIC or version != VERSION:
             return None
         held = struct.unpack_from(f"<{min(count, MAX_HELD)}q", mm, _HEAD.size)
         if struct.unpack_from("<Q", mm, _GENERATION_OFFSET)[0] != before or generation != before:
             continue  # torn: the agent wrote while we read
         return ControlView(None if safe < 0 else safe, frozenset(held), generation, pid, updated,
-                           changing=generation % 2 == 1)
+                           gated=bool(flags & GATED), changing=generation % 2 == 1)
     return None
 
 
@@ -130,22 +135,22 @@ class ControlWriter:
         self.adopted = previous if previous is not None and not previous.changing else None
         self.generation = previous.generation + (previous.generation % 2) if previous is not None else 0
         if previous is None:
-            self._write(None, frozenset(), self.generation)
+            self._write(None, frozenset(), False, self.generation)
 
     def begin_move(self) -> None:
         if self.generation % 2 == 0:
             self.generation += 1
             struct.pack_into("<Q", self._mm, _GENERATION_OFFSET, self.generation)
 
-    def publish(self, safe: int | None, held: frozenset[int]) -> None:
+    def publish(self, safe: int | None, held: frozenset[int], *, gated: bool = False) -> None:
         """Write the new state and end a move (the generation becomes even)."""
         self.generation += 1 if self.generation % 2 else 2
-        self._write(safe, held, self.generation)
+        self._write(safe, held, gated, self.generation)
 
-    def _write(self, safe: int | None, held: frozenset[int], generation: int) -> None:
+    def _write(self, safe: int | None, held: frozenset[int], gated: bool, generation: int) -> None:
         steps = sorted(held, reverse=True)[:MAX_HELD]
         struct.pack_into("<Q", self._mm, _GENERATION_OFFSET, generation | 1)   # readers retry meanwhile
-        _HEAD.pack_into(self._mm, 0, MAGIC, VERSION, 0, generation | 1, -1 if safe is None else safe,
+        _HEAD.pack_into(self._mm, 0, MAGIC, VERSION, GATED if gated else 0, generation | 1, -1 if safe is None else safe,
                         os.getpid(), time.time(), len(steps))
         struct.pack_into(f"<{len(steps)}q", self._mm, _HEAD.size, *steps)
         struct.pack_into("<Q", self._mm, _GENERATION_OFFSET, generation)

@@ -347,3 +347,52 @@ def test_a_step_snapshotted_twice_persists_its_newer_copy_and_pins_nothing(env: 
     with make(env) as reader:
         restored = reader.load(load_dir=env.save_dir / layout.iteration_dirname(4))
     assert restored.state["eval"] == 0.5 and torch.equal(restored.state["w"], torch.full((512,), 2.0))
+
+
+EXIT_WITHOUT_CLOSE = """
+import gc, sys, torch, easyckpt
+save_dir, mode = sys.argv[1], sys.argv[2]
+ck = easyckpt.Checkpointer(save_dir, 1, 5, 3, agent_idle_timeout=300)
+for step in range(8):
+    ck.save_if_needed(step, {"w": torch.full((256,), float(step)), "step": step})
+ck.wait()
+if mode == "drop":
+    del ck
+    gc.collect()   # a context collected with its socket open used to block here forever
+    again = easyckpt.Checkpointer(save_dir, 1, 5, 3, agent_idle_timeout=300)
+    assert again.save_if_needed(8, {"w": torch.full((256,), 8.0), "step": 8})
+    again.close()
+print("done", flush=True)
+if mode == "crash":
+    raise RuntimeError("the training loop failed")
+"""
+
+
+@pytest.mark.parametrize("mode", ["exit", "drop"])
+def test_a_checkpointer_never_closed_neither_hangs_nor_strands_the_agent(env: Env, mode: str) -> None:
+    """``exit``: the process ends without close() (the Megatron API has none): it says goodbye at exit, so
+    the agent persists what is due and exits at once, not after agent_idle_timeout (300 s here).
+    ``drop``: a Checkpointer dropped and collected releases its socket and maps without blocking, and a new
+    one in the same process goes on."""
+    done = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_CLOSE, str(env.save_dir), mode], capture_output=True,
+                          text=True, timeout=120, env=env.environ(), cwd=str(ROOT))
+    assert done.returncode == 0 and "done" in done.stdout, done.stderr[-3000:]
+    wait_for(lambda: not env.agent_alive(), 60, "the agent to exit well before its 300 s idle timeout")
+    # Step 5 is due; when the persist of step 0 was still running then, the newest step (the tail) is
+    # persisted at the end instead.
+    assert complete_steps(env)[-1] >= 5, complete_steps(env)
+    assert not env.shm_files(), "a clean end leaves nothing in shared memory"
+    log = (env.job_dir() / "agent.log").read_text()
+    assert "said goodbye" in log and "died without closing" not in log
+
+
+def test_a_rank_dying_of_an_exception_is_a_failure_not_a_goodbye(env: Env) -> None:
+    """An uncaught exception ends the process without close(): no goodbye (its peers may have died under
+    it), so the agent treats the rank as failed, persists its newest snapshot and keeps its memory."""
+    done = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_CLOSE, str(env.save_dir), "crash"], capture_output=True,
+                          text=True, timeout=120, env=env.environ(), cwd=str(ROOT))
+    assert done.returncode != 0 and "the training loop failed" in done.stderr, done.stderr[-3000:]
+    wait_for(lambda: 7 in complete_steps(env), 60, "the agent to flush step 7 after the rank died")
+    log = (env.job_dir() / "agent.log").read_text()
+    assert "died without closing" in log and "said goodbye" not in log
+    assert env.agent_alive() and len(env.slot_files()) == 3, "memory is kept until agent_idle_timeout"

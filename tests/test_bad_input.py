@@ -117,6 +117,37 @@ def tmpfs(tmp_path: Path) -> Iterator[Any]:
 
 
 # 1. /dev/shm too small ------------------------------------------------------------------------------------
+def test_shm_with_room_for_two_slots_only_uses_two_and_says_so_once(env: Env, tmpfs: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A 10 MiB tmpfs holds two 4 MiB slots, not three: two slots, one warning naming the freshness bound and
+    the --shm-size that gives three; snapshots and a load from memory still work."""
+    shm = tmpfs("size=10m")
+    monkeypatch.setenv("EASYCKPT_SHM_DIR", str(shm))
+    state = {"model": {"weight": torch.ones(1024, 1024)}}  # 4 MiB
+    ck = make_ck(env, save_storage_interval=1000)
+    try:
+        with caplog.at_level(logging.WARNING, logger="easyckpt.slots"):
+            for step in (2, 4, 6):
+                assert ck.save_if_needed(step, state)
+                ck.wait()
+        warnings = [r.getMessage() for r in caplog.records if "using 2 slots" in r.getMessage()]
+        assert len(warnings) == 1, warnings
+        assert "3 slots per rank need 12.2 MiB" in warnings[0] and "--shm-size=" in warnings[0], warnings[0]
+        assert "persist plus two snapshot intervals" in warnings[0]
+        assert ck.slots.count == 2 and len(list(shm.glob("easyckpt-*-s[0-9]"))) == 2
+        assert ck.load().step == 6
+    finally:
+        ck.close()
+
+
+@pytest.mark.parametrize("value", ["1", "9", "three"])
+def test_bad_slot_counts_are_refused_naming_the_range(env: Env, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("EASYCKPT_SLOTS", value)
+    with pytest.raises(ValueError) as info:
+        make_ck(env)
+    assert "EASYCKPT_SLOTS" in str(info.value) or "slots must be an int from 2 to 8" in str(info.value)
+
+
 def test_shm_too_small_for_a_huge_state_raises_shm_space_error(env: Env) -> None:
     stats = os.statvfs(env.shm_dir)
     numel = 10**10 if stats.f_bavail * stats.f_frsize < 7 * 10**10 else 10**12  # must not fit twice

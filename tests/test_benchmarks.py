@@ -123,3 +123,15 @@ def test_replica_fetch_benchmark_smoke(env: Env, tmp_path: Path) -> None:
     assert row["met"] == (row["easyckpt"]["ratio"] >= 0.70) and row["xxh3_128_gbps"] > 0
     wait_for(lambda: not env.shm_files(), 30, "no slot files left in the test's shm dir")
     env.wait_agent_gone()
+
+
+def test_freshness_benchmark_smoke(env: Env, tmp_path: Path) -> None:
+    out = tmp_path / "freshness.json"
+    result = load("freshness").main(["--persist-steps", "3", "--slots", "3", "--kills", "1", "--steps", "24",
+                                     "--ballast-mb", "4", "--step-seconds", "0.02", "--seed", "7",
+                                     "--dir", str(tmp_path), "--out", str(out)])
+    assert json.loads(out.read_text()) == result and result["seed"] == 7
+    row = result["rows"][0]
+    assert row["slots"] == 3 and row["lag_samples"] > 0 and row["lag_max"] >= row["lag_median"] >= 0
+    kill = row["kills"][0]
+    assert kill["source"] == "memory" and kill["lost"] == kill["kill_at"] - kill["resumed_at"] >= 0

@@ -9,7 +9,7 @@ import torch
 import easyckpt
 from easyckpt_wire.shm import SlotMap
 
-from conftest import Env
+from conftest import Env, wait_for
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: runs on a GPU machine")])]
@@ -48,21 +48,25 @@ def test_structure_change_replans_and_grows_the_slot(env: Env) -> None:
         ck.wait()
         small = ck.slots.maps[0].size
         bigger = {"a": torch.ones(10), "b": torch.arange(200_000, dtype=torch.float64), "c": ("x", 3)}
-        for step in (2, 3):  # both slots get the new layout
+        last = 1 + ck.slots.count
+        for step in range(2, last + 1):  # every slot gets the new layout
             assert ck.save_if_needed(step, bigger)
         result = ck.load()
-        assert result.step == 3 and torch.equal(result.state["b"], bigger["b"]) and result.state["c"] == ("x", 3)
+        assert result.step == last and torch.equal(result.state["b"], bigger["b"]) and result.state["c"] == ("x", 3)
         assert min(m.size for m in ck.slots.maps) > small
     finally:
         ck.close()
 
 
 def test_snapshot_is_skipped_not_waited_for_when_no_slot_is_free(env: Env) -> None:
-    ck = make(env)
+    """Two slots (slots=2): one holds the safe step 2, the other a step being read (as the agent persists
+    it): step 3 is skipped at once, never waited for."""
+    ck = easyckpt.Checkpointer(env.save_dir, 1, 1000, 2, slots=2)   # with the agent that declares step 2 safe
     try:
         assert ck.save_if_needed(1, {"w": torch.full((8,), 1.0)})
         assert ck.save_if_needed(2, {"w": torch.full((8,), 2.0)})
         ck.wait()
+        wait_for(lambda: (word := ck.slots.agent_word()) is not None and word.safe == 2, 30, "step 2 to be safe")
         older = next(m for m in ck.slots.maps if m.header().step == 1)
         reader = SlotMap(older.path, writable=False)  # what the agent does while it persists a slot
         assert reader.try_lock(exclusive=False)
