@@ -324,6 +324,10 @@ class Agent:
                     if step in held[rank]:
                         self._claim(step, rank, held[rank][step])
         busy = self.inflight is not None or bool(self.claims)
+        if self.cluster.peers is not None:
+            # Across nodes every node must persist the same steps, or no iteration is ever complete: one due
+            # step waits (held) behind the persist in flight, at the price of a slot while it waits.
+            busy = any(step != self._inflight_step() for step in self.claims)
         floor, interval = self._floor(), self.config.save_storage_interval
         due = policy.due_to_claim(common, floor=floor, interval=interval, busy=busy)
         if due is not None and self._claim_all(due, ranks, held):
@@ -374,6 +378,7 @@ class Agent:
             logger.debug("safe step %s -> %s", self.safe, target)
         self.safe, self.safe_holds = target, taken
         self.cluster.safe_step = target
+        self.cluster.holdings.keep = frozenset() if target is None else frozenset({target})
         self._publish()
 
     def _hold_if_current(self, info: SlotInfo, step: int, reason: tuple[Any, ...]) -> bool:

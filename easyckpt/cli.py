@@ -234,6 +234,10 @@ def _print_live(report: dict[str, Any]) -> int:
     for slot in report["slots"]:
         print(f"  rank {slot['rank']} slot {slot['slot']}: {slot['state']:<10} step {slot['step']} "
               f"({format_bytes(slot['bytes'])})")
+    if "safe_step" in report:
+        held = report.get("held_steps") or []
+        print(f"  safe step (every rank keeps it): {report['safe_step']}"
+              + (f"; held for persisting: {held}" if held else ""))
     if report.get("endpoint"):
         print(f"  node {report['node']} at {report['endpoint']}; leader {report['leader']}, buddy {report['buddy']}; "
               f"nodes {report['nodes']}")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from easyckpt_wire.layout import CheckpointFormatError
 from easyckpt_wire import transfer
-from easyckpt_wire.shm import SlotFormatError, format_bytes
+from easyckpt_wire.shm import MAX_SLOTS, SlotFormatError, format_bytes
 from easyckpt import replica, storage
 from easyckpt.slots import RankSlots
 from easyckpt.state import flatten, torch_dtype, unflatten
@@ -72,13 +72,15 @@ def _gather(vector: list[int], world_size: int) -> list[list[int]]:
 def candidates(mem_steps: list[int], disk_steps: list[int], world_size: int,
                replica_steps: list[int] = ()) -> list[tuple[int, str]]:
     """The same ordered candidate list on every rank: (step, "memory" | "replica" | "disk")."""
-    mem = (sorted(mem_steps, reverse=True) + [-1, -1])[:2]
+    # Every slot's step: the safe step need not be among a rank's two newest (a persist may hold a third).
+    mem = (sorted(mem_steps, reverse=True) + [-1] * MAX_SLOTS)[:MAX_SLOTS]
     rep = (sorted(set(replica_steps) - set(mem_steps), reverse=True) + [-1, -1])[:2]
     disk = (disk_steps[:MAX_DISK_CANDIDATES] + [-1] * MAX_DISK_CANDIDATES)[:MAX_DISK_CANDIDATES]
     rows = _gather(mem + rep + disk, world_size)
-    common_mem = set.intersection(*({s for s in row[:2] if s >= 0} for row in rows))
-    common_any = set.intersection(*({s for s in row[:4] if s >= 0} for row in rows))
-    common_disk = set.intersection(*({s for s in row[4:] if s >= 0} for row in rows))
+    local, anywhere = MAX_SLOTS, MAX_SLOTS + 2
+    common_mem = set.intersection(*({s for s in row[:local] if s >= 0} for row in rows))
+    common_any = set.intersection(*({s for s in row[:anywhere] if s >= 0} for row in rows))
+    common_disk = set.intersection(*({s for s in row[anywhere:] if s >= 0} for row in rows))
     ordered = ([(s, "memory" if s in common_mem else "replica") for s in common_any]
                + [(s, "disk") for s in common_disk])
     rank_of = {"memory": 0, "replica": 1, "disk": 2}
@@ -216,7 +218,12 @@ def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, templa
         disk_steps, base, mem_steps = storage.newest_first(save_dir), save_dir, list(slots.committed())
     plans = _replica_plans(peers, rank, mem_steps, peer_timeout) if load_dir is None else {}
     tried = []
-    for step, source in candidates(mem_steps, disk_steps, world_size, list(plans)):
+    ordered = candidates(mem_steps, disk_steps, world_size, list(plans))
+    if mem_steps and (not ordered or ordered[0][1] == "disk"):
+        logger.warning("rank %d holds steps %s in memory, but no step that every rank can get from memory or from "
+                       "replicas on other nodes (a rank whose node lost its memory gets only a step another node "
+                       "backed up): resuming from disk", rank, sorted(mem_steps, reverse=True))
+    for step, source in ordered:
         code, problem, result = _OK, "", None
         try:
             if source != "disk" and step not in slots.committed():

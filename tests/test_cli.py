@@ -165,6 +165,7 @@ def test_status_shows_rank_pid_and_slots_while_a_checkpointer_is_open(env: Env) 
         assert len(slot_lines) == len(slot_files(env)) >= 2, out
         committed = [line for line in slot_lines if "COMMITTED" in line]
         assert {re.search(r"step (\d+)", line).group(1) for line in committed} == {"2", "4"}, out
+        assert "safe step (every rank keeps it): 4" in out, out
 
         proc = run_cli("status", str(env.save_dir), "--json", env=env)
         assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -172,7 +173,7 @@ def test_status_shows_rank_pid_and_slots_while_a_checkpointer_is_open(env: Env) 
         assert isinstance(reports, list) and len(reports) == 1
         report = reports[0]
         assert report["pid"] == agent_pid and report["job_state"] == "live"
-        assert report["persisted_step"] == 4
+        assert report["persisted_step"] == 4 and report["safe_step"] == 4
         assert [(r["rank"], r["pid"], r["alive"]) for r in report["ranks"]] == [(0, os.getpid(), True)]
         slots = sorted(report["slots"], key=lambda s: s["slot"])
         assert [(s["rank"], s["path"]) for s in slots] == [(0, str(p)) for p in slot_files(env)]

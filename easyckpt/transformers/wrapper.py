@@ -193,11 +193,14 @@ class TrainerWrapper:
         ckpt = self.ckpt
         assert ckpt is not None
         state = snapshot.capture(self.trainer)
-        if ckpt.save_if_needed(step, state) or not ckpt.config.persist_due(step):
+        if not ckpt.config.persist_due(step):
+            ckpt.save_if_needed(step, state)
             return
-        # A due snapshot found no free slot (the agent still holds the previous due one): the Trainer
-        # asked for this save, so wait for a slot rather than lose checkpoint-N.
-        if self._until_slot(step, lambda: ckpt.save_if_needed(step, state), f"save_steps={self.save_steps}"):
+        # The Trainer asked for checkpoint-N: the step is requested like an explicit save, so the agent
+        # persists it even when it arrives while an older one is still being written (a plain due step
+        # would then be passed over); a snapshot that finds no free slot waits for one.
+        if ckpt.save(step, state, persist=True) or \
+                self._until_slot(step, lambda: ckpt.save(step, state, persist=True), f"save_steps={self.save_steps}"):
             return
         logger.warning("rank %d: no free slot for the due snapshot of step %d after %.0fs: step %d will not be "
                        "persisted and checkpoint-%d not written", ckpt.rank, step, ckpt.config.pin_timeout,
