@@ -201,7 +201,8 @@ class TrainerWrapper:
         # would then be passed over); a snapshot that finds no free slot waits for one.
         if ckpt.save(step, state, persist=True) or \
                 self._until_slot(step, lambda: ckpt.save(step, state, persist=True), f"save_steps={self.save_steps}"):
-            return
+            ckpt.wait()   # the request goes out once the copy is committed: now, not at the next step (the
+            return        # Trainer may next wait for checkpoint-N itself, at the end of training)
         logger.warning("rank %d: no free slot for the due snapshot of step %d after %.0fs: step %d will not be "
                        "persisted and checkpoint-%d not written", ckpt.rank, step, ckpt.config.pin_timeout,
                        step, step)
