@@ -83,7 +83,8 @@ def run_job(args: argparse.Namespace, work: Path, *, slots: int, mbps: float, ki
     runtime = Path(tempfile.mkdtemp(prefix="ezb-", dir="/tmp"))
     env = {**os.environ, "EASYCKPT_SHM_DIR": str(shm), "EASYCKPT_RUNTIME_DIR": str(runtime),
            "EASYCKPT_SLOTS": str(slots), "EASYCKPT_PERSIST_MBPS": f"{mbps:.3f}",
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONPATH": str(ROOT)}
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONPATH": str(ROOT),
+           "EASYCKPT_LOG_LEVEL": "INFO"}   # each rank's closing line counts its skipped snapshots
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                f"--max-restarts={1 if kill_at is not None else 0}", str(ROOT / "examples" / "plain_ddp.py"),
                "--save-dir", str(save_dir), "--out", str(out), "--steps", str(args.steps),

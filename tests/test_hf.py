@@ -177,7 +177,6 @@ def test_epoch_saves_are_persisted_by_the_agent_and_exported(env: Env, reference
 
 def test_kill9_then_resume_from_memory_continues_the_loss_curve(env: Env, reference: tuple[HFJob, Path]) -> None:
     """No compute padding, persists capped to take a few steps (fewer than save_steps), a seeded kill step:
-    a seeded kill step:
     the rerun resumes from memory at most two steps behind the kill (invariant 9)."""
     seed = int(os.environ.get("EASYCKPT_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
     print(f"EASYCKPT_TEST_SEED={seed}")
