@@ -36,7 +36,7 @@ from easyckpt_wire.transfer import PeerClient, PeerError, tensor_checksum
 
 logger = logging.getLogger(__name__)
 
-KEEP_STEPS = 2                # backups kept per rank: the newest two, and the safe step's
+KEEP_STEPS = 2                # backups kept per rank: the newest two, and those of steps local ranks hold
 SMALL_TENSOR = 1 << 20        # with replicate_unique=False only unique tensors up to this size are pulled
 BUDDY_WAIT = 5.0              # seconds a buddy waits for its own ranks' snapshot of a step before pulling
 
@@ -90,8 +90,9 @@ class Holdings:
         self.backups: dict[tuple[int, int], dict[str, Any]] = {}       # (rank, step) -> manifest
         self.blobs: dict[bytes, bytearray] = {}                        # checksum -> bytes
         self.local_ranks: frozenset[int] = frozenset()                 # replaced (not mutated) by the main loop
-        # The agent's safe step: its backups stay whatever newer ones arrive, or losing the node they came
-        # from would leave no step its ranks can get. Replaced (not mutated) by the main loop.
+        # Steps this node's ranks still hold (the safe step among them): their backups stay whatever newer
+        # ones arrive, or losing the node they came from could leave no step its ranks can get. Replaced
+        # (not mutated) by the main loop.
         self.keep: frozenset[int] = frozenset()
 
     def set_local(self, rank: int, slot: int, entry: LocalManifest) -> None:

@@ -316,6 +316,9 @@ class Agent:
         ranks = self.watcher.local_ranks()
         held = {rank: self.watcher.committed(rank) for rank in ranks}
         common = policy.common_steps(held, self.watcher.local_world_size)
+        # A peer's backup is worth keeping while this node's ranks still hold that step (the tensors they
+        # share with the peer's ranks are served from these slots): the safe step's among them.
+        self.cluster.holdings.keep = frozenset(step for steps in held.values() for step in steps)
         self.cluster.tick()
         self._advance_safe(ranks, held, common)
         for step in self.flush_wanted:   # asked for by the ranks: claimed rank by rank as each commits it
@@ -378,7 +381,6 @@ class Agent:
             logger.debug("safe step %s -> %s", self.safe, target)
         self.safe, self.safe_holds = target, taken
         self.cluster.safe_step = target
-        self.cluster.holdings.keep = frozenset() if target is None else frozenset({target})
         self._publish()
 
     def _hold_if_current(self, info: SlotInfo, step: int, reason: tuple[Any, ...]) -> bool:
