@@ -17,7 +17,7 @@ import psutil
 from easyckpt_wire import protocol
 from easyckpt_wire.shm import check_job_id, shm_dir
 
-from agent import standalone
+from agent import persister, standalone
 from agent.server import Agent, AgentConfig
 
 logger = logging.getLogger("agent")
@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-file", help="append one line per persist (step, bytes, seconds, GB/s)")
     parser.add_argument("--idle-timeout", type=float, default=300.0,
                         help="exit after this many seconds with no live rank (default 300)")
-    parser.add_argument("--nice", type=int, default=10, help="lower CPU priority by this much (default 10)")
+    parser.add_argument("--nice", type=int, default=10,
+                        help="lower the CPU priority of persisting and hashing by this much (default 10)")
     parser.add_argument("--persist-threads", type=int, default=2, help="files written in parallel (default 2)")
     parser.add_argument("--node-id", help="this node's name in the job (default: EASYCKPT_NODE_ID, else the host name)")
     parser.add_argument("--addr", help="address peers reach this agent at, multi-node jobs only "
@@ -64,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
         pid = (job_dir / "agent.pid").read_text().strip() if (job_dir / "agent.pid").exists() else "?"
         logger.info("an agent for job %s is already running (pid %s): nothing to do", job_id, pid)
         return 0
+    # Persisting and hashing must not slow training down: their threads run at a lower priority
+    # (persister.lower_priority); the loop that answers ranks and declares safe steps does not.
+    persister.BACKGROUND_NICE = args.nice
     if args.nice:
-        os.nice(args.nice)  # persisting must not slow the training processes down
         try:
             psutil.Process().ionice(psutil.IOPRIO_CLASS_BE, 7)  # lowest best-effort I/O priority
         except (AttributeError, OSError, psutil.Error) as exc:

@@ -17,7 +17,7 @@ import zmq
 from easyckpt_wire import protocol
 from easyckpt_wire.shm import SlotFormatError
 
-from agent.persister import AuditLog, commit_stage, describe, drop_stage, rotate, stage_steps
+from agent.persister import AuditLog, commit_stage, describe, drop_stage, lower_priority, rotate, stage_steps
 from agent.replica import (BuddyPuller, Holdings, MapCache, Peers, ReplicaServer, build_manifest,
                            push_manifests, survey_coverage)
 from agent.watcher import Watcher
@@ -54,8 +54,8 @@ class NodeReplication:
         self.holdings = Holdings(node)
         self.peers: Peers | None = None
         self.replica: ReplicaServer | None = None
-        self.hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hash")
-        self.surveyor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="survey")
+        self.hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hash", initializer=lower_priority)
+        self.surveyor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="survey", initializer=lower_priority)
         self.hashing: set[tuple[int, int, int]] = set()     # (rank, slot, generation) queued or hashed
         self.pushed: set[int] = set()
         self.puller = BuddyPuller(self.holdings, lambda: self.peers)

@@ -181,6 +181,19 @@ def _throttle_from_env() -> _Throttle | None:
 
 
 PERSIST_MBPS_ENV = "EASYCKPT_PERSIST_MBPS"
+BACKGROUND_NICE = 10   # set by the agent's CLI (--nice)
+
+
+def lower_priority() -> None:
+    """Thread initializer for the agent's bulk work (persist, hashing, backups): only these threads run at
+    a lower CPU priority (Linux nice is per thread and inherited by the threads they start), so that
+    the loop that declares safe steps answers ranks at once even when training takes every core."""
+    if BACKGROUND_NICE:
+        try:
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE)
+        except OSError as exc:   # not permitted here: the work still runs, at the caller's priority
+            logger.debug("cannot lower this thread's priority: %s", exc)
 _THROTTLE = _throttle_from_env()
 
 

@@ -34,6 +34,8 @@ from easyckpt_wire.protocol import Kind, ProtocolError
 from easyckpt_wire.shm import SlotFormatError, SlotMap
 from easyckpt_wire.transfer import PeerClient, PeerError, tensor_checksum
 
+from agent.persister import lower_priority
+
 logger = logging.getLogger(__name__)
 
 KEEP_STEPS = 2                # backups kept per rank: the newest two, and those of steps local ranks hold
@@ -394,7 +396,7 @@ class BuddyPuller:
     def __init__(self, holdings: Holdings, peers_getter: Any) -> None:
         self.holdings = holdings
         self.peers = peers_getter
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="buddy")
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="buddy", initializer=lower_priority)
         self.pulled_bytes = 0
 
     def submit(self, origin: str, step: int, manifests: list[dict[str, Any]]) -> None:

@@ -27,7 +27,8 @@ from easyckpt_wire.shm import list_slots
 
 from agent import policy
 from agent.cluster import NodeReplication
-from agent.persister import AuditLog, PersistStats, RankSnapshot, clean_leftovers, describe, persist, persist_shards, rotate
+from agent.persister import (AuditLog, PersistStats, RankSnapshot, clean_leftovers, describe, lower_priority, persist,
+                             persist_shards, rotate)
 from agent.watcher import SlotHolds, SlotInfo, Watcher
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class Agent:
         self.claims: dict[int, dict[int, Claim]] = {}   # step -> rank -> claim
         self.persisted: int | None = max((s for s, _ in layout.complete_iterations(self.save_dir)), default=None)
         self.last_persist: PersistStats | None = None
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="persist")
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="persist", initializer=lower_priority)
         self.inflight: tuple[int, concurrent.futures.Future[PersistStats]] | None = None
         self.waiters: list[tuple[bytes, Any]] = []   # (identity, request id) of BYE(wait=True)
         self.flush_wanted: set[int] = set()          # steps a rank asked to persist now (FLUSH)
@@ -94,6 +95,7 @@ class Agent:
         self.safe_holds: list[SlotInfo] = []
         self.passed = Episode(logger, logging.INFO)   # due steps passed over while a persist ran
         self.last_passed = -1
+        self.passed_since_claim = False
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -334,11 +336,15 @@ class Agent:
         floor, interval = self._floor(), self.config.save_storage_interval
         due = policy.due_to_claim(common, floor=floor, interval=interval, busy=busy)
         if due is not None and self._claim_all(due, ranks, held):
-            self.passed.end("due steps were passed over while a persist ran; persisting step %d now", due)
+            if not self.passed_since_claim:   # the persister keeps up again: the episode is over
+                self.passed.end("persists keep up with save_storage_interval again at step %d; due steps were "
+                                "passed over meanwhile", due)
+            self.passed_since_claim = False
         skipped = policy.passed_over(common, floor=floor, interval=interval, busy=busy)
         if skipped is not None and skipped not in self.claims and skipped != self._inflight_step() \
                 and skipped != self.last_passed:
             self.last_passed = skipped   # counted once per step, not per loop turn
+            self.passed_since_claim = True
             self.passed.hit("due step %d passed over: the persist of step %s is still running (a persist takes "
                             "longer than save_storage_interval=%d steps); the next due step after it is persisted",
                             skipped, self._inflight_step(), interval)

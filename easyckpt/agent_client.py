@@ -47,7 +47,7 @@ class AgentClient:
         self.waker = protocol.Waker(self.job_dir)
         # The process-wide context: a context of our own, collected with a Checkpointer that was dropped
         # without close() (in a reference cycle its socket is not closed first), blocks forever in term().
-        self.ctx = zmq.Context.instance()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.sock: zmq.Socket | None = None
         self._ids = itertools.count(1)
         self._last_check = 0.0

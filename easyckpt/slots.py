@@ -49,7 +49,7 @@ class RankSlots:
         self.maps: list[SlotMap | None] = [None] * self.count
         self.control = ControlReader(control_path(directory, job_id))
         self._peer_maps: dict[Path, tuple[int, SlotMap]] = {}   # other local ranks' slots, headers only
-        self._stalled = Episode(logger)
+        self._stalled = Episode(logger, logging.INFO)   # costs one step of freshness, heals itself
         self._stalled_at = -1   # control generation at which the agent last let a wait run out
         for index in existing:
             path = self.path(index)
