@@ -445,7 +445,9 @@ class Agent:
     def _request_flush(self, rank: int, step: int) -> None:
         if step in self.flush_wanted or step <= self._floor():   # on disk, or at/below a failed persist
             return
-        self.watcher.scan()   # the rank asks once its copy is committed: see that copy, not an older one
+        # The rank asks once its copy is committed: see that copy (in a slot file perhaps created just now),
+        # not an older one.
+        self.watcher.scan(relist_every=0)
         logger.info("rank %d asks for step %d to be persisted now: persisting it once every local rank holds it",
                     rank, step)
         self.flush_wanted.add(step)
@@ -460,6 +462,8 @@ class Agent:
             if step <= self._floor():
                 self.flush_wanted.discard(step)
                 continue
+            if any(self._never_holds(rank, step) for rank in self.watcher.local_ranks()):
+                self.watcher.scan(relist_every=0)   # not on the word of a listing up to 0.25 s old
             for rank in self.watcher.local_ranks():
                 if why := self._never_holds(rank, step):
                     why = f"rank {rank} {why}"
