@@ -41,6 +41,23 @@ def next_safe(common: Collection[int], current: int | None, backed_up: Collectio
     return newest
 
 
+def next_pending(common: Collection[int], *, above: int, current: int | None, expired: bool) -> int | None:
+    """Multi-node only: the step the agent holds while the predecessor's backup of it completes, so that
+    it can become the safe step (the ranks would otherwise overwrite it with their next snapshot whenever
+    a persist holds the third slot, and the safe step would trail by a whole persist).
+
+    ``above``: the safe step, or a pending step given up on (``expired``: its backup did not complete in
+    time); only newer steps qualify. The current one stays until it is safe, gone or expired; the agent does
+    not chase newer steps meanwhile, which is what kept the safe step from ever moving.
+    """
+    newer = {step for step in common if step > above}
+    if current is not None and current in newer and not expired:
+        return current
+    if expired and current is not None:
+        newer = {step for step in newer if step > current}
+    return max(newer, default=None)
+
+
 def due_to_claim(common: Collection[int], *, floor: int, interval: int, busy: bool) -> int | None:
     """The due step to persist now: the newest step every local rank holds that is a multiple of
     ``interval`` and newer than ``floor`` (on disk, or given up), when the persister is free."""

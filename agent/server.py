@@ -33,6 +33,9 @@ from agent.watcher import SlotHolds, SlotInfo, Watcher
 
 logger = logging.getLogger(__name__)
 
+# Multi-node: how long the agent holds a pending step for its backup to complete. Past it the ranks get the
+# slot back (a broken or starved backup must not stop their snapshots); a later step is tried instead.
+PENDING_LIMIT = 5.0
 LOOP_STALL_WARN = 1.0   # seconds one loop step may take before the log says so
 
 @dataclasses.dataclass(kw_only=True)
@@ -93,6 +96,13 @@ class Agent:
         # The predecessor's word stands until this agent holds the step itself: ranks keep it meanwhile.
         self.safe: int | None = adopted.safe if adopted is not None else None
         self.safe_holds: list[SlotInfo] = []
+        # Multi-node: the step held while its backup completes (policy.next_pending); steps at or below
+        # pending_floor were given up on.
+        self.pending: int | None = None
+        self.pending_holds: list[SlotInfo] = []
+        self.pending_since = 0.0
+        self.pending_floor = -1
+        self.slow_backups = Episode(logger, logging.INFO)
         self.passed = Episode(logger, logging.INFO)   # due steps passed over while a persist ran
         self.last_passed = -1
         self.passed_since_claim = False
@@ -202,6 +212,9 @@ class Agent:
         for info in self.safe_holds:
             self.holds.release(info, ("safe",))
         self.safe_holds = []
+        for info in self.pending_holds:
+            self.holds.release(info, ("pending",))
+        self.pending, self.pending_holds = None, []
 
     def _shutdown(self) -> None:
         self._release_claims(lambda step: True)
@@ -323,6 +336,7 @@ class Agent:
         self.cluster.holdings.keep = frozenset(step for steps in held.values() for step in steps)
         self.cluster.tick()
         self._advance_safe(ranks, held, common)
+        self._advance_pending(ranks, held, common)
         for step in self.flush_wanted:   # asked for by the ranks: claimed rank by rank as each commits it
             if step > self._floor():
                 for rank in ranks:
@@ -368,19 +382,13 @@ class Agent:
         of the old one. The control block's odd generation tells a rank that finds no free slot meanwhile
         to wait for the move instead of skipping."""
         target = policy.next_safe(common, self.safe, self.cluster.backed_up())
-        if target == self.safe and (target is None or self.safe_holds):
+        if target == self.safe and (target is None or self.safe_holds and not self._safe_superseded(ranks, held)):
             return
         self.control.begin_move()
-        taken: list[SlotInfo] = []
-        if target is not None:
-            for rank in sorted(ranks):
-                info = held[rank][target]
-                if not self._hold_if_current(info, target, ("safe",)):
-                    for other in taken:
-                        self.holds.release(other, ("safe",))
-                    self._publish()   # the move failed: the old safe step stands
-                    return
-                taken.append(info)
+        taken = [] if target is None else self._hold_all(ranks, held, target, ("safe",))
+        if taken is None:
+            self._publish()   # the move failed: the old safe step stands
+            return
         for info in self.safe_holds:
             self.holds.release(info, ("safe",))
         if target != self.safe:
@@ -388,6 +396,54 @@ class Agent:
         self.safe, self.safe_holds = target, taken
         self.cluster.safe_step = target
         self._publish()
+
+    def _advance_pending(self, ranks: set[int], held: dict[int, dict[int, SlotInfo]], common: frozenset[int]) -> None:
+        """Multi-node: hold the step after the safe one until the predecessor's backup of it completes."""
+        gated = self.cluster.backed_up() is not None
+        now = time.monotonic()
+        expired = self.pending is not None and now - self.pending_since > PENDING_LIMIT
+        if expired:
+            assert self.pending is not None
+            self.pending_floor = self.pending
+            self.slow_backups.hit("the backup of step %d from the predecessor node is not complete after %.0f s; "
+                                  "its slots go back to the ranks and a later step is held instead (the safe step "
+                                  "stays %s meanwhile)", self.pending, PENDING_LIMIT, self.safe)
+        above = max(-1 if self.safe is None else self.safe, self.pending_floor)
+        target = policy.next_pending(common, above=above, current=self.pending, expired=expired) if gated else None
+        if target == self.pending and not expired:
+            return
+        taken = [] if target is None else self._hold_all(ranks, held, target, ("pending",))
+        if taken is None:
+            return   # a rank is rewriting that step's slot: try again next turn
+        for info in self.pending_holds:
+            self.holds.release(info, ("pending",))
+        if self.pending is not None and self.safe is not None and self.pending <= self.safe:
+            self.slow_backups.end("backups complete in time again (step %d is safe)", self.safe)
+        self.pending, self.pending_holds, self.pending_since = target, taken, now
+        self._publish()
+
+    def _hold_all(self, ranks: set[int], held: dict[int, dict[int, SlotInfo]], step: int,
+                  reason: tuple[Any, ...]) -> list[SlotInfo] | None:
+        """Hold every local rank's slot of ``step`` for ``reason``, or none of them."""
+        taken: list[SlotInfo] = []
+        for rank in sorted(ranks):
+            info = held[rank][step]
+            if not self._hold_if_current(info, step, reason):
+                for other in taken:
+                    self.holds.release(other, reason)
+                return None
+            taken.append(info)
+        return taken
+
+    def _safe_superseded(self, ranks: set[int], held: dict[int, dict[int, SlotInfo]]) -> bool:
+        """A rank snapshotted the safe step again (a save point after the step's own snapshot): the hold
+        moves to the newer copy, so that the rank can drop the stale one and reuse its slot."""
+        assert self.safe is not None
+        newest = {(held[rank][self.safe].path, held[rank][self.safe].header.generation)   # type: ignore[union-attr]
+                  for rank in ranks if self.safe in held[rank]}
+        holding = {(info.path, info.header.generation) for info in self.safe_holds   # type: ignore[union-attr]
+                   if info.header is not None}
+        return bool(newest) and newest != holding
 
     def _hold_if_current(self, info: SlotInfo, step: int, reason: tuple[Any, ...]) -> bool:
         """Hold ``info``'s slot for ``reason`` if it still holds ``step`` at the generation the watcher saw."""
@@ -401,7 +457,8 @@ class Agent:
         return True
 
     def _publish(self) -> None:
-        held = frozenset(self.claims) | ({self.inflight[0]} if self.inflight else set())
+        held = frozenset(self.claims) | ({self.inflight[0]} if self.inflight else set()) \
+            | ({self.pending} if self.pending is not None else set())
         self.control.publish(self.safe, held, gated=self.cluster.backed_up() is not None)
 
     def _floor(self) -> int:

@@ -275,17 +275,26 @@ class RankSlots:
                     logger.info("rank %d: dropped slot %d with step %d (resumed at %d)", self.rank, index,
                                 header.step, step)
 
-    def drop_stale_copies(self, newest: int, step: int) -> None:
-        """Invalidate other slots that hold ``step`` too (older copies); one the agent is reading stays,
-        and readers prefer the newer generation anyway."""
+    def drop_stale_copies(self) -> None:
+        """Invalidate every committed slot whose step a newer generation holds too (a step snapshotted
+        again). One the agent still holds stays until a later commit finds it free (the agent moves its
+        hold to the newer copy); readers prefer the newer generation meanwhile."""
+        newest: dict[int, tuple[int, int]] = {}
+        for index in range(self.count):
+            header = self.header(index)
+            if header is not None and header.committed:
+                best = newest.get(header.step)
+                if best is None or header.generation > best[0]:
+                    newest[header.step] = (header.generation, index)
         for index in range(self.count):
             header, slot = self.header(index), self.maps[index]
-            if index == newest or slot is None or header is None or not header.committed or header.step != step:
+            if slot is None or header is None or not header.committed or newest[header.step][1] == index:
                 continue
             if slot.try_lock(exclusive=True):
                 slot.invalidate()
                 slot.unlock()
-                logger.info("rank %d: dropped the older snapshot of step %d in slot %d", self.rank, step, index)
+                logger.info("rank %d: dropped the older snapshot of step %d in slot %d", self.rank, header.step,
+                            index)
 
     def close(self) -> None:
         for index, slot in enumerate(self.maps):

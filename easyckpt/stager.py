@@ -160,7 +160,7 @@ class Stager:
         self.last_commit_step = pending.step
         # The same step snapshotted again (a save point after the step's own snapshot): the older copy is
         # stale, so no reader may take it for this step.
-        self.slots.drop_stale_copies(pending.index, pending.step)
+        self.slots.drop_stale_copies()
         if pending.persist:
             self.request_persist(pending.step)
 

@@ -337,11 +337,15 @@ def test_a_step_snapshotted_twice_persists_its_newer_copy_and_pins_nothing(env: 
         assert ck.save(4, {"w": torch.full((512,), 2.0), "eval": 0.5}, persist=True)
         ck.wait()   # commits the copy, which sends the request
         wait_for(lambda: complete_steps(env) == [4], 60, "the agent to persist step 4 on request")
-        assert sorted(step for step in (slot_step(p) for p in env.slot_files()) if step is not None) == [4]
+        from_memory = ck.load({"w": torch.zeros(512), "eval": None})
+        assert from_memory.source == "memory" and from_memory.state["eval"] == 0.5
         for step in (5, 6, 7):   # the agent may hold slot 4 for a moment after its commit; not for pin_timeout
             wait_for(lambda: ck.save_if_needed(step, {"w": torch.full((512,), float(step)), "eval": None}), 15,
                      f"a free slot for step {step} (pin_timeout is 300 s)")
             ck.wait()
+            if step == 5:   # the agent held the older copy (the safe step) when the newer one committed
+                held = sorted(s for s in (slot_step(p) for p in env.slot_files()) if s is not None)
+                assert held == [4, 5], f"the stale copy of step 4 is still in a slot: {held}"
     finally:
         ck.close()
     with make(env) as reader:

@@ -53,6 +53,21 @@ def test_next_safe_moves_forward_and_only_back_when_the_ranks_dropped_it() -> No
     assert policy.next_safe({5, 7}, 5, backed_up=set()) == 5
 
 
+def test_pending_step_is_kept_until_backed_up_and_given_up_after_its_limit() -> None:
+    # The newest step after the safe one is held; newer commits do not displace it (chasing them is what
+    # kept the multi-node safe step from ever moving while a persist held the third slot).
+    assert policy.next_pending({4, 5}, above=4, current=None, expired=False) == 5
+    assert policy.next_pending({4, 5, 6}, above=4, current=5, expired=False) == 5
+    # Safe now (above moved): the next newer step is held, or nothing.
+    assert policy.next_pending({5, 6}, above=5, current=5, expired=False) == 6
+    assert policy.next_pending({5}, above=5, current=5, expired=False) is None
+    # Its backup ran past the limit: only a newer step qualifies, and none may exist yet.
+    assert policy.next_pending({4, 5, 6}, above=4, current=5, expired=True) == 6
+    assert policy.next_pending({4, 5}, above=4, current=5, expired=True) is None
+    # The ranks dropped it (a resume rewound them): the newest qualifying step instead.
+    assert policy.next_pending({3, 4}, above=2, current=5, expired=False) == 4
+
+
 def test_due_step_is_claimed_only_by_a_free_persister_and_never_twice() -> None:
     assert policy.due_to_claim({9, 10, 11}, floor=5, interval=5, busy=False) == 10
     assert policy.due_to_claim({9, 10, 11}, floor=10, interval=5, busy=False) is None
