@@ -26,7 +26,7 @@ instead of the CUDA one (so the tracker states are real and are checkpointed lik
 DDP wrapper and optimizer need CUDA, so the CPU path averages gradients with one flat all-reduce and
 steps a torch AdamW, driven by megatron-core's own OptimizerParamScheduler. With ``--cuda`` the script
 uses megatron-core's DistributedDataParallel and get_megatron_optimizer (``--use-distributed-optimizer``
-for the sharded optimizer); that path is not run by the tests (no GPU there).
+for the sharded optimizer); ``tests/test_megatron.py`` runs that path where CUDA is available.
 
 ``--tp 2`` splits every layer over two tensor-parallel ranks (megatron-core's parallel layers run on gloo
 too); the remaining ranks are data-parallel, and gradients are averaged over the data-parallel group.
@@ -150,6 +150,22 @@ def digest(model: list[torch.nn.Module], optimizer: object) -> str:
     return hasher.hexdigest()
 
 
+def trace(model: list[torch.nn.Module], optimizer: object) -> dict[str, float]:
+    """Sums of the model and of each optimizer-state key on this rank (EASYCKPT_EXAMPLE_TRACE=1): where a
+    resumed run first departs from an uninterrupted one."""
+    sums = {"model": sum(float(t.double().sum()) for m in model for t in m.state_dict().values()
+                         if isinstance(t, torch.Tensor) and t.is_floating_point())}
+    inner = getattr(optimizer, "optimizer", None)
+    for state in getattr(inner, "state", {}).values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                sums[key] = sums.get(key, 0.0) + float(value.double().sum())
+    for group in getattr(inner, "param_groups", []):
+        sums["lr"] = float(group["lr"])
+        sums["main_params"] = sums.get("main_params", 0.0) + sum(float(p.double().sum()) for p in group["params"])
+    return sums
+
+
 def save_native_megatron(directory: Path, iteration: int, model, optimizer, scheduler, args, flops) -> None:
     """What megatron.training.checkpointing.save_checkpoint writes with --ckpt-format torch (legacy)."""
     if parallel_state.get_data_parallel_rank() == 0:
@@ -213,7 +229,9 @@ def main() -> None:
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=cli.use_distributed_optimizer)
         model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)]
-        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, weight_decay=0.01,
+        # min_lr must match the scheduler's: megatron puts config.min_lr (None by default) into every param
+        # group, and the scheduler prefers the group's value.
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.01,
                                                            use_distributed_optimizer=cli.use_distributed_optimizer,
                                                            clip_grad=1.0), model)
     else:
@@ -249,7 +267,11 @@ def main() -> None:
         print(f"resumed at iteration {iteration} from {info.source} in {info.seconds * 1000:.1f} ms", flush=True)
 
     dp_rank = parallel_state.get_data_parallel_rank()
-    with open(out / f"losses-rank{rank}.jsonl", "a", encoding="utf-8") as log:
+    tracing = os.environ.get("EASYCKPT_EXAMPLE_TRACE") == "1"
+    with open(out / f"losses-rank{rank}.jsonl", "a", encoding="utf-8") as log, \
+            open(out / f"trace-rank{rank}.jsonl", "a", encoding="utf-8") as traces:
+        if tracing:
+            traces.write(json.dumps({"trace": iteration, "attempt": attempt, **trace(model, optimizer)}) + "\n")
         while iteration < cli.train_iters:
             inputs, positions, mask, labels = batch(args.consumed_train_samples, dp_rank, device)
             if cli.cuda:
@@ -273,6 +295,8 @@ def main() -> None:
             # -- easyckpt, line 3 of 3 --
             save_checkpoint_if_needed(iteration, model, optimizer, scheduler, flops)
             log.write(json.dumps({"iteration": iteration, "loss": loss.item(), "attempt": attempt}) + "\n")
+            if tracing:
+                traces.write(json.dumps({"trace": iteration, "attempt": attempt, **trace(model, optimizer)}) + "\n")
             log.flush()
             if cli.native_save_at == iteration and cli.native_save_dir:
                 save_native_megatron(Path(cli.native_save_dir), iteration, model, optimizer, scheduler, args, flops)

@@ -127,6 +127,22 @@ def _param_state(optimizer: Any) -> dict[Any, Any]:
     return state
 
 
+def _unshare_steps(optimizer: Any) -> None:
+    """Give every parameter its own Adam ``step`` tensor again. Falling back to torch Adam (no Transformer
+    Engine or Apex), DistributedOptimizer.load_state_dict hands all parameters one shared step tensor, and
+    torch's foreach Adam then advances it once per parameter per iteration: the bias correction of a
+    resumed run drifts away from the uninterrupted one (seen on an H100 as losses 1% off within four
+    iterations)."""
+    inner = getattr(optimizer, "optimizer", None)
+    seen: set[int] = set()
+    for state in getattr(inner, "state", {}).values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor):
+            if id(step) in seen:
+                state["step"] = step.clone()
+            seen.add(id(step))
+
+
 # plain args -----------------------------------------------------------------------------------------
 def _plain(value: Any) -> tuple[Any, bool]:
     t = type(value)
@@ -264,8 +280,12 @@ def apply(state: dict[str, Any], model: list[Any], optimizer: Any, opt_param_sch
                 if len(saved) != len(shards):
                     raise ValueError(f"the checkpoint has {len(saved)} distributed-optimizer shards, "
                                      f"this optimizer {len(shards)}")
-                for shard, param_state in zip(shards, saved):
-                    shard.load_parameter_state_from_dp_reshardable(param_state)
+                # No autograd: with fp32 training the shard's main params are views of the model's
+                # leaf parameters, which an in-place copy under grad mode refuses.
+                with torch.no_grad():
+                    for shard, param_state in zip(shards, saved):
+                        _unshare_steps(shard)
+                        shard.load_parameter_state_from_dp_reshardable(param_state)
         if opt_param_scheduler is not None:
             scheduler_state = state.get("opt_param_scheduler", state.get("lr_scheduler"))
             if scheduler_state is not None:
