@@ -1,11 +1,15 @@
 """Blocking time per checkpoint seen by the training loop: easyckpt vs torch.save vs safetensors.
 
     python benchmarks/blocking.py --sizes-mb 100 400 --repeats 3 --out results/blocking.json
+    python benchmarks/blocking.py --device cuda --sizes-mb 1000 10000 --peers torch_save dcp_async
+
 
 The state is GPT-like: a stack of linear layers plus AdamW's two moments (so ~3x the parameter
 bytes). For easyckpt, "launch" is what ``save_if_needed`` costs the loop when the next step's compute
 hides the copy; "launch+copy" is the worst case where the loop waits for the copy at once. torch.save
-and safetensors write to a file in ``--dir`` and fsync it, as a classic checkpoint does.
+and safetensors write to a file in ``--dir`` and fsync it, as a classic checkpoint does. With ``--device
+cuda`` the state lives on the GPU: easyckpt copies into its pinned slots on a side stream, DCP's
+async_save stages into pinned memory (its DefaultStager), torch.save copies to host as it pickles.
 """
 from __future__ import annotations
 
@@ -25,9 +29,15 @@ from safetensors.torch import save_file
 import easyckpt
 
 
-def gpt_like_state(total_mb: float, dim: int | None = None) -> dict[str, Any]:
+PEERS = ("torch_save", "safetensors", "dcp_save", "dcp_async")
+
+
+def gpt_like_state(total_mb: float, dim: int | None = None, device: str = "cpu") -> dict[str, Any]:
     """Parameters + AdamW moments adding up to ~``total_mb`` MB, with a realistic mix of sizes."""
     dim = dim or (1024 if total_mb >= 100 else 128)
+    if device != "cpu":   # built there: a 10 GB state built on the host and moved would double host memory
+        with torch.device(device):
+            return gpt_like_state(total_mb, dim)
     per_layer = 4 * (dim * 4 * dim * 2 + dim * 3)   # an MLP block: two matrices, biases and a norm, fp32
     layers = max(1, int(total_mb * 1e6 / 3 / per_layer))
     model = {}
@@ -38,7 +48,7 @@ def gpt_like_state(total_mb: float, dim: int | None = None) -> dict[str, Any]:
         model[f"layers.{i}.norm.weight"] = torch.randn(dim)
     optim = {"state": {i: {"step": torch.tensor(10.0), "exp_avg": torch.randn_like(t), "exp_avg_sq": torch.rand_like(t)}
                        for i, t in enumerate(model.values())},
-             "param_groups": [{"lr": 1e-4, "betas": (0.9, 0.95), "params": list(range(len(model)))}]}
+             "param_groups": [{"lr": 1e-4, "betas": [0.9, 0.95], "params": list(range(len(model)))}]}
     return {"model": model, "optim": optim, "step": 10}
 
 
@@ -61,8 +71,15 @@ def fsynced(path: Path, write: Callable[[Path], None]) -> Callable[[], None]:
     return run
 
 
-def measure(size_mb: float, repeats: int, directory: Path, copy_threads: int = 1) -> dict[str, Any]:
-    state = gpt_like_state(size_mb)
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(size_mb: float, repeats: int, directory: Path, copy_threads: int = 1, device: str = "cpu",
+            peers: tuple[str, ...] = PEERS) -> dict[str, Any]:
+    state = gpt_like_state(size_mb, device=device)
+    sync(device)
     _, refs, values = easyckpt.state.flatten(state)
     flat = {ref.name: value for ref, value in zip(refs, values)}
     ckpt = easyckpt.Checkpointer(directory / "ckpt", 1, 10**9, 1, start_agent=False, copy_threads=copy_threads)
@@ -70,6 +87,7 @@ def measure(size_mb: float, repeats: int, directory: Path, copy_threads: int = 1
     try:
         for step in range(2 + 2 * repeats):
             ckpt.wait()  # untimed: in training the next step's compute hides the copy
+            sync(device)
             start = time.perf_counter()
             ckpt.save_if_needed(step, state)
             launched = time.perf_counter()
@@ -83,17 +101,22 @@ def measure(size_mb: float, repeats: int, directory: Path, copy_threads: int = 1
         ckpt.close()
         for path in ckpt.slots.directory.glob(f"easyckpt-{ckpt.config.job_id}-*"):
             path.unlink()  # no agent ran to clean up after this job
-    torch_save = timed(fsynced(directory / "state.pt", lambda p: torch.save(state, p)), repeats)
-    st_save = timed(fsynced(directory / "state.safetensors", lambda p: save_file(flat, str(p))), repeats)
-    dcp_save, dcp_async = measure_dcp(state, directory, repeats)
-    return {"bytes": sum(ref.nbytes for ref in refs), "tensors": len(flat), "easyckpt_launch_s": launch,
+    nan = float("nan")
+    torch_save = timed(fsynced(directory / "state.pt", lambda p: torch.save(state, p)), repeats) \
+        if "torch_save" in peers else nan
+    st_save = timed(fsynced(directory / "state.safetensors", lambda p: save_file(flat, str(p))), repeats) \
+        if "safetensors" in peers else nan
+    dcp_save, dcp_async, stager = measure_dcp(state, directory, repeats, peers)
+    return {"device": device, "dcp_async_stager": stager, "bytes": sum(ref.nbytes for ref in refs), "tensors": len(flat),
+            "easyckpt_launch_s": launch,
             "easyckpt_launch_copy_s": full, "torch_save_fsync_s": torch_save, "safetensors_fsync_s": st_save,
             "dcp_save_s": dcp_save, "dcp_async_save_s": dcp_async, "easyckpt_skipped": skipped,
             "ratio_torch_save_over_launch": torch_save / launch, "ratio_torch_save_over_launch_copy": torch_save / full,
             "ratio_dcp_async_over_launch": dcp_async / launch, "ratio_dcp_async_over_launch_copy": dcp_async / full}
 
 
-def measure_dcp(state: dict[str, Any], directory: Path, repeats: int) -> tuple[float, float]:
+def measure_dcp(state: dict[str, Any], directory: Path, repeats: int, peers: tuple[str, ...] = PEERS
+                ) -> tuple[float, float, str | None]:
     """torch.distributed.checkpoint: save (blocking) and async_save (the call is what the loop waits for).
 
     async_save stages a copy before it returns; with CUDA, DCP's DefaultStager stages into pinned memory.
@@ -103,35 +126,52 @@ def measure_dcp(state: dict[str, Any], directory: Path, repeats: int) -> tuple[f
 
     import torch.distributed.checkpoint as dcp
 
-    kwargs: dict[str, Any] = {}
+    # DCP's pinned-memory stager first; torch 2.11's DefaultStager failed on CUDA state (KeyError: <class
+    # 'type'> in its deepcopy), so the next options are tried and the one that ran is reported.
+    attempts: list[tuple[str, dict[str, Any]]] = []
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-        kwargs["async_stager"] = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
-                                                              use_shared_memory=False, use_async_staging=False,
-                                                              use_non_blocking_copy=torch.cuda.is_available()))
+        cuda = torch.cuda.is_available()
+        attempts.append(("DefaultStager(pinned)", {"async_stager": lambda: DefaultStager(StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=cuda))}))
+        attempts.append(("DefaultStager(pinned, blocking copy)", {"async_stager": lambda: DefaultStager(
+            StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=False,
+                           use_non_blocking_copy=False))}))
     except (ImportError, TypeError):
         pass  # older torch: async_save's default stager
+    attempts.append(("async_save default", {}))
     path = directory / "dcp"
 
     def save() -> None:
         dcp.save(state, checkpoint_id=str(path), no_dist=True)
         shutil.rmtree(path)
 
-    times = []
+    times: list[float] = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        blocking = timed(save, repeats)
-        for _ in range(repeats):
-            start = time.perf_counter()
-            response = dcp.async_save(state, checkpoint_id=str(path), no_dist=True, **kwargs)
-            times.append(time.perf_counter() - start)
-            future = getattr(response, "upload_completion", response)
-            future.result()  # untimed: the write finishes in the background
-            shutil.rmtree(path)
-        closer = kwargs.get("async_stager")
-        if closer is not None and hasattr(closer, "close"):
-            closer.close()
-    return blocking, statistics.median(times)
+        blocking = timed(save, repeats) if "dcp_save" in peers else float("nan")
+        used = None
+        for name, factory in attempts if "dcp_async" in peers else []:
+            kwargs = {key: make() for key, make in factory.items()}
+            try:
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    response = dcp.async_save(state, checkpoint_id=str(path), no_dist=True, **kwargs)
+                    times.append(time.perf_counter() - start)
+                    future = getattr(response, "upload_completion", response)
+                    future.result()  # untimed: the write finishes in the background
+                    shutil.rmtree(path)
+                used = name
+                break
+            except Exception as exc:   # a peer's failure is reported, not fatal to the benchmark
+                print(f"DCP async_save with {name} failed: {type(exc).__name__}: {exc}")
+                times.clear()
+                shutil.rmtree(path, ignore_errors=True)
+            finally:
+                closer = kwargs.get("async_stager")
+                if closer is not None and hasattr(closer, "close"):
+                    closer.close()
+    return blocking, statistics.median(times) if times else float("nan"), used
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -139,13 +179,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[100.0, 400.0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--copy-threads", type=int, default=1, help="easyckpt's CPU copy threads")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the state lives")
+    parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS),
+                        help="which peers to time (the slow ones dominate the run at 10 GB)")
     parser.add_argument("--dir", type=Path, default=None, help="where torch.save/safetensors write (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        rows = [measure(size, args.repeats, Path(tmp), args.copy_threads) for size in args.sizes_mb]
+        rows = [measure(size, args.repeats, Path(tmp), args.copy_threads, args.device, tuple(args.peers))
+                for size in args.sizes_mb]
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
-               "device": "cpu", "python": platform.python_version()}
+               "device": args.device, "python": platform.python_version()}
+    if args.device == "cuda":
+        machine["gpu"] = torch.cuda.get_device_name()
     print(f"{'MB':>7} {'tensors':>7} {'launch ms':>9} {'+copy ms':>9} {'torch.save':>10} {'safetensors':>11} "
           f"{'dcp.save':>9} {'dcp.async':>9} {'save/launch':>11} {'async/launch':>12} {'save/+copy':>10} {'async/+copy':>11}")
     for row in rows:
@@ -158,7 +206,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = {"benchmark": "blocking", "machine": machine, "rows": rows}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
+        # a peer left out is NaN in the table and null in the JSON (NaN is not JSON)
+        args.out.write_text(json.dumps(json.loads(json.dumps(result), parse_constant=lambda _: None), indent=2))
     return result
 
 
