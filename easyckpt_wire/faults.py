@@ -20,6 +20,18 @@ logger = logging.getLogger(__name__)
 ENV = "EASYCKPT_FAULT"
 ONCE_ENV = "EASYCKPT_FAULT_ONCE"  # a path: the fault fires only in the process that creates it first
 ARM_ENV = "EASYCKPT_FAULT_ARM"    # a path: the fault fires only while it exists
+# Every point the code fires, and where: the parser refuses any other name, so a misspelled point in a
+# test fails loudly instead of never firing (and the test silently checking nothing).
+POINTS: dict[str, str] = {
+    "stager.mid_copy": "rank: half-way through copying a snapshot into its slot",
+    "stager.before_commit": "rank: every byte copied, the slot not yet committed",
+    "agent.persist.after_file": "agent: one file of the iteration written",
+    "agent.persist.before_marker": "agent: every file written, metadata.json (the completion marker) not yet",
+    "agent.persist.before_tracker": "agent: the iteration renamed into place, the tracker not yet updated",
+    "agent.replica.fetch": "agent: serving the first chunk of a replica to a peer",
+    "hf.export.mid_write": "rank: a checkpoint-N folder half-written (weights in, the rest not)",
+    "hf.export.before_rename": "rank: a checkpoint-N folder complete in its temp name, not yet renamed",
+}
 _SPEC_RE = re.compile(r"^(?P<point>[A-Za-z0-9_.]+)(?:@(?P<step>-?\d+))?(?:#(?P<rank>\d+))?(?::(?P<action>kill|stop))?$")
 
 
@@ -30,6 +42,8 @@ def _parse(spec: str) -> tuple[str, int | None, int | None, str]:
             f"{ENV}={spec!r} is malformed: use 'point', 'point@step', 'point#rank' or 'point@step#rank', "
             "optionally followed by ':stop'"
         )
+    if match.group("point") not in POINTS:
+        raise ValueError(f"{ENV}={spec!r} names no fault point; the points are: {', '.join(sorted(POINTS))}")
     step = match.group("step")
     rank = match.group("rank")
     return match.group("point"), int(step) if step else None, int(rank) if rank else None, match.group("action") or "kill"
@@ -37,6 +51,8 @@ def _parse(spec: str) -> tuple[str, int | None, int | None, str]:
 
 def fault_point(name: str, *, step: int | None = None, rank: int | None = None) -> None:
     """Kill this process with SIGKILL if ``EASYCKPT_FAULT`` names this point (and step/rank)."""
+    if name not in POINTS:
+        raise ValueError(f"fault point {name!r} is not registered in easyckpt_wire.faults.POINTS")
     spec = os.environ.get(ENV)
     if not spec:
         return
@@ -62,3 +78,8 @@ def fault_point(name: str, *, step: int | None = None, rank: int | None = None) 
     for handler in logging.getLogger().handlers:
         handler.flush()
     os.kill(os.getpid(), signum)
+
+
+if os.environ.get(ENV):
+    # At import, in every process that can fire a point: a bad spec stops the test's job at its start.
+    _parse(os.environ[ENV])

@@ -233,20 +233,22 @@ def test_plain_trainer_resumes_from_a_wrapper_checkpoint(env: Env, reference: tu
     assert_continues_exactly(plain, reference[0], 10)
 
 
-def test_torn_checkpoints_are_never_chosen(env: Env, reference: tuple[HFJob, Path]) -> None:
-    """Rank 0 dies (SIGKILL at a named fault point) while publishing checkpoint-10; two more folders look
-    like a plain Trainer killed mid-save. With memory and easyckpt's iterations gone, the newest complete
-    checkpoint-N is 5, which is where the job resumes; the Trainer's own pick would be a torn one."""
+@pytest.mark.parametrize("point", ["hf.export.before_rename", "hf.export.mid_write"])
+def test_torn_checkpoints_are_never_chosen(env: Env, reference: tuple[HFJob, Path], point: str) -> None:
+    """Rank 0 dies (SIGKILL at a named fault point) while writing or publishing checkpoint-10; two more
+    folders look like a plain Trainer killed mid-save. With memory and easyckpt's iterations gone, the
+    newest complete checkpoint-N is 5, which is where the job resumes; the Trainer's own pick would be a
+    torn one."""
     from transformers.trainer_utils import get_last_checkpoint
 
     output_dir = env.tmp_path / "hf"
     first = HFJob(env, output_dir, env.tmp_path / "first", step_seconds=0.1,
-                  extra_env={"EASYCKPT_FAULT": "hf.export.before_rename@10#0"})
+                  extra_env={"EASYCKPT_FAULT": f"{point}@10#0"})
     try:
         assert first.wait(90) != 0, "the fault point never fired"
     finally:
         first.kill()
-    assert "fault point hf.export.before_rename reached" in first.log()
+    assert f"fault point {point} reached" in first.log()
     assert (output_dir / ".easyckpt-tmp-checkpoint-10").is_dir() and not (output_dir / "checkpoint-10").exists()
     complete = output_dir / "checkpoint-5"
     torn_no_optimizer = output_dir / "checkpoint-14"      # killed before optimizer.pt: the state file came early

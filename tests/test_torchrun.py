@@ -82,10 +82,12 @@ def test_torchrun_restart_after_kill9_resumes_from_memory(env: Env, reference: J
             assert rows[later]["loss"] == reference.losses(rank)[later]["loss"], f"rank {rank} step {later}"
 
 
-def test_kill9_during_copy_resumes_from_previous_snapshot(env: Env, reference: Job) -> None:
-    """Rank 1 dies (SIGKILL at a named fault point) half-way through copying step 7 into a slot."""
+@pytest.mark.parametrize("point", ["stager.mid_copy", "stager.before_commit"])
+def test_kill9_during_copy_resumes_from_previous_snapshot(env: Env, reference: Job, point: str) -> None:
+    """Rank 1 dies (SIGKILL at a named fault point) half-way through copying step 7 into a slot, or with
+    every byte copied but the slot not committed yet: either way step 7 is not a snapshot."""
     first = Job(env, env.save_dir, env.tmp_path / "first", steps=STEPS,
-                extra_env={"EASYCKPT_FAULT": "stager.mid_copy@7#1"})
+                extra_env={"EASYCKPT_FAULT": f"{point}@7#1"})
     try:
         assert first.wait(90) != 0, "the fault point never fired"
     finally:

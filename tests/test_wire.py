@@ -3,6 +3,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import msgpack
@@ -94,23 +98,59 @@ def test_protocol_round_trip_and_rejections() -> None:
         protocol.encode(Kind.HELLO, rank=0)
 
 
-def test_fault_spec_parsing_and_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fault_spec_parsing(tmp_path: Path) -> None:
     assert faults._parse("stager.mid_copy@7#1") == ("stager.mid_copy", 7, 1, "kill")
     assert faults._parse("agent.persist.after_file") == ("agent.persist.after_file", None, None, "kill")
     assert faults._parse("agent.replica.fetch:stop") == ("agent.replica.fetch", None, None, "stop")
     with pytest.raises(ValueError, match="malformed"):
         faults._parse("bad point!")
-    monkeypatch.setenv(faults.ENV, "x.y@3")
-    faults.fault_point("x.y", step=4)      # other step: no kill
-    faults.fault_point("x.z", step=3)      # other point: no kill
+    with pytest.raises(ValueError, match="names no fault point.*stager.mid_copy"):
+        faults._parse("stager.mid_cpy@7")   # a typo fails loudly instead of never firing
+
+
+_FIRE = """
+import os, sys
+from easyckpt_wire import faults
+faults.fault_point("agent.persist.after_file", step=4)    # other step
+faults.fault_point("stager.mid_copy", step=3)             # other point
+os.environ[faults.ONCE_ENV] = sys.argv[1]
+faults.fault_point("agent.persist.after_file", step=3)    # fired once before
+del os.environ[faults.ONCE_ENV]
+os.environ[faults.ARM_ENV] = sys.argv[2]
+faults.fault_point("agent.persist.after_file", step=3)    # not armed
+del os.environ[faults.ARM_ENV]
+print("survived", flush=True)
+faults.fault_point("agent.persist.after_file", step=3)    # this one kills
+print("not killed", flush=True)
+"""
+
+
+def test_fault_point_fires_only_where_named(tmp_path: Path) -> None:
+    """In a real process: the non-matching, already-fired and unarmed cases pass; the named one is SIGKILL."""
     once = tmp_path / "fired"
     once.touch()
-    monkeypatch.setenv(faults.ONCE_ENV, str(once))
-    faults.fault_point("x.y", step=3)      # already fired once: no kill
-    monkeypatch.delenv(faults.ONCE_ENV)
-    monkeypatch.setenv(faults.ARM_ENV, str(tmp_path / "not-armed"))
-    faults.fault_point("x.y", step=3)      # not armed: no kill
-    assert os.getpid() > 0                 # still alive
+    env = {**os.environ, faults.ENV: "agent.persist.after_file@3", "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.run([sys.executable, "-c", _FIRE, str(once), str(tmp_path / "not-armed")], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stdout == "survived\n" and "fault point agent.persist.after_file reached" in proc.stderr
+
+
+def test_misspelled_fault_point_stops_the_process_at_import(tmp_path: Path) -> None:
+    env = {**os.environ, faults.ENV: "agent.persist.befor_marker@10", "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.run([sys.executable, "-c", "import easyckpt_wire.faults"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "names no fault point" in proc.stderr, proc.stderr
+
+
+def test_every_registered_fault_point_is_fired_in_the_code_and_by_a_test() -> None:
+    root = Path(__file__).parents[1]
+    code = "\n".join(p.read_text() for d in ("easyckpt", "agent", "easyckpt_wire") for p in (root / d).rglob("*.py"))
+    fired = set(re.findall(r'fault_point\("([A-Za-z0-9_.]+)"', code))
+    assert fired == set(faults.POINTS), (fired ^ set(faults.POINTS))
+    tests = "\n".join(p.read_text() for p in (root / "tests").glob("test_*.py") if p.name != "test_wire.py")
+    untested = [point for point in faults.POINTS if point not in tests]
+    assert not untested, f"fault points no test fires: {untested}"
 
 
 def test_layout_completeness(tmp_path: Path) -> None:
