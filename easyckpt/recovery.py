@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from easyckpt_wire.layout import CheckpointFormatError
 from easyckpt_wire import transfer
 from easyckpt_wire.shm import MAX_SLOTS, SlotFormatError, format_bytes
 from easyckpt import replica, storage
+from easyckpt.collectives import all_gather_ints
 from easyckpt.slots import RankSlots
 from easyckpt.state import flatten, torch_dtype, unflatten
 
@@ -59,16 +59,6 @@ class _Record:
     shape: tuple[int, ...]
 
 
-def _gather(vector: list[int], world_size: int) -> list[list[int]]:
-    if world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-        return [vector]
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    local = torch.tensor(vector, dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(gathered, local)
-    return [t.tolist() for t in gathered]
-
-
 def candidates(mem_steps: list[int], disk_steps: list[int], world_size: int,
                replica_steps: list[int] = ()) -> list[tuple[int, str]]:
     """The same ordered candidate list on every rank: (step, "memory" | "replica" | "disk")."""
@@ -76,7 +66,7 @@ def candidates(mem_steps: list[int], disk_steps: list[int], world_size: int,
     mem = (sorted(mem_steps, reverse=True) + [-1] * MAX_SLOTS)[:MAX_SLOTS]
     rep = (sorted(set(replica_steps) - set(mem_steps), reverse=True) + [-1, -1])[:2]
     disk = (disk_steps[:MAX_DISK_CANDIDATES] + [-1] * MAX_DISK_CANDIDATES)[:MAX_DISK_CANDIDATES]
-    rows = _gather(mem + rep + disk, world_size)
+    rows = all_gather_ints(mem + rep + disk, world_size)
     local, anywhere = MAX_SLOTS, MAX_SLOTS + 2
     common_mem = set.intersection(*({s for s in row[:local] if s >= 0} for row in rows))
     common_any = set.intersection(*({s for s in row[:anywhere] if s >= 0} for row in rows))
@@ -88,7 +78,7 @@ def candidates(mem_steps: list[int], disk_steps: list[int], world_size: int,
 
 
 def _outcomes(code: int, world_size: int) -> list[int]:
-    return [row[0] for row in _gather([code], world_size)]
+    return [row[0] for row in all_gather_ints([code], world_size)]
 
 
 def _check_template(records: list[_Record], template: dict[str, Any], step: int, source: str) -> None:

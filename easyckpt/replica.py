@@ -23,13 +23,12 @@ import time
 from typing import Any
 
 import psutil
-import torch
-import torch.distributed as dist
 import zmq
 
 from easyckpt_wire.protocol import Kind, ProtocolError
 from easyckpt_wire.shm import format_bytes, pack_meta, slot_size
 from easyckpt_wire.transfer import FetchError, PeerClient, PeerError
+from easyckpt.collectives import all_gather_text
 from easyckpt.slots import RankSlots
 
 logger = logging.getLogger(__name__)
@@ -55,20 +54,6 @@ class PeerSet:
         return [self.node] + sorted(n for n in self.nodes if n != self.node)
 
 
-def _gather_text(text: str, world_size: int) -> list[str]:
-    raw = text.encode()
-    if len(raw) > _FIELD:
-        raise ValueError(f"{text!r} is longer than {_FIELD} bytes")
-    local = torch.zeros(_FIELD, dtype=torch.uint8)
-    if raw:
-        local[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    local = local.to(device)
-    rows = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(rows, local)
-    return [bytes(row.cpu().numpy()).rstrip(b"\0").decode() for row in rows]
-
-
 def introduce(agent: Any, *, rank: int, world_size: int, replicate_unique: bool, timeout: float) -> PeerSet:
     """Collective: every rank's agent learns the job token, the other agents and the leader."""
     info = agent.request(Kind.PING, timeout)
@@ -76,9 +61,9 @@ def introduce(agent: Any, *, rank: int, world_size: int, replicate_unique: bool,
     if not isinstance(node, str) or not isinstance(endpoint, str):
         raise ReplicaError(f"rank {rank}: the node agent has no replica server (reply {info}); "
                            "is it an older easyckpt-agent?")
-    rows = [row.split("\n", 1) for row in _gather_text(f"{node}\n{endpoint}", world_size)]
+    rows = [row.split("\n", 1) for row in all_gather_text(f"{node}\n{endpoint}", world_size, field=_FIELD)]
     token = secrets.token_hex(16) if rank == 0 else "0" * 32
-    token = _gather_text(token, world_size)[0]
+    token = all_gather_text(token, world_size, field=_FIELD)[0]
     nodes: dict[str, dict[str, Any]] = {}
     for other, (name, address) in enumerate(rows):
         entry = nodes.setdefault(name, {"endpoint": address, "ranks": []})
@@ -92,7 +77,7 @@ def introduce(agent: Any, *, rank: int, world_size: int, replicate_unique: bool,
                           replicate_unique=replicate_unique)
     if not reply.get("ok"):
         raise ReplicaError(f"rank {rank}: the agent of node {node} refused the peer list: {reply.get('error')}")
-    _gather_text("", world_size)  # every agent knows the token before any rank asks one for data
+    all_gather_text("", world_size, field=_FIELD)  # every agent knows the token before any rank asks one for data
     logger.info("rank %d: node %s, %d nodes %s, leader %s", rank, node, len(nodes), sorted(nodes), peers.leader)
     return peers
 

@@ -30,10 +30,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from easyckpt.checkpointer import Checkpointer
+from easyckpt.collectives import all_ok
 from easyckpt_wire import layout
 from easyckpt.megatron import legacy, snapshot
 from easyckpt.megatron.legacy import LegacyCheckpointError
@@ -164,16 +164,6 @@ def save_checkpoint_if_needed(iteration: int, model: Any, optimizer: Any, opt_pa
     return ctx.ckpt.save_if_needed(iteration, state)
 
 
-def _agree(ok: bool) -> bool:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    if dist.get_backend() == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
 def _load_elsewhere(ctx: _Context, load_dir: Path, template: dict[str, Any]) -> tuple[dict[str, Any] | None, LoadInfo, bool]:
     """Nothing of this job's own: load ``load_dir`` (easyckpt iteration / save_dir, or Megatron legacy)."""
     if layout.ITERATION_RE.match(load_dir.name):
@@ -194,7 +184,7 @@ def _load_elsewhere(ctx: _Context, load_dir: Path, template: dict[str, Any]) -> 
         state, release, path = legacy.read(load_dir, snapshot.parallel_info(), trust_pickle=ctx.trust_legacy_pickle)
     except (LegacyCheckpointError, OSError, RuntimeError, ValueError) as exc:
         problem = str(exc)
-    if not _agree(not problem):
+    if not all_ok(not problem):
         raise LegacyCheckpointError(problem or f"another rank could not read the Megatron checkpoint in {load_dir}; see its log")
     if load_dir.resolve() == ctx.save_dir:
         logger.warning("%s holds a native Megatron checkpoint and is also easyckpt's save_dir: easyckpt's "

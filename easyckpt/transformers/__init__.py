@@ -65,7 +65,8 @@ the pending exports before the Trainer's end-of-training work (``load_best_model
 The package: ``wrapper`` (TrainerWrapper: the hooks, snapshots, saves), ``snapshot`` (the state taken
 from the live Trainer), ``resume`` (choosing and staging the state to resume from), ``folders``
 (checkpoint-N folders: checks, the Trainer's files, atomic publish, ``save_total_limit``), ``export``
-(the thread turning persisted iterations into checkpoint-N folders), ``collectives``.
+(the thread turning persisted iterations into checkpoint-N folders); its collectives are
+``easyckpt.collectives``.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from transformers import Trainer
 
 from easyckpt.checkpointer import Checkpointer
 from easyckpt.recovery import LoadError, LoadResult
-from easyckpt.transformers.collectives import all_ok, broadcast_int
+from easyckpt.collectives import all_ok, broadcast_int
 from easyckpt.transformers.folders import (TRAINER_STATE_NAME, CheckpointFolders, checkpoint_problem,
                                            complete_checkpoints, rng_file_name)
 from easyckpt.transformers.snapshot import STATE_FORMAT

@@ -16,7 +16,7 @@ from transformers import Trainer
 
 from easyckpt.checkpointer import Checkpointer
 from easyckpt.transformers import snapshot
-from easyckpt.transformers.collectives import all_ok
+from easyckpt.collectives import all_ok
 from easyckpt.transformers.export import POLL, Exporter
 from easyckpt.transformers.folders import CheckpointFolders, rng_file_name
 from easyckpt.transformers.resume import Resumer, ResumeInfo
