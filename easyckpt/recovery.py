@@ -1,6 +1,6 @@
 """Recovery: agree on one step for all ranks, then load it from the cheapest source that has it.
 
-Every rank reports the steps it holds in memory (its two slots), the steps it can pull from replicas
+Every rank reports the steps it holds in memory (every committed slot of its own), the steps it can pull from replicas
 on other nodes (multi-node jobs: see ``replica``), and the complete iterations it sees on disk; the
 candidates are the steps *every* rank can get, newest first, memory before replica before disk on a
 tie (invariant 4). In a memory/replica attempt each rank reads its own slot when it holds the step

@@ -28,7 +28,7 @@ POINTS: dict[str, str] = {
     "agent.persist.after_file": "agent: one file of the iteration written",
     "agent.persist.before_marker": "agent: every file written, metadata.json (the completion marker) not yet",
     "agent.persist.before_tracker": "agent: the iteration renamed into place, the tracker not yet updated",
-    "agent.replica.fetch": "agent: serving the first chunk of a replica to a peer",
+    "agent.replica.fetch": "agent: serving a FETCH of a replica to a peer (every one; arm it with EASYCKPT_FAULT_ARM)",
     "hf.export.mid_write": "rank: a checkpoint-N folder half-written (weights in, the rest not)",
     "hf.export.before_rename": "rank: a checkpoint-N folder complete in its temp name, not yet renamed",
 }

@@ -3,7 +3,7 @@
 A slot file is laid out as::
 
     [0, 4096)                  header (struct below), written only by the owning rank
-    [4096, 4096 + data_len)    tensor bytes, each tensor contiguous at a 64-byte aligned offset
+    [4096, 4096 + data_len)    tensor bytes: each file's tensors back to back (dtype-aligned) from a page boundary
     [meta_offset, +meta_len)   msgpack metadata: skeleton, tensor index, rank, step
 
 The header is a seqlock: a writer makes ``generation`` odd and ``state`` WRITING before it touches a
@@ -229,7 +229,7 @@ class SlotMap:
             raise SlotFormatError(f"{self.path}: tensor range [{start}, {start + nbytes}) out of bounds")
         return memoryview(self.mm)[start:start + nbytes]
 
-    # writer side (the owning rank, and the agent for the ack field only) ---------------------------
+    # writer side (the owning rank) ---------------------------------------------------------------------
     def init_empty(self, *, rank: int, world_size: int, job_id: str) -> None:
         assert self.mm is not None and self.writable
         _HEADER.pack_into(self.mm, 0, MAGIC, FORMAT_VERSION, SlotState.EMPTY, -1, 0, DATA_OFFSET, 0, 0, 0,
