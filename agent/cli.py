@@ -1,8 +1,8 @@
 """``easyckpt-agent`` / ``python -m agent``: take the job's lock, then serve until the job ends.
 
-Under ``torchrun --nnodes=N --nproc-per-node=1 -m agent ...`` the process is a launcher instead: it starts
-this node's agent detached and introduces the agents to each other through torchrun's rendezvous
-(``agent.standalone``)."""
+Under ``torchrun --nnodes=N --nproc-per-node=1 -m agent ...`` the process becomes the launcher
+``easyckpt.agents`` instead (exec, so torch stays out of this package): it starts this node's agent
+detached and introduces the agents to each other through torchrun's rendezvous."""
 from __future__ import annotations
 
 import argparse
@@ -17,10 +17,14 @@ import psutil
 from easyckpt_wire import protocol
 from easyckpt_wire.shm import check_job_id, shm_dir
 
-from agent import persister, standalone
+from agent import persister
 from agent.server import Agent, AgentConfig
 
 logger = logging.getLogger("agent")
+
+
+def _under_torchrun() -> bool:
+    return all(name in os.environ for name in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     job_id = check_job_id(args.job_id or protocol.job_id_for(save_dir))
     if args.node_id:
         os.environ[protocol.NODE_ID_ENV] = args.node_id  # the runtime directory is per node
-    if standalone.under_torchrun() and not args.serve_peers:
-        return standalone.launch(list(sys.argv[1:] if argv is None else argv), job_id)
+    if _under_torchrun() and not args.serve_peers:
+        launcher = [sys.executable, "-m", "easyckpt.agents", *(sys.argv[1:] if argv is None else argv)]
+        os.execv(sys.executable, launcher)
     job_dir = protocol.runtime_dir(job_id)
     lock_fd = os.open(protocol.agent_lock_path(job_dir), os.O_RDWR | os.O_CREAT, 0o600)
     try:

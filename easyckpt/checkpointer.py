@@ -103,7 +103,7 @@ class Checkpointer:
         self.peers: PeerSet | None = None
         if self.world_size > self.local_world_size and dist.is_available() and dist.is_initialized():
             # A job across nodes: agents must know each other before any rank may need a replica.
-            self.peers = introduce(self.agent, rank=self.rank, world_size=self.world_size,
+            self.peers = introduce(self.agent.request, rank=self.rank, world_size=self.world_size,
                                    replicate_unique=config.replicate_unique, timeout=config.agent_start_timeout)
         self.stager = Stager(config, self.slots, rank=self.rank, world_size=self.world_size,
                              local_rank=self.local_rank, local_world_size=self.local_world_size,

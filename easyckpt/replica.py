@@ -20,6 +20,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -54,9 +55,17 @@ class PeerSet:
         return [self.node] + sorted(n for n in self.nodes if n != self.node)
 
 
-def introduce(agent: Any, *, rank: int, world_size: int, replicate_unique: bool, timeout: float) -> PeerSet:
-    """Collective: every rank's agent learns the job token, the other agents and the leader."""
-    info = agent.request(Kind.PING, timeout)
+Request = Callable[..., dict[str, Any]]   # (kind, timeout, **fields) -> reply: a rank's session or one-off
+
+
+def introduce(request: Request, *, rank: int, world_size: int, replicate_unique: bool, timeout: float,
+              training: bool = True) -> PeerSet:
+    """Collective: every rank's agent learns the job token, the other agents and the leader (rank 0's node).
+
+    ``training=False`` is the standalone launcher (``easyckpt.agents``): one process per node and no
+    training ranks yet, so every node is listed with no ranks and the job as one rank; the training job
+    that comes later introduces the same agents again with its own ranks, token and leader."""
+    info = request(Kind.PING, timeout)
     node, endpoint = info.get("node"), info.get("endpoint")
     if not isinstance(node, str) or not isinstance(endpoint, str):
         raise ReplicaError(f"rank {rank}: the node agent has no replica server (reply {info}); "
@@ -70,11 +79,12 @@ def introduce(agent: Any, *, rank: int, world_size: int, replicate_unique: bool,
         if entry["endpoint"] != address:
             raise ReplicaError(f"node id {name!r} names two agents ({entry['endpoint']} and {address}, rank {other}): "
                                "give every node its own EASYCKPT_NODE_ID")
-        entry["ranks"].append(other)
+        if training:
+            entry["ranks"].append(other)
     peers = PeerSet(token, node, rows[0][0], nodes)
-    reply = agent.request(Kind.PEERS, timeout, token=token, node=node, leader=peers.leader,
-                          nodes=[{"node": n, **v} for n, v in sorted(nodes.items())], world_size=world_size,
-                          replicate_unique=replicate_unique)
+    reply = request(Kind.PEERS, timeout, token=token, node=node, leader=peers.leader,
+                    nodes=[{"node": n, **v} for n, v in sorted(nodes.items())],
+                    world_size=world_size if training else 1, replicate_unique=replicate_unique)
     if not reply.get("ok"):
         raise ReplicaError(f"rank {rank}: the agent of node {node} refused the peer list: {reply.get('error')}")
     all_gather_text("", world_size, field=_FIELD)  # every agent knows the token before any rank asks one for data
