@@ -243,13 +243,12 @@ class SlotMap:
     def begin_write(self, *, generation: int, rank: int, world_size: int, job_id: str) -> None:
         """Mark the slot WRITING under ``generation`` (odd; the commit makes it ``generation + 1``).
 
-        The owning rank numbers writes across both of its slots, so the higher generation is always the
+        The owning rank numbers writes across all of its slots, so the higher generation is always the
         newer snapshot, even when a resumed job wrote the same step twice.
         """
         assert self.mm is not None and self.writable and generation % 2 == 1
         _HEADER.pack_into(self.mm, 0, MAGIC, FORMAT_VERSION, SlotState.WRITING, -1, generation,
                           DATA_OFFSET, 0, 0, 0, 0, rank, world_size, 0.0, job_id.encode("ascii"))
-        return generation
 
     def commit(self, *, generation: int, step: int, data_len: int, meta: bytes, rank: int,
                world_size: int, job_id: str) -> None:
