@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ class _Record:
 
 
 def candidates(mem_steps: list[int], disk_steps: list[int], world_size: int,
-               replica_steps: list[int] = ()) -> list[tuple[int, str]]:
+               replica_steps: Sequence[int] = ()) -> list[tuple[int, str]]:
     """The same ordered candidate list on every rank: (step, "memory" | "replica" | "disk")."""
     # Every slot's step: the safe step need not be among a rank's two newest (a persist may hold a third).
     mem = (sorted(mem_steps, reverse=True) + [-1] * MAX_SLOTS)[:MAX_SLOTS]

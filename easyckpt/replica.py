@@ -102,7 +102,7 @@ class Survey:
 
 def survey(peers: PeerSet, timeout: float) -> Survey:
     """Ask every agent at once what it holds; a dead or hung one costs ``timeout`` and is left out."""
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     clients = {node: PeerClient(peers.nodes[node]["endpoint"], peers.token, timeout=timeout, ctx=ctx)
                for node in peers.ordered()}
     listings, unreachable = {}, {}
@@ -186,8 +186,9 @@ def fetch(peers: PeerSet, replica: ReplicaPlan, slots: RankSlots, *, rank: int, 
     try:
         slot = slots.ensure(index, slot_size(data_len, len(blob)))
     except BaseException:
-        if slots.maps[index] is not None:
-            slots.maps[index].unlock()
+        stale = slots.maps[index]
+        if stale is not None:
+            stale.unlock()
         raise
     generation = slots.next_generation()
     slot.begin_write(generation=generation, rank=rank, world_size=slots.world_size, job_id=slots.job_id)

@@ -127,12 +127,13 @@ class Stager:
         try:
             slot = self.slots.ensure(index, needed)
         except BaseException:
-            if self.slots.maps[index] is not None:
-                self.slots.maps[index].unlock()
+            stale = self.slots.maps[index]
+            if stale is not None:
+                stale.unlock()
             raise
         generation = self.slots.next_generation()
         slot.begin_write(generation=generation, rank=self.rank, world_size=self.world_size,
-                         job_id=self.config.job_id)
+                         job_id=self.slots.job_id)
         dst = self._slot_views(index, slot, plan)
         event = self._launch_cuda(dst, values) if self._uses_cuda(values) else None
         future = self.pool.submit(self._finish_copy, step, slot, generation, plan, meta, dst, values, event, started)
@@ -317,7 +318,7 @@ class Stager:
                 event.synchronize()
             fault_point("stager.before_commit", step=step, rank=self.rank)
             slot.commit(generation=generation, step=step, data_len=plan.data_len, meta=meta, rank=self.rank,
-                        world_size=self.world_size, job_id=self.config.job_id)
+                        world_size=self.world_size, job_id=self.slots.job_id)
             self.on_commit()
             return time.perf_counter() - started
         finally:

@@ -15,12 +15,15 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy
 import torch
-from torch.nn.parameter import UninitializedTensorMixin
+from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]  # not in the stubs
 
 logger = logging.getLogger(__name__)
+
+_Mapping = TypeVar("_Mapping", bound=dict[Any, Any])
 
 SKELETON_VERSION = 1
 
@@ -61,7 +64,7 @@ _CODE_TO_NP: dict[str, numpy.dtype] = {
 _NP_TO_CODE = {d: c for c, d in _CODE_TO_NP.items()}
 
 
-def _lookup(table: dict, key: object, exc: type[Exception], msg: str):  # type: ignore[type-arg]
+def _lookup(table: dict, key: Any, exc: type[Exception], msg: str):  # type: ignore[type-arg]
     try:
         return table[key]
     except (KeyError, TypeError):
@@ -89,7 +92,7 @@ def numpy_dtype_code(dtype: numpy.dtype) -> str:
     return _lookup(_NP_TO_CODE, dt, TypeError, f"easyckpt cannot store numpy dtype {dt}")
 
 
-def _key_path(path: Sequence[object]) -> str:
+def _key_path(path: Sequence[Any]) -> str:
     return "state" + "".join(f"[{k!r}]" for k in path)
 
 
@@ -104,7 +107,7 @@ class _Flattener:
         self.refs: list[TensorRef] = []
         self.values: list[torch.Tensor | numpy.ndarray] = []
         self.names: set[str] = set()
-        self.path: list[object] = []
+        self.path: list[Any] = []
 
     def bad(self, what: str) -> TypeError:
         return TypeError(f"easyckpt cannot save {_key_path(self.path)}{what}")
@@ -115,7 +118,7 @@ class _Flattener:
     def here(self) -> str:
         return self.prefix()[:-1] or "state"
 
-    def enc(self, x: object) -> object:
+    def enc(self, x: Any) -> Any:
         # Exact type checks: subclasses (IntEnum, numpy.float64, namedtuple, defaultdict)
         # would otherwise silently come back as their base type.
         t = type(x)
@@ -144,7 +147,7 @@ class _Flattener:
             return ["o", self.items(x), meta]
         return self.other(x, t)
 
-    def other(self, x: object, t: type) -> object:
+    def other(self, x: Any, t: type) -> Any:
         if t is torch.Tensor or (
             isinstance(x, torch.nn.Parameter) and not isinstance(x, UninitializedTensorMixin)
         ):
@@ -169,7 +172,7 @@ class _Flattener:
             hint = " (subclasses are refused rather than silently saved as their base type)"
         raise self.bad(f" of type {t.__qualname__}{hint}: {_SUPPORTED}")
 
-    def tensor(self, x: torch.Tensor, key: object, prefix: str) -> list[object]:
+    def tensor(self, x: torch.Tensor, key: Any, prefix: str) -> list[Any]:
         """Record a tensor found under ``key`` (None: ``prefix`` is already its full name)."""
         code = _TORCH_TO_CODE.get(x.dtype)
         if code is None or x.layout is not torch.strided or x.is_meta:
@@ -182,7 +185,7 @@ class _Flattener:
         return self.add(name, x, "torch", code, x.shape, x.numel() * x.element_size(), "T")
 
     def add(self, name: str, x: torch.Tensor | numpy.ndarray, kind: str, code: str,
-            shape: Sequence[int], nbytes: int, tag: str) -> list[object]:
+            shape: Sequence[int], nbytes: int, tag: str) -> list[Any]:
         i = len(self.values)
         while name in self.names:  # keys containing "/" can collide with nested keys
             name += f"#{i}"
@@ -191,7 +194,7 @@ class _Flattener:
         self.refs.append(TensorRef(name, kind, code, tuple(shape), nbytes))
         return [tag, i]
 
-    def np_scalar(self, x: numpy.generic) -> list[object]:
+    def np_scalar(self, x: numpy.generic) -> list[Any]:
         # Via a 0-d array: numpy.str_("") reports itemsize 0 yet its tobytes() has 4 bytes.
         arr = numpy.asarray(x)
         dt = arr.dtype
@@ -204,7 +207,7 @@ class _Flattener:
             code, data = dt.str, arr.tobytes()  # dt.str keeps byte order and datetime unit
         return ["n", code, base64.b64encode(data).decode("ascii")]
 
-    def seq(self, x: Sequence[object]) -> list[object]:
+    def seq(self, x: Sequence[Any]) -> list[Any]:
         path, out, prefix = self.path, [], None
         for i, v in enumerate(x):
             tv = type(v)
@@ -217,7 +220,7 @@ class _Flattener:
                 path.pop()
         return out
 
-    def items(self, x: dict[object, object]) -> list[list[object]]:
+    def items(self, x: dict[Any, Any]) -> list[list[Any]]:
         path, out, prefix = self.path, [], None
         for k, v in x.items():
             tk = type(k)
@@ -232,7 +235,7 @@ class _Flattener:
                 path.pop()
         return out
 
-    def key(self, k: object) -> object:
+    def key(self, k: Any) -> Any:
         n = len(self.values)
         self.path.append(k)
         kn = self.enc(k)
@@ -243,7 +246,7 @@ class _Flattener:
         return kn
 
 
-def flatten(state: object) -> tuple[object, list[TensorRef], list[torch.Tensor | numpy.ndarray]]:
+def flatten(state: Any) -> tuple[object, list[TensorRef], list[torch.Tensor | numpy.ndarray]]:
     """Split ``state`` into (skeleton, refs, values) in one pass, without copying tensors.
 
     ``values[i]`` is the very object found in ``state`` for ``refs[i]``, so the caller
@@ -270,15 +273,15 @@ class _Decoder:
 
     __slots__ = ("values", "used", "path")
 
-    def __init__(self, values: Sequence[object]) -> None:
+    def __init__(self, values: Sequence[Any]) -> None:
         self.values = values
         self.used: set[int] = set()
-        self.path: list[object] = []
+        self.path: list[Any] = []
 
     def err(self, msg: str) -> ValueError:
         return ValueError(f"malformed easyckpt skeleton at {_key_path(self.path)}: {msg}")
 
-    def dec(self, node: object) -> object:
+    def dec(self, node: Any) -> Any:
         t = type(node)
         if t is str or t is int or t is float or t is bool or node is None:
             return node
@@ -293,12 +296,12 @@ class _Decoder:
             raise self.err(f"tag {node[0]!r} needs {entry[0]} items, got {len(node)}")
         return entry[1](self, node)
 
-    def arg(self, node: list[object], i: int, t: type) -> object:
+    def arg(self, node: list[Any], i: int, t: type) -> Any:
         if type(node[i]) is not t:
             raise self.err(f"tag {node[0]!r} expects a {t.__name__}, got {type(node[i]).__name__}")
         return node[i]
 
-    def seq(self, node: list[object]) -> list[object]:
+    def seq(self, node: list[Any]) -> list[Any]:
         path, out = self.path, []
         for i, v in enumerate(self.arg(node, 1, list)):
             path.append(i)
@@ -306,7 +309,7 @@ class _Decoder:
             path.pop()
         return out
 
-    def mapping(self, node: list[object], into: dict[object, object]) -> dict[object, object]:
+    def mapping(self, node: list[Any], into: _Mapping) -> _Mapping:
         for pair in self.arg(node, 1, list):
             if type(pair) is not list or len(pair) != 2:
                 raise self.err("dict entries must be [key, value] lists")
@@ -320,15 +323,15 @@ class _Decoder:
             self.path.pop()
         return into
 
-    def ordered(self, node: list[object]) -> OrderedDict[object, object]:
-        od = self.mapping(node, OrderedDict())
+    def ordered(self, node: list[Any]) -> OrderedDict[Any, Any]:
+        od: OrderedDict[Any, Any] = self.mapping(node, OrderedDict())
         if node[2] is not None:  # only state_dict()s carry it; don't invent it for others
             self.path.append("_metadata")
             od._metadata = self.dec(node[2])  # type: ignore[attr-defined]
             self.path.pop()
         return od
 
-    def ref(self, node: list[object]) -> object:
+    def ref(self, node: list[Any]) -> Any:
         i = node[1]
         if type(i) is not int or not 0 <= i < len(self.values):
             raise self.err(f"tensor index {i!r} out of range for {len(self.values)} values")
@@ -337,13 +340,13 @@ class _Decoder:
         self.used.add(i)
         return self.values[i]
 
-    def size(self, node: list[object]) -> torch.Size:
+    def size(self, node: list[Any]) -> torch.Size:
         dims = self.arg(node, 1, list)
         if not all(type(d) is int and 0 <= d <= _I64_MAX for d in dims):
             raise self.err("torch.Size entries must be non-negative ints")
         return torch.Size(dims)
 
-    def conv(self, node: list[object], fn: Callable[[str], object], what: str, i: int = 1):
+    def conv(self, node: list[Any], fn: Callable[[str], Any], what: str, i: int = 1):
         """Decode a string argument, turning whatever the converter raises into ValueError."""
         s = self.arg(node, i, str)
         try:
@@ -351,7 +354,7 @@ class _Decoder:
         except (KeyError, TypeError, ValueError, RuntimeError):  # binascii.Error: ValueError
             raise self.err(f"bad {what} {s[:100]!r}") from None
 
-    def np_scalar(self, node: list[object]) -> numpy.generic:
+    def np_scalar(self, node: list[Any]) -> numpy.generic:
         code = self.arg(node, 1, str)
         raw = self.conv(node, _b64decode, "base64 data", 2)
         dt = _CODE_TO_NP.get(code)
@@ -376,7 +379,7 @@ _TORCH_DTYPES = {
     str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
 }
 
-_DECODERS: dict[str, tuple[int, Callable[[_Decoder, list[object]], object]]] = {
+_DECODERS: dict[str, tuple[int, Callable[[_Decoder, list[Any]], object]]] = {
     "d": (2, lambda d, n: d.mapping(n, {})),
     "o": (3, _Decoder.ordered),
     "l": (2, _Decoder.seq),
@@ -393,7 +396,7 @@ _DECODERS: dict[str, tuple[int, Callable[[_Decoder, list[object]], object]]] = {
 }
 
 
-def _decode(skeleton: object, values: Sequence[object]) -> object:
+def _decode(skeleton: Any, values: Sequence[Any]) -> Any:
     d = _Decoder(values)
     try:
         out = d.dec(skeleton)
@@ -406,13 +409,13 @@ def _decode(skeleton: object, values: Sequence[object]) -> object:
     return out
 
 
-def validate_skeleton(skeleton: object, n_values: int) -> None:
+def validate_skeleton(skeleton: Any, n_values: int) -> None:
     """Raise ValueError unless ``skeleton`` is well formed and uses each of ``n_values``
     tensor indices exactly once. For skeletons read from disk or shared memory."""
     _decode(skeleton, range(n_values))
 
 
-def unflatten(skeleton: object, values: Sequence[torch.Tensor | numpy.ndarray]) -> object:
+def unflatten(skeleton: Any, values: Sequence[torch.Tensor | numpy.ndarray]) -> Any:
     """Rebuild the structure ``flatten`` saw, placing ``values[i]`` where index i was.
 
     The skeleton is checked while decoding, so a corrupt one raises ValueError rather than

@@ -95,7 +95,7 @@ def rank_entry(iteration_dir: Path, rank: int, world_size: int) -> RankEntry:
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     if tensor.numel() == 0:
         return memoryview(b"")
-    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
 def read_tensors(entry: RankEntry) -> Iterator[tuple[TensorRecord, torch.Tensor]]:
@@ -130,7 +130,7 @@ def read_tensors(entry: RankEntry) -> Iterator[tuple[TensorRecord, torch.Tensor]
 
 def verify(save_dir: Path) -> list[tuple[int, Path, str | None]]:
     """Re-read every complete iteration; (step, path, problem or None) for each, oldest first."""
-    results = []
+    results: list[tuple[int, Path, str | None]] = []
     for step, path, complete in layout.list_iterations(save_dir):
         if not complete:
             results.append((step, path, f"incomplete: no {layout.METADATA}"))

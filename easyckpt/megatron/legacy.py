@@ -33,6 +33,7 @@ import torch
 from easyckpt import storage
 from easyckpt.state import unflatten
 from easyckpt_wire import layout
+from easyckpt_wire.layout import CheckpointFormatError
 from easyckpt.megatron.snapshot import META_KEY, model_keys, plain_args
 
 logger = logging.getLogger(__name__)
@@ -171,7 +172,10 @@ def _rank_state(iteration_dir: Path, rank: int, world_size: int, *, tensors: boo
     if tensors:
         for record, tensor in storage.read_tensors(entry):
             values[record.index] = tensor.numpy() if record.kind == "numpy" else tensor
-    return unflatten(entry.skeleton, values)
+    state = unflatten(entry.skeleton, values)
+    if not isinstance(state, dict):
+        raise CheckpointFormatError(f"{iteration_dir}: rank {rank}'s state is a {type(state).__name__}, not a dict")
+    return state
 
 
 def convert_to_megatron(src: Path, dst: Path, *, no_optim: bool = False) -> tuple[int, list[Path]]:

@@ -156,8 +156,8 @@ def _plain(value: Any) -> tuple[Any, bool]:
         items = [_plain(v) for v in value]
         return (t(v for v, _ in items), True) if all(ok for _, ok in items) else (None, False)
     if t is dict and all(type(k) is str for k in value):
-        items = {k: _plain(v) for k, v in value.items()}
-        return ({k: v for k, (v, _) in items.items()}, True) if all(ok for _, ok in items.values()) else (None, False)
+        entries = {k: _plain(v) for k, v in value.items()}
+        return ({k: v for k, (v, _) in entries.items()}, True) if all(ok for _, ok in entries.values()) else (None, False)
     return None, False
 
 

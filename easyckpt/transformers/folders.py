@@ -201,8 +201,8 @@ class CheckpointFolders:
             fault_point("hf.export.mid_write", step=step, rank=args.process_index)
             if trainer.processing_class is not None:
                 trainer.processing_class.save_pretrained(str(directory))
-            elif getattr(trainer.data_collator, "tokenizer", None) is not None:
-                trainer.data_collator.tokenizer.save_pretrained(str(directory))
+            elif (tokenizer := getattr(trainer.data_collator, "tokenizer", None)) is not None:
+                tokenizer.save_pretrained(str(directory))
             torch.save(args, directory / TRAINING_ARGS_NAME)
         if not (native and args.save_only_model):
             torch.save(common["optim"], directory / OPTIMIZER_NAME)

@@ -60,6 +60,9 @@ def rng_state(trainer: Trainer) -> dict[str, Any]:
 
 def capture(trainer: Trainer) -> dict[str, Any]:
     """This rank's whole state now (tensors by reference: the Checkpointer copies them)."""
+    if trainer.optimizer is None or trainer.lr_scheduler is None:
+        raise RuntimeError("easyckpt snapshots the Trainer's state during training: its optimizer and scheduler "
+                           "are not created yet (call TrainerWrapper.train(), not a snapshot before it)")
     state: dict[str, Any] = {
         "format": STATE_FORMAT,
         "step": trainer.state.global_step,

@@ -61,7 +61,7 @@ class TrainerWrapper:
                              "save_steps: set TrainingArguments(save_steps=...) instead")
         self.trainer = trainer
         args = trainer.args
-        self.output_dir = Path(args.output_dir).expanduser().resolve()
+        self.output_dir = Path(args.output_dir or "trainer_output").expanduser().resolve()
         self.save_mem_interval = save_mem_interval
         self.strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
         self.save_steps = self._save_steps(args)
