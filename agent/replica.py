@@ -28,13 +28,12 @@ import psutil
 import xxhash
 import zmq
 
+from agent.persister import lower_priority
 from easyckpt_wire import protocol
 from easyckpt_wire.faults import fault_point
-from easyckpt_wire.protocol import Kind, ProtocolError
+from easyckpt_wire.protocol import Kind, ProtocolError, split_checksums
 from easyckpt_wire.shm import SlotFormatError, SlotMap
 from easyckpt_wire.transfer import PeerClient, PeerError, tensor_checksum
-
-from agent.persister import lower_priority
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +134,7 @@ class Holdings:
     def checksums_at(self, step: int) -> set[bytes]:
         with self.lock:
             held = {c for e in self.local.values() if e.step == step for c in e.where}
-            for (rank, s), manifest in self.backups.items():
+            for (_rank, s), manifest in self.backups.items():
                 if s == step:
                     held.update(c for c in manifest["checksums"] if c in self.blobs)
             return held
@@ -189,7 +188,8 @@ class Holdings:
 
 def build_manifest(slot: SlotMap, meta: dict[str, Any], generation: int, node: str) -> LocalManifest | None:
     """Hash every tensor of a committed slot; None if the slot was rewritten meanwhile."""
-    checksums, where = [], {}
+    checksums: list[bytes] = []
+    where: dict[bytes, tuple[int, int]] = {}
     for entry in meta["tensors"]:
         offset, nbytes = entry[4], entry[5]
         view = slot.data(offset, nbytes)
@@ -480,7 +480,7 @@ def survey_coverage(peers: Peers, holdings: Holdings, timeout: float = 2.0) -> d
                 continue
             finally:
                 client.close()
-        listings[node] = {row[0]: (row[1], {row[2][i:i + 16] for i in range(0, len(row[2]), 16)}) for row in rows}
+        listings[node] = {row[0]: (row[1], split_checksums(row[2])) for row in rows}
     with holdings.lock:
         steps = [e.step for e in holdings.local.values()]
     if not steps:
@@ -490,8 +490,8 @@ def survey_coverage(peers: Peers, holdings: Holdings, timeout: float = 2.0) -> d
     for rank in range(peers.world_size):
         manifest = holdings.manifest(rank, step)
         if manifest is None:
-            for node, rows in listings.items():
-                if node != peers.node and rank in rows.get(step, ([], set()))[0]:
+            for node, listing in listings.items():
+                if node != peers.node and rank in listing.get(step, ([], set()))[0]:
                     client = PeerClient(peers.nodes[node]["endpoint"], peers.token, timeout=timeout)
                     try:
                         manifest = client.call(Kind.MANIFEST, rank=rank, step=step)["manifest"]

@@ -20,14 +20,14 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
 import easyckpt
-
 
 PEERS = ("torch_save", "safetensors", "dcp_save", "dcp_async")
 
@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.device == "cuda":
         machine["gpu"] = torch.cuda.get_device_name()
     print(f"{'MB':>7} {'tensors':>7} {'launch ms':>9} {'+copy ms':>9} {'torch.save':>10} {'safetensors':>11} "
-          f"{'dcp.save':>9} {'dcp.async':>9} {'save/launch':>11} {'async/launch':>12} {'save/+copy':>10} {'async/+copy':>11}")
+          f"{'dcp.save':>9} {'dcp.async':>9} {'save/launch':>11} {'async/launch':>12} {'save/+copy':>10} "
+          f"{'async/+copy':>11}")
     for row in rows:
         print(f"{row['bytes'] / 1e6:7.0f} {row['tensors']:7d} {row['easyckpt_launch_s'] * 1e3:9.2f} "
               f"{row['easyckpt_launch_copy_s'] * 1e3:9.1f} {row['torch_save_fsync_s'] * 1e3:10.1f} "

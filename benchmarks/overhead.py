@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.steps < 1 or args.rounds < 1 or args.copy_repeats < 1 or args.warmup < 1:
-        parser.error("--steps, --rounds, --copy-repeats and --warmup must be >= 1 (the first step builds the optimizer state)")
+        parser.error("--steps, --rounds, --copy-repeats and --warmup must be >= 1 "
+                     "(the first step builds the optimizer state)")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
     if args.threads:

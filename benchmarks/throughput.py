@@ -47,8 +47,9 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -374,9 +375,9 @@ def measure_disk(state: dict[str, Any], size_mb: float, dim: int, repeats: int, 
         for step in range(repeats):
             # The agent may hold the other slot a moment longer (its claim ends after the tracker update):
             # the snapshot is then skipped, by design, and tried again.
-            poll(lambda: ck.save_if_needed(step, state), 60, f"a free slot for step {step}")
+            poll(lambda step=step: ck.save_if_needed(step, state), 60, f"a free slot for step {step}")
             ck.wait()
-            persists.append(poll(lambda: read_persist_line(log_file, step), persist_timeout,
+            persists.append(poll(lambda step=step: read_persist_line(log_file, step), persist_timeout,
                                  f"the agent's log line for step {step} in {log_file}"))
             writes.append(raw_write(save_dir / "raw-write.bin", persists[-1]["bytes"], source))
         ck.close()
@@ -448,7 +449,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the state lives")
     parser.add_argument("--copy-threads", type=int, default=1, help="easyckpt's CPU copy threads")
     parser.add_argument("--dir", type=Path, default=None,
-                        help="parent of the temporary save_dirs (default: the system temp dir); put it on the disk to measure")
+                        help="parent of the temporary save_dirs (default: the system temp dir); "
+                             "put it on the disk to measure")
     parser.add_argument("--persist-timeout", type=float, default=600.0, help="seconds to wait for one persist")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)

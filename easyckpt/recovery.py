@@ -1,12 +1,12 @@
 """Recovery: agree on one step for all ranks, then load it from the cheapest source that has it.
 
-Every rank reports the steps it holds in memory (every committed slot of its own), the steps it can pull from replicas
-on other nodes (multi-node jobs: see ``replica``), and the complete iterations it sees on disk; the
-candidates are the steps *every* rank can get, newest first, memory before replica before disk on a
-tie (invariant 4). In a memory/replica attempt each rank reads its own slot when it holds the step
-and pulls it from the replicas into that slot otherwise. Each attempt is collective: if any rank fails to read (a torn slot, a corrupted file)
-all ranks move to the next candidate together; a state that does not fit the caller's template
-fails on all ranks at once with the reason.
+Every rank reports the steps it holds in memory (every committed slot of its own), the steps it can
+pull from replicas on other nodes (multi-node jobs: see ``replica``), and the complete iterations it
+sees on disk; the candidates are the steps *every* rank can get, newest first, memory before replica
+before disk on a tie (invariant 4). In a memory/replica attempt each rank reads its own slot when it
+holds the step and pulls it from the replicas into that slot otherwise. Each attempt is collective: if
+any rank fails to read (a torn slot, a corrupted file) all ranks move to the next candidate together; a
+state that does not fit the caller's template fails on all ranks at once with the reason.
 """
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
-from easyckpt_wire.layout import CheckpointFormatError
-from easyckpt_wire import transfer
-from easyckpt_wire.shm import MAX_SLOTS, SlotFormatError, format_bytes
 from easyckpt import replica, storage
 from easyckpt.collectives import all_gather_ints
 from easyckpt.slots import RankSlots
 from easyckpt.state import flatten, torch_dtype, unflatten
+from easyckpt_wire import transfer
+from easyckpt_wire.layout import CheckpointFormatError
+from easyckpt_wire.shm import MAX_SLOTS, SlotFormatError, format_bytes
 
 logger = logging.getLogger(__name__)
 

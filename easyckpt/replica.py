@@ -26,11 +26,11 @@ from typing import Any
 import psutil
 import zmq
 
-from easyckpt_wire.protocol import Kind, ProtocolError
-from easyckpt_wire.shm import format_bytes, pack_meta, slot_size
-from easyckpt_wire.transfer import FetchError, PeerClient, PeerError
 from easyckpt.collectives import all_gather_text
 from easyckpt.slots import RankSlots
+from easyckpt_wire.protocol import Kind, ProtocolError, split_checksums
+from easyckpt_wire.shm import format_bytes, pack_meta, slot_size
+from easyckpt_wire.transfer import FetchError, PeerClient, PeerError
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def survey(peers: PeerSet, timeout: float) -> Survey:
         for node, client in clients.items():   # sequential, but a dead node only costs its timeout once
             try:
                 rows = client.call(Kind.LIST)["steps"]
-                listings[node] = {int(step): (set(ranks), {blob[i:i + 16] for i in range(0, len(blob), 16)})
+                listings[node] = {int(step): (set(ranks), split_checksums(blob))
                                   for step, ranks, blob in rows}
             except (PeerError, ProtocolError, KeyError, TypeError, ValueError) as exc:
                 unreachable[node] = str(exc)

@@ -15,7 +15,8 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import numpy
@@ -23,13 +24,13 @@ import psutil
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from easyckpt.config import CheckpointerConfig
+from easyckpt.slots import RankSlots
+from easyckpt.state import SKELETON_VERSION, TensorRef, flatten, numpy_dtype, torch_dtype
 from easyckpt_wire import layout
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.faults import fault_point
 from easyckpt_wire.shm import DATA_OFFSET, FORMAT_VERSION, SlotMap, align, slot_size
-from easyckpt.config import CheckpointerConfig
-from easyckpt.slots import RankSlots
-from easyckpt.state import SKELETON_VERSION, TensorRef, flatten, numpy_dtype, torch_dtype
 
 logger = logging.getLogger(__name__)
 

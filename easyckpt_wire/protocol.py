@@ -313,3 +313,10 @@ def request_agent(job_dir: Path, kind: Kind, timeout: float, **fields: Any) -> d
     finally:
         sock.close(linger=0)
         ctx.term()
+
+
+def split_checksums(blob: bytes) -> set[bytes]:
+    """The checksums a LIST row packs back to back, CHECKSUM_BYTES each."""
+    if len(blob) % CHECKSUM_BYTES:
+        raise ProtocolError(f"a LIST row's checksums take {len(blob)} bytes, not a multiple of {CHECKSUM_BYTES}")
+    return {blob[i:i + CHECKSUM_BYTES] for i in range(0, len(blob), CHECKSUM_BYTES)}

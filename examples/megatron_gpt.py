@@ -63,8 +63,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 from megatron.core.utils import GlobalMemoryBuffer  # noqa: E402
 
 import easyckpt.megatron.hook  # noqa: E402,F401  (exit handling)
-from easyckpt.megatron import (finalize_easyckpt, initialize_easyckpt, last_load, load_checkpoint,  # noqa: E402
-                               save_checkpoint_if_needed)
+from easyckpt.megatron import finalize_easyckpt, initialize_easyckpt, last_load, load_checkpoint, save_checkpoint_if_needed  # noqa: E402
 
 VOCAB, SEQ, MICRO_BATCH = 64, 16, 4
 

@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from easyckpt_wire.shm import SlotFormatError, SlotMap, list_slots
-
 from conftest import ROOT, Env, wait_for
+
+from easyckpt_wire.shm import SlotFormatError, SlotMap, list_slots
 
 SCRIPT = ROOT / "examples" / "plain_ddp.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]

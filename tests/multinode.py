@@ -15,9 +15,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from easyckpt_wire.protocol import job_id_for
-
 from conftest import ROOT, Env, gone, wait_for
+
+from easyckpt_wire.protocol import job_id_for
 
 SCRIPT = ROOT / "examples" / "plain_ddp.py"
 NODES = 2

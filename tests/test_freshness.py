@@ -16,7 +16,6 @@ import re
 import signal
 
 import pytest
-
 from conftest import Env, wait_for
 from ddp_job import Job
 

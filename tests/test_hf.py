@@ -25,9 +25,9 @@ pytest.importorskip("transformers", reason="the HF integration needs transformer
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate: pip install -e '.[hf]'")
 
 import torch  # noqa: E402
-
 from conftest import ROOT, Env, gone, wait_for  # noqa: E402
 from ddp_job import TORCHRUN, Job, newest_common_committed, slot_states  # noqa: E402
+
 from easyckpt_wire import layout  # noqa: E402
 
 pytestmark = pytest.mark.slow

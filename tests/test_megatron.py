@@ -27,6 +27,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
 from conftest import ROOT, Env, assert_same, gone, run_cli, wait_for  # noqa: E402
+
 from easyckpt_wire import layout  # noqa: E402
 
 SCRIPT = ROOT / "examples" / "megatron_gpt.py"

@@ -14,12 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, Env, wait_for
+from multinode import NODES, RANKS_PER_NODE, Cluster
 
 from easyckpt_wire import layout, shm
 from easyckpt_wire.protocol import job_id_for
-
-from conftest import ROOT, Env, wait_for
-from multinode import NODES, RANKS_PER_NODE, Cluster
 
 pytestmark = pytest.mark.slow
 STEPS = 30

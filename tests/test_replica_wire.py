@@ -15,22 +15,22 @@ import random
 import socket
 import struct
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import msgpack
 import pytest
 import torch
 import xxhash
 import zmq
+from conftest import Env, wait_for
 from zmq.utils.monitor import recv_monitor_message
 
 import easyckpt
 from easyckpt_wire import protocol, shm
 from easyckpt_wire.protocol import Kind, ProtocolError
 from easyckpt_wire.transfer import FetchError, PeerClient, PeerError
-
-from conftest import Env, wait_for
 
 TOKEN = "replica-wire-test-token-0123456789abcdef"
 REFUSAL_KEYS = {"v", "kind", "ok", "id", "error"}

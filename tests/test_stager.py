@@ -5,11 +5,10 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import Env, wait_for
 
 import easyckpt
 from easyckpt_wire.shm import SlotMap
-
-from conftest import Env, wait_for
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: runs on a GPU machine")])]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from conftest import Env, wait_for
 from ddp_job import Job, newest_common_committed, slot_states
 

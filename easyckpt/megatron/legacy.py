@@ -31,10 +31,10 @@ import numpy
 import torch
 
 from easyckpt import storage
+from easyckpt.megatron.snapshot import META_KEY, model_keys, plain_args
 from easyckpt.state import unflatten
 from easyckpt_wire import layout
 from easyckpt_wire.layout import CheckpointFormatError
-from easyckpt.megatron.snapshot import META_KEY, model_keys, plain_args
 
 logger = logging.getLogger(__name__)
 

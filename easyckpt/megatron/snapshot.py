@@ -269,7 +269,8 @@ def apply(state: dict[str, Any], model: list[Any], optimizer: Any, opt_param_sch
         if key not in state:
             if len(chunks) > 1:
                 continue  # an empty virtual pipeline stage, as in Megatron
-            raise KeyError(f"the checkpoint has no {key!r} entry (it has {sorted(k for k in state if k.startswith('model'))})")
+            present = sorted(k for k in state if k.startswith("model"))
+            raise KeyError(f"the checkpoint has no {key!r} entry (it has {present})")
         unwrap(chunk).load_state_dict(_restore_bytesio(state[key]), strict=strict)
     if not release and not finetune and not get_arg(args, "no_load_optim", False):
         if optimizer is not None and "optimizer" in state and not getattr(optimizer, "is_stub_optimizer", False):

@@ -81,10 +81,11 @@ except ImportError as _exc:  # pragma: no cover - exercised only without transfo
     ) from _exc
 del _Trainer
 
-from easyckpt.transformers.folders import checkpoint_problem, complete_checkpoints, rng_file_name
-from easyckpt.transformers.resume import ResumeInfo
-from easyckpt.transformers.snapshot import STATE_FORMAT
-from easyckpt.transformers.wrapper import TrainerWrapper
+# After the check above, so that a missing transformers is reported as such, not as a failed import deep inside.
+from easyckpt.transformers.folders import checkpoint_problem, complete_checkpoints, rng_file_name  # noqa: E402
+from easyckpt.transformers.resume import ResumeInfo  # noqa: E402
+from easyckpt.transformers.snapshot import STATE_FORMAT  # noqa: E402
+from easyckpt.transformers.wrapper import TrainerWrapper  # noqa: E402
 
 __all__ = ["TrainerWrapper", "ResumeInfo", "checkpoint_problem", "complete_checkpoints", "rng_file_name",
            "STATE_FORMAT"]

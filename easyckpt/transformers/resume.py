@@ -19,10 +19,15 @@ import torch
 from transformers import Trainer
 
 from easyckpt.checkpointer import Checkpointer
-from easyckpt.recovery import LoadError, LoadResult
 from easyckpt.collectives import all_ok, broadcast_int
-from easyckpt.transformers.folders import (TRAINER_STATE_NAME, CheckpointFolders, checkpoint_problem,
-                                           complete_checkpoints, rng_file_name)
+from easyckpt.recovery import LoadError, LoadResult
+from easyckpt.transformers.folders import (
+    TRAINER_STATE_NAME,
+    CheckpointFolders,
+    checkpoint_problem,
+    complete_checkpoints,
+    rng_file_name,
+)
 from easyckpt.transformers.snapshot import STATE_FORMAT
 from easyckpt_wire import layout
 
@@ -135,8 +140,9 @@ class Resumer:
             return None
         state = result.state
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            found = state.get("format") if isinstance(state, dict) else None
             raise ValueError(f"the easyckpt state of step {result.step} ({result.source}, {result.path}) was not "
-                             f"written by TrainerWrapper (format {state.get('format') if isinstance(state, dict) else None!r}): "
+                             f"written by TrainerWrapper (format {found!r}): "
                              f"give the wrapper a save_dir of its own (now {self.save_dir})")
         base = self.staging_dir or self.ckpt.config.shm_dir
         assert base is not None
