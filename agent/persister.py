@@ -209,11 +209,14 @@ ABORT = threading.Event()
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while len(data):
-        if ABORT.is_set():
-            raise PersistAborted("persist abandoned: the agent is shutting down")
         piece = data if _THROTTLE is None else data[:_Throttle.PIECE]
         if _THROTTLE is not None:
             _THROTTLE.take(len(piece))
+        if ABORT.is_set():   # checked after the pacing too: it may have slept for seconds
+            # No slice of the slot may live on in this frame: the exception's traceback keeps the frame, and
+            # a slice keeps the slot's mmap exported (BufferError when the agent closes it on its way out).
+            del data, piece
+            raise PersistAborted("persist abandoned: the agent is shutting down")
         written = os.pwrite(fd, piece, offset)
         data, offset = data[written:], offset + written
 

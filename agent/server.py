@@ -121,6 +121,8 @@ class Agent:
         self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         self.started = time.time()
         self.stop_signal: int | None = None   # SIGTERM/SIGINT received: the loop ends and _stop() runs
+        self.given_up_on_stop = False   # _stop() abandoned a persist or saw one fail
+        self.hung_writer = False     # an abandoned persist's thread did not stop: the process must not join it
         self.ended_cleanly = False   # the job is over and nothing of it is left in memory: its runtime dir can go
         self.holds = SlotHolds()
         # Multi-node only: started by the first HELLO of a job spanning nodes, active once PEERS arrives.
@@ -196,6 +198,7 @@ class Agent:
         timeout = self.config.shutdown_timeout
         deadline = time.monotonic() + timeout
         done: list[str] = []
+        self.given_up_on_stop = False
         if self.inflight is not None:
             done.append(self._stop_wait_inflight(deadline))
         self.watcher.scan(relist_every=0)
@@ -229,8 +232,10 @@ class Agent:
             done.append(f"slots kept in {self.config.shm_dir}: step {newest_now[0]} is newer than disk "
                         f"({self.persisted}); resume from them by restarting the job, or remove them with "
                         f"`easyckpt clean --job-id {self.config.job_id}`")
-        logger.warning("agent stopped by %s (shutdown_timeout=%gs, %.1fs used): %s; exiting with 0", name, timeout,
-                       timeout - max(0.0, deadline - time.monotonic()), "; ".join(done))
+        # A warning only when something is left undone (memory newer than disk, a persist abandoned or failed).
+        level = logging.INFO if self.ended_cleanly or (alive and on_disk and not self.given_up_on_stop) else logging.WARNING
+        logger.log(level, "agent stopped by %s (shutdown_timeout=%gs, %.1fs used): %s; exiting with 0", name, timeout,
+                   timeout - max(0.0, deadline - time.monotonic()), "; ".join(done))
 
     def _stop_wait_inflight(self, deadline: float) -> str:
         """Wait for the persist in flight until ``deadline``, then abandon it; says which happened."""
@@ -244,17 +249,29 @@ class Agent:
                 future.result(timeout=ABORT_TIMEOUT)
             except concurrent.futures.TimeoutError:
                 self.inflight = None
+                self.given_up_on_stop = True
+                self.hung_writer = True
                 return (f"the persist of step {step} did not stop within {ABORT_TIMEOUT:g}s of being abandoned "
                         f"(abort timeout; a write or fsync hangs): its temporary directory may be left in "
                         f"{self.save_dir} and is removed by the next agent")
-            except Exception:
-                pass
+            except persister.PersistAborted as exc:
+                exc.__traceback__ = None   # its frames hold the writers' locals: nothing may pin the slots' maps
+            except Exception as exc:
+                self._finish_inflight_failed(step, exc)
+                self.given_up_on_stop = True
+                return f"the persist of step {step} failed ({exc})"
+            else:   # it was past its last write when told to stop
+                self._finish_inflight()
+                return f"finished the persist of step {step} (past shutdown_timeout: it was too far along to stop)"
             self.inflight = None
+            self.given_up_on_stop = True
             self._release_claims(lambda s: s <= step)
             return (f"the persist of step {step} was abandoned when shutdown_timeout ran out: its temporary "
-                    f"directory was removed, disk keeps step {self.persisted}")
+                    f"directory was removed, newest on disk: "
+                    f"{'nothing' if self.persisted is None else 'step ' + str(self.persisted)}")
         except Exception as exc:
             self._finish_inflight_failed(step, exc)
+            self.given_up_on_stop = True
             return f"the persist of step {step} failed ({exc})"
         self._finish_inflight()
         return f"finished the persist of step {step}"
@@ -332,7 +349,7 @@ class Agent:
     def _shutdown(self) -> None:
         self._release_claims(lambda step: True)
         self._release_safe()
-        self.pool.shutdown(wait=True)
+        self.pool.shutdown(wait=not self.hung_writer, cancel_futures=True)
         self.cluster.close()
         self._answer_waiters(force=True)
         for step in self.flush_wanted:

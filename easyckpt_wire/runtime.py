@@ -54,9 +54,9 @@ def remove_runtime_dir(job_dir: Path, *, keep: set[str]) -> bool:
     for name in names:
         if name not in keep and name != "agent.lock" and (name in RUNTIME_FILES or is_owner_file(name)):
             (job_dir / name).unlink(missing_ok=True)   # never anything that is not ours
+    (job_dir / "agent.lock").unlink(missing_ok=True)   # a later agent's take_lock sees the inode change
     if any(name in keep or not (name in RUNTIME_FILES or is_owner_file(name)) for name in names):
         return False
-    (job_dir / "agent.lock").unlink(missing_ok=True)
     try:
         job_dir.rmdir()
     except OSError:
