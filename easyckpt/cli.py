@@ -162,25 +162,37 @@ def _probe(job: Path, timeout: float, *, named: bool) -> tuple[dict[str, Any] | 
         # job a safe step whose slots are gone.
         "control_file": str(control) if control.exists() else None,
         "remove": _clean_command(job, job_id),
+        "save_dir": _recorded_save_dir(job, job_id),
     }
+    if entry["save_dir"] is not None and Path(entry["save_dir"]).is_dir():
+        entry["persisted_step"] = max((step for step, _ in layout.complete_iterations(Path(entry["save_dir"]))),
+                                      default=None)
     if named:  # asked about this job by name: "no agent" is the answer, with exit 1 as before
         entry["error"] = error
         return entry, 1
     return entry, 0
 
 
-def _clean_command(job: Path, job_id: str) -> str:
-    """The ``easyckpt clean`` line that removes this job's slots and runtime directory: by save_dir when a
-    rank recorded it (owner files), else by job id, with the node id the directory name carries."""
+def _recorded_save_dir(job: Path, job_id: str) -> str | None:
+    """The job's save_dir as its ranks recorded it (owner files), if they agree and it maps to ``job_id``."""
     save_dirs = set()
     for rank, path in owner.list_owner_files(job).items():
         recorded = owner.read_owner(path, rank)
         if recorded is not None:
             save_dirs.add(recorded.save_dir)
+    if len(save_dirs) == 1 and protocol.job_id_for(next(iter(save_dirs))) == job_id:
+        return next(iter(save_dirs))
+    return None
+
+
+def _clean_command(job: Path, job_id: str) -> str:
+    """The ``easyckpt clean`` line that removes this job's slots and runtime directory: by save_dir when a
+    rank recorded it, else by job id, with the node id the directory name carries."""
     _, _, node = job.name.partition("@")
     prefix = f"{protocol.NODE_ID_ENV}={shlex.quote(node)} " if node else ""
-    if len(save_dirs) == 1 and protocol.job_id_for(next(iter(save_dirs))) == job_id:
-        return f"{prefix}easyckpt clean {shlex.quote(next(iter(save_dirs)))}"
+    save_dir = _recorded_save_dir(job, job_id)
+    if save_dir is not None:
+        return f"{prefix}easyckpt clean {shlex.quote(save_dir)}"
     return f"{prefix}easyckpt clean --job-id {shlex.quote(job_id)}"
 
 
@@ -324,6 +336,11 @@ def _print_recoverable(entry: dict[str, Any]) -> None:
               + (f"; {slot['error']}" if "error" in slot else ""))
     if entry["control_file"]:
         print(f"  {entry['control_file']}: the agent's control block")
+    if "persisted_step" in entry:
+        on_disk = entry["persisted_step"]
+        newer = [step for step in steps if on_disk is None or step > on_disk]
+        print(f"  newest on disk in {entry['save_dir']}: " + ("nothing" if on_disk is None else f"step {on_disk}")
+              + (f"; only in memory: step(s) {', '.join(map(str, newer))}" if newer else "; nothing newer in memory"))
     if steps:
         print(f"  they hold snapshots of step(s) {', '.join(map(str, steps))}, not necessarily on disk (see "
               f"`easyckpt ls SAVE_DIR`): restart the job with the same save_dir (and {protocol.JOB_ID_ENV}, if it "

@@ -121,6 +121,9 @@ def test_sigterm_to_the_agent_during_a_persist(env: Env, time_allows: bool) -> N
         for path in slots:
             assert re.search(rf"{re.escape(str(path))}: rank 0 slot \d, step \d, \d+\.\d MiB", status.stdout), status.stdout
         assert status.stdout.splitlines()[-1].strip() == f"easyckpt clean {env.save_dir.resolve()}", status.stdout
+        disk = f"newest on disk in {env.save_dir.resolve()}: "
+        assert (disk + ("step 3; nothing newer in memory" if time_allows else "nothing; only in memory: step(s) ")) \
+            in status.stdout, status.stdout
 
         refused = run_cli("clean", str(env.save_dir), env=env)
         assert refused.returncode == 1 and f"rank 0 pid {rank.pid}" in refused.stderr, refused.stdout + refused.stderr
