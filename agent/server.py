@@ -218,7 +218,7 @@ class Agent:
                 if self.inflight is not None:
                     done.append(self._stop_wait_inflight(deadline))
                 else:
-                    done.append(f"step {newest} could not be claimed (a rank is rewriting its slot)")
+                    done.append(f"step {newest} could not be claimed (a rank was rewriting its slot) or its metadata was unreadable")
         alive = [proc.rank for proc in self.watcher.ranks.values() if proc.alive()]
         newest_now = self.watcher.common_steps()
         on_disk = not newest_now or (self.persisted is not None and newest_now[0] <= self.persisted)
