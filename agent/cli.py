@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--serve-peers", action="store_true",
                         help="start the tcp replica server at once (set by the torchrun launcher)")
     parser.add_argument("--shutdown-timeout", type=float,
-                        default=float(os.environ.get(SHUTDOWN_TIMEOUT_ENV) or 20.0),
+                        default=float(os.environ.get(SHUTDOWN_TIMEOUT_ENV, "") or "20"),
                         help="on SIGTERM/SIGINT, persist for at most this many seconds before exiting "
                              f"(default: {SHUTDOWN_TIMEOUT_ENV}, else 20)")
     parser.add_argument("--log-level", default="INFO")

@@ -27,9 +27,8 @@ from easyckpt_wire.episode import Episode
 from easyckpt_wire.protocol import Kind, ProtocolError
 from easyckpt_wire.shm import list_slots
 
-from agent import policy
+from agent import persister, policy
 from agent.cluster import NodeReplication
-from agent import persister
 from agent.persister import (AuditLog, PersistStats, RankSnapshot, clean_leftovers, describe, lower_priority, persist,
                              persist_shards, rotate)
 from agent.watcher import SlotHolds, SlotInfo, Watcher
@@ -256,7 +255,7 @@ class Agent:
                         f"{self.save_dir} and is removed by the next agent")
             except persister.PersistAborted as exc:
                 exc.__traceback__ = None   # its frames hold the writers' locals: nothing may pin the slots' maps
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 -- a persist fails in many ways; logged by _finish_inflight_failed
                 self._finish_inflight_failed(step, exc)
                 self.given_up_on_stop = True
                 return f"the persist of step {step} failed ({exc})"
@@ -269,7 +268,7 @@ class Agent:
             return (f"the persist of step {step} was abandoned when shutdown_timeout ran out: its temporary "
                     f"directory was removed, newest on disk: "
                     f"{'nothing' if self.persisted is None else 'step ' + str(self.persisted)}")
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- a persist fails in many ways; logged by _finish_inflight_failed
             self._finish_inflight_failed(step, exc)
             self.given_up_on_stop = True
             return f"the persist of step {step} failed ({exc})"

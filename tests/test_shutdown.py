@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, Env, gone, run_cli, wait_for
 
-from easyckpt_wire import layout, owner, runtime
+from easyckpt_wire import layout, owner, protocol, runtime
 
 # One rank parked after its snapshots (training is over for the test's purposes, the process lives).
 # 8 MiB of state: at EASYCKPT_PERSIST_MBPS=2 one persist takes about 4 s.
@@ -52,20 +52,16 @@ def start_agent(env: Env, timeout: float, **extra: str) -> subprocess.Popen[byte
     """The agent as the test's own child, so that its exit code can be read (a rank would start it detached)."""
     job_dir = env.runtime_dir / layout_job_id(env)
     job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    log = open(job_dir / "agent.log", "ab")
-    try:
+    with open(job_dir / "agent.log", "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "agent", "--save-dir", str(env.save_dir), "--shm-dir",
                                  str(env.shm_dir), "--idle-timeout", "120", "--shutdown-timeout", str(timeout)],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 env=env.environ(**extra), cwd=str(ROOT))
-    finally:
-        log.close()
     wait_for(env.agent_alive, 30, "the agent to take its lock")
     return proc
 
 
 def layout_job_id(env: Env) -> str:
-    from easyckpt_wire import protocol
     return protocol.job_id_for(env.save_dir)
 
 
@@ -166,7 +162,7 @@ def test_a_second_run_on_the_same_save_dir_fails_at_construction_and_a_restart_a
         assert wait_ready(first) == "loaded None None"
         before = {p: p.stat().st_mtime_ns for p in env.slot_files()}
         second = subprocess.run([sys.executable, "-c", PARKED, str(env.save_dir), "1000", "2"], stdin=subprocess.DEVNULL,
-                                capture_output=True, text=True, timeout=120, env=env.environ(), cwd=str(ROOT))
+                                check=False, capture_output=True, text=True, timeout=120, env=env.environ(), cwd=str(ROOT))
         assert second.returncode != 0
         assert "SaveDirInUseError" in second.stderr and f"pid {first.pid}" in second.stderr, second.stderr[-2000:]
         assert str(env.save_dir.resolve()) in second.stderr and "own save_dir" in second.stderr
@@ -189,7 +185,7 @@ def test_the_same_process_may_build_a_new_checkpointer(env: Env) -> None:
     """One job per save_dir is about other processes: a loop that builds a new Checkpointer goes on."""
     code = ("import sys, easyckpt; a = easyckpt.Checkpointer(sys.argv[1], 1, 1000, 3); "
             "b = easyckpt.Checkpointer(sys.argv[1], 1, 1000, 3); b.close(); print('ok')")
-    proc = subprocess.run([sys.executable, "-c", code, str(env.save_dir)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", code, str(env.save_dir)], check=False, capture_output=True, text=True,
                           timeout=120, env=env.environ(), cwd=str(ROOT))
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
 
