@@ -6,7 +6,6 @@ detached and introduces the agents to each other through torchrun's rendezvous."
 from __future__ import annotations
 
 import argparse
-import fcntl
 import logging
 import os
 import sys
@@ -15,12 +14,27 @@ from pathlib import Path
 import psutil
 
 from easyckpt_wire import protocol
+from easyckpt_wire.runtime import remove_runtime_dir, take_lock
 from easyckpt_wire.shm import check_job_id, shm_dir
 
 from agent import persister
 from agent.server import Agent, AgentConfig
 
 logger = logging.getLogger("agent")
+
+SHUTDOWN_TIMEOUT_ENV = "EASYCKPT_AGENT_SHUTDOWN_TIMEOUT"
+KEEP_LOG_ENV = "EASYCKPT_KEEP_AGENT_LOG"   # 1: a job that ended cleanly keeps its runtime dir with agent.log
+
+
+class _Warned(logging.Handler):
+    """Remembers whether the agent logged a warning: then its log is worth keeping after a clean end."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen = True
 
 
 def _under_torchrun() -> bool:
@@ -47,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, help="tcp port of the replica server (default: EASYCKPT_AGENT_PORT, else any)")
     parser.add_argument("--serve-peers", action="store_true",
                         help="start the tcp replica server at once (set by the torchrun launcher)")
+    parser.add_argument("--shutdown-timeout", type=float,
+                        default=float(os.environ.get(SHUTDOWN_TIMEOUT_ENV, "") or "20"),
+                        help="on SIGTERM/SIGINT, persist for at most this many seconds before exiting "
+                             f"(default: {SHUTDOWN_TIMEOUT_ENV}, else 20)")
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -62,14 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     if _under_torchrun() and not args.serve_peers:
         launcher = [sys.executable, "-m", "easyckpt.agents", *(sys.argv[1:] if argv is None else argv)]
         os.execv(sys.executable, launcher)
-    job_dir = protocol.runtime_dir(job_id)
-    lock_fd = os.open(protocol.agent_lock_path(job_dir), os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    taken = take_lock(job_id)
+    if taken is None:
+        job_dir = protocol.runtime_dir(job_id)
         pid = (job_dir / "agent.pid").read_text().strip() if (job_dir / "agent.pid").exists() else "?"
         logger.info("an agent for job %s is already running (pid %s): nothing to do", job_id, pid)
         return 0
+    job_dir, lock_fd = taken
+    warned = _Warned()
+    logging.getLogger().addHandler(warned)
     # Persisting and hashing must not slow training down: their threads run at a lower priority
     # (persister.lower_priority); the loop that answers ranks and declares safe steps does not.
     persister.BACKGROUND_NICE = args.nice
@@ -85,12 +104,27 @@ def main(argv: list[str] | None = None) -> int:
                          idle_timeout=args.idle_timeout, persist_threads=args.persist_threads,
                          node_id=protocol.node_id(), bind_host=args.addr or protocol.advertised_address(),
                          port=args.port if args.port is not None else int(os.environ.get(protocol.AGENT_PORT_ENV, 0)),
-                         serve_peers=args.serve_peers)
+                         serve_peers=args.serve_peers, shutdown_timeout=args.shutdown_timeout)
+    agent: Agent | None = None
     try:
-        return Agent(config).run()
+        agent = Agent(config)
+        return agent.run()
     except KeyboardInterrupt:
         logger.info("interrupted")
         return 130
     finally:
         (job_dir / "agent.pid").unlink(missing_ok=True)
+        if agent is not None and agent.ended_cleanly:
+            # Nothing of the job is left in memory: its runtime dir goes too (issue 11: they piled up),
+            # except the log of a run that warned about something, or when asked to keep it.
+            keep = {"agent.log"} if warned.seen or os.environ.get(KEEP_LOG_ENV, "") not in ("", "0") else set()
+            try:
+                remove_runtime_dir(job_dir, keep=keep)
+            except OSError as exc:
+                logger.info("cannot remove the runtime directory %s: %s", job_dir, exc)
         os.close(lock_fd)
+        if agent is not None and agent.hung_writer:
+            # A write that does not return (a hung file system) would hang the interpreter's exit, which
+            # joins every worker thread; everything else is done.
+            logging.shutdown()
+            os._exit(0)

@@ -197,11 +197,26 @@ def lower_priority() -> None:
 _THROTTLE = _throttle_from_env()
 
 
+class PersistAborted(RuntimeError):
+    """The agent is shutting down and its shutdown_timeout ran out: the persist stops between two writes;
+    ``persist`` removes its temporary directory on the way out, so no partial iteration is left."""
+
+
+# Set by the agent's shutdown (agent.server): one persist runs at a time and abandoning it means the
+# process is about to exit, so one flag for the process is enough.
+ABORT = threading.Event()
+
+
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     while len(data):
         piece = data if _THROTTLE is None else data[:_Throttle.PIECE]
         if _THROTTLE is not None:
             _THROTTLE.take(len(piece))
+        if ABORT.is_set():   # checked after the pacing too: it may have slept for seconds
+            # No slice of the slot may live on in this frame: the exception's traceback keeps the frame, and
+            # a slice keeps the slot's mmap exported (BufferError when the agent closes it on its way out).
+            del data, piece
+            raise PersistAborted("persist abandoned: the agent is shutting down")
         written = os.pwrite(fd, piece, offset)
         data, offset = data[written:], offset + written
 

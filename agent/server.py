@@ -13,6 +13,8 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,7 @@ from easyckpt_wire.episode import Episode
 from easyckpt_wire.protocol import Kind, ProtocolError
 from easyckpt_wire.shm import list_slots
 
-from agent import policy
+from agent import persister, policy
 from agent.cluster import NodeReplication
 from agent.persister import (AuditLog, PersistStats, RankSnapshot, clean_leftovers, describe, lower_priority, persist,
                              persist_shards, rotate)
@@ -37,6 +39,7 @@ logger = logging.getLogger(__name__)
 # slot back (a broken or starved backup must not stop their snapshots); a later step is tried instead.
 PENDING_LIMIT = 5.0
 LOOP_STALL_WARN = 1.0   # seconds one loop step may take before the log says so
+ABORT_TIMEOUT = 10.0    # an abandoned persist must stop within this long after its writers are told to
 
 @dataclasses.dataclass(kw_only=True)
 class AgentConfig:
@@ -54,6 +57,9 @@ class AgentConfig:
     bind_host: str = "127.0.0.1"         # the replica server's address (multi-node jobs only)
     port: int = 0                        # 0: any free port
     serve_peers: bool = False            # start the replica server at once (standalone agents under torchrun)
+    # SIGTERM/SIGINT: how long the agent may go on persisting before it exits. Under Kubernetes the pod
+    # is killed 30 s after its SIGTERM (terminationGracePeriodSeconds), under systemd 90 s.
+    shutdown_timeout: float = 20.0
 
     def __post_init__(self) -> None:
         if self.save_storage_interval < 0:
@@ -64,6 +70,8 @@ class AgentConfig:
             raise ValueError(f"persist_threads must be >= 1, got {self.persist_threads}")
         if self.idle_timeout <= 0 or self.poll_interval <= 0:
             raise ValueError("idle_timeout and poll_interval must be positive")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
 
 
 @dataclasses.dataclass(slots=True)
@@ -111,6 +119,10 @@ class Agent:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
         self.started = time.time()
+        self.stop_signal: int | None = None   # SIGTERM/SIGINT received: the loop ends and _stop() runs
+        self.given_up_on_stop = False   # _stop() abandoned a persist or saw one fail
+        self.hung_writer = False     # an abandoned persist's thread did not stop: the process must not join it
+        self.ended_cleanly = False   # the job is over and nothing of it is left in memory: its runtime dir can go
         self.holds = SlotHolds()
         # Multi-node only: started by the first HELLO of a job spanning nodes, active once PEERS arrives.
         self.cluster = NodeReplication(node=config.node_id, bind_host=config.bind_host, port=config.port,
@@ -135,8 +147,12 @@ class Agent:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
+        previous = self._install_signal_handlers()
         try:
             while True:
+                if self.stop_signal is not None:
+                    self._stop()
+                    break
                 ready = dict(poller.poll(int(self.config.poll_interval * 1000)))
                 if wake in ready:
                     self._drain_wake(wake)
@@ -152,7 +168,118 @@ class Agent:
         finally:
             os.close(wake)
             self._shutdown()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         return 0
+
+    # shutdown on a signal -------------------------------------------------------------------------------
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}   # an agent run inside a test's thread: signals are the host process's business
+        previous: dict[int, Any] = {}
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, self._on_signal)
+        return previous
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.stop_signal is not None:
+            # A second signal: stop waiting for the disk (the write loop checks the flag between writes).
+            persister.ABORT.set()
+            return
+        self.stop_signal = signum
+
+    def _stop(self) -> None:
+        """SIGTERM/SIGINT: finish (or, past shutdown_timeout, abandon) the persist in flight, persist the
+        newest snapshot every local rank holds if disk lacks it and time is left, then let go of the slots
+        only if nothing in them is newer than disk and no rank of the job still runs. One log line says
+        what happened."""
+        name = signal.Signals(self.stop_signal or signal.SIGTERM).name
+        timeout = self.config.shutdown_timeout
+        deadline = time.monotonic() + timeout
+        done: list[str] = []
+        self.given_up_on_stop = False
+        if self.inflight is not None:
+            done.append(self._stop_wait_inflight(deadline))
+        self.watcher.scan(relist_every=0)
+        common = self.watcher.common_steps()
+        newest = common[0] if common else None
+        if newest is not None and newest > self._floor():
+            if self.cluster.peers is not None:
+                done.append(f"step {newest} not persisted (a multi-node iteration needs every node's files)")
+            elif time.monotonic() >= deadline:
+                done.append(f"no time left to persist step {newest} (shutdown_timeout={timeout:g}s)")
+            else:
+                ranks = self.watcher.local_ranks()
+                self._release_claims(lambda s: s != newest)
+                if self._claim_all(newest, ranks, {rank: self.watcher.committed(rank) for rank in ranks}):
+                    self.watcher.scan(relist_every=0)   # the claimed slots' metadata for the persister
+                    self._start_ready_persist()
+                if self.inflight is not None:
+                    done.append(self._stop_wait_inflight(deadline))
+                else:
+                    done.append(f"step {newest} could not be claimed (a rank was rewriting its slot) or its metadata was unreadable")
+        alive = [proc.rank for proc in self.watcher.ranks.values() if proc.alive()]
+        newest_now = self.watcher.common_steps()
+        on_disk = not newest_now or (self.persisted is not None and newest_now[0] <= self.persisted)
+        if alive:
+            done.append(f"slots kept: rank(s) {alive} still run")
+        elif on_disk:
+            self._unlink_slots()
+            self.ended_cleanly = True
+            done.append("slots unlinked (everything in them is on disk)")
+        else:
+            done.append(f"slots kept in {self.config.shm_dir}: step {newest_now[0]} is newer than disk "
+                        f"({self.persisted}); resume from them by restarting the job, or remove them with "
+                        f"`easyckpt clean --job-id {self.config.job_id}`")
+        # A warning only when something is left undone (memory newer than disk, a persist abandoned or failed).
+        level = logging.INFO if self.ended_cleanly or (alive and on_disk and not self.given_up_on_stop) else logging.WARNING
+        logger.log(level, "agent stopped by %s (shutdown_timeout=%gs, %.1fs used): %s; exiting with 0", name, timeout,
+                   timeout - max(0.0, deadline - time.monotonic()), "; ".join(done))
+
+    def _stop_wait_inflight(self, deadline: float) -> str:
+        """Wait for the persist in flight until ``deadline``, then abandon it; says which happened."""
+        assert self.inflight is not None
+        step, future = self.inflight
+        try:
+            future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            persister.ABORT.set()
+            try:   # the writers stop at their next write (at most one 4 MiB piece, or one fsync, away)
+                future.result(timeout=ABORT_TIMEOUT)
+            except concurrent.futures.TimeoutError:
+                self.inflight = None
+                self.given_up_on_stop = True
+                self.hung_writer = True
+                return (f"the persist of step {step} did not stop within {ABORT_TIMEOUT:g}s of being abandoned "
+                        f"(abort timeout; a write or fsync hangs): its temporary directory may be left in "
+                        f"{self.save_dir} and is removed by the next agent")
+            except persister.PersistAborted as exc:
+                exc.__traceback__ = None   # its frames hold the writers' locals: nothing may pin the slots' maps
+            except Exception as exc:  # noqa: BLE001 -- a persist fails in many ways; logged by _finish_inflight_failed
+                self._finish_inflight_failed(step, exc)
+                self.given_up_on_stop = True
+                return f"the persist of step {step} failed ({exc})"
+            else:   # it was past its last write when told to stop
+                self._finish_inflight()
+                return f"finished the persist of step {step} (past shutdown_timeout: it was too far along to stop)"
+            self.inflight = None
+            self.given_up_on_stop = True
+            self._release_claims(lambda s: s <= step)
+            return (f"the persist of step {step} was abandoned when shutdown_timeout ran out: its temporary "
+                    f"directory was removed, newest on disk: "
+                    f"{'nothing' if self.persisted is None else 'step ' + str(self.persisted)}")
+        except Exception as exc:  # noqa: BLE001 -- a persist fails in many ways; logged by _finish_inflight_failed
+            self._finish_inflight_failed(step, exc)
+            self.given_up_on_stop = True
+            return f"the persist of step {step} failed ({exc})"
+        self._finish_inflight()
+        return f"finished the persist of step {step}"
+
+    def _finish_inflight_failed(self, step: int, exc: BaseException) -> None:
+        logger.error("persist of step %d to %s failed: %s", step, self.save_dir, exc)
+        self.inflight = None
+        self.given_up = max(self.given_up, step)
+        self._release_claims(lambda s: s <= step)
 
     def _open_wake(self) -> int:
         path = protocol.wake_path(self.config.job_dir)
@@ -182,6 +309,7 @@ class Agent:
         if self.watcher.all_said_bye():
             logger.info("every local rank finished cleanly: exiting")
             self._unlink_slots()
+            self.ended_cleanly = True
             return True
         if self.watcher.any_alive():
             self.no_rank_since = None
@@ -195,6 +323,7 @@ class Agent:
             logger.info("no rank alive for %.0fs and the newest snapshot is on disk: exiting",
                         self.config.idle_timeout)
             self._unlink_slots()
+            self.ended_cleanly = True
         else:
             logger.warning("no rank alive for %.0fs; step %d is only in memory, its slots are kept in %s",
                            self.config.idle_timeout, newest[0], self.config.shm_dir)
@@ -219,7 +348,7 @@ class Agent:
     def _shutdown(self) -> None:
         self._release_claims(lambda step: True)
         self._release_safe()
-        self.pool.shutdown(wait=True)
+        self.pool.shutdown(wait=not self.hung_writer, cancel_futures=True)
         self.cluster.close()
         self._answer_waiters(force=True)
         for step in self.flush_wanted:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from easyckpt.slots import ShmSpaceError
     from easyckpt.storage import CheckpointCorruptError
     from easyckpt_wire.layout import CheckpointFormatError
+    from easyckpt_wire.owner import SaveDirInUseError
 
 __all__ = [
     "CheckpointCorruptError",
@@ -25,6 +26,7 @@ __all__ = [
     "FlushResult",
     "LoadError",
     "LoadResult",
+    "SaveDirInUseError",
     "ShmSpaceError",
     "StateMismatchError",
 ]
@@ -39,6 +41,7 @@ _LAZY = {
     "ShmSpaceError": "easyckpt.slots",
     "CheckpointCorruptError": "easyckpt.storage",
     "CheckpointFormatError": "easyckpt_wire.layout",
+    "SaveDirInUseError": "easyckpt_wire.owner",
 }
 # An eager ``import easyckpt`` used to load these submodules as a side effect, and user code relies on
 # it (``import easyckpt; easyckpt.state.flatten(...)``); ``megatron`` and ``transformers`` were never

@@ -95,6 +95,8 @@ class AgentClient:
                    "--max-ckpt-num", str(self.hello_fields["max_ckpt_num"])]
         if self.hello_fields.get("log_file_path"):
             command += ["--log-file", self.hello_fields["log_file_path"]]
+        # Again: an agent that ended cleanly removed the directory (a later Checkpointer of this process).
+        protocol.runtime_dir(self.job_id)
         with open(self.job_dir / "agent.log", "ab") as log:
             proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True, close_fds=True, env=env, cwd="/")

@@ -26,6 +26,7 @@ from easyckpt.recovery import LoadResult, load
 from easyckpt.replica import PeerSet, introduce
 from easyckpt.slots import RankSlots
 from easyckpt.stager import Stager
+from easyckpt_wire import owner, protocol
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,9 @@ class Checkpointer:
                            self.rank, self.world_size)
         config = self.config
         assert config.shm_dir is not None and config.job_id is not None
+        # Before anything touches the slots or says HELLO: a second live run on this save_dir must fail
+        # here, not resume out of the first one's memory and write into it (owner.SaveDirInUseError).
+        owner.claim(protocol.runtime_dir(config.job_id), config.job_id, self.rank, config.save_dir)
         self.slots = RankSlots(config.shm_dir, config.job_id, self.rank, self.world_size, self.local_world_size,
                                config.slots)
         self.agent = AgentClient(
@@ -201,6 +205,7 @@ class Checkpointer:
         self.stager.close()
         reply = self.agent.close(wait=True, timeout=self.config.close_timeout)
         self.slots.close()
+        owner.release(self.agent.job_dir, self.rank)
         logger.info("easyckpt rank %d closed: %d snapshots, %d skipped, newest on disk: %s", self.rank,
                     self.stager.committed, self.stager.skipped, reply.get("persisted") if reply else "unknown")
 

@@ -1,4 +1,5 @@
-"""``easyckpt ls DIR | verify DIR | status [SAVE_DIR] | convert``: look at checkpoints and at the node agent.
+"""``easyckpt ls DIR | verify DIR | status [SAVE_DIR] | clean SAVE_DIR | convert``: look at checkpoints and at
+the node agent, and free what a job left in memory.
 
 Only ``verify`` and ``convert`` import torch (through ``easyckpt.storage``): ``--help``, ``ls`` and
 ``status`` must answer at once, so nothing imported at module level may pull it in.
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from easyckpt.agent_client import AgentTimeout, query_status
-from easyckpt_wire import layout, protocol
+from easyckpt_wire import layout, owner, protocol, runtime
 from easyckpt_wire.control import control_path
 from easyckpt_wire.shm import (
     HEADER_SIZE,
@@ -118,6 +119,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             if entry is not None:
                 entries.append(entry)
                 code = max(code, job_code)
+            else:
+                _prune(job)
     if args.json:
         print(json.dumps(entries, indent=2))
         return code
@@ -152,20 +155,139 @@ def _probe(job: Path, timeout: float, *, named: bool) -> tuple[dict[str, Any] | 
         return None, 0
     directory = shm_dir()
     control = control_path(directory, job_id)
-    quoted = shlex.quote(str(directory))
     entry: dict[str, Any] = {
         "job_id": job_id, "job_dir": str(job), "job_state": "recoverable" if slots else "no agent",
         "shm_dir": str(directory), "slot_files": slots,
         # The agent's control block goes with the slots: a block left alone would hand a later run of the
         # job a safe step whose slots are gone.
         "control_file": str(control) if control.exists() else None,
-        # The exact pattern of shm.slot_path: a bare "-r*" would also match job ids such as "<id>-r1".
-        "remove": f"rm -f {quoted}/easyckpt-{job_id}-r{'[0-9]' * 6}-s[0-9] {shlex.quote(str(control))}",
+        "remove": _clean_command(job, job_id),
+        "save_dir": _recorded_save_dir(job, job_id),
     }
+    if entry["save_dir"] is not None and Path(entry["save_dir"]).is_dir():
+        entry["persisted_step"] = max((step for step, _ in layout.complete_iterations(Path(entry["save_dir"]))),
+                                      default=None)
     if named:  # asked about this job by name: "no agent" is the answer, with exit 1 as before
         entry["error"] = error
         return entry, 1
     return entry, 0
+
+
+def _recorded_save_dir(job: Path, job_id: str) -> str | None:
+    """The job's save_dir as its ranks recorded it (owner files), if they agree and it maps to ``job_id``."""
+    save_dirs = set()
+    for rank, path in owner.list_owner_files(job).items():
+        recorded = owner.read_owner(path, rank)
+        if recorded is not None:
+            save_dirs.add(recorded.save_dir)
+    if len(save_dirs) == 1 and protocol.job_id_for(next(iter(save_dirs))) == job_id:
+        return next(iter(save_dirs))
+    return None
+
+
+def _clean_command(job: Path, job_id: str) -> str:
+    """The ``easyckpt clean`` line that removes this job's slots and runtime directory: by save_dir when a
+    rank recorded it, else by job id, with the node id the directory name carries."""
+    _, _, node = job.name.partition("@")
+    prefix = f"{protocol.NODE_ID_ENV}={shlex.quote(node)} " if node else ""
+    save_dir = _recorded_save_dir(job, job_id)
+    if save_dir is not None:
+        return f"{prefix}easyckpt clean {shlex.quote(save_dir)}"
+    return f"{prefix}easyckpt clean --job-id {shlex.quote(job_id)}"
+
+
+def _prune(job: Path) -> bool:
+    """Remove the runtime directory of a job that is over (no agent, no slot, no live rank, left alone for
+    runtime.STALE_AFTER); the agent removes its own at a clean end, this catches crashed and older ones."""
+    try:
+        names = os.listdir(job)
+    except OSError:
+        return False
+    job_id = job.name.partition("@")[0]
+    if not runtime.prunable(names, age=time.time() - runtime.newest_mtime(job), agent_running=protocol.agent_running(job),
+                            slots=len(list_slots(shm_dir(), job_id)), live_ranks=len(owner.live_owners(job))):
+        return False
+    fd = runtime.lock_existing(job)
+    if fd is None:
+        return False
+    try:
+        return runtime.remove_runtime_dir(job, keep=set())
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def cmd_clean(args: argparse.Namespace) -> int:
+    """Remove a job's slot files, control block and runtime directory once none of its processes lives."""
+    save_dir = args.save_dir_pos or args.save_dir
+    if args.save_dir_pos and args.save_dir and Path(args.save_dir_pos).resolve() != Path(args.save_dir).resolve():
+        print(f"clean: SAVE_DIR {args.save_dir_pos} and --save-dir {args.save_dir} differ: give one of them",
+              file=sys.stderr)
+        return 2
+    if not (save_dir or args.job_id):
+        print("clean: give the job's SAVE_DIR (or --job-id)", file=sys.stderr)
+        return 2
+    job_id = args.job_id or protocol.job_id_for(save_dir)
+    job = protocol.runtime_base() / protocol.job_dir_name(job_id)
+    what = f"job {job_id}" + (f" (save_dir {save_dir})" if save_dir else "")
+    alive = _live_processes(job)
+    if alive:
+        print(f"clean: {what} is still running: {', '.join(alive)}. Its slots are in use; stop those processes "
+              f"(or let the job end) and run this again", file=sys.stderr)
+        return 1
+    fd = runtime.lock_existing(job) if job.is_dir() else None
+    if job.is_dir() and fd is None and protocol.agent_running(job):
+        print(f"clean: the agent of {what} started meanwhile: {', '.join(_live_processes(job))}; nothing removed",
+              file=sys.stderr)
+        return 1
+    try:
+        directory = shm_dir()
+        slots = _slot_files(job_id)
+        removed, freed = 0, 0
+        steps = sorted({s["step"] for s in slots if s["step"] is not None})
+        for slot in slots:
+            Path(slot["path"]).unlink(missing_ok=True)
+            removed += 1
+            freed += slot["memory_bytes"]
+            print(f"removed {slot['path']} (rank {slot['rank']} slot {slot['slot']}, "
+                  f"{'step ' + str(slot['step']) if slot['step'] is not None else slot['state']}, "
+                  f"{format_bytes(slot['memory_bytes'])})")
+        control = control_path(directory, job_id)
+        if control.exists():
+            control.unlink(missing_ok=True)
+            removed += 1
+            print(f"removed {control} (the agent's control block)")
+        if job.is_dir():
+            if runtime.remove_runtime_dir(job, keep=set()):
+                print(f"removed {job} (runtime directory)")
+            else:
+                print(f"kept {job}: it holds files that are not easyckpt's")
+            removed += 1
+    finally:
+        if fd is not None:
+            os.close(fd)
+    if not removed:
+        print(f"nothing to clean for {what} (no slot in {directory}, no runtime directory in {job.parent})")
+        return 0
+    on_disk = layout.read_tracker(Path(save_dir)) if save_dir and Path(save_dir).is_dir() else None
+    print(f"freed {format_bytes(freed)} of shared memory" + (
+        f"; the snapshots of step(s) {', '.join(map(str, steps))} are gone" if steps else "")
+        + (f"; newest on disk: step {on_disk}" if save_dir else ""))
+    return 0
+
+
+def _live_processes(job: Path) -> list[str]:
+    """The job's live processes on this node, as 'agent pid N' and 'rank R pid N'."""
+    alive = []
+    if protocol.agent_running(job):
+        try:
+            pid = (job / "agent.pid").read_text().strip()
+        except OSError:
+            pid = "?"
+        alive.append(f"agent pid {pid}")
+    alive += [f"rank {o.rank} pid {o.pid}" for o in owner.live_owners(job)]
+    return alive
 
 
 def _slot_files(job_id: str) -> list[dict[str, Any]]:
@@ -214,6 +336,11 @@ def _print_recoverable(entry: dict[str, Any]) -> None:
               + (f"; {slot['error']}" if "error" in slot else ""))
     if entry["control_file"]:
         print(f"  {entry['control_file']}: the agent's control block")
+    if "persisted_step" in entry:
+        on_disk = entry["persisted_step"]
+        newer = [step for step in steps if on_disk is None or step > on_disk]
+        print(f"  newest on disk in {entry['save_dir']}: " + ("nothing" if on_disk is None else f"step {on_disk}")
+              + (f"; only in memory: step(s) {', '.join(map(str, newer))}" if newer else "; nothing newer in memory"))
     if steps:
         print(f"  they hold snapshots of step(s) {', '.join(map(str, steps))}, not necessarily on disk (see "
               f"`easyckpt ls SAVE_DIR`): restart the job with the same save_dir (and {protocol.JOB_ID_ENV}, if it "
@@ -311,6 +438,14 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--timeout", type=float, default=5.0)
     status.set_defaults(func=cmd_status)
+    clean = sub.add_parser("clean", help="remove a job's slots in shared memory and its runtime directory",
+                           description="Removes the slot files, the agent's control block and the runtime "
+                                       "directory of a job whose agent and ranks are gone (snapshots not on disk "
+                                       "are lost). Refuses, naming the pids, while a process of the job lives.")
+    clean.add_argument("save_dir_pos", nargs="?", metavar="SAVE_DIR", help="the job's save_dir")
+    clean.add_argument("--save-dir", help="the same as SAVE_DIR")
+    clean.add_argument("--job-id", help="the job id (EASYCKPT_JOB_ID), instead of SAVE_DIR")
+    clean.set_defaults(func=cmd_clean)
     convert = sub.add_parser("convert", help="write a checkpoint in another framework's native format")
     convert.add_argument("--to", required=True, choices=["megatron"], help="target format")
     convert.add_argument("src", help="an easyckpt save_dir (its newest complete iteration) or one iteration_N directory")

@@ -69,7 +69,10 @@ class Env:
         self.tmp_path = tmp_path
 
     def vars(self) -> dict[str, str]:
-        return {"EASYCKPT_SHM_DIR": str(self.shm_dir), "EASYCKPT_RUNTIME_DIR": str(self.runtime_dir)}
+        # The agent log stays for the tests' post-mortems: an agent that ended cleanly would remove its runtime
+        # directory, log included (tests/test_shutdown.py unsets this to check that).
+        return {"EASYCKPT_SHM_DIR": str(self.shm_dir), "EASYCKPT_RUNTIME_DIR": str(self.runtime_dir),
+                "EASYCKPT_KEEP_AGENT_LOG": "1"}
 
     def environ(self, **extra: str) -> dict[str, str]:
         env = dict(os.environ)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -204,14 +205,14 @@ def test_status_without_any_job_exits_0_with_one_line(env: Env) -> None:
 
 @pytest.mark.timeout(120)
 def test_status_lists_live_jobs_and_skips_a_finished_one(env: Env, tmp_path: Path) -> None:
-    # A finished job: its agent exited after the last rank's goodbye and unlinked the slots, but the
-    # job's runtime directory (lock, socket, log) stays behind.
+    # A finished job: its agent exited after the last rank's goodbye, unlinked the slots and removed its
+    # runtime directory but for the log (EASYCKPT_KEEP_AGENT_LOG=1, as every test here asks).
     finished = easyckpt.Checkpointer(tmp_path / "finished", save_mem_interval=2, save_storage_interval=2,
                                      max_ckpt_num=2, agent_idle_timeout=30.0)
     finished.close()
     env.wait_agent_gone()
     stale = env.job_dir()
-    assert (stale / "agent.sock").exists() and not slot_files(env)
+    assert sorted(os.listdir(stale)) == ["agent.log"] and not slot_files(env)
     proc = run_cli("status", env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("no easyckpt job is running") and len(proc.stdout.splitlines()) == 1, proc.stdout
@@ -276,8 +277,7 @@ def test_status_lists_a_recoverable_job_with_its_slot_files_and_how_to_free_them
                   for line in lines if "step" in line) == ["1", "2"], out
     assert "snapshots of step(s) 1, 2, not necessarily on disk" in out, out
     remove = out.splitlines()[-1].strip()
-    control = env.shm_dir / f"easyckpt-{job}-control"
-    assert remove == f"rm -f {env.shm_dir}/easyckpt-{job}-r{'[0-9]' * 6}-s[0-9] {control}", out
+    assert remove == f"easyckpt clean {env.save_dir.resolve()}", out
 
     report = json.loads(run_cli("status", "--json", env=env).stdout)
     assert len(report) == 1 and report[0]["job_state"] == "recoverable" and report[0]["remove"] == remove
@@ -291,8 +291,10 @@ def test_status_lists_a_recoverable_job_with_its_slot_files_and_how_to_free_them
     named = run_cli("status", str(env.save_dir), env=env)  # named: "no agent" is still exit 1, with the slots
     assert named.returncode == 1 and "no agent is running" in named.stdout and str(slots[0]) in named.stdout
 
-    subprocess.run(remove, shell=True, check=True, timeout=30)  # the printed command, as a user would run it
-    assert env.slot_files() == []
+    # The printed command, as a user would run it (through this interpreter, installed or not).
+    subprocess.run([sys.executable, "-m", "easyckpt.cli", *shlex.split(remove)[1:]], check=True, timeout=30,
+                   env=env.environ())
+    assert env.shm_files() == [] and list(env.runtime_dir.iterdir()) == []
     after = run_cli("status", env=env)
     assert after.returncode == 0 and after.stdout.startswith("no easyckpt job is running"), after.stdout
 
@@ -351,7 +353,7 @@ def test_console_scripts_help_exit_0(env: Env, script: str, expect: str) -> None
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("args", [["--help"], ["ls", "EMPTY"], ["status"], ["status", "EMPTY"]])
+@pytest.mark.parametrize("args", [["--help"], ["ls", "EMPTY"], ["status"], ["status", "EMPTY"], ["clean", "EMPTY"]])
 def test_cli_commands_without_torch_do_not_import_it(env: Env, args: list[str]) -> None:
     """--help, ls and status must not pay torch's import (seconds): checked with -X importtime, not a clock."""
     empty = env.tmp_path / "empty"

@@ -1,0 +1,272 @@
+"""Issue 11, items 5-7: SIGTERM to the node agent, one job per save_dir, and what ``easyckpt status`` and
+``easyckpt clean`` say and do about what a job left behind. Real processes, real signals, real kill -9."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, Env, gone, run_cli, wait_for
+
+from easyckpt_wire import layout, owner, protocol, runtime
+
+# One rank parked after its snapshots (training is over for the test's purposes, the process lives).
+# 8 MiB of state: at EASYCKPT_PERSIST_MBPS=2 one persist takes about 4 s.
+PARKED = """
+import sys, torch, easyckpt
+ck = easyckpt.Checkpointer(sys.argv[1], 1, int(sys.argv[2]), 3, agent_idle_timeout=120.0)
+result = ck.load()
+print("loaded", result.step, result.source, flush=True)
+for step in range(1, int(sys.argv[3]) + 1):
+    ck.save_if_needed(step, {"w": torch.full((2 << 20,), float(step)), "step": step})
+    ck.wait()
+print("ready", flush=True)
+sys.stdin.read()  # parked until the test closes stdin or kills it
+if "close" in sys.argv[4:]:
+    ck.close()
+"""
+
+
+def start_rank(env: Env, *args: str, **extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-c", PARKED, str(env.save_dir), *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env.environ(**extra),
+                            cwd=str(ROOT))
+
+
+def wait_ready(proc: subprocess.Popen[str]) -> str:
+    """The rank's 'loaded ...' line, once it printed 'ready' (a readline blocks: bounded by the test timeout)."""
+    assert proc.stdout is not None
+    loaded = proc.stdout.readline().strip()
+    ready = proc.stdout.readline().strip()
+    assert ready == "ready", f"{loaded!r} {ready!r} {proc.stderr.read() if proc.poll() is not None and proc.stderr else ''}"
+    return loaded
+
+
+def start_agent(env: Env, timeout: float, **extra: str) -> subprocess.Popen[bytes]:
+    """The agent as the test's own child, so that its exit code can be read (a rank would start it detached)."""
+    job_dir = env.runtime_dir / layout_job_id(env)
+    job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with open(job_dir / "agent.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "agent", "--save-dir", str(env.save_dir), "--shm-dir",
+                                 str(env.shm_dir), "--idle-timeout", "120", "--shutdown-timeout", str(timeout)],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                env=env.environ(**extra), cwd=str(ROOT))
+    wait_for(env.agent_alive, 30, "the agent to take its lock")
+    return proc
+
+
+def layout_job_id(env: Env) -> str:
+    return protocol.job_id_for(env.save_dir)
+
+
+def tmp_dirs(env: Env) -> list[str]:
+    return [p.name for p in env.save_dir.iterdir() if p.name.startswith(layout.TMP_PREFIX)] \
+        if env.save_dir.is_dir() else []
+
+
+def complete(env: Env) -> list[int]:
+    return [step for step, _ in layout.complete_iterations(env.save_dir)]
+
+
+def kill(proc: subprocess.Popen[str] | subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=30)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("time_allows", [True, False], ids=["time-allows", "timeout-runs-out"])
+def test_sigterm_to_the_agent_during_a_persist(env: Env, time_allows: bool) -> None:
+    """SIGTERM while step 2 is being persisted (slowly): with time, the agent finishes it and persists step 3,
+    the newest snapshot; without, it abandons the persist and removes its temporary directory. Either way
+    it exits 0 with one line saying so, disk holds only complete iterations, the slots stay (the rank
+    lives), status lists them with their size and the clean command, and clean refuses until the rank is
+    gone, then removes everything."""
+    agent = start_agent(env, 30.0 if time_allows else 0.5, EASYCKPT_PERSIST_MBPS="2")
+    rank = start_rank(env, "2", "3")
+    try:
+        assert wait_ready(rank) == "loaded None None"
+        wait_for(lambda: tmp_dirs(env), 30, "the persist of step 2 to start")
+        assert complete(env) == [], "the persist must still be in flight when the signal comes"
+        agent.send_signal(signal.SIGTERM)
+        code = agent.wait(timeout=60)
+        log = (env.job_dir() / "agent.log").read_text()
+        assert code == 0, log[-3000:]
+        lines = [line for line in log.splitlines() if "agent stopped by SIGTERM" in line]
+        assert len(lines) == 1, log[-3000:]
+        assert tmp_dirs(env) == [], "no partial iteration may be left behind"
+        if time_allows:
+            assert "finished the persist of step 2" in lines[0] and "finished the persist of step 3" in lines[0]
+            assert complete(env) == [2, 3] and layout.read_tracker(env.save_dir) == 3
+        else:
+            assert "the persist of step 2 was abandoned when shutdown_timeout ran out" in lines[0], lines[0]
+            assert "no time left to persist step 3 (shutdown_timeout=0.5s)" in lines[0], lines[0]
+            assert complete(env) == [] and not any(p.name.startswith("iteration_") for p in env.save_dir.iterdir())
+        assert "slots kept: rank(s) [0] still run" in lines[0]
+        slots = env.slot_files()
+        assert len(slots) == 3
+
+        status = run_cli("status", env=env)
+        assert status.returncode == 0, status.stdout + status.stderr
+        for path in slots:
+            assert re.search(rf"{re.escape(str(path))}: rank 0 slot \d, step \d, \d+\.\d MiB", status.stdout), status.stdout
+        assert status.stdout.splitlines()[-1].strip() == f"easyckpt clean {env.save_dir.resolve()}", status.stdout
+        disk = f"newest on disk in {env.save_dir.resolve()}: "
+        assert (disk + ("step 3; nothing newer in memory" if time_allows else "nothing; only in memory: step(s) ")) \
+            in status.stdout, status.stdout
+
+        refused = run_cli("clean", str(env.save_dir), env=env)
+        assert refused.returncode == 1 and f"rank 0 pid {rank.pid}" in refused.stderr, refused.stdout + refused.stderr
+        assert env.slot_files() == slots, "a refused clean removes nothing"
+    finally:
+        kill(rank)
+        kill(agent)
+    cleaned = run_cli("clean", "--save-dir", str(env.save_dir), env=env)
+    assert cleaned.returncode == 0, cleaned.stdout + cleaned.stderr
+    assert "freed" in cleaned.stdout and env.shm_files() == [] and list(env.runtime_dir.iterdir()) == []
+    assert complete(env) == ([2, 3] if time_allows else [])
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_after_the_job_ended_leaves_nothing(env: Env) -> None:
+    """The rank is gone (killed) and its newest snapshot is on disk: a SIGTERMed agent unlinks the slots and
+    removes its runtime directory but for its log (a rank died without closing: worth a post-mortem)."""
+    rank = start_rank(env, "1", "2", EASYCKPT_KEEP_AGENT_LOG="0")
+    try:
+        wait_ready(rank)
+        pid = wait_for(env.agent_pid, 30, "the agent's pid file")
+        os.kill(rank.pid, signal.SIGKILL)
+        rank.wait(timeout=30)
+        # Step 2 is on disk either as due or by the flush on failure (when it was passed over while step 1
+        # was persisted): then the newest snapshot is durable and nothing in memory is worth keeping.
+        wait_for(lambda: complete(env)[-1:] == [2], 60, "step 2 on disk")
+        os.kill(pid, signal.SIGTERM)
+        wait_for(lambda: gone(pid), 60, "the agent to exit")
+    finally:
+        kill(rank)
+    assert env.shm_files() == [] and sorted(os.listdir(env.job_dir())) == ["agent.log"]
+    log = (env.job_dir() / "agent.log").read_text()
+    assert "agent stopped by SIGTERM" in log and "slots unlinked (everything in them is on disk)" in log, log[-2000:]
+
+
+@pytest.mark.timeout(180)
+def test_a_second_run_on_the_same_save_dir_fails_at_construction_and_a_restart_after_kill_adopts(env: Env) -> None:
+    first = start_rank(env, "1000", "2")
+    try:
+        assert wait_ready(first) == "loaded None None"
+        before = {p: p.stat().st_mtime_ns for p in env.slot_files()}
+        second = subprocess.run([sys.executable, "-c", PARKED, str(env.save_dir), "1000", "2"], stdin=subprocess.DEVNULL,
+                                check=False, capture_output=True, text=True, timeout=120, env=env.environ(), cwd=str(ROOT))
+        assert second.returncode != 0
+        assert "SaveDirInUseError" in second.stderr and f"pid {first.pid}" in second.stderr, second.stderr[-2000:]
+        assert str(env.save_dir.resolve()) in second.stderr and "own save_dir" in second.stderr
+        assert "loaded" not in second.stdout, "the second run must not resume out of the first one's slots"
+        assert {p: p.stat().st_mtime_ns for p in env.slot_files()} == before, "the second run touched the slots"
+        assert first.poll() is None
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(timeout=30)
+        restarted = start_rank(env, "1000", "2")
+        try:
+            assert wait_ready(restarted) == "loaded 2 memory"
+        finally:
+            kill(restarted)
+    finally:
+        kill(first)
+
+
+@pytest.mark.timeout(120)
+def test_the_same_process_may_build_a_new_checkpointer(env: Env) -> None:
+    """One job per save_dir is about other processes: a loop that builds a new Checkpointer goes on."""
+    code = ("import sys, easyckpt; a = easyckpt.Checkpointer(sys.argv[1], 1, 1000, 3); "
+            "b = easyckpt.Checkpointer(sys.argv[1], 1, 1000, 3); b.close(); print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code, str(env.save_dir)], check=False, capture_output=True, text=True,
+                          timeout=120, env=env.environ(), cwd=str(ROOT))
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_job_that_ends_cleanly_leaves_no_runtime_dir(env: Env) -> None:
+    rank = start_rank(env, "1", "2", "close", EASYCKPT_KEEP_AGENT_LOG="0")
+    try:
+        wait_ready(rank)
+        assert rank.stdin is not None
+        rank.stdin.close()
+        assert rank.wait(timeout=60) == 0
+        wait_for(lambda: not env.agent_alive(), 60, "the agent to exit after the goodbye")
+    finally:
+        kill(rank)
+    assert complete(env)[-1] == 2
+    assert env.shm_files() == [] and list(env.runtime_dir.iterdir()) == []
+
+
+def make_job_dir(base: Path, name: str, files: list[str], age: float) -> Path:
+    job = base / name
+    job.mkdir(mode=0o700)
+    for file in files:
+        (job / file).write_text("x")
+    stamp = time.time() - age
+    for path in [*job.iterdir(), job]:
+        os.utime(path, (stamp, stamp))
+    return job
+
+
+@pytest.mark.timeout(120)
+def test_status_without_args_lists_recoverable_jobs_and_prunes_stale_runtime_dirs(env: Env) -> None:
+    base = env.runtime_dir
+    stale = make_job_dir(base, "aaaa000000000001", ["agent.sock", "agent.pid", "agent.lock", "agent.log"], 300)
+    fresh = make_job_dir(base, "aaaa000000000002", ["agent.sock", "agent.lock"], 0)
+    kept_log = make_job_dir(base, "aaaa000000000003", ["agent.log"], 3600)
+    old_log = make_job_dir(base, "aaaa000000000004", ["agent.log"], runtime.LOG_RETENTION + 60)
+    foreign = make_job_dir(base, "aaaa000000000005", ["agent.sock", "notes.txt"], 300)
+    dead_owner = make_job_dir(base, "aaaa000000000006", ["agent.lock"], 300)
+    (dead_owner / "rank-000000.owner").write_text(json.dumps({"v": 1, "pid": 4_000_000, "start": 1.0,
+                                                              "save_dir": "/nowhere", "rank": 0}))
+    os.utime(dead_owner / "rank-000000.owner", (time.time() - 300,) * 2)
+    os.utime(dead_owner, (time.time() - 300,) * 2)
+    live_owner = make_job_dir(base, "aaaa000000000007", [], 300)
+    owner.claim(live_owner, "aaaa000000000007", 0, Path("/somewhere"))   # this test process: alive
+    os.utime(live_owner / "rank-000000.owner", (time.time() - 300,) * 2)
+    os.utime(live_owner, (time.time() - 300,) * 2)
+    recoverable = make_job_dir(base, "aaaa000000000008", ["agent.sock", "agent.lock"], 300)
+    slot = env.shm_dir / "easyckpt-aaaa000000000008-r000000-s0"
+    slot.write_bytes(b"\0" * 8192)
+
+    proc = run_cli("status", env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "aaaa000000000008: no agent is running, but 1 slot file(s)" in proc.stdout, proc.stdout
+    assert "easyckpt clean --job-id aaaa000000000008" in proc.stdout
+    for name in ("0001", "0002", "0003", "0004", "0005", "0006", "0007"):
+        assert f"aaaa00000000{name}" not in proc.stdout, proc.stdout
+    remaining = sorted(p.name for p in base.iterdir())
+    assert remaining == sorted(p.name for p in (fresh, kept_log, foreign, live_owner, recoverable)), remaining
+    assert not stale.exists() and not old_log.exists() and not dead_owner.exists()
+
+
+def test_prunable_decision() -> None:
+    files = ["agent.sock", "agent.lock", "agent.pid", "rank-000003.owner"]
+    assert runtime.prunable(files, age=61, agent_running=False, slots=0, live_ranks=0)
+    assert not runtime.prunable(files, age=59, agent_running=False, slots=0, live_ranks=0)
+    assert not runtime.prunable(files, age=1e9, agent_running=True, slots=0, live_ranks=0)
+    assert not runtime.prunable(files, age=1e9, agent_running=False, slots=1, live_ranks=0)
+    assert not runtime.prunable(files, age=1e9, agent_running=False, slots=0, live_ranks=1)
+    assert not runtime.prunable([*files, "mine.txt"], age=1e9, agent_running=False, slots=0, live_ranks=0)
+    assert not runtime.prunable(["agent.log"], age=3600, agent_running=False, slots=0, live_ranks=0)
+    assert runtime.prunable(["agent.log"], age=runtime.LOG_RETENTION, agent_running=False, slots=0, live_ranks=0)
+    assert runtime.prunable([], age=61, agent_running=False, slots=0, live_ranks=0)
+
+
+def test_owner_conflict_decision() -> None:
+    other = owner.Owner(pid=10, start=1.0, save_dir="/x", rank=0)
+    assert owner.conflict(other, pid=11, alive=True)
+    assert not owner.conflict(other, pid=11, alive=False)   # a crash: the old pid is dead, the slots are adopted
+    assert not owner.conflict(other, pid=10, alive=True)    # the same process builds a new Checkpointer
+    assert not owner.conflict(None, pid=11, alive=False)
+    assert owner.parse("garbage", 0) is None and owner.parse('{"v": 2, "pid": 1}', 0) is None
+    assert not owner.process_alive(os.getpid(), 0.0)         # a recycled pid: another start time
+    assert owner.process_alive(os.getpid(), None)
