@@ -6,6 +6,11 @@ and lets ``policy`` decide: the safe step (invariant 9), held with shared flocks
 published in the control block that ranks read before they choose a slot, and the due step to
 persist, *claimed* (its slots held) only when every local rank holds it and the persister is free. A
 rank cannot overwrite a held slot; it never waits for one either (training never waits for the agent).
+
+A persist that fails (a full or read-only disk) is one line in the log and a failure episode published
+in the control block, which the ranks report (a WARNING when it starts and when it ends, ``stats()``,
+``flush()``, ``close()`` raising PersistError); the step stays in memory, and when every rank finished
+while the newest step is not durable after a failure, the slots are kept rather than unlinked.
 """
 from __future__ import annotations
 

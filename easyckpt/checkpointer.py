@@ -114,7 +114,7 @@ class Checkpointer:
                              request_persist=functools.partial(self.agent.flush, wait=False, timeout=0),
                              committed=self.agent.waker.wake)
         self._closed = False
-        self._resumed: int | None = None   # the step load() resumed from
+        self._resumed: int | None = None   # the step load() resumed from memory
         self.watch = PersistWatch(rank=self.rank, local_rank=self.local_rank, save_dir=config.save_dir)
         # Nothing the finalizer holds refers back to self, so a dropped Checkpointer is collected, and its
         # sockets and maps are released without blocking; at interpreter exit an unclosed one says goodbye.
@@ -136,7 +136,9 @@ class Checkpointer:
         result = load(slots=self.slots, save_dir=self.config.save_dir, rank=self.rank, world_size=self.world_size,
                       template=state_dict, load_dir=Path(load_dir).resolve() if load_dir is not None else None,
                       timeout=self.config.load_timeout, peers=self.peers, peer_timeout=self.config.peer_timeout)
-        self._resumed = result.step
+        # In this rank's slot (memory, or pulled from a replica): a process that ends without a snapshot of its
+        # own must still make it durable. A step read from disk is durable already.
+        self._resumed = result.step if result.source in ("memory", "replica") else None
         return result
 
     def save_if_needed(self, step: int, state_dict: Any) -> bool:
@@ -247,7 +249,8 @@ class Checkpointer:
 
     def _final_persist(self, timeout: float, started: float, what: str) -> FlushResult | None:
         """Make the newest snapshot durable at the end of the run (None: not wanted, or nothing to persist).
-        A process that resumed from memory and took no snapshot since ends with that step."""
+        A process that resumed from memory and took no snapshot since ends with that step (a rerun after
+        close() raised PersistError, say)."""
         step = self.stager.last_commit_step
         if step is None:
             step = self._resumed

@@ -72,6 +72,7 @@ def main() -> None:
                 report["stats"] = ckpt.stats()
             (out / f"paused-{step}.json").write_text(json.dumps(report))
             wait_go(out, step)
+    outcome: dict[str, object]
     try:
         ckpt.close()
         outcome = {"closed": True}

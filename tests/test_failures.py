@@ -24,7 +24,7 @@ from easyckpt_wire import layout
 from easyckpt_wire.control import MAX_TEXT, ControlReader, ControlWriter, PersistFailure
 from easyckpt_wire.shm import SlotMap
 
-from conftest import ROOT, Env, wait_for
+from conftest import ROOT, Env, run_cli, wait_for
 from ddp_job import Job, newest_common_committed, slot_states
 
 JOB = ROOT / "tests" / "failure_job.py"
@@ -237,11 +237,12 @@ def test_end_of_run_is_on_disk(env: Env, tmp_path: Path) -> None:
 def test_final_persist_false_keeps_only_due_steps(env: Env, tmp_path: Path, processes: list[Any]) -> None:
     """final_persist=False: close() persists nothing beyond the due steps (step 20 reached disk in time, so
     the agent's rule for a passed-over last due step does not apply either)."""
-    run = Run(env, env.save_dir, tmp_path / "run", "--steps", "25", "--no-final-persist", "--pause-at", "21")
+    run = Run(env, env.save_dir, tmp_path / "run", "--steps", "25", "--no-final-persist", "--pause-at", "0,10,20")
     processes.append(run)
-    run.paused(21)
-    wait_for(lambda: tracked_or_none(env.save_dir) == 20, 60, "step 20 on disk")
-    run.go(21)
+    for step in (0, 10, 20):   # each due step on disk before the loop goes on: none is passed over
+        run.paused(step)
+        wait_for(lambda: tracked_or_none(env.save_dir) == step, 60, f"step {step} on disk")
+        run.go(step)
     assert run.wait() == {"closed": True}
     assert complete_steps(env.save_dir)[-1] == 20 and tracked(env.save_dir) == 20
     env.wait_agent_gone()
@@ -283,6 +284,8 @@ def test_disk_fills_up_mid_persist(env: Env, small_disk: Path, tmp_path: Path, p
     flushed = report["flush"]
     assert not flushed["durable"] and flushed["step"] == 15 and flushed["failure"]["errno"] == errno.ENOSPC
     assert "No space left" in flushed["error"] or "not enough free space" in flushed["error"]
+    status = run_cli("status", str(save_dir), env=env)
+    assert status.returncode == 2 and "PERSISTS FAILING" in status.stdout and "[Errno 28]" in status.stdout, status
     run.go(15)
 
     result = run.wait()
