@@ -1,7 +1,8 @@
 """Failures outside the happy path (issue 11): a full or read-only disk, and the end of a run.
 
 Real processes throughout: the node agent (started here, so that its exit code is ours to read), a
-training job (``tests/failure_job.py``, one rank, or ``examples/plain_ddp.py`` under torchrun), and a real
+training job (``tests/failure_job.py``, one rank, or ``examples/plain_ddp.py``, ``megatron_gpt.py`` and
+``hf_trainer.py`` under torchrun), and a real
 small file system: a tmpfs mounted for the test (we are root in CI; without the right to mount, those
 tests skip and say why). Synchronisation is by files, fault points and log lines polled against
 deadlines, never by sleeping.
@@ -370,3 +371,31 @@ def tracked_or_none(save_dir: Path) -> int | None:
         return tracked(save_dir)
     except (FileNotFoundError, ValueError):
         return None
+
+
+def test_megatron_end_of_training_is_on_disk(env: Env) -> None:
+    """examples/megatron_gpt.py, 12 iterations with save_storage_interval=5: finalize_easyckpt() makes the
+    last iteration (12) durable and tracked, as Megatron saves its final state; the slots are released."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+    from test_megatron import Job as MegatronJob
+
+    job = MegatronJob(env, env.tmp_path / "run", save_dir=env.save_dir, iters=12, storage_interval=5)
+    assert job.wait(timeout=180) == 0, job.log()[-3000:]
+    assert complete_steps(env.save_dir)[-1] == 12 and tracked(env.save_dir) == 12
+    env.wait_agent_gone()
+    assert env.shm_files() == []
+
+
+def test_hf_end_of_training_is_on_disk(env: Env) -> None:
+    """examples/hf_trainer.py with save_strategy="no" (nothing is ever due): when train() returns, the
+    wrapper's close() makes the final step (20) durable in the easyckpt save_dir; the slots are released."""
+    pytest.importorskip("transformers", reason="the HF integration needs transformers: pip install -e '.[hf]'")
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate: pip install -e '.[hf]'")
+    from test_hf import STEPS, HFJob, run_to_end
+
+    output_dir = env.tmp_path / "hf"
+    run_to_end(HFJob(env, output_dir, env.tmp_path / "run", save_strategy="no"), timeout=240)
+    save_dir = output_dir / "easyckpt"
+    assert complete_steps(save_dir) == [STEPS] and tracked(save_dir) == STEPS
+    env.wait_agent_gone()
+    assert env.shm_files() == []
