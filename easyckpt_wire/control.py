@@ -23,7 +23,8 @@ the agent is the only one that sees the disk)::
 
 ``persisted`` is the newest step on disk (-1: none); ``failures`` counts failed persists over the agent's
 life; ``failing_step`` >= 0 while a failure episode lasts (the newest persist failed), -1 once a persist
-succeeds again. ``needed``/``free`` are bytes (-1: unknown).
+succeeds again. ``needed``/``free`` are bytes (-1: unknown). A version 1 block (an agent of the previous
+build) still reads, as one with no persist report.
 
 ``generation`` is a seqlock: odd while the agent moves the safe step (it takes the flocks of the new
 safe step, publishes it, then drops the old one's flocks), even when the fields are consistent. A rank
@@ -148,10 +149,11 @@ def _read(mm: mmap.mmap) -> ControlView | None:
     for _ in range(1000):
         before = struct.unpack_from("<Q", mm, _GENERATION_OFFSET)[0]
         magic, version, flags, generation, safe, pid, updated, count = _HEAD.unpack_from(mm, 0)
-        if magic != MAGIC or version != VERSION:
+        if magic != MAGIC or version not in (1, VERSION):   # version 1 has no persist report: read as none
             return None
         held = struct.unpack_from(f"<{min(count, MAX_HELD)}q", mm, _HEAD.size)
-        persisted, failures, step, code, needed, free, since, at, length = _PERSIST.unpack_from(mm, _PERSIST_OFFSET)
+        persisted, failures, step, code, needed, free, since, at, length = (
+            _PERSIST.unpack_from(mm, _PERSIST_OFFSET) if version >= 2 else (-1, 0, -1, 0, -1, -1, 0.0, 0.0, 0))
         text = bytes(mm[_PERSIST_OFFSET + _PERSIST.size:_PERSIST_OFFSET + _PERSIST.size + min(length, MAX_TEXT)]) \
             if step >= 0 else b""
         if struct.unpack_from("<Q", mm, _GENERATION_OFFSET)[0] != before or generation != before:

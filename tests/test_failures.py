@@ -399,3 +399,26 @@ def test_hf_end_of_training_is_on_disk(env: Env) -> None:
     assert complete_steps(save_dir) == [STEPS] and tracked(save_dir) == STEPS
     env.wait_agent_gone()
     assert env.shm_files() == []
+
+
+def test_control_block_of_version_1_still_reads(tmp_path: Path) -> None:
+    """An agent of the previous build (block version 1, no persist report) still tells ranks its safe step,
+    and a new agent adopts it."""
+    import struct
+
+    from easyckpt_wire import control
+
+    path = tmp_path / "control"
+    writer = ControlWriter(path)
+    writer.publish(5, frozenset({6}))
+    writer.close()
+    with open(path, "r+b") as handle:   # what a version 1 agent leaves: the version field says 1
+        handle.seek(8)
+        handle.write(struct.pack("<I", 1))
+    reader = ControlReader(path)
+    view = reader.read()
+    assert view is not None and (view.safe, view.held, view.persisted, view.failure) == (5, frozenset({6}), None, None)
+    adopter = control.ControlWriter(path)
+    assert adopter.adopted is not None and adopter.adopted.safe == 5
+    adopter.close()
+    reader.close()
