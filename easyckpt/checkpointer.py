@@ -269,8 +269,10 @@ class Checkpointer:
         if result.failure is None:
             # Slow (the agent goes on after we exit), no agent at all, or another rank's last snapshot is
             # older: not a disk failure, and nothing in memory is released because of it.
-            logger.warning("easyckpt rank %d: the final snapshot (step %s) is not durable yet: %s", self.rank,
-                           result.step, result.error)
+            # Without an agent by choice (start_agent=False, none runs: benchmarks, tests) that is expected.
+            quiet = not self.config.start_agent and not self.agent.alive()
+            logger.log(logging.INFO if quiet else logging.WARNING, "easyckpt rank %d: the final snapshot (step %s) "
+                       "is not durable yet: %s", self.rank, result.step, result.error)
             return None
         config = self.config
         return PersistError(
