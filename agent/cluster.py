@@ -15,6 +15,7 @@ from typing import Any, Callable
 import zmq
 
 from easyckpt_wire import protocol
+from easyckpt_wire.episode import Episode
 from easyckpt_wire.shm import SlotFormatError
 
 from agent.persister import AuditLog, commit_stage, describe, drop_stage, lower_priority, rotate, stage_steps
@@ -63,6 +64,7 @@ class NodeReplication:
         self.coverage: dict[str, Any] | None = None
         self._coverage_at = 0.0
         self._stages_at = 0.0
+        self._commit_failing = Episode(logger)   # retried every 0.2 s: said once, not five times a second
         self._stage_wait_since: float | None = None
         self.safe_step: int | None = None   # the agent's, shown by status
 
@@ -220,10 +222,14 @@ class NodeReplication:
             try:
                 stats = commit_stage(self.save_dir, step, self.audit)
             except OSError as exc:
-                logger.warning("cannot commit staged step %d: %s", step, exc)
+                self._commit_failing.hit("cannot commit staged step %d: %s (retried until it works)", step, exc)
                 continue
             if stats is not None:
+                self._commit_failing.end("staged steps commit again (step %d)", step)
                 self.complete = step
-                rotate(self.save_dir, self.max_ckpt_num(), step, self.audit)
+                try:
+                    rotate(self.save_dir, self.max_ckpt_num(), step, self.audit)
+                except OSError as exc:   # the step is committed all the same; the next commit rotates again
+                    logger.warning("rotation after step %d failed: %s", step, exc)
                 logger.info("committed step %d: every node's shards are durable (%s)", step, describe(stats, 0))
 

@@ -17,6 +17,7 @@ import os
 import shutil
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,58 @@ class RankSnapshot:
     rank: int
     slot: SlotMap
     meta: dict[str, Any]
+
+
+class PersistFailed(Exception):
+    """A persist that did not reach disk, in one line: the path, the errno, and the space it needed.
+
+    Raised instead of the OSError from deep in a writer thread, whose 40-line traceback says nothing that
+    the path and the errno do not, and whose frames would keep views of the slots alive.
+    """
+
+    def __init__(self, step: int, path: Path | str, errno_: int, strerror: str, *, needed: int | None = None,
+                 free: int | None = None) -> None:
+        self.step, self.path, self.errno, self.strerror = step, str(path), errno_, strerror
+        self.needed, self.free = needed, free
+        super().__init__(self.text())
+
+    def text(self) -> str:
+        return f"{self.path}: [Errno {self.errno}] {self.strerror}" if self.errno else f"{self.path}: {self.strerror}"
+
+    def describe(self) -> str:
+        space = ""
+        if self.needed is not None and self.free is not None:
+            space = f" (needs {format_bytes(self.needed)}; {format_bytes(self.free)} were free when it started)"
+        return f"persist of step {self.step} failed: {self.text()}{space}"
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on ``path``'s file system (None: it does not say)."""
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return None
+    if stat.f_blocks == 0:   # some FUSE and network file systems report nothing: no judgement then
+        return None
+    return stat.f_bavail * stat.f_frsize
+
+
+def bytes_needed(snapshots: list[RankSnapshot]) -> int:
+    """What an iteration of these snapshots takes on disk, a little generously: the tensor bytes, each file's
+    page-padded header and its last partial block, and the JSON files."""
+    total = 0
+    for snap in snapshots:
+        tensors = snap.meta.get("tensors", [])
+        groups = {entry[6] for entry in tensors}
+        total += sum(entry[5] for entry in tensors) + len(groups) * 2 * _PAGE + 256 * len(tensors)
+        total += len(json.dumps(snap.meta.get("skeleton"), default=str)) + 256 * len(tensors)
+    return total + 4 * _PAGE
+
+
+def enough_space(needed: int, free: int | None) -> bool:
+    """Whether a persist of ``needed`` bytes may start: a file system that does not say is given the benefit
+    of the doubt (the write itself then fails cleanly if it must)."""
+    return free is None or needed <= free
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -88,22 +141,27 @@ def _write_safetensors(path: Path, snap: RankSnapshot, entries: list[tuple[int, 
     for index, (name, kind, dtype, shape, offset, nbytes, _group) in entries:
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [position, position + nbytes]}
         position += nbytes
-        view = snap.slot.data(offset, nbytes)
+        with snap.slot.data(offset, nbytes) as view:
+            digest = xxhash.xxh3_128_hexdigest(view)
         records.append({"name": name, "index": index, "kind": kind, "dtype": dtype, "shape": shape,
                         "global_shape": shape, "offsets": [0] * len(shape), "nbytes": nbytes,
-                        "file": path.name, layout.CHECKSUM_ALGO: xxhash.xxh3_128_hexdigest(view)})
-        view.release()
+                        "file": path.name, layout.CHECKSUM_ALGO: digest})
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-(8 + len(blob)) % _PAGE)  # JSON allows the padding; safetensors readers skip it
     data_start = 8 + len(blob)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        _pwrite_all(fd, memoryview(len(blob).to_bytes(8, "little") + blob), 0)
-        for run_offset, run_bytes, file_offset in _runs(entries, data_start):
-            _write_range(fd, path, snap.slot.data(run_offset, run_bytes), file_offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            _pwrite_all(fd, memoryview(len(blob).to_bytes(8, "little") + blob), 0)
+            for run_offset, run_bytes, file_offset in _runs(entries, data_start):
+                _write_range(fd, path, snap.slot.data(run_offset, run_bytes), file_offset)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        if exc.filename is None:   # pwrite and fsync do not say which file: the message must
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
+        raise
     return records
 
 
@@ -124,26 +182,30 @@ def _runs(entries: list[tuple[int, list[Any]]], data_start: int) -> list[tuple[i
 def _write_range(fd: int, path: Path, view: memoryview, file_offset: int) -> None:
     """Write ``view`` at ``file_offset``: the page-aligned bulk with O_DIRECT where the file system
     allows it, the rest (and everything, where it does not) through the page cache."""
-    bulk = len(view) - len(view) % _PAGE
-    direct = -1
-    if bulk and numpy.frombuffer(view, numpy.uint8).ctypes.data % _PAGE == 0 and file_offset % _PAGE == 0:
+    # Every view of the slot is released on the way out, error or not (``with``): a view that an exception's
+    # traceback keeps alive stops the agent from unmapping the slot later.
+    with view:
+        bulk = len(view) - len(view) % _PAGE
+        direct = -1
+        if bulk and numpy.frombuffer(view, numpy.uint8).ctypes.data % _PAGE == 0 and file_offset % _PAGE == 0:
+            try:
+                direct = os.open(path, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # EINVAL: this file system has no O_DIRECT (tmpfs, some FUSE)
+                    raise
         try:
-            direct = os.open(path, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:  # EINVAL: this file system has no O_DIRECT (tmpfs, some FUSE)
-                raise
-    try:
-        done = 0
-        if direct >= 0:
-            for start in range(0, bulk, _CHUNK):
-                _pwrite_all(direct, view[start:min(start + _CHUNK, bulk)], file_offset + start)
-            done = bulk
-        for start in range(done, len(view), _CHUNK):
-            _pwrite_all(fd, view[start:start + _CHUNK], file_offset + start)
-    finally:
-        if direct >= 0:
-            os.close(direct)
-        view.release()
+            done = 0
+            if direct >= 0:
+                for start in range(0, bulk, _CHUNK):
+                    with view[start:min(start + _CHUNK, bulk)] as chunk:
+                        _pwrite_all(direct, chunk, file_offset + start)
+                done = bulk
+            for start in range(done, len(view), _CHUNK):
+                with view[start:start + _CHUNK] as chunk:
+                    _pwrite_all(fd, chunk, file_offset + start)
+        finally:
+            if direct >= 0:
+                os.close(direct)
 
 
 class _Throttle:
@@ -208,17 +270,19 @@ ABORT = threading.Event()
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while len(data):
-        piece = data if _THROTTLE is None else data[:_Throttle.PIECE]
+    done = 0
+    while done < len(data):
+        end = len(data) if _THROTTLE is None else min(len(data), done + _Throttle.PIECE)
         if _THROTTLE is not None:
-            _THROTTLE.take(len(piece))
+            _THROTTLE.take(end - done)
         if ABORT.is_set():   # checked after the pacing too: it may have slept for seconds
-            # No slice of the slot may live on in this frame: the exception's traceback keeps the frame, and
-            # a slice keeps the slot's mmap exported (BufferError when the agent closes it on its way out).
-            del data, piece
+            # No view of the slot may live on in this frame: the exception's traceback keeps the frame, and
+            # a view keeps the slot's mmap exported (BufferError when the agent closes it on its way out).
+            del data
             raise PersistAborted("persist abandoned: the agent is shutting down")
-        written = os.pwrite(fd, piece, offset)
-        data, offset = data[written:], offset + written
+        with data[done:end] as piece:
+            written = os.pwrite(fd, piece, offset + done)
+        done += written
 
 
 def _write_json(path: Path, payload: Any) -> None:
@@ -228,34 +292,78 @@ def _write_json(path: Path, payload: Any) -> None:
         os.fsync(handle.fileno())
 
 
-def persist(save_dir: Path, step: int, snapshots: list[RankSnapshot], audit: AuditLog, threads: int = 2) -> PersistStats:
-    """Write ``iteration_<step>`` atomically from the given ranks' slots."""
-    started = time.monotonic()
-    tmp = save_dir / f"{layout.TMP_PREFIX}{step:07d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    audit.record("write-begin", tmp, step=step)
+def check_space(save_dir: Path, step: int, snapshots: list[RankSnapshot]) -> tuple[int, int | None]:
+    """Say how much a persist needs and how much is free before anything is written; raise PersistFailed
+    (ENOSPC) at once when it cannot fit, instead of filling the file system up for nothing."""
+    needed, free = bytes_needed(snapshots), free_bytes(save_dir)
+    logger.info("persisting step %d to %s: about %s to write, %s free", step, save_dir, format_bytes(needed),
+                "unknown" if free is None else format_bytes(free))
+    if not enough_space(needed, free):
+        raise PersistFailed(step, save_dir, errno.ENOSPC, "not enough free space for this persist, nothing written",
+                            needed=needed, free=free)
+    return needed, free
+
+
+def _failure(exc: BaseException, step: int, where: Path, needed: int | None, free: int | None) -> PersistFailed | None:
+    """An OSError as a one-line PersistFailed (None for anything else, which is a bug worth its traceback).
+    The traceback's frames are cleared: they hold views of the slots, which must not outlive the persist."""
+    if isinstance(exc, PersistFailed):
+        return exc
+    if not isinstance(exc, OSError):
+        return None
+    traceback.clear_frames(exc.__traceback__)
+    return PersistFailed(step, exc.filename or where, exc.errno or 0, exc.strerror or str(exc), needed=needed,
+                         free=free)
+
+
+def _discard(path: Path, step: int, audit: AuditLog) -> None:
+    """Remove a failed persist's temporary directory; the audit line is best effort (the disk may be full
+    or read-only: the failure itself is what must be reported, not a second one)."""
+    if not path.exists():
+        return
     try:
+        audit.record("delete", path, step=step, reason="persist failed")
+    except OSError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+    if path.exists():
+        logger.warning("could not remove the failed persist's %s; the next agent start removes it", path)
+
+
+def persist(save_dir: Path, step: int, snapshots: list[RankSnapshot], audit: AuditLog, threads: int = 2) -> PersistStats:
+    """Write ``iteration_<step>`` atomically from the given ranks' slots. An OSError (a full or read-only
+    disk) comes out as PersistFailed, after the temporary directory is removed."""
+    started = time.monotonic()
+    needed, free = check_space(save_dir, step, snapshots)
+    tmp = save_dir / f"{layout.TMP_PREFIX}{step:07d}-{os.getpid()}"
+    failure: PersistFailed | None = None
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        audit.record("write-begin", tmp, step=step)
         nbytes = _fill(tmp, step, snapshots, threads)
-    except BaseException:
-        audit.record("delete", tmp, step=step, reason="persist failed")
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    final = save_dir / layout.iteration_dirname(step)
-    if final.exists():
-        # A step persisted before (e.g. re-reached after a resume from an older one): replace it.
-        trash = save_dir / f"{layout.TRASH_PREFIX}{step:07d}-{os.getpid()}"
-        audit.record("delete", final, step=step, reason="replaced by a new persist of the same step")
-        os.rename(final, trash)
-        os.rename(tmp, final)
-        shutil.rmtree(trash)
-    else:
-        os.rename(tmp, final)
-    layout.fsync_dir(save_dir)
-    audit.record("write", final, step=step, bytes=nbytes)
-    fault_point("agent.persist.before_tracker", step=step)
-    write_tracker(save_dir, step, audit)
+        final = save_dir / layout.iteration_dirname(step)
+        if final.exists():
+            # A step persisted before (e.g. re-reached after a resume from an older one): replace it.
+            trash = save_dir / f"{layout.TRASH_PREFIX}{step:07d}-{os.getpid()}"
+            audit.record("delete", final, step=step, reason="replaced by a new persist of the same step")
+            os.rename(final, trash)
+            os.rename(tmp, final)
+            shutil.rmtree(trash)
+        else:
+            os.rename(tmp, final)
+        layout.fsync_dir(save_dir)
+        audit.record("write", final, step=step, bytes=nbytes)
+        fault_point("agent.persist.before_tracker", step=step)
+        write_tracker(save_dir, step, audit)
+    except BaseException as exc:
+        _discard(tmp, step, audit)
+        failure = _failure(exc, step, tmp, needed, free)
+        if failure is None:
+            raise
+    if failure is not None:
+        raise failure   # outside the handler: no chained OSError (nor its frames) rides along
     return PersistStats(step, final, nbytes, time.monotonic() - started)
 
 
@@ -312,15 +420,17 @@ def persist_shards(save_dir: Path, step: int, snapshots: list[RankSnapshot], nod
     """This node's part of a multi-node checkpoint: its ranks' files in the shared stage directory, then
     ``node-<id>.json`` (fsynced, renamed into place) saying they are durable. The leader commits."""
     started = time.monotonic()
+    needed, free = check_space(save_dir, step, snapshots)
     stage = save_dir / layout.stage_dirname(step)
-    stage.mkdir(exist_ok=True)
-    audit.record("write-begin", stage, step=step, node=node)
     world_size = snapshots[0].meta["world_size"]
-    ours = [stage / name for snap in snapshots for name in os.listdir(stage)
-            if (m := layout.RANK_FILE_RE.match(name)) and int(m.group(2)) == snap.rank]
-    for stale in ours:  # an earlier attempt of this node at the same step
-        stale.unlink()
+    failure: PersistFailed | None = None
     try:
+        stage.mkdir(exist_ok=True)
+        audit.record("write-begin", stage, step=step, node=node)
+        ours = [stage / name for snap in snapshots for name in os.listdir(stage)
+                if (m := layout.RANK_FILE_RE.match(name)) and int(m.group(2)) == snap.rank]
+        for stale in ours:  # an earlier attempt of this node at the same step
+            stale.unlink()
         ranks_meta, common, nbytes = _write_rank_files(stage, step, snapshots, threads)
         note = stage / layout.node_file_name(node)
         tmp = note.with_suffix(f".tmp{os.getpid()}")
@@ -328,9 +438,16 @@ def persist_shards(save_dir: Path, step: int, snapshots: list[RankSnapshot], nod
                           "ranks": ranks_meta, "common": common})
         os.rename(tmp, note)
         layout.fsync_dir(stage)
-    except BaseException:
-        audit.record("write-failed", stage, step=step, node=node)
-        raise
+    except BaseException as exc:
+        try:
+            audit.record("write-failed", stage, step=step, node=node)
+        except OSError:
+            pass   # best effort: the disk may be full or read-only
+        failure = _failure(exc, step, stage, needed, free)
+        if failure is None:
+            raise
+    if failure is not None:
+        raise failure
     audit.record("write", stage, step=step, node=node, bytes=nbytes, ranks=sorted(int(r) for r in ranks_meta))
     return PersistStats(step, stage, nbytes, time.monotonic() - started)
 

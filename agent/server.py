@@ -6,6 +6,11 @@ and lets ``policy`` decide: the safe step (invariant 9), held with shared flocks
 published in the control block that ranks read before they choose a slot, and the due step to
 persist, *claimed* (its slots held) only when every local rank holds it and the persister is free. A
 rank cannot overwrite a held slot; it never waits for one either (training never waits for the agent).
+
+A persist that fails (a full or read-only disk) is one line in the log and a failure episode published
+in the control block, which the ranks report (a WARNING when it starts and when it ends, ``stats()``,
+``flush()``, ``close()`` raising PersistError); the step stays in memory, and when every rank finished
+while the newest step is not durable after a failure, the slots are kept rather than unlinked.
 """
 from __future__ import annotations
 
@@ -16,21 +21,22 @@ import os
 import signal
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 import zmq
 
 from easyckpt_wire import layout, protocol
-from easyckpt_wire.control import ControlWriter, control_path
+from easyckpt_wire.control import ControlWriter, PersistFailure, control_path
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.protocol import Kind, ProtocolError
 from easyckpt_wire.shm import list_slots
 
 from agent import persister, policy
 from agent.cluster import NodeReplication
-from agent.persister import (AuditLog, PersistStats, RankSnapshot, clean_leftovers, describe, lower_priority, persist,
-                             persist_shards, rotate)
+from agent.persister import (AuditLog, PersistFailed, PersistStats, RankSnapshot, clean_leftovers, describe,
+                             lower_priority, persist, persist_shards, rotate)
 from agent.watcher import SlotHolds, SlotInfo, Watcher
 
 logger = logging.getLogger(__name__)
@@ -98,6 +104,11 @@ class Agent:
         self.flush_failed: dict[int, str] = {}       # requested step -> why it cannot be persisted
         self.failed_ranks: set[int] = set()
         self.given_up = -1  # the newest step whose persist failed: not retried, a newer one will be
+        # The failure episode in progress (the newest persist failed), published in the control block for the
+        # ranks to report; failures counts them over the agent's life.
+        self.failure: PersistFailure | None = None
+        self.failures = 0
+        self._failures_before = 0   # failures before the episode in progress
         self.no_rank_since: float | None = None
         self.control = ControlWriter(control_path(config.shm_dir, config.job_id))
         adopted = self.control.adopted
@@ -307,6 +318,15 @@ class Agent:
         if self.inflight is not None or self.claims or self.cluster.awaiting_stages():
             return False
         if self.watcher.all_said_bye():
+            in_memory = self._newest_in_memory()
+            if self.failure is not None and in_memory is not None and in_memory > self._durable():
+                # The ranks' close() was told (PersistError); what only memory holds stays there.
+                logger.warning("every local rank finished, but persisting failed (%s): step %d is only in memory, so "
+                               "the job's slots are kept in %s (easyckpt-%s-*). Fix the disk and run the job again to "
+                               "resume from them; `easyckpt status %s` shows them and how to remove them",
+                               self.failure.describe(), in_memory, self.config.shm_dir, self.config.job_id, self.save_dir)
+                self._release_safe()
+                return True
             logger.info("every local rank finished cleanly: exiting")
             self._unlink_slots()
             self.ended_cleanly = True
@@ -328,6 +348,11 @@ class Agent:
             logger.warning("no rank alive for %.0fs; step %d is only in memory, its slots are kept in %s",
                            self.config.idle_timeout, newest[0], self.config.shm_dir)
         return True
+
+    def _newest_in_memory(self) -> int | None:
+        """The newest step any local rank holds committed."""
+        return max((step for rank in self.watcher.local_ranks() for step in self.watcher.committed(rank)),
+                   default=None)
 
     def _unlink_slots(self) -> None:
         self._release_safe()
@@ -397,7 +422,7 @@ class Agent:
             if message["wait"]:
                 self.waiters.append((identity, request_id))
             else:
-                self._send(identity, protocol.reply(True, id=request_id))
+                self._send(identity, protocol.reply(True, id=request_id, failure=self._failure_dict()))
         elif kind == Kind.FLUSH:
             self._request_flush(message["rank"], message["step"])
             if message["wait"]:
@@ -445,6 +470,7 @@ class Agent:
                 "save_storage_interval": self.config.save_storage_interval,
                 "max_ckpt_num": self.config.max_ckpt_num, "ranks": ranks, "slots": slots,
                 "persisted_step": self.persisted, "persisting": self.inflight[0] if self.inflight else None,
+                "persist_failure": self._failure_dict(), "persist_failures": self.failures,
                 "flush_requested": sorted(self.flush_wanted), "safe_step": self.safe,
                 "held_steps": sorted(set(self.claims) | ({self.inflight[0]} if self.inflight else set())),
                 "last_persist": None if last is None else {"step": last.step, "bytes": last.nbytes,
@@ -467,7 +493,7 @@ class Agent:
         self._advance_safe(ranks, held, common)
         self._advance_pending(ranks, held, common)
         for step in self.flush_wanted:   # asked for by the ranks: claimed rank by rank as each commits it
-            if step > self._floor():
+            if step > self._durable():
                 for rank in ranks:
                     if step in held[rank]:
                         self._claim(step, rank, held[rank][step])
@@ -586,13 +612,22 @@ class Agent:
         return True
 
     def _publish(self) -> None:
+        self.control.set_persist(self.persisted, self.failure, self.failures)
         held = frozenset(self.claims) | ({self.inflight[0]} if self.inflight else set()) \
             | ({self.pending} if self.pending is not None else set())
         self.control.publish(self.safe, held, gated=self.cluster.backed_up() is not None)
 
     def _floor(self) -> int:
-        """Steps at or below this are on disk, or were given up on: never persisted again."""
-        return max(-1 if self.persisted is None else self.persisted, self.given_up)
+        """Steps at or below this are on disk, or were given up on: never persisted again unless a rank asks."""
+        return max(self._durable(), self.given_up)
+
+    def _durable(self) -> int:
+        """Steps at or below this are on disk. A rank's explicit request (FLUSH: flush(), close()) retries a
+        step whose persist failed: the disk may have been fixed since."""
+        return -1 if self.persisted is None else self.persisted
+
+    def _failure_dict(self) -> dict[str, Any] | None:
+        return None if self.failure is None else self.failure.as_dict()
 
     def _claim(self, step: int, rank: int, info: SlotInfo) -> bool:
         held = self.claims.setdefault(step, {})
@@ -629,7 +664,7 @@ class Agent:
             self.failed_ranks.clear()
 
     def _request_flush(self, rank: int, step: int) -> None:
-        if step in self.flush_wanted or step <= self._floor():   # on disk, or at/below a failed persist
+        if step in self.flush_wanted or step <= self._durable():   # asked already, or on disk
             return
         # The rank asks once its copy is committed: see that copy (in a slot file perhaps created just now),
         # not an older one.
@@ -645,7 +680,7 @@ class Agent:
     def _drop_unreachable_flushes(self) -> None:
         """Forget requested steps that are on disk, or that some local rank will never hold."""
         for step in sorted(self.flush_wanted):
-            if step <= self._floor():
+            if step <= self._durable():
                 self.flush_wanted.discard(step)
                 continue
             if any(self._never_holds(rank, step) for rank in self.watcher.local_ranks()):
@@ -672,7 +707,8 @@ class Agent:
             elif step not in self.flush_wanted:
                 self._send(identity, protocol.reply(False, id=request_id, persisted=self.persisted,
                                                     error=self.flush_failed.get(step, f"persisting step {self.given_up} "
-                                                                                "failed (see the agent log)")))
+                                                                                "failed (see the agent log)"),
+                                                    failure=self._failure_dict()))
             else:
                 waiting.append((identity, request_id, step))
         self.flush_waiters = waiting
@@ -743,7 +779,11 @@ class Agent:
             return persist_shards(self.save_dir, step, snaps, self.config.node_id, self.audit,
                                   self.config.persist_threads)
         stats = persist(self.save_dir, step, snaps, self.audit, self.config.persist_threads)
-        rotate(self.save_dir, self.config.max_ckpt_num, step, self.audit)
+        try:
+            rotate(self.save_dir, self.config.max_ckpt_num, step, self.audit)
+        except OSError as exc:   # the step is durable all the same; the next persist rotates again
+            logger.warning("rotation after step %d failed: %s: %s", step, exc.filename or self.save_dir,
+                           exc.strerror or exc)
         return stats
 
     def _finish_inflight(self) -> None:
@@ -753,13 +793,21 @@ class Agent:
         self.inflight = None
         try:
             stats = future.result()
-        except Exception:
-            logger.exception("persist of step %d to %s failed; the snapshot stays in memory", step, self.save_dir)
-            self.given_up = max(self.given_up, step)
-            self._release_claims(lambda s: s <= step)
+        except PersistFailed as exc:
+            self._persist_failed(step, exc)
+            return
+        except Exception as exc:   # not the disk: a bug, worth its traceback (once per failure)
+            logger.exception("persist of step %d to %s failed", step, self.save_dir)
+            traceback.clear_frames(exc.__traceback__)   # its frames hold views of the slots
+            self._persist_failed(step, PersistFailed(step, self.save_dir, 0, f"{type(exc).__name__}: {exc}"))
             return
         self.persisted = step if self.persisted is None else max(step, self.persisted)
         self.last_persist = stats
+        if self.failure is not None:
+            logger.warning("persists succeed again: step %d is on disk after %d failed persist(s) since %s",
+                           step, self.failure.failures - self._failures_before, time.strftime(
+                               "%H:%M:%S", time.localtime(self.failure.since)))
+            self.failure = None
         line = describe(stats, len(self.claims.get(step, {})))
         logger.info(line)
         self._release_claims(lambda s: s <= step)
@@ -770,11 +818,28 @@ class Agent:
             except OSError as exc:
                 logger.warning("cannot append to log_file_path %s: %s", self.config.log_file_path, exc)
 
+    def _persist_failed(self, step: int, exc: PersistFailed) -> None:
+        """One line per failed persist; the step is not retried (a newer due step, or a rank's request, is)."""
+        self.failures += 1
+        now = time.time()
+        if self.failure is None:
+            self._failures_before = self.failures - 1
+        since = now if self.failure is None else self.failure.since
+        self.failure = PersistFailure(step, exc.errno, exc.text(), exc.needed, exc.free, since, now, self.failures)
+        logger.warning("%s; the snapshot stays in memory and training goes on (failed persists in a row: %d)",
+                       exc.describe(), self.failures - self._failures_before)
+        self.given_up = max(self.given_up, step)
+        self._release_claims(lambda s: s <= step)
+        for wanted in [s for s in self.flush_wanted if s <= step]:
+            self.flush_wanted.discard(wanted)
+            self.flush_failed[wanted] = exc.describe()
+
     def _answer_waiters(self, force: bool = False) -> None:
         # Not for the leader's staged steps: a rank's close() waits for its own node's shards only; the
         # leader commits the step (or gives up after STAGE_WAIT) on its own before it exits.
         if not self.waiters or (not force and (self.inflight is not None or self.claims)):
             return
         for identity, request_id in self.waiters:
-            self._send(identity, protocol.reply(True, id=request_id, persisted=self.persisted))
+            self._send(identity, protocol.reply(True, id=request_id, persisted=self.persisted,
+                                                failure=self._failure_dict()))
         self.waiters.clear()

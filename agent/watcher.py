@@ -172,8 +172,10 @@ class Watcher:
             rank in self.ranks and self.ranks[rank].said_bye for rank in ranks)
 
     def close(self) -> None:
+        # drop_exported: the agent is on its way out, and a view still alive somewhere (a failed persist's
+        # traceback) must not stop it from closing the rest (it once died here, leaving every slot behind).
         for info in self.slots.values():
-            info.map.close()
+            info.map.close(drop_exported=True)
         self.slots.clear()
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from easyckpt.checkpointer import Checkpointer, FlushResult
     from easyckpt.config import CheckpointerConfig
+    from easyckpt.persist_watch import PersistError
     from easyckpt.recovery import LoadError, LoadResult, StateMismatchError
     from easyckpt.slots import ShmSpaceError
     from easyckpt.storage import CheckpointCorruptError
@@ -26,6 +27,7 @@ __all__ = [
     "FlushResult",
     "LoadError",
     "LoadResult",
+    "PersistError",
     "SaveDirInUseError",
     "ShmSpaceError",
     "StateMismatchError",
@@ -39,6 +41,7 @@ _LAZY = {
     "CheckpointerConfig": "easyckpt.config",
     "LoadResult": "easyckpt.recovery", "LoadError": "easyckpt.recovery", "StateMismatchError": "easyckpt.recovery",
     "ShmSpaceError": "easyckpt.slots",
+    "PersistError": "easyckpt.persist_watch",
     "CheckpointCorruptError": "easyckpt.storage",
     "CheckpointFormatError": "easyckpt_wire.layout",
     "SaveDirInUseError": "easyckpt_wire.owner",

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from easyckpt.agent_client import AgentClient
 from easyckpt.config import CheckpointerConfig
+from easyckpt.persist_watch import PersistError, PersistWatch, describe_failure
 from easyckpt.recovery import LoadResult, load
 from easyckpt.replica import PeerSet, introduce
 from easyckpt.slots import RankSlots
@@ -41,6 +42,9 @@ class FlushResult:
     persisted: int | None     # the newest step this node's agent has persisted
     seconds: float
     error: str | None = None  # why not durable
+    # the agent's report when persisting failed (a full or read-only disk): step, errno, text (path and
+    # error), needed and free bytes when known; None when it did not fail (or gave no details)
+    failure: dict[str, Any] | None = None
 
 
 def _release(stager: Stager, agent: AgentClient, slots: RankSlots) -> None:
@@ -114,6 +118,8 @@ class Checkpointer:
                              request_persist=functools.partial(self.agent.flush, wait=False, timeout=0),
                              committed=self.agent.waker.wake)
         self._closed = False
+        self._resumed: int | None = None   # the step load() resumed from memory
+        self.watch = PersistWatch(rank=self.rank, local_rank=self.local_rank, save_dir=config.save_dir)
         # Nothing the finalizer holds refers back to self, so a dropped Checkpointer is collected, and its
         # sockets and maps are released without blocking; at interpreter exit an unclosed one says goodbye.
         self._finalizer = weakref.finalize(self, _release, self.stager, self.agent, self.slots)
@@ -131,9 +137,13 @@ class Checkpointer:
         nothing. ``load_dir`` names one ``iteration_N`` directory to load instead.
         """
         self.stager.wait()
-        return load(slots=self.slots, save_dir=self.config.save_dir, rank=self.rank, world_size=self.world_size,
-                    template=state_dict, load_dir=Path(load_dir).resolve() if load_dir is not None else None,
-                    timeout=self.config.load_timeout, peers=self.peers, peer_timeout=self.config.peer_timeout)
+        result = load(slots=self.slots, save_dir=self.config.save_dir, rank=self.rank, world_size=self.world_size,
+                      template=state_dict, load_dir=Path(load_dir).resolve() if load_dir is not None else None,
+                      timeout=self.config.load_timeout, peers=self.peers, peer_timeout=self.config.peer_timeout)
+        # In this rank's slot (memory, or pulled from a replica): a process that ends without a snapshot of its
+        # own must still make it durable. A step read from disk is durable already.
+        self._resumed = result.step if result.source in ("memory", "replica") else None
+        return result
 
     def save_if_needed(self, step: int, state_dict: Any) -> bool:
         """Snapshot when ``step % save_mem_interval == 0``; returns at once (True if a copy started)."""
@@ -141,6 +151,7 @@ class Checkpointer:
             raise RuntimeError(f"save_if_needed(step={step}) after close(): create a new Checkpointer")
         self.stager.wait()
         self.agent.ensure()
+        self.watch.observe(self.slots.agent_word())
         if step % self.config.save_mem_interval:
             return False
         return self.stager.snapshot(step, state_dict)
@@ -159,12 +170,16 @@ class Checkpointer:
             raise RuntimeError(f"save(step={step}) after close(): create a new Checkpointer")
         self.stager.wait()
         self.agent.ensure()
+        self.watch.observe(self.slots.agent_word())
         return self.stager.snapshot(step, state_dict, persist=persist)
 
     def flush(self, *, timeout: float | None = None) -> FlushResult:
         """Make the newest snapshot durable now: finish its copy, ask the agent to persist it, and wait
         (at most ``timeout``, default ``flush_timeout``) until its files are fsynced. For a process that is
-        about to end (SIGTERM, a fatal error); the training loop itself never needs it."""
+        about to end (SIGTERM, a fatal error); the training loop itself never needs it.
+
+        When the agent cannot persist it (a full or read-only disk), ``durable`` is False and ``error`` and
+        ``failure`` say why; a failed step is tried again by every flush(), in case the disk was fixed."""
         timeout = self.config.flush_timeout if timeout is None else timeout
         started = time.monotonic()
         self.stager.wait()
@@ -172,16 +187,21 @@ class Checkpointer:
         if step is None:
             return FlushResult(step=None, durable=False, committed=False, persisted=None, seconds=0.0,
                                error="this process has taken no snapshot")
+        return self._flush_step(step, timeout, started)
+
+    def _flush_step(self, step: int, timeout: float, started: float, what: str = "flush_timeout") -> FlushResult:
         reply = self.agent.flush(step, wait=True, timeout=max(0.0, timeout - (time.monotonic() - started)))
         seconds = time.monotonic() - started
+        self.watch.observe(self.slots.agent_word())
         if reply is None:
-            error = (f"the agent did not answer within {timeout:.0f}s (flush_timeout); it goes on persisting step "
+            error = (f"the agent did not answer within {timeout:.0f}s ({what}); it goes on persisting step "
                      f"{step} after this process ends" if self.agent.alive() else "no agent runs for this job")
             return FlushResult(step=step, durable=False, committed=False, persisted=None, seconds=seconds, error=error)
         persisted = reply.get("persisted")
         if not reply.get("ok"):
+            failure = reply.get("failure") if isinstance(reply.get("failure"), dict) else None
             return FlushResult(step=step, durable=False, committed=False, persisted=persisted, seconds=seconds,
-                               error=str(reply.get("error")))
+                               error=str(reply.get("error")), failure=failure)
         return FlushResult(step=step, durable=True, committed=bool(reply.get("committed")), persisted=persisted,
                            seconds=seconds)
 
@@ -194,20 +214,80 @@ class Checkpointer:
         self.stager.wait()
 
     def stats(self) -> dict[str, Any]:
-        return self.stager.stats()
+        """Snapshot counts of this rank, and the agent's word on persisting: ``persisted_step`` (the newest
+        step on disk), ``persist_failure`` (the failed persist in progress: step, errno, text, needed and
+        free bytes; None while persists succeed) and ``persist_failures`` (how many failed in all)."""
+        if not self._closed:
+            self.watch.observe(self.slots.agent_word())
+        return {**self.stager.stats(), **self.watch.stats()}
 
     def close(self) -> None:
-        """Finish the last copy, wait (bounded) for the agent to persist what is due, then detach."""
+        """The end of the run: finish the last copy, make the newest snapshot durable (``final_persist``,
+        bounded by ``close_timeout``), then detach.
+
+        Raises :class:`PersistError` when the agent could not persist it (a full or read-only disk); the
+        snapshot then stays in shared memory, where a rerun of the job resumes from it. A persist that is
+        merely slow is not an error: past ``close_timeout`` the agent finishes it after this process ends.
+        """
+        self._close(raise_errors=True)
+
+    def _close(self, *, raise_errors: bool) -> None:
         if self._closed:
             return
         self._closed = True
         self._finalizer.detach()
+        started = time.monotonic()
         self.stager.close()
-        reply = self.agent.close(wait=True, timeout=self.config.close_timeout)
+        final = self._final_persist(self.config.close_timeout, started, "close_timeout")
+        remaining = max(1.0, self.config.close_timeout - (time.monotonic() - started))
+        reply = self.agent.close(wait=True, timeout=remaining)
+        self.watch.observe(self.slots.agent_word())
         self.slots.close()
         owner.release(self.agent.job_dir, self.rank)
         logger.info("easyckpt rank %d closed: %d snapshots, %d skipped, newest on disk: %s", self.rank,
                     self.stager.committed, self.stager.skipped, reply.get("persisted") if reply else "unknown")
+        error = self._final_error(final)
+        if error is not None:
+            if raise_errors:
+                raise error
+            logger.error("%s", error)
+
+    def _final_persist(self, timeout: float, started: float, what: str) -> FlushResult | None:
+        """Make the newest snapshot durable at the end of the run (None: not wanted, or nothing to persist).
+        A process that resumed from memory and took no snapshot since ends with that step (a rerun after
+        close() raised PersistError, say)."""
+        step = self.stager.last_commit_step
+        if step is None:
+            step = self._resumed
+        if not self.config.final_persist or step is None:
+            return None
+        result = self._flush_step(step, timeout, started, what)
+        if result.durable:
+            logger.info("easyckpt rank %d: the final snapshot (step %d) is durable in %s", self.rank, step,
+                        self.config.save_dir)
+        return result
+
+    def _final_error(self, result: FlushResult | None) -> PersistError | None:
+        """PersistError when the agent failed to persist the final snapshot; other shortfalls are logged."""
+        if result is None or result.durable:
+            return None
+        if result.failure is None:
+            # Slow (the agent goes on after we exit), no agent at all, or another rank's last snapshot is
+            # older: not a disk failure, and nothing in memory is released because of it.
+            # Without an agent by choice (start_agent=False, none runs: benchmarks, tests) that is expected.
+            quiet = not self.config.start_agent and not self.agent.alive()
+            logger.log(logging.INFO if quiet else logging.WARNING, "easyckpt rank %d: the final snapshot (step %s) "
+                       "is not durable yet: %s", self.rank, result.step, result.error)
+            return None
+        config = self.config
+        return PersistError(
+            f"easyckpt rank {self.rank}: the final snapshot (step {result.step}) could not be made durable in "
+            f"{config.save_dir}: {describe_failure(result.failure)}. Nothing is lost: it stays in shared memory "
+            f"({config.shm_dir}/easyckpt-{config.job_id}-*) and the newest step on disk is {result.persisted}. "
+            f"Free space on or repair that file system, then run the job again: it resumes from memory and "
+            f"persists again (`easyckpt status {config.save_dir}` shows the slots and how to remove them)",
+            step=result.step, save_dir=config.save_dir, persisted=result.persisted, failure=result.failure,
+            shm_dir=config.shm_dir)
 
     def _exit_without_close(self) -> None:
         """The interpreter exits and close() was never called (the Megatron API has none): say goodbye
@@ -217,13 +297,21 @@ class Checkpointer:
             return
         self._closed = True
         self._finalizer.detach()
+        started = time.monotonic()
         self.stager.close()
+        # The end of the run all the same (the Megatron API has no close): its newest snapshot is made durable,
+        # bounded by flush_timeout as any exit path; a failure is said, there is no one left to raise it to.
+        timeout = min(self.config.flush_timeout, self.config.close_timeout)
+        error = self._final_error(self._final_persist(timeout, started, "flush_timeout"))
         self.agent.close(wait=False, timeout=5.0)
         self.slots.close()
+        if error is not None:
+            logger.error("%s", error)
         logger.info("easyckpt rank %d: process exit without close(): said goodbye to the agent", self.rank)
 
     def __enter__(self) -> "Checkpointer":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
+        # With an exception on its way, a PersistError must not replace it: it is logged instead.
+        self._close(raise_errors=kind is None)

@@ -374,6 +374,13 @@ def _print_live(report: dict[str, Any]) -> int:
         f"; last persist step {last['step']}, {format_bytes(last['bytes'])} in {last['seconds']:.2f}s"
         if last else "") + (f"; persisting step {report['persisting']}" if report["persisting"] is not None else "")
         + (f"; asked to persist steps {report['flush_requested']}" if report.get("flush_requested") else ""))
+    failure = report.get("persist_failure")
+    if failure:
+        from easyckpt.persist_watch import describe_failure
+        print(f"  PERSISTS FAILING since {time.strftime('%H:%M:%S', time.localtime(failure['since']))}: "
+              f"{describe_failure(failure)} ({report.get('persist_failures')} failed in all); training goes on and "
+              f"the snapshots stay in memory until a persist succeeds")
+        code = max(code, 2)
     return code
 
 

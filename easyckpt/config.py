@@ -26,7 +26,10 @@ class CheckpointerConfig:
     agent_idle_timeout: float = 300.0    # the agent exits this long after the last rank of the job died
     agent_start_timeout: float = 30.0    # __init__ waits this long at most for the agent to answer
     load_timeout: float = 120.0          # reading a slot that another process holds for writing
-    close_timeout: float = 600.0         # close() waiting for the agent to finish the due persist
+    close_timeout: float = 600.0         # close() waiting for the agent to persist the newest snapshot
+    # close() (and the end of a process that never called it) makes the newest snapshot durable, so the
+    # steps after the last save_storage_interval multiple are not lost; False: only due steps reach disk
+    final_persist: bool = True
     # slots per rank: None takes 3 when shared memory has room (EASYCKPT_SLOTS overrides), else 2; with 2 a
     # kill may cost a persist's time plus two intervals instead of two intervals
     slots: int | None = None
@@ -54,6 +57,8 @@ class CheckpointerConfig:
                      "peer_timeout", "flush_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if not isinstance(self.final_persist, bool):
+            raise ValueError(f"final_persist must be True or False, got {self.final_persist!r}")
         if self.slots is None and os.environ.get(SLOTS_ENV):
             text = os.environ[SLOTS_ENV]
             if not text.strip().isdigit():

@@ -15,6 +15,17 @@ Layout (little endian)::
 ``flags`` bit 0 (GATED): the safe step also waits for another node's backup (multi-node), so a step every
 local rank holds is not declared safe at once.
 
+Version 2 adds, at offset 1024, how persisting goes (the ranks log a failure and show it in ``stats()``;
+the agent is the only one that sees the disk)::
+
+    persisted q | failures Q | failing_step q | errno i | needed q | free q | since d | last_at d |
+    text_len H | text (utf-8, at most MAX_TEXT bytes: the path and the error)
+
+``persisted`` is the newest step on disk (-1: none); ``failures`` counts failed persists over the agent's
+life; ``failing_step`` >= 0 while a failure episode lasts (the newest persist failed), -1 once a persist
+succeeds again. ``needed``/``free`` are bytes (-1: unknown). A version 1 block (an agent of the previous
+build) still reads, as one with no persist report.
+
 ``generation`` is a seqlock: odd while the agent moves the safe step (it takes the flocks of the new
 safe step, publishes it, then drops the old one's flocks), even when the fields are consistent. A rank
 that finds no free slot while the generation is odd waits for the move (microseconds) instead of
@@ -29,17 +40,45 @@ import struct
 import time
 from pathlib import Path
 
+from easyckpt_wire.shm import format_bytes
+
 MAGIC = b"EZCKCTRL"
-VERSION = 1
+VERSION = 2
 SIZE = 4096
 MAX_HELD = 64
 _HEAD = struct.Struct("<8sIIQqqdI")
 _GENERATION_OFFSET = 16
 GATED = 1
+_PERSIST_OFFSET = 1024
+_PERSIST = struct.Struct("<qQqiqqddH")
+MAX_TEXT = SIZE - _PERSIST_OFFSET - _PERSIST.size
 
 
 def control_path(directory: Path, job_id: str) -> Path:
     return directory / f"easyckpt-{job_id}-control"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PersistFailure:
+    """The agent's newest persist failed (an episode lasts until a persist succeeds again)."""
+
+    step: int                 # the step whose persist failed
+    errno: int                # 0 when the error was not an OSError
+    text: str                 # the path and the error, one line
+    needed: int | None        # bytes the persist needed, when known
+    free: int | None          # bytes free on save_dir's file system before it started, when known
+    since: float              # wall time of the first failure of this episode
+    at: float                 # wall time of this failure
+    failures: int = 0         # failed persists over the agent's life, this one included
+
+    def describe(self) -> str:
+        space = ""
+        if self.needed is not None and self.free is not None:
+            space = f" (needs {format_bytes(self.needed)}; {format_bytes(self.free)} were free when it started)"
+        return f"persist of step {self.step} failed: {self.text}{space}"
+
+    def as_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -53,6 +92,9 @@ class ControlView:
     updated_at: float
     gated: bool = False           # multi-node: a step is safe only once another node backed it up
     changing: bool = False        # the agent was moving the safe step: read again shortly
+    persisted: int | None = None  # the newest step on disk (this node's files, multi-node)
+    failure: PersistFailure | None = None   # set while the newest persist failed
+    failures: int = 0             # failed persists over the agent's life
 
     def keeps(self, step: int) -> bool:
         return step == self.safe or step in self.held
@@ -107,13 +149,21 @@ def _read(mm: mmap.mmap) -> ControlView | None:
     for _ in range(1000):
         before = struct.unpack_from("<Q", mm, _GENERATION_OFFSET)[0]
         magic, version, flags, generation, safe, pid, updated, count = _HEAD.unpack_from(mm, 0)
-        if magic != MAGIC or version != VERSION:
+        if magic != MAGIC or version not in (1, VERSION):   # version 1 has no persist report: read as none
             return None
         held = struct.unpack_from(f"<{min(count, MAX_HELD)}q", mm, _HEAD.size)
+        persisted, failures, step, code, needed, free, since, at, length = (
+            _PERSIST.unpack_from(mm, _PERSIST_OFFSET) if version >= 2 else (-1, 0, -1, 0, -1, -1, 0.0, 0.0, 0))
+        text = bytes(mm[_PERSIST_OFFSET + _PERSIST.size:_PERSIST_OFFSET + _PERSIST.size + min(length, MAX_TEXT)]) \
+            if step >= 0 else b""
         if struct.unpack_from("<Q", mm, _GENERATION_OFFSET)[0] != before or generation != before:
             continue  # torn: the agent wrote while we read
+        failure = None if step < 0 else PersistFailure(
+            step, code, text.decode("utf-8", "replace"), None if needed < 0 else needed, None if free < 0 else free,
+            since, at, failures)
         return ControlView(None if safe < 0 else safe, frozenset(held), generation, pid, updated,
-                           gated=bool(flags & GATED), changing=generation % 2 == 1)
+                           gated=bool(flags & GATED), changing=generation % 2 == 1,
+                           persisted=None if persisted < 0 else persisted, failure=failure, failures=failures)
     return None
 
 
@@ -132,10 +182,16 @@ class ControlWriter:
             os.close(fd)
         previous = None if fresh else _read(self._mm)
         # An agent restarted after a crash adopts its predecessor's word: ranks are still keeping that step.
+        # (A block of another version reads as None: a fresh start, the ranks' slots are adopted anyway.)
         self.adopted = previous if previous is not None and not previous.changing else None
         self.generation = previous.generation + (previous.generation % 2) if previous is not None else 0
+        self.persisted: int | None = None
+        self.failure: PersistFailure | None = None
+        self.failures = 0
         if previous is None:
             self._write(None, frozenset(), False, self.generation)
+        else:   # the predecessor's persist report is not this agent's: ranks must not warn about it again
+            self._write(previous.safe, previous.held, previous.gated, self.generation)
 
     def begin_move(self) -> None:
         if self.generation % 2 == 0:
@@ -147,12 +203,24 @@ class ControlWriter:
         self.generation += 1 if self.generation % 2 else 2
         self._write(safe, held, gated, self.generation)
 
+    def set_persist(self, persisted: int | None, failure: PersistFailure | None, failures: int) -> None:
+        """How persisting goes; written with the next ``publish``."""
+        self.persisted, self.failure, self.failures = persisted, failure, failures
+
     def _write(self, safe: int | None, held: frozenset[int], gated: bool, generation: int) -> None:
         steps = sorted(held, reverse=True)[:MAX_HELD]
         struct.pack_into("<Q", self._mm, _GENERATION_OFFSET, generation | 1)   # readers retry meanwhile
         _HEAD.pack_into(self._mm, 0, MAGIC, VERSION, GATED if gated else 0, generation | 1, -1 if safe is None else safe,
                         os.getpid(), time.time(), len(steps))
         struct.pack_into(f"<{len(steps)}q", self._mm, _HEAD.size, *steps)
+        failure = self.failure
+        text = failure.text.encode("utf-8", "replace")[:MAX_TEXT] if failure is not None else b""
+        _PERSIST.pack_into(self._mm, _PERSIST_OFFSET, -1 if self.persisted is None else self.persisted, self.failures,
+                           -1 if failure is None else failure.step, 0 if failure is None else failure.errno,
+                           -1 if failure is None or failure.needed is None else failure.needed,
+                           -1 if failure is None or failure.free is None else failure.free,
+                           0.0 if failure is None else failure.since, 0.0 if failure is None else failure.at, len(text))
+        self._mm[_PERSIST_OFFSET + _PERSIST.size:_PERSIST_OFFSET + _PERSIST.size + len(text)] = text
         struct.pack_into("<Q", self._mm, _GENERATION_OFFSET, generation)
 
     def close(self, *, unlink: bool = False) -> None:

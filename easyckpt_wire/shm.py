@@ -152,14 +152,24 @@ class SlotMap:
             self.unmap()
             self._map()
 
-    def unmap(self) -> None:
+    def unmap(self, *, drop_exported: bool = False) -> None:
+        """Unmap; raises BufferError while a view of the map is alive, unless ``drop_exported``: then only
+        our reference goes, and the mapping lives on until its last view does (an exception's traceback may
+        hold one, and a process on its way out must not fail on it)."""
         if self.mm is not None:
-            self.mm.close()  # raises BufferError while a view is exported: callers drop views first
+            try:
+                self.mm.close()
+            except BufferError:
+                if not drop_exported:
+                    raise
             self.mm = None
 
-    def close(self) -> None:
-        self.unmap()
-        os.close(self.fd)
+    def close(self, *, drop_exported: bool = False) -> None:
+        """Unmap and close the file; a second call does nothing."""
+        self.unmap(drop_exported=drop_exported)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     # locks -----------------------------------------------------------------------------------------
     def try_lock(self, *, exclusive: bool) -> bool:

@@ -234,11 +234,12 @@ def test_second_agent_finds_the_running_one_and_runtime_dir_is_private(env: Env)
 def test_a_skipped_last_due_snapshot_is_made_up_for_at_close(env: Env) -> None:
     """Step 4 is due but skipped (the free slot is held: here by the test's own shared flock, as the agent
     holds it while persisting). When the job closes, the newest snapshot (5) is persisted instead, so the
-    tail of the run is not lost with the job's shared memory."""
+    tail of the run is not lost with the job's shared memory: the agent's own rule, for ranks that do not ask
+    (final_persist=False here; with it, close() asks for step 5 itself)."""
     import fcntl
 
     state = {"w": torch.arange(1000, dtype=torch.float32)}
-    ck = make(env, save_storage_interval=4)
+    ck = make(env, save_storage_interval=4, final_persist=False)
     try:
         save_and_persist(ck, env, 0, state)
         for step in (1, 2, 3):

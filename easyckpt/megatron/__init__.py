@@ -238,8 +238,11 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
 
 
 def finalize_easyckpt() -> None:
-    """Close the Checkpointer at the end of training: waits (bounded) for the due persist."""
+    """The end of training: close the Checkpointer, which makes the newest snapshot durable (``final_persist``,
+    bounded by ``close_timeout``) and raises ``easyckpt.PersistError`` when the disk refused it (the snapshot
+    then stays in shared memory for a rerun). A process that ends without calling this persists its newest
+    snapshot at exit as well, bounded by ``flush_timeout``, and only logs a failure."""
     global _ctx
     if _ctx is not None:
-        _ctx.ckpt.close()
-        _ctx = None
+        ctx, _ctx = _ctx, None
+        ctx.ckpt.close()

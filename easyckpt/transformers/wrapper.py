@@ -125,6 +125,7 @@ class TrainerWrapper:
             self._exporter = Exporter(self.folders, self.ckpt.config.save_dir, self.export_timeout)
         self._resumer = Resumer(self.ckpt, self.trainer, self.folders, save_dir=self.save_dir,
                                 staging_dir=self.staging_dir)
+        finished = False
         try:
             if self.trainer.args.should_save:
                 self.folders.clean_stale()
@@ -132,9 +133,13 @@ class TrainerWrapper:
             self._last_step = self.resumed.step
             self._checkpoint_steps.clear()
             self._catch_up(self.resumed.step)
-            return self.trainer.train(resume_from_checkpoint=path, **kwargs)
+            output = self.trainer.train(resume_from_checkpoint=path, **kwargs)
+            finished = True
+            return output
         finally:
-            self._finish()
+            # The end of training: close() makes the newest snapshot durable (final_persist) and raises
+            # PersistError when the disk refused it, unless training itself failed (that error goes on).
+            self._finish(raise_errors=finished)
 
     def _catch_up(self, resumed: int | None) -> None:
         """Export persisted due iterations up to the resumed step that have no checkpoint-N yet (a job died
@@ -275,14 +280,16 @@ class TrainerWrapper:
         if self._exporter is not None and not self._exporter.drain(self.export_timeout):
             logger.warning("checkpoint exports still pending after %.0fs", self.export_timeout)
 
-    def _finish(self) -> None:
+    def _finish(self, *, raise_errors: bool = True) -> None:
         if self._resumer is not None:
             self._resumer.release()
             self._resumer = None
         ckpt, self.ckpt = self.ckpt, None
-        if ckpt is not None:
-            ckpt.close()
-        self._drain()
-        if self._exporter is not None:
-            self._exporter.stop()
-            self._exporter = None
+        try:
+            if ckpt is not None:
+                ckpt._close(raise_errors=raise_errors)
+        finally:
+            self._drain()
+            if self._exporter is not None:
+                self._exporter.stop()
+                self._exporter = None
