@@ -17,7 +17,7 @@ import zmq
 from easyckpt_wire import protocol
 from easyckpt_wire.shm import SlotFormatError
 
-from agent.persister import AuditLog, commit_stage, describe, drop_stage, lower_priority, rotate, stage_steps
+from agent.persister import AuditLog, commit_stage, describe, drop_stage, lower_priority, stage_steps
 from agent.replica import (BuddyPuller, Holdings, MapCache, Peers, ReplicaServer, build_manifest,
                            push_manifests, survey_coverage)
 from agent.watcher import Watcher
@@ -40,8 +40,9 @@ def _logged(function: Callable[..., Any], *args: Any) -> None:
 class NodeReplication:
     def __init__(self, *, node: str, bind_host: str, port: int, save_dir: Path, audit: AuditLog, watcher: Watcher,
                  ctx: zmq.Context, max_ckpt_num: Callable[[], int], complete: int | None,
-                 port_file: Path | None = None) -> None:
+                 port_file: Path | None = None, rotate: Callable[[int], Any] | None = None) -> None:
         self.node = node
+        self.rotate = rotate   # the agent's timeline-aware rotation (abandoned iterations first)
         self.port_file = port_file
         self.bind_host = bind_host
         self.port = port
@@ -163,6 +164,8 @@ class NodeReplication:
             header = info.header
             if header is None or not header.committed or info.meta is None or info.meta_generation != header.generation:
                 continue
+            if (rank, slot, header.generation) in self.watcher.abandoned:
+                continue   # a snapshot of an abandoned timeline (its rank resumed at an older step)
             live.add((rank, slot))
             key = (rank, slot, header.generation)
             if key not in self.hashing:
@@ -224,6 +227,7 @@ class NodeReplication:
                 continue
             if stats is not None:
                 self.complete = step
-                rotate(self.save_dir, self.max_ckpt_num(), step, self.audit)
+                if self.rotate is not None:
+                    self.rotate(step)
                 logger.info("committed step %d: every node's shards are durable (%s)", step, describe(stats, 0))
 

@@ -127,9 +127,25 @@ class Checkpointer:
         nothing. ``load_dir`` names one ``iteration_N`` directory to load instead.
         """
         self.stager.wait()
-        return load(slots=self.slots, save_dir=self.config.save_dir, rank=self.rank, world_size=self.world_size,
-                    template=state_dict, load_dir=Path(load_dir).resolve() if load_dir is not None else None,
-                    timeout=self.config.load_timeout, peers=self.peers, peer_timeout=self.config.peer_timeout)
+        result = load(slots=self.slots, save_dir=self.config.save_dir, rank=self.rank, world_size=self.world_size,
+                      template=state_dict, load_dir=Path(load_dir).resolve() if load_dir is not None else None,
+                      timeout=self.config.load_timeout, peers=self.peers, peer_timeout=self.config.peer_timeout)
+        if result.step is not None:
+            self._start_timeline(result.step)
+        return result
+
+    def _start_timeline(self, step: int) -> None:
+        """A resume from ``step`` starts a new timeline (invariant 10): the agent moves newer iterations of
+        save_dir aside and persists this run's steps again, whatever numbers the abandoned run reached."""
+        stale = [[index, generation] for index, generation in sorted(self.slots.abandoned.items())]
+        reply = self.agent.resume(step, stale, timeout=self.config.agent_start_timeout)
+        if reply is not None and not reply.get("ok"):
+            logger.warning("rank %d: the agent could not record the resume at step %d: %s", self.rank, step,
+                           reply.get("error"))
+        elif reply is not None and reply.get("moved"):
+            logger.info("rank %d: resumed at step %d; iterations %s of the abandoned timeline were moved aside",
+                        self.rank, step, reply["moved"])
+        self.slots.retry_abandoned()
 
     def save_if_needed(self, step: int, state_dict: Any) -> bool:
         """Snapshot when ``step % save_mem_interval == 0``; returns at once (True if a copy started)."""

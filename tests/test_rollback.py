@@ -1,0 +1,119 @@
+"""Timelines with real 2-rank torchrun jobs (issue 11, item 2; invariant 10).
+
+A run trains to step 40 with a persist every 10 steps. Then a rollback: the next job loads
+``iteration_0000020`` (or falls back past a corrupted ``iteration_0000040`` to 30), which starts a new
+timeline, and is killed with SIGKILL at step 34; torchrun restarts it. The restart must resume from
+memory (33 or 34), not from the abandoned step 40 on disk; the new timeline's steps are persisted although
+the abandoned run had reached the same numbers; the abandoned iterations sit under ``.abandoned-*`` with
+audit lines, and the tracker names the newest iteration of the new timeline. The second job's state
+carries a ballast tensor and its agent's writes are capped, so that each persist spans several steps (no
+sleep stands in for compute).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from conftest import Env, wait_for
+from ddp_job import Job
+from easyckpt import storage
+from easyckpt_wire import layout, timeline
+
+pytestmark = pytest.mark.slow
+
+FIRST_STEPS = 41            # steps 0..40: iterations 0, 10, 20, 30, 40 on disk
+SECOND_STEPS = 46           # the new timeline persists 40 again before it ends
+KILL_AT = 34
+SLOW_PERSIST = {"EASYCKPT_PERSIST_MBPS": "60"}       # with --ballast-mb 8 on 2 ranks: ~0.3 s, several steps
+SECOND_ARGS = ["--ballast-mb", "8", "--max-ckpt-num", "10", "--kill-at", str(KILL_AT), "--kill-rank", "1"]
+
+
+def first_run(env: Env) -> Job:
+    job = Job(env, env.save_dir, env.tmp_path / "first", steps=FIRST_STEPS,
+              extra_args=["--ballast-mb", "8", "--max-ckpt-num", "10"])
+    assert job.wait() == 0, job.log()[-3000:]
+    env.wait_agent_gone()     # it ended cleanly: its memory is released, only disk is left
+    assert [s for s, _ in layout.complete_iterations(env.save_dir)] == [0, 10, 20, 30, 40]
+    assert layout.read_tracker(env.save_dir) == 40
+    return job
+
+
+def audit(save_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (save_dir / layout.AUDIT_LOG).read_text().splitlines()]
+
+
+def check_new_timeline(env: Env, job: Job, resumed_first: int, abandoned: list[int]) -> None:
+    """After the killed attempt and torchrun's restart: what the ranks resumed from and what is on disk."""
+    for rank in range(2):
+        reports = job.resumes(rank)
+        assert len(reports) == 2, f"rank {rank}: {reports}\n{job.log()[-3000:]}"
+        assert (reports[0]["step"], reports[0]["source"]) == (resumed_first, "disk"), reports[0]
+    second = [job.resumes(rank)[1] for rank in range(2)]
+    assert second[0]["step"] == second[1]["step"], second
+    assert second[0]["step"] in (KILL_AT - 1, KILL_AT) and {r["source"] for r in second} == {"memory"}, (
+        f"the restart after the kill at step {KILL_AT} resumed {second}; the abandoned timeline reached 40")
+    # The abandoned iterations sit under .abandoned-*, each moved with an audit line naming the resume.
+    moved = timeline.abandoned_iterations(env.save_dir)
+    assert sorted(step for _, step, _ in moved) == abandoned, moved
+    lines = audit(env.save_dir)
+    abandon_lines = [i for i, line in enumerate(lines) if line["op"] == "abandon"]
+    assert [lines[i]["step"] for i in abandon_lines] == abandoned
+    assert all(lines[i]["resumed"] == resumed_first for i in abandon_lines)
+    assert not [line for line in lines if line["op"] == "delete" and ".abandoned-" in line["path"]]
+    # The new timeline's steps above the resume were persisted again, after the move.
+    written = {Path(line["path"]).name: i for i, line in enumerate(lines) if line["op"] == "write"
+               and Path(line["path"]).parent == env.save_dir}
+    for step in (30, 40):
+        if step > resumed_first:
+            name = layout.iteration_dirname(step)
+            assert written.get(name, -1) > abandon_lines[-1], f"{name} of the new timeline was never persisted"
+    complete = [s for s, _ in layout.complete_iterations(env.save_dir)]
+    assert 40 in complete and 30 in complete, complete
+    # The tracker names the newest iteration of the new timeline, which a load follows.
+    assert layout.read_tracker(env.save_dir) == max(complete) == 40
+    assert storage.newest_first(env.save_dir)[0] == 40
+    assert all(problem is None for _, _, problem in storage.verify(env.save_dir))
+
+
+def test_rollback_to_20_then_kill9_resumes_from_memory_of_the_new_timeline(env: Env) -> None:
+    first_run(env)
+    load_dir = env.save_dir / layout.iteration_dirname(20)
+    job = Job(env, env.save_dir, env.tmp_path / "second", steps=SECOND_STEPS, max_restarts=1, step_seconds=0.03,
+              extra_env=SLOW_PERSIST, extra_args=[*SECOND_ARGS, "--load-dir", str(load_dir)])
+    try:
+        assert job.wait(180) == 0, job.log()[-4000:]
+    finally:
+        job.kill()
+    assert (job.out / "killed-rank1").read_text() == str(KILL_AT)
+    check_new_timeline(env, job, 20, [30, 40])
+
+
+def test_fallback_past_a_corrupt_iteration_starts_a_new_timeline(env: Env) -> None:
+    first_run(env)
+    seed = int(os.environ.get("EASYCKPT_TEST_SEED", random.randrange(1 << 30)))
+    print(f"corruption seed {seed} (EASYCKPT_TEST_SEED={seed} replays it)")
+    rng = random.Random(seed)
+    victim = sorted((env.save_dir / layout.iteration_dirname(40)).glob("*.safetensors"))
+    target = rng.choice(victim)
+    data = bytearray(target.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    offset = rng.randrange(header, len(data) - 4)
+    for i in range(offset, offset + 4):
+        data[i] ^= 0xFF
+    target.write_bytes(bytes(data))
+    print(f"flipped 4 bytes of {target.name} at offset {offset}")
+    job = Job(env, env.save_dir, env.tmp_path / "second", steps=SECOND_STEPS, max_restarts=1, step_seconds=0.03,
+              extra_env=SLOW_PERSIST, extra_args=SECOND_ARGS)
+    try:
+        assert job.wait(180) == 0, job.log()[-4000:]
+    finally:
+        job.kill()
+    assert "fails its xxh3_128 checksum" in job.log()
+    check_new_timeline(env, job, 30, [40])
+    corrupt = [path for _, step, path in timeline.abandoned_iterations(env.save_dir) if step == 40]
+    assert storage.verify(corrupt[0].parent)[0][2] is not None    # the damaged copy is kept, not deleted
+    wait_for(lambda: env.agent_pid() is None, 30, "the agent to exit after the job ended cleanly")
