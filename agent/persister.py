@@ -2,9 +2,10 @@
 
 Every byte goes from the slot's mmap straight into the safetensors file (no copy through Python
 objects), each file is fsynced once, the directory is built under a temporary name and renamed into
-place, the parent is fsynced, and only then is the tracker replaced (invariant 3). Rotation and the
-clean-up of dead writers' leftovers delete only directories whose names and contents are ours, and
-every write and delete is written to the audit log first (invariant 5).
+place, the parent is fsynced, and only then is the tracker replaced (invariant 3). The clean-up of dead
+writers' leftovers deletes only directories whose names and contents are ours, and every write and
+delete is written to the audit log first (invariant 5). Rotation and the moves of a resume's abandoned
+iterations live in ``agent.timeline`` (invariant 10).
 """
 from __future__ import annotations
 

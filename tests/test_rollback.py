@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import Env, wait_for
-from ddp_job import Job
+from conftest import Env, save_and_persist, wait_for
+from ddp_job import Job, slot_states
 from easyckpt import storage
 from easyckpt_wire import layout, timeline
 
@@ -117,3 +117,56 @@ def test_fallback_past_a_corrupt_iteration_starts_a_new_timeline(env: Env) -> No
     corrupt = [path for _, step, path in timeline.abandoned_iterations(env.save_dir) if step == 40]
     assert storage.verify(corrupt[0].parent)[0][2] is not None    # the damaged copy is kept, not deleted
     wait_for(lambda: env.agent_pid() is None, 30, "the agent to exit after the job ended cleanly")
+
+
+def test_a_rollback_in_the_same_process_drops_the_snapshots_the_agent_held(env: Env) -> None:
+    """load(load_dir=iteration_20) while memory holds 38..40 and the agent holds 40 as the safe step: the
+    newer snapshots are never read again (in this process or after a restart), the agent lets go of them,
+    and the new timeline's 30 (with other values than the abandoned 30) is persisted and tracked."""
+    import torch
+    from safetensors import safe_open
+
+    import easyckpt
+    from agent_client_status import safe_step_of
+
+    ck = easyckpt.Checkpointer(env.save_dir, 1, 10, 10)
+    state = {"w": torch.zeros(4096)}
+    try:
+        for step in range(41):
+            ck.wait()   # the previous snapshot's copy reads the tensor: change it only after
+            state["w"].fill_(step)
+            if step % 10 == 0:
+                save_and_persist(ck, env, step, state)
+            else:
+                wait_for(lambda: ck.save_if_needed(step, state), 30, f"a free slot for step {step}")
+        ck.wait()
+        wait_for(lambda: safe_step_of(env) == 40, 30, "the agent to hold step 40 as the safe step")
+        result = ck.load(load_dir=env.save_dir / layout.iteration_dirname(20))
+        assert (result.step, result.source) == (20, "disk")
+        assert max(ck.slots.committed(), default=-1) <= 20, ck.slots.committed()
+        wait_for(lambda: all(step <= 20 for rows in slot_states(env, env.save_dir).values()
+                             for state_name, step, _ in rows if state_name == "COMMITTED"), 30,
+                 "every snapshot newer than 20 to be invalidated")
+        assert [s for s, _ in layout.complete_iterations(env.save_dir)] == [0, 10, 20]
+        assert layout.read_tracker(env.save_dir) == 20
+        assert sorted(s for _, s, _ in timeline.abandoned_iterations(env.save_dir)) == [30, 40]
+        for step in range(21, 31):
+            ck.wait()
+            state["w"].fill_(1000 + step)
+            if step % 10 == 0:
+                path = save_and_persist(ck, env, step, state)
+            else:
+                wait_for(lambda: ck.save_if_needed(step, state), 30, f"a free slot for step {step}")
+        wait_for(lambda: layout.read_tracker(env.save_dir) == 30, 30, "the tracker to name the new step 30")
+        files = sorted(path.glob("*.safetensors"))
+        with safe_open(str(files[0]), framework="pt") as handle:
+            assert bool((handle.get_tensor(handle.keys()[0]) == 1030).all())
+    finally:
+        ck.close()
+    wait_for(lambda: env.agent_pid() is None, 30, "the agent to exit after close")
+    ck = easyckpt.Checkpointer(env.save_dir, 1, 10, 10)
+    try:
+        result = ck.load()
+        assert (result.step, result.source) == (30, "disk") and float(result.state["w"][0]) == 1030
+    finally:
+        ck.close()
