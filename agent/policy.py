@@ -108,11 +108,16 @@ def tracker_after_resume(complete: Iterable[int], resumed: int) -> int | None:
     return max((step for step in complete if step <= resumed), default=None)
 
 
-def floor_after_resume(complete: Iterable[int], resumed: int, given_up: int) -> tuple[int | None, int]:
-    """The agent's (newest persisted step, newest given-up step) of the new timeline: nothing newer than
-    ``resumed`` counts any more, so the new timeline's steps are persisted whatever numbers the
-    abandoned one reached."""
-    return tracker_after_resume(complete, resumed), given_up if given_up <= resumed else -1
+def floor_after_resume(complete: Iterable[int], resumed: int, persisted: int | None,
+                       given_up: int) -> tuple[int | None, int]:
+    """The agent's (newest persisted step, newest given-up step) on the new timeline: nothing newer than
+    ``resumed`` counts any more, so the new timeline's steps are persisted whatever numbers the abandoned
+    one reached. A persisted step at or below ``resumed`` stands (multi-node: this node's shards, which the
+    leader may not have committed yet); a newer one gives way to the newest complete iteration at or
+    below ``resumed``."""
+    if persisted is None or persisted > resumed:
+        persisted = tracker_after_resume(complete, resumed)
+    return persisted, given_up if given_up <= resumed else -1
 
 
 def rotation_victims(current: Sequence[int], abandoned: Sequence[tuple[str, int]], *, max_ckpt_num: int,

@@ -314,7 +314,7 @@ class Agent:
             moved, tracker = [], layout.read_tracker(self.save_dir)
         complete = [s for s, _ in layout.complete_iterations(self.save_dir)]
         before = (self.persisted, self.given_up)
-        self.persisted, self.given_up = policy.floor_after_resume(complete, step, self.given_up)
+        self.persisted, self.given_up = policy.floor_after_resume(complete, step, self.persisted, self.given_up)
         if before != (self.persisted, self.given_up):
             logger.info("rank %d resumed at step %d: a new timeline; newest step on disk %s -> %s (steps after it "
                         "are persisted again)", rank, step, before[0], self.persisted)

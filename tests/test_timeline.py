@@ -53,13 +53,30 @@ def test_a_resume_abandons_exactly_the_newer_iterations_and_is_idempotent(on_dis
     assert timeline.load_order(sorted(left), head) == sorted(left, reverse=True)
 
 
-@given(complete=steps_st, resumed=st.integers(0, 200), given_up=st.integers(-1, 200))
+@given(complete=steps_st, resumed=st.integers(0, 200), before=st.one_of(st.none(), st.integers(0, 200)),
+       given_up=st.integers(-1, 200))
 def test_after_a_resume_the_new_timeline_s_steps_are_persisted_again(complete: set[int], resumed: int,
-                                                                     given_up: int) -> None:
-    persisted, failed = policy.floor_after_resume(complete, resumed, given_up)
+                                                                     before: int | None, given_up: int) -> None:
+    persisted, failed = policy.floor_after_resume(complete, resumed, before, given_up)
     floor = max(-1 if persisted is None else persisted, failed)
     assert floor <= resumed   # every step after the resume is above the floor: due steps are claimed again
-    assert persisted == max((s for s in complete if s <= resumed), default=None)
+    if before is not None and before <= resumed:
+        assert persisted == before      # still this timeline's: not persisted twice
+    else:
+        assert persisted == max((s for s in complete if s <= resumed), default=None)
+    assert failed in (given_up, -1) and (failed == given_up) == (given_up <= resumed)
+
+
+def test_resume_messages_are_validated() -> None:
+    import pytest
+
+    from easyckpt_wire import protocol
+
+    blob = protocol.encode(protocol.Kind.RESUME, rank=0, step=20, stale=[[1, 84]])
+    assert protocol.decode(blob)[1]["stale"] == [[1, 84]]
+    for stale in ([[1]], [["a", 2]], [[-1, 2]], [[0, 0]] * 65, "x"):
+        with pytest.raises(protocol.ProtocolError):
+            protocol.encode(protocol.Kind.RESUME, rank=0, step=20, stale=stale)
 
 
 # what rotation removes ------------------------------------------------------------------------------------
