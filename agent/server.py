@@ -28,7 +28,7 @@ from easyckpt_wire.shm import list_slots
 from agent import policy
 from agent.cluster import NodeReplication
 from agent.persister import (AuditLog, PersistStats, RankSnapshot, StepAbandoned, clean_leftovers, describe,
-                             drop_own_shards, lower_priority, persist, persist_shards)
+                             drop_own_shards, lower_priority, persist, persist_shards, stage_steps)
 from agent.timeline import DiskTimeline
 from agent.watcher import SlotHolds, SlotInfo, Watcher
 
@@ -319,10 +319,17 @@ class Agent:
             logger.info("rank %d resumed at step %d: a new timeline; newest step on disk %s -> %s (steps after it "
                         "are persisted again)", rank, step, before[0], self.persisted)
         if self.cluster.complete is not None and self.cluster.complete > step:
-            self.cluster.complete = self.persisted
+            self.cluster.complete = policy.tracker_after_resume(complete, step)
+        inflight = self._inflight_step()
+        if not commits:
+            # A shard of this node that an abandoned persist left in a stage must not complete the new
+            # timeline's iteration of that number (the leader drops whole stages; this covers a late one).
+            for staged in stage_steps(self.save_dir):
+                if staged > step and staged != inflight:   # the one in flight is dropped once it finishes
+                    drop_own_shards(self.save_dir, staged, self.config.node_id, sorted(self.watcher.local_ranks()),
+                                    self.audit)
         if self.last_passed > step:
             self.last_passed = -1
-        inflight = self._inflight_step()
         # Not the persist in flight: it reads its slots until it finishes (and then publishes nothing).
         self._release_claims(lambda s: s > step and s != inflight)
         for wanted in [s for s in self.flush_wanted if s > step]:
