@@ -231,3 +231,24 @@ def test_publishing_and_abandonment_exclude_each_other(tmp_path_factory, order: 
         thread.join(10)
     assert [s for s, _ in layout.complete_iterations(save_dir)] == []
     assert layout.read_tracker(save_dir) is None
+
+
+def test_ls_lists_abandoned_iterations_apart(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    save_dir = tmp_path / "ckpt"
+    audit = AuditLog((save_dir.mkdir(), save_dir)[1])
+    for step in (10, 20):
+        make_iteration(save_dir, step)
+    write_tracker(save_dir, 20, audit)
+    moved = DiskTimeline(save_dir, audit).abandon_after(10, commits=True)
+    assert moved.directory is not None
+    out = subprocess.run([sys.executable, "-m", "easyckpt.cli", "ls", str(save_dir)], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT, check=True).stdout
+    lines = out.splitlines()
+    assert any(line.startswith("iteration_0000010") and "<- tracker" in line for line in lines), out
+    assert any(line.startswith(f"{moved.directory.name}/iteration_0000020") and "abandoned" in line
+               for line in lines), out
