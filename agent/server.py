@@ -335,16 +335,24 @@ class Agent:
         for wanted in [s for s in self.flush_wanted if s > step]:
             self.flush_wanted.discard(wanted)
             self.flush_failed[wanted] = f"the job resumed at step {step}: step {wanted} was abandoned"
-        stale_held = any((info.rank, info.slot, info.header.generation if info.header else -1) in self.watcher.abandoned
-                         for info in [*self.safe_holds, *self.pending_holds])
-        if (self.safe is not None and self.safe > step) or (self.pending is not None and self.pending > step) \
-                or stale_held:
-            self._release_safe()   # the next round declares a step of the new timeline safe
-            self.safe = None
+        # The safe step stays when it is at or below the resumed one: other nodes' ranks may be pulling the
+        # resumed step from these very slots right now (multi-node recovery).
+        if self.pending is not None and (self.pending > step or self._holds_abandoned(self.pending_holds)):
+            for info in self.pending_holds:
+                self.holds.release(info, ("pending",))
+            self.pending, self.pending_holds = None, []
+        if self.safe is not None and (self.safe > step or self._holds_abandoned(self.safe_holds)):
+            for info in self.safe_holds:
+                self.holds.release(info, ("safe",))
+            self.safe, self.safe_holds = None, []   # the next round declares a step of the new timeline safe
             self.cluster.safe_step = None
         self._publish()
         return protocol.reply(error is None, id=request_id, moved=moved, tracker=tracker, persisted=self.persisted,
                               error=error)
+
+    def _holds_abandoned(self, holds: list[SlotInfo]) -> bool:
+        return any(info.header is not None and (info.rank, info.slot, info.header.generation) in self.watcher.abandoned
+                   for info in holds)
 
     def _adopt_config(self, message: dict[str, Any]) -> None:
         new = (message["save_storage_interval"], message["max_ckpt_num"], message["log_file_path"])

@@ -122,14 +122,15 @@ def test_fallback_past_a_corrupt_iteration_starts_a_new_timeline(env: Env) -> No
 def test_a_rollback_in_the_same_process_drops_the_snapshots_the_agent_held(env: Env) -> None:
     """load(load_dir=iteration_20) while memory holds 38..40 and the agent holds 40 as the safe step: the
     newer snapshots are never read again (in this process or after a restart), the agent lets go of them,
-    and the new timeline's 30 (with other values than the abandoned 30) is persisted and tracked."""
+    and the new timeline's 30 (with other values than the abandoned 30) is persisted and tracked; with
+    max_ckpt_num=5 its persist rotates out the abandoned 30 first, not an iteration of the new timeline."""
     import torch
     from safetensors import safe_open
 
     import easyckpt
     from agent_client_status import safe_step_of
 
-    ck = easyckpt.Checkpointer(env.save_dir, 1, 10, 10)
+    ck = easyckpt.Checkpointer(env.save_dir, 1, 10, 5)
     state = {"w": torch.zeros(4096)}
     try:
         for step in range(41):
@@ -158,6 +159,12 @@ def test_a_rollback_in_the_same_process_drops_the_snapshots_the_agent_held(env: 
             else:
                 wait_for(lambda: ck.save_if_needed(step, state), 30, f"a free slot for step {step}")
         wait_for(lambda: layout.read_tracker(env.save_dir) == 30, 30, "the tracker to name the new step 30")
+        wait_for(lambda: [s for _, s, _ in timeline.abandoned_iterations(env.save_dir)] == [40], 30,
+                 "rotation to remove the abandoned 30 (6 iterations, max_ckpt_num=5)")
+        assert [s for s, _ in layout.complete_iterations(env.save_dir)] == [0, 10, 20, 30]
+        deletes = [line for line in audit(env.save_dir) if line["op"] == "delete"]
+        assert [(Path(line["path"]).name, "abandoned timeline first" in line["reason"]) for line in deletes] == [
+            ("iteration_0000030", True)], deletes
         files = sorted(path.glob("*.safetensors"))
         with safe_open(str(files[0]), framework="pt") as handle:
             assert bool((handle.get_tensor(handle.keys()[0]) == 1030).all())
