@@ -177,3 +177,54 @@ def test_a_rollback_in_the_same_process_drops_the_snapshots_the_agent_held(env: 
         assert (result.step, result.source) == (30, "disk") and float(result.state["w"][0]) == 1030
     finally:
         ck.close()
+
+
+def test_rollback_across_two_nodes_moves_aside_once_and_commits_the_new_timeline(env: Env) -> None:
+    """Simulated 2 nodes x 2 ranks on shared storage: a rollback to an older iteration is told to both agents;
+    the leader's moves the newer iterations aside (once, whatever the order of the four ranks' messages), and
+    the new timeline's 20 gets every node's shards, is committed by the leader and tracked; no stage is left
+    behind. (The leader commits the newest complete stage first and drops an older one as superseded, so
+    which older iterations exist varies from run to run: the rollback target is the newest below 20.)"""
+    from multinode import Cluster
+
+    first = Cluster(env, env.tmp_path / "first", steps=21, step_idle=0.0)
+    first.args += ["--max-ckpt-num", "10"]
+    try:
+        first.start(0)
+        first.start(1)
+        assert first.wait(0) == 0, first.log(0)[-3000:]
+        assert first.wait(1) == 0, first.log(1)[-3000:]
+    finally:
+        first.cleanup()
+    wait_for(lambda: layout.read_tracker(env.save_dir) == 20, 60, "the first run's step 20 to be committed")
+    env.wait_agent_gone()   # both nodes' agents exit once their ranks finished: the second run starts new ones
+    complete = [s for s, _ in layout.complete_iterations(env.save_dir)]
+    assert len(complete) >= 2 and complete[-1] == 20, complete
+    target = complete[-2]
+    newer = [s for s in complete if s > target]
+    print(f"first run's iterations {complete}: rolling back to {target}")
+    second = Cluster(env, env.tmp_path / "second", steps=21, step_idle=0.0)
+    second.args += ["--max-ckpt-num", "10", "--load-dir", str(env.save_dir / layout.iteration_dirname(target))]
+    try:
+        second.start(0)
+        second.start(1)
+        assert second.wait(0) == 0, second.log(0)[-3000:]
+        assert second.wait(1) == 0, second.log(1)[-3000:]
+    finally:
+        second.cleanup()
+    for rank in range(4):
+        report = json.loads((env.tmp_path / "second" / f"resume-rank{rank}-0.json").read_text())
+        assert (report["step"], report["source"]) == (target, "disk"), report
+    wait_for(lambda: layout.read_tracker(env.save_dir) == 20 and not list(env.save_dir.glob(".stage-*")), 120,
+             "the new timeline's step 20 to be committed by the leader and tracked")
+    lines = audit(env.save_dir)
+    abandon_lines = [i for i, line in enumerate(lines) if line["op"] == "abandon"]
+    assert [lines[i]["step"] for i in abandon_lines] == newer, "moved exactly once, by the leader"
+    assert {lines[i]["pid"] for i in abandon_lines} == {lines[abandon_lines[0]]["pid"]}
+    assert sorted(s for _, s, _ in timeline.abandoned_iterations(env.save_dir)) == newer
+    commits = {Path(line["path"]).name: i for i, line in enumerate(lines)
+               if line["op"] == "write" and line.get("nodes") == "all"}
+    for step in [s for s, _ in layout.complete_iterations(env.save_dir) if s > target]:
+        assert commits.get(layout.iteration_dirname(step), -1) > abandon_lines[-1], f"{step} is not the new one"
+    assert commits.get(layout.iteration_dirname(20), -1) > abandon_lines[-1], "the new 20 was never committed"
+    assert all(problem is None for _, _, problem in storage.verify(env.save_dir))
