@@ -228,3 +228,41 @@ def test_rollback_across_two_nodes_moves_aside_once_and_commits_the_new_timeline
         assert commits.get(layout.iteration_dirname(step), -1) > abandon_lines[-1], f"{step} is not the new one"
     assert commits.get(layout.iteration_dirname(20), -1) > abandon_lines[-1], "the new 20 was never committed"
     assert all(problem is None for _, _, problem in storage.verify(env.save_dir))
+
+
+def test_a_persist_in_flight_when_the_rollback_arrives_publishes_nothing(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent is still writing step 40 (writes capped) when load(load_dir=iteration_20) arrives: the
+    finished copy is removed with an audit line instead of becoming iteration_40 or the tracked step."""
+    import torch
+
+    import easyckpt
+    from agent_client_status import agent_status
+
+    monkeypatch.setenv("EASYCKPT_PERSIST_MBPS", "8")       # 8 MiB: ~1 s for each persist, 40 still in flight
+    ck = easyckpt.Checkpointer(env.save_dir, 1, 10, 10)
+    state = {"w": torch.zeros(2 << 20)}
+    try:
+        for step in range(41):
+            ck.wait()
+            state["w"].fill_(step)
+            if step % 10 == 0 and step < 40:
+                save_and_persist(ck, env, step, state)
+            else:
+                wait_for(lambda: ck.save_if_needed(step, state), 30, f"a free slot for step {step}")
+        ck.wait()
+        wait_for(lambda: (agent_status(env) or {}).get("persisting") == 40, 30, "the persist of step 40 to start")
+        result = ck.load(load_dir=env.save_dir / layout.iteration_dirname(20))
+        assert (result.step, result.source) == (20, "disk")
+        wait_for(lambda: (agent_status(env) or {}).get("persisting") is None, 60, "the persist of step 40 to end")
+        status = agent_status(env)
+        assert status is not None and status["persisted_step"] == 20, status
+    finally:
+        ck.close()
+    assert [s for s, _ in layout.complete_iterations(env.save_dir)] == [0, 10, 20]
+    assert layout.read_tracker(env.save_dir) == 20
+    assert [s for _, s, _ in timeline.abandoned_iterations(env.save_dir)] == [30]
+    lines = audit(env.save_dir)
+    assert any(line["op"] == "delete" and line["step"] == 40 and "abandoned this step" in line["reason"]
+               for line in lines), lines[-5:]
+    assert not [line for line in lines if line["op"] == "write" and line["step"] == 40]
+    assert not list(env.save_dir.glob(".tmp-*"))
