@@ -18,7 +18,7 @@ from easyckpt_wire import protocol
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.shm import SlotFormatError
 
-from agent.persister import AuditLog, commit_stage, describe, drop_stage, lower_priority, rotate, stage_steps
+from agent.persister import AuditLog, commit_stage, describe, drop_stage, lower_priority, stage_steps
 from agent.replica import (BuddyPuller, Holdings, MapCache, Peers, ReplicaServer, build_manifest,
                            push_manifests, survey_coverage)
 from agent.watcher import Watcher
@@ -41,8 +41,9 @@ def _logged(function: Callable[..., Any], *args: Any) -> None:
 class NodeReplication:
     def __init__(self, *, node: str, bind_host: str, port: int, save_dir: Path, audit: AuditLog, watcher: Watcher,
                  ctx: zmq.Context, max_ckpt_num: Callable[[], int], complete: int | None,
-                 port_file: Path | None = None) -> None:
+                 port_file: Path | None = None, rotate: Callable[[int], Any] | None = None) -> None:
         self.node = node
+        self.rotate = rotate   # the agent's timeline-aware rotation (abandoned iterations first)
         self.port_file = port_file
         self.bind_host = bind_host
         self.port = port
@@ -165,6 +166,8 @@ class NodeReplication:
             header = info.header
             if header is None or not header.committed or info.meta is None or info.meta_generation != header.generation:
                 continue
+            if (rank, slot, header.generation) in self.watcher.abandoned:
+                continue   # a snapshot of an abandoned timeline (its rank resumed at an older step)
             live.add((rank, slot))
             key = (rank, slot, header.generation)
             if key not in self.hashing:
@@ -227,9 +230,10 @@ class NodeReplication:
             if stats is not None:
                 self._commit_failing.end("staged steps commit again (step %d)", step)
                 self.complete = step
-                try:
-                    rotate(self.save_dir, self.max_ckpt_num(), step, self.audit)
-                except OSError as exc:   # the step is committed all the same; the next commit rotates again
-                    logger.warning("rotation after step %d failed: %s", step, exc)
+                if self.rotate is not None:
+                    try:
+                        self.rotate(step)
+                    except OSError as exc:   # the step is committed all the same; the next commit rotates again
+                        logger.warning("rotation after step %d failed: %s", step, exc)
                 logger.info("committed step %d: every node's shards are durable (%s)", step, describe(stats, 0))
 

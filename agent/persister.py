@@ -2,13 +2,15 @@
 
 Every byte goes from the slot's mmap straight into the safetensors file (no copy through Python
 objects), each file is fsynced once, the directory is built under a temporary name and renamed into
-place, the parent is fsynced, and only then is the tracker replaced (invariant 3). Rotation and the
-clean-up of dead writers' leftovers delete only directories whose names and contents are ours, and
-every write and delete is written to the audit log first (invariant 5).
+place, the parent is fsynced, and only then is the tracker replaced (invariant 3). The clean-up of dead
+writers' leftovers deletes only directories whose names and contents are ours, and every write and
+delete is written to the audit log first (invariant 5). Rotation and the moves of a resume's abandoned
+iterations live in ``agent.timeline`` (invariant 10).
 """
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import errno
 import json
@@ -19,7 +21,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import numpy
 import psutil
@@ -330,12 +332,19 @@ def _discard(path: Path, step: int, audit: AuditLog) -> None:
         logger.warning("could not remove the failed persist's %s; the next agent start removes it", path)
 
 
-def persist(save_dir: Path, step: int, snapshots: list[RankSnapshot], audit: AuditLog, threads: int = 2) -> PersistStats:
+def persist(save_dir: Path, step: int, snapshots: list[RankSnapshot], audit: AuditLog, threads: int = 2,
+            publishing: Callable[[int], ContextManager[bool]] | None = None) -> PersistStats:
     """Write ``iteration_<step>`` atomically from the given ranks' slots. An OSError (a full or read-only
-    disk) comes out as PersistFailed, after the temporary directory is removed."""
+    disk) comes out as PersistFailed, after the temporary directory is removed.
+
+    ``publishing(step)``: held while the directory and the tracker are published; yields False when a
+    resume abandoned the step meanwhile (invariant 10): the copy is then removed and ``StepAbandoned``
+    raised instead."""
     started = time.monotonic()
     needed, free = check_space(save_dir, step, snapshots)
     tmp = save_dir / f"{layout.TMP_PREFIX}{step:07d}-{os.getpid()}"
+    final = save_dir / layout.iteration_dirname(step)
+    trash = None
     failure: PersistFailed | None = None
     try:
         if tmp.exists():
@@ -343,20 +352,21 @@ def persist(save_dir: Path, step: int, snapshots: list[RankSnapshot], audit: Aud
         tmp.mkdir()
         audit.record("write-begin", tmp, step=step)
         nbytes = _fill(tmp, step, snapshots, threads)
-        final = save_dir / layout.iteration_dirname(step)
-        if final.exists():
-            # A step persisted before (e.g. re-reached after a resume from an older one): replace it.
-            trash = save_dir / f"{layout.TRASH_PREFIX}{step:07d}-{os.getpid()}"
-            audit.record("delete", final, step=step, reason="replaced by a new persist of the same step")
-            os.rename(final, trash)
+        with publishing(step) if publishing is not None else contextlib.nullcontext(True) as current:
+            if not current:
+                audit.record("delete", tmp, step=step, reason="a resume abandoned this step while it was persisted")
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise StepAbandoned(f"step {step} was abandoned by a resume while it was persisted: not published")
+            if final.exists():
+                # A step persisted before and not moved aside (a tracker that lagged a crash): replace it.
+                trash = save_dir / f"{layout.TRASH_PREFIX}{step:07d}-{os.getpid()}"
+                audit.record("delete", final, step=step, reason="replaced by a new persist of the same step")
+                os.rename(final, trash)
             os.rename(tmp, final)
-            shutil.rmtree(trash)
-        else:
-            os.rename(tmp, final)
-        layout.fsync_dir(save_dir)
-        audit.record("write", final, step=step, bytes=nbytes)
-        fault_point("agent.persist.before_tracker", step=step)
-        write_tracker(save_dir, step, audit)
+            layout.fsync_dir(save_dir)
+            audit.record("write", final, step=step, bytes=nbytes)
+            fault_point("agent.persist.before_tracker", step=step)
+            write_tracker(save_dir, step, audit)
     except BaseException as exc:
         _discard(tmp, step, audit)
         failure = _failure(exc, step, tmp, needed, free)
@@ -364,7 +374,13 @@ def persist(save_dir: Path, step: int, snapshots: list[RankSnapshot], audit: Aud
             raise
     if failure is not None:
         raise failure   # outside the handler: no chained OSError (nor its frames) rides along
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
     return PersistStats(step, final, nbytes, time.monotonic() - started)
+
+
+class StepAbandoned(RuntimeError):
+    """A persist finished after a resume abandoned its step: nothing was published."""
 
 
 def _fill(tmp: Path, step: int, snapshots: list[RankSnapshot], threads: int) -> int:
@@ -508,6 +524,21 @@ def drop_stage(save_dir: Path, step: int, audit: AuditLog, reason: str) -> None:
         logger.info("removed %s (%s)", stage, reason)
 
 
+def drop_own_shards(save_dir: Path, step: int, node: str, ranks: list[int], audit: AuditLog) -> None:
+    """Remove this node's files (its ``ranks``' and its note) from the stage of ``step``, leaving other
+    nodes' alone: they were written for a step a resume abandoned meanwhile."""
+    stage = save_dir / layout.stage_dirname(step)
+    try:
+        names = os.listdir(stage)
+    except FileNotFoundError:
+        return
+    ours = [n for n in names if n == layout.node_file_name(node)
+            or ((m := layout.RANK_FILE_RE.match(n)) is not None and int(m.group(2)) in ranks)]
+    for name in ours:
+        audit.record("delete", stage / name, step=step, node=node, reason="abandoned by a resume while persisted")
+        (stage / name).unlink(missing_ok=True)
+
+
 def stage_steps(save_dir: Path) -> list[int]:
     try:
         return sorted(int(m.group(1)) for name in os.listdir(save_dir) if (m := layout.STAGE_RE.match(name)))
@@ -524,30 +555,6 @@ def write_tracker(save_dir: Path, step: int, audit: AuditLog) -> None:
     os.replace(tmp, save_dir / layout.TRACKER)
     layout.fsync_dir(save_dir)
     audit.record("tracker", save_dir / layout.TRACKER, step=step)
-
-
-def rotate(save_dir: Path, max_ckpt_num: int, keep: int, audit: AuditLog) -> list[int]:
-    """Delete the oldest complete iterations beyond ``max_ckpt_num``; never ``keep`` nor the newest."""
-    complete = layout.complete_iterations(save_dir)
-    excess = len(complete) - max_ckpt_num
-    deleted = []
-    for step, path in complete:
-        if excess <= 0:
-            break
-        if step == keep or step == complete[-1][0]:
-            continue
-        _delete_ours(save_dir, path, step, audit, reason=f"rotation to max_ckpt_num={max_ckpt_num}")
-        deleted.append(step)
-        excess -= 1
-    return deleted
-
-
-def _delete_ours(save_dir: Path, path: Path, step: int, audit: AuditLog, reason: str) -> None:
-    audit.record("delete", path, step=step, reason=reason)
-    trash = save_dir / f"{layout.TRASH_PREFIX}{step:07d}-{os.getpid()}"
-    os.rename(path, trash)  # one rename makes the iteration vanish atomically; the rmtree may be slow
-    shutil.rmtree(trash)
-    logger.info("deleted %s (%s)", path, reason)
 
 
 def clean_leftovers(save_dir: Path, audit: AuditLog) -> list[Path]:

@@ -15,7 +15,7 @@ the persist is taken instead.
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 
 def common_steps(committed: Mapping[int, Iterable[int]], expected_ranks: int) -> frozenset[int]:
@@ -93,3 +93,54 @@ def never_holds(step: int, held: Collection[int], *, ended: bool) -> str:
         return f"ended without a snapshot of step {step}"
     # Snapshots go in step order: a rank whose newer snapshot is committed is past ``step`` for good.
     return f"moved on without a snapshot of step {step}" if held and max(held) > step else ""
+
+
+# Timelines (invariant 10) ----------------------------------------------------------------------------
+def abandoned_by_resume(on_disk: Iterable[int], resumed: int) -> list[int]:
+    """Iterations a resume from step ``resumed`` abandons: every one newer than it, oldest first. Idempotent:
+    once they are moved aside, the same resume abandons nothing more."""
+    return sorted({step for step in on_disk if step > resumed})
+
+
+def tracker_after_resume(complete: Iterable[int], resumed: int) -> int | None:
+    """The step the tracker names once a resume from ``resumed`` moved the newer iterations aside: the
+    newest complete one at or below it (None: no iteration of the current timeline is on disk yet)."""
+    return max((step for step in complete if step <= resumed), default=None)
+
+
+def floor_after_resume(complete: Iterable[int], resumed: int, persisted: int | None,
+                       given_up: int) -> tuple[int | None, int]:
+    """The agent's (newest persisted step, newest given-up step) on the new timeline: nothing newer than
+    ``resumed`` counts any more, so the new timeline's steps are persisted whatever numbers the abandoned
+    one reached. A persisted step at or below ``resumed`` stands (multi-node: this node's shards, which the
+    leader may not have committed yet); a newer one gives way to the newest complete iteration at or
+    below ``resumed``."""
+    if persisted is None or persisted > resumed:
+        persisted = tracker_after_resume(complete, resumed)
+    return persisted, given_up if given_up <= resumed else -1
+
+
+def rotation_victims(current: Sequence[int], abandoned: Sequence[tuple[str, int]], *, max_ckpt_num: int,
+                     keep: Collection[int]) -> tuple[list[tuple[str, int]], list[int]]:
+    """What rotation deletes so that at most ``max_ckpt_num`` checkpoints remain, abandoned ones counted.
+
+    ``current``: complete iterations in save_dir; ``abandoned``: (``.abandoned-<time>`` name, step) of
+    those moved aside. Abandoned iterations go first, the oldest abandonment first (its lowest step
+    first); then current ones oldest first, never one in ``keep`` (the step just persisted, the tracked
+    one) nor the newest.
+    """
+    excess = len(current) + len(abandoned) - max_ckpt_num
+    if excess <= 0:
+        return [], []
+    gone_abandoned = sorted(abandoned)[:excess]
+    excess -= len(gone_abandoned)
+    newest = max(current, default=None)
+    gone_current = []
+    for step in sorted(current):
+        if excess <= 0:
+            break
+        if step in keep or step == newest:
+            continue
+        gone_current.append(step)
+        excess -= 1
+    return gone_abandoned, gone_current

@@ -27,7 +27,7 @@ from typing import Any
 
 import zmq
 
-from easyckpt_wire import layout, protocol
+from easyckpt_wire import layout, protocol, timeline
 from easyckpt_wire.control import ControlWriter, PersistFailure, control_path
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.protocol import Kind, ProtocolError
@@ -35,8 +35,9 @@ from easyckpt_wire.shm import list_slots
 
 from agent import persister, policy
 from agent.cluster import NodeReplication
-from agent.persister import (AuditLog, PersistFailed, PersistStats, RankSnapshot, clean_leftovers, describe,
-                             lower_priority, persist, persist_shards, rotate)
+from agent.persister import (AuditLog, PersistFailed, PersistStats, RankSnapshot, StepAbandoned, clean_leftovers,
+                             describe, drop_own_shards, lower_priority, persist, persist_shards, stage_steps)
+from agent.timeline import DiskTimeline
 from agent.watcher import SlotHolds, SlotInfo, Watcher
 
 logger = logging.getLogger(__name__)
@@ -94,10 +95,15 @@ class Agent:
         self.audit = AuditLog(self.save_dir)
         self.watcher = Watcher(config.shm_dir, config.job_id)
         self.claims: dict[int, dict[int, Claim]] = {}   # step -> rank -> claim
-        self.persisted: int | None = max((s for s, _ in layout.complete_iterations(self.save_dir)), default=None)
+        self.timeline = DiskTimeline(self.save_dir, self.audit)
+        # The newest step of the current timeline on disk (what a load follows: the tracker, invariant 10);
+        # a newer complete iteration is of an abandoned timeline, or lost the race with the tracker.
+        self.persisted: int | None = timeline.head([s for s, _ in layout.complete_iterations(self.save_dir)],
+                                                   layout.read_tracker(self.save_dir))
         self.last_persist: PersistStats | None = None
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="persist", initializer=lower_priority)
         self.inflight: tuple[int, concurrent.futures.Future[PersistStats]] | None = None
+        self.inflight_epoch = 0   # the timeline's epoch when the persist in flight started
         self.waiters: list[tuple[bytes, Any]] = []   # (identity, request id) of BYE(wait=True)
         self.flush_wanted: set[int] = set()          # steps a rank asked to persist now (FLUSH)
         self.flush_waiters: list[tuple[bytes, Any, int]] = []   # (identity, request id, step) of FLUSH(wait=True)
@@ -139,7 +145,8 @@ class Agent:
         self.cluster = NodeReplication(node=config.node_id, bind_host=config.bind_host, port=config.port,
                                        save_dir=self.save_dir, audit=self.audit, watcher=self.watcher,
                                        ctx=self.ctx, max_ckpt_num=lambda: self.config.max_ckpt_num,
-                                       complete=self.persisted, port_file=config.job_dir / "agent.port")
+                                       complete=self.persisted, port_file=config.job_dir / "agent.port",
+                                       rotate=lambda keep: self.timeline.rotate(self.config.max_ckpt_num, keep))
 
     # lifecycle --------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -427,6 +434,8 @@ class Agent:
             self._request_flush(message["rank"], message["step"])
             if message["wait"]:
                 self.flush_waiters.append((identity, request_id, message["step"]))
+        elif kind == Kind.RESUME:
+            self._send(identity, self._resume(message["rank"], message["step"], message["stale"], request_id))
         elif kind == Kind.STATUS:
             self._send(identity, protocol.reply(True, id=request_id, **self.status()))
         elif kind == Kind.PING:
@@ -438,6 +447,66 @@ class Agent:
             self._send(identity, protocol.reply(problem is None, id=request_id, error=problem))
         else:
             logger.warning("dropped a %s message: not a request", kind.name)
+
+    def _resume(self, rank: int, step: int, stale: list[list[int]], request_id: Any) -> bytes:
+        """A rank resumed at ``step``: a new timeline (invariant 10). Newer iterations are moved aside (by
+        the agent that commits them), newer steps are forgotten here so that the new timeline's are
+        persisted again, and the rank's snapshots of newer steps that it could not invalidate (this agent
+        held them) are ignored and let go. Every rank sends the same step; only the first call moves
+        anything."""
+        for slot, generation in stale:
+            self.watcher.abandoned.add((rank, slot, generation))
+        commits = self.cluster.peers is None or self.cluster.peers.is_leader
+        error = None
+        try:
+            result = self.timeline.abandon_after(step, commits=commits)
+            moved, tracker = result.moved, result.tracker
+        except OSError as exc:
+            error = (f"could not move the iterations newer than step {step} aside in {self.save_dir}: {exc}; an "
+                     "automatic load follows the tracker, fix the directory and resume again")
+            logger.error("rank %d resumed at step %d: %s", rank, step, error)
+            moved, tracker = [], layout.read_tracker(self.save_dir)
+        complete = [s for s, _ in layout.complete_iterations(self.save_dir)]
+        before = (self.persisted, self.given_up)
+        self.persisted, self.given_up = policy.floor_after_resume(complete, step, self.persisted, self.given_up)
+        if before != (self.persisted, self.given_up):
+            logger.info("rank %d resumed at step %d: a new timeline; newest step on disk %s -> %s (steps after it "
+                        "are persisted again)", rank, step, before[0], self.persisted)
+        if self.cluster.complete is not None and self.cluster.complete > step:
+            self.cluster.complete = policy.tracker_after_resume(complete, step)
+        inflight = self._inflight_step()
+        if not commits:
+            # A shard of this node that an abandoned persist left in a stage must not complete the new
+            # timeline's iteration of that number (the leader drops whole stages; this covers a late one).
+            for staged in stage_steps(self.save_dir):
+                if staged > step and staged != inflight:   # the one in flight is dropped once it finishes
+                    drop_own_shards(self.save_dir, staged, self.config.node_id, sorted(self.watcher.local_ranks()),
+                                    self.audit)
+        if self.last_passed > step:
+            self.last_passed = -1
+        # Not the persist in flight: it reads its slots until it finishes (and then publishes nothing).
+        self._release_claims(lambda s: s > step and s != inflight)
+        for wanted in [s for s in self.flush_wanted if s > step]:
+            self.flush_wanted.discard(wanted)
+            self.flush_failed[wanted] = f"the job resumed at step {step}: step {wanted} was abandoned"
+        # The safe step stays when it is at or below the resumed one: other nodes' ranks may be pulling the
+        # resumed step from these very slots right now (multi-node recovery).
+        if self.pending is not None and (self.pending > step or self._holds_abandoned(self.pending_holds)):
+            for info in self.pending_holds:
+                self.holds.release(info, ("pending",))
+            self.pending, self.pending_holds = None, []
+        if self.safe is not None and (self.safe > step or self._holds_abandoned(self.safe_holds)):
+            for info in self.safe_holds:
+                self.holds.release(info, ("safe",))
+            self.safe, self.safe_holds = None, []   # the next round declares a step of the new timeline safe
+            self.cluster.safe_step = None
+        self._publish()
+        return protocol.reply(error is None, id=request_id, moved=moved, tracker=tracker, persisted=self.persisted,
+                              error=error)
+
+    def _holds_abandoned(self, holds: list[SlotInfo]) -> bool:
+        return any(info.header is not None and (info.rank, info.slot, info.header.generation) in self.watcher.abandoned
+                   for info in holds)
 
     def _adopt_config(self, message: dict[str, Any]) -> None:
         new = (message["save_storage_interval"], message["max_ckpt_num"], message["log_file_path"])
@@ -480,6 +549,8 @@ class Agent:
     def _tick(self) -> None:
         self.watcher.scan()
         self._finish_inflight()
+        if self.watcher.abandoned:
+            self._invalidate_abandoned()
         for proc in self.watcher.newly_dead():
             logger.warning("rank %d (pid %d) died without closing", proc.rank, proc.pid)
             self.failed_ranks.add(proc.rank)
@@ -527,6 +598,24 @@ class Agent:
         self._publish()
         self._answer_waiters()
         self._answer_flush_waiters()
+
+    def _invalidate_abandoned(self) -> None:
+        """Snapshots of an abandoned timeline that their rank could not invalidate (this agent held them):
+        invalidate each once nothing holds it, so that no later load, in this process or after a crash,
+        takes it for the job's memory."""
+        for rank, slot, generation in sorted(self.watcher.abandoned):
+            info = self.watcher.slots.get((rank, slot))
+            if info is None or self.holds.reasons.get(id(info.map)) or not info.map.try_lock(exclusive=True):
+                continue
+            try:
+                header = info.map.header()
+                if header.committed and header.generation == generation:
+                    info.map.invalidate()
+                    logger.info("invalidated rank %d's slot %d with step %d of the abandoned timeline", rank, slot,
+                                header.step)
+            finally:
+                info.map.unlock()
+            self.watcher.abandoned.discard((rank, slot, generation))
 
     def _inflight_step(self) -> int | None:
         return self.inflight[0] if self.inflight is not None else None
@@ -764,10 +853,11 @@ class Agent:
                          for rank, claim in self.claims[step].items()]
                 if any(not snap.meta or snap.meta.get("step") != step for snap in snaps):
                     continue  # metadata not read yet for this generation: next tick
-                self.inflight = (step, self.pool.submit(self._persist, step, snaps))
+                self.inflight_epoch = self.timeline.epoch
+                self.inflight = (step, self.pool.submit(self._persist, step, snaps, self.inflight_epoch))
                 return
 
-    def _persist(self, step: int, snaps: list[RankSnapshot]) -> PersistStats:
+    def _persist(self, step: int, snaps: list[RankSnapshot], epoch: int) -> PersistStats:
         world_size = snaps[0].meta["world_size"]
         if len(snaps) != world_size:
             if self.cluster.peers is None:
@@ -778,9 +868,10 @@ class Agent:
                 )
             return persist_shards(self.save_dir, step, snaps, self.config.node_id, self.audit,
                                   self.config.persist_threads)
-        stats = persist(self.save_dir, step, snaps, self.audit, self.config.persist_threads)
+        stats = persist(self.save_dir, step, snaps, self.audit, self.config.persist_threads,
+                        publishing=lambda s: self.timeline.publishing(s, epoch))
         try:
-            rotate(self.save_dir, self.config.max_ckpt_num, step, self.audit)
+            self.timeline.rotate(self.config.max_ckpt_num, step)
         except OSError as exc:   # the step is durable all the same; the next persist rotates again
             logger.warning("rotation after step %d failed: %s: %s", step, exc.filename or self.save_dir,
                            exc.strerror or exc)
@@ -791,15 +882,32 @@ class Agent:
             return
         step, future = self.inflight
         self.inflight = None
+        abandoned = self.timeline.abandoned_since(self.inflight_epoch, step)
         try:
             stats = future.result()
-        except PersistFailed as exc:
-            self._persist_failed(step, exc)
+        except StepAbandoned:
+            logger.info("persist of step %d finished after the job resumed at an older step: not published", step)
+            self._release_claims(lambda s: s == step)
             return
-        except Exception as exc:   # not the disk: a bug, worth its traceback (once per failure)
+        except Exception as exc:
+            if abandoned:   # not a failure of the new timeline: its step of this number is still persisted
+                logger.warning("persist of step %d (abandoned by a resume meanwhile) failed: %s", step, exc)
+                traceback.clear_frames(exc.__traceback__)
+                self._release_claims(lambda s: s == step)
+                return
+            if isinstance(exc, PersistFailed):
+                self._persist_failed(step, exc)
+                return
+            # not the disk: a bug, worth its traceback (once per failure)
             logger.exception("persist of step %d to %s failed", step, self.save_dir)
             traceback.clear_frames(exc.__traceback__)   # its frames hold views of the slots
             self._persist_failed(step, PersistFailed(step, self.save_dir, 0, f"{type(exc).__name__}: {exc}"))
+            return
+        if abandoned:
+            # A node's shards (multi-node) written for a step a resume abandoned meanwhile: they must not
+            # complete the new timeline's iteration of that number.
+            drop_own_shards(self.save_dir, step, self.config.node_id, sorted(self.claims.get(step, {})), self.audit)
+            self._release_claims(lambda s: s == step)
             return
         self.persisted = step if self.persisted is None else max(step, self.persisted)
         self.last_persist = stats

@@ -66,6 +66,9 @@ class Watcher:
         self.local_world_size = 0
         self.world_size = 0   # of the current run: slots and ranks of a run with another size are ignored
         self._last_listing = 0.0
+        # (rank, slot, generation) of snapshots of an abandoned timeline that their rank could not invalidate
+        # (the agent held the slot): never persisted, declared safe or served, until the slot is rewritten.
+        self.abandoned: set[tuple[int, int, int]] = set()
 
     # slots ------------------------------------------------------------------------------------------
     def scan(self, *, relist_every: float = 0.25) -> None:
@@ -97,6 +100,9 @@ class Watcher:
             except (SlotFormatError, ValueError) as exc:
                 info.header = None  # torn or foreign: treat as holding nothing
                 logger.debug("slot %s unreadable: %s", info.path, exc)
+        if self.abandoned:   # a rewritten slot holds a new snapshot: forget its abandoned generation
+            self.abandoned = {key for key in self.abandoned if (held := self.slots.get((key[0], key[1]))) is not None
+                              and held.header is not None and held.header.generation == key[2]}
 
     def _learn_from_meta(self, meta: dict[str, Any]) -> None:
         if not self.world_size:  # an adopting agent before any HELLO: the slots tell the job's shape
@@ -125,6 +131,8 @@ class Watcher:
         for (r, _), info in self.slots.items():
             step = info.committed_step()
             if r != rank or step is None or not self._current(info):
+                continue
+            if self.abandoned and info.header is not None and (r, info.slot, info.header.generation) in self.abandoned:
                 continue
             if step not in found or found[step].header.generation < info.header.generation:
                 found[step] = info

@@ -196,6 +196,23 @@ class AgentClient:
                 if time.monotonic() >= deadline:
                     return None
 
+    def resume(self, step: int, stale: list[list[int]], *, timeout: float) -> dict[str, Any] | None:
+        """Tell the agent this rank resumed at ``step`` (a new timeline: it moves newer iterations aside and
+        persists the new timeline's steps) and which of its slots ([index, generation]) hold abandoned
+        steps it could not invalidate. Waits (bounded) for the reply; None when no agent answered."""
+        self.ensure(force=True)
+        if not self.alive():
+            logger.warning("rank %d: no easyckpt agent runs for job %s to record the resume at step %d; iterations "
+                           "newer than it in %s stay where they are until a later resume", self.rank, self.job_id,
+                           step, self.save_dir)
+            return None
+        try:
+            return self.request(Kind.RESUME, timeout, rank=self.rank, step=step, stale=stale)
+        except AgentTimeout as exc:
+            logger.warning("%s; iterations newer than step %d in %s stay until the agent hears of the resume",
+                           exc, step, self.save_dir)
+            return None
+
     def _drain(self) -> None:
         while self.sock is not None:
             try:

@@ -143,7 +143,22 @@ class Checkpointer:
         # In this rank's slot (memory, or pulled from a replica): a process that ends without a snapshot of its
         # own must still make it durable. A step read from disk is durable already.
         self._resumed = result.step if result.source in ("memory", "replica") else None
+        if result.step is not None:
+            self._start_timeline(result.step)
         return result
+
+    def _start_timeline(self, step: int) -> None:
+        """A resume from ``step`` starts a new timeline (invariant 10): the agent moves newer iterations of
+        save_dir aside and persists this run's steps again, whatever numbers the abandoned run reached."""
+        stale = [[index, generation] for index, generation in sorted(self.slots.abandoned.items())]
+        reply = self.agent.resume(step, stale, timeout=self.config.agent_start_timeout)
+        if reply is not None and not reply.get("ok"):
+            logger.warning("rank %d: the agent could not record the resume at step %d: %s", self.rank, step,
+                           reply.get("error"))
+        elif reply is not None and reply.get("moved"):
+            logger.info("rank %d: resumed at step %d; iterations %s of the abandoned timeline were moved aside",
+                        self.rank, step, reply["moved"])
+        self.slots.retry_abandoned()
 
     def save_if_needed(self, step: int, state_dict: Any) -> bool:
         """Snapshot when ``step % save_mem_interval == 0``; returns at once (True if a copy started)."""

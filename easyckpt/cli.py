@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from easyckpt.agent_client import AgentTimeout, query_status
-from easyckpt_wire import layout, owner, protocol, runtime
+from easyckpt_wire import layout, owner, protocol, runtime, timeline
 from easyckpt_wire.control import control_path
 from easyckpt_wire.shm import (
     HEADER_SIZE,
@@ -44,6 +44,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"{path.name:<20} {step:>10} {format_bytes(_dir_bytes(path)):>12}  {status}{mark}")
     if not rows:
         print("(no iterations)")
+    for name, step, path in timeline.abandoned_iterations(save_dir):   # moved aside by a resume (invariant 10)
+        print(f"{name}/{path.name:<20} {step:>10} {format_bytes(_dir_bytes(path)):>12}  abandoned timeline "
+              "(never loaded automatically; rotation removes it first)")
     return 0
 
 

@@ -51,6 +51,9 @@ class RankSlots:
         self._peer_maps: dict[Path, tuple[int, SlotMap]] = {}   # other local ranks' slots, headers only
         self._stalled = Episode(logger, logging.INFO)   # costs one step of freshness, heals itself
         self._stalled_at = -1   # control generation at which the agent last let a wait run out
+        # slot index -> generation of snapshots of an abandoned timeline that could not be invalidated yet
+        # (the agent held them): never read as this rank's memory, invalidated as soon as they are free.
+        self.abandoned: dict[int, int] = {}
         for index in existing:
             path = self.path(index)
             if path.exists():
@@ -81,6 +84,8 @@ class RankSlots:
         for index in range(self.count):
             header = self.header(index)
             if header is not None and header.committed and header.world_size == self.world_size:
+                if self.abandoned.get(index) == header.generation:
+                    continue
                 if header.step not in found or found[header.step][1].generation < header.generation:
                     found[header.step] = (index, header)
         return found
@@ -265,7 +270,8 @@ class RankSlots:
         return len(holders) >= self.local_world_size
 
     def invalidate_newer_than(self, step: int) -> None:
-        """Forget snapshots past the resumed step: they belong to a timeline the job abandoned."""
+        """Forget snapshots past the resumed step: they belong to a timeline the job abandoned. One the agent
+        holds is remembered in ``abandoned`` (never read again) and invalidated once it is free."""
         for index in range(self.count):
             header, slot = self.header(index), self.maps[index]
             if header is not None and slot is not None and header.committed and header.step > step:
@@ -274,11 +280,33 @@ class RankSlots:
                     slot.unlock()
                     logger.info("rank %d: dropped slot %d with step %d (resumed at %d)", self.rank, index,
                                 header.step, step)
+                else:
+                    self.abandoned[index] = header.generation
+                    logger.info("rank %d: slot %d with step %d (resumed at %d) is held by the agent: ignored, and "
+                                "dropped once it is free", self.rank, index, header.step, step)
+
+    def retry_abandoned(self) -> None:
+        """Invalidate the abandoned snapshots that the agent no longer holds."""
+        for index, generation in list(self.abandoned.items()):
+            header, slot = self.header(index), self.maps[index]
+            if header is None or slot is None or not header.committed or header.generation != generation:
+                del self.abandoned[index]   # rewritten, or invalidated by the agent
+            elif slot.try_lock(exclusive=True):
+                try:
+                    if slot.header().generation == generation:
+                        slot.invalidate()
+                finally:
+                    slot.unlock()
+                del self.abandoned[index]
+                logger.info("rank %d: dropped slot %d with step %d of the abandoned timeline", self.rank, index,
+                            header.step)
 
     def drop_stale_copies(self) -> None:
         """Invalidate every committed slot whose step a newer generation holds too (a step snapshotted
         again). One the agent still holds stays until a later commit finds it free (the agent moves its
         hold to the newer copy); readers prefer the newer generation meanwhile."""
+        if self.abandoned:
+            self.retry_abandoned()
         newest: dict[int, tuple[int, int]] = {}
         for index in range(self.count):
             header = self.header(index)

@@ -16,7 +16,7 @@ import torch
 import xxhash
 from safetensors import safe_open
 
-from easyckpt_wire import layout
+from easyckpt_wire import layout, timeline
 from easyckpt_wire.layout import CheckpointFormatError
 
 logger = logging.getLogger(__name__)
@@ -50,12 +50,18 @@ class RankEntry:
 
 
 def newest_first(save_dir: Path) -> list[int]:
-    """Complete iterations of ``save_dir``, newest first; warns when the tracker disagrees."""
-    steps = [step for step, _ in reversed(layout.complete_iterations(save_dir))]
+    """Complete iterations an automatic load tries, newest first: the tracked one and older ones
+    (``timeline.load_order``); every complete one, with a warning, when the tracker names none."""
+    complete = [step for step, _ in layout.complete_iterations(save_dir)]
     tracker = layout.read_tracker(save_dir)
-    if tracker is not None and tracker not in steps:
+    steps = timeline.load_order(complete, tracker)
+    if tracker is not None and tracker not in complete:
         logger.warning("%s names iteration %d, which is missing or incomplete; using the newest complete "
                        "iteration (%s) instead", save_dir / layout.TRACKER, tracker, steps[0] if steps else "none")
+    elif steps and len(steps) < len(complete):
+        logger.info("%s: iterations %s are newer than the tracked one (%d): an abandoned timeline, or a persist "
+                    "that died before it updated the tracker; not loaded", save_dir,
+                    sorted(set(complete) - set(steps)), steps[0])
     return steps
 
 

@@ -13,6 +13,7 @@
       .tmp-iteration_0000100-<pid>/                  # a persist in progress (or a dead writer's)
       .stage-iteration_0000100/                      # multi-node: every node's agent adds its ranks'
         node-<node id>.json                          #   files, then this; the leader commits the step
+      .abandoned-<UTC time>/iteration_0000120/       # a timeline a resume abandoned (easyckpt_wire.timeline)
 
 The agent writes this layout; the library and the CLI read it. Both use the functions here so that
 "complete" means the same thing on both sides.

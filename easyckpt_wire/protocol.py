@@ -51,6 +51,9 @@ class Kind(enum.IntEnum):
     PEERS = 5    # a rank tells its agent the job token, the other nodes' agents and the leader
     FLUSH = 6    # persist this step now, whatever save_storage_interval says; with wait=True the agent
                  # replies once it is durable (or cannot be), else it does not reply
+    RESUME = 7   # a rank resumed at this step (a new timeline, invariant 10): the agent forgets newer steps,
+                 # moves newer iterations aside, ignores the listed slots (slot index, generation) that the
+                 # rank could not invalidate, and replies
     # tcp, token required
     LIST = 10      # which steps, ranks' manifests and tensor checksums does this agent hold
     MANIFEST = 11  # one rank's manifest at one step (tensor index with checksums, plain values)
@@ -76,6 +79,7 @@ _SCHEMA: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.STATUS: {},
     Kind.PING: {},
     Kind.FLUSH: {"rank": _INT, "step": _INT, "wait": _BOOL},
+    Kind.RESUME: {"rank": _INT, "step": _INT, "stale": _LIST},
     Kind.PEERS: {"token": _STR, "node": _STR, "leader": _STR, "nodes": _LIST, "world_size": _INT,
                   "replicate_unique": _BOOL},
     # the token of peer kinds is checked by token_ok(), so that a request without one gets a refusal
@@ -150,6 +154,11 @@ def _check(message: dict[str, Any], kind: Kind) -> None:
                             f"and world_size {message['world_size']} is inconsistent")
     if "token" in message and not isinstance(message["token"], str):
         raise ProtocolError(f"{kind.name} message token is a {type(message['token']).__name__}, expected str")
+    if kind == Kind.RESUME and (len(message["stale"]) > 64 or not all(
+            isinstance(item, list) and len(item) == 2 and all(type(v) is int and 0 <= v < 1 << 62 for v in item)
+            for item in message["stale"])):
+        raise ProtocolError(f"RESUME message field 'stale' must list at most 64 [slot, generation] pairs, "
+                            f"got {message['stale']!r:.200}")
     if kind == Kind.FETCH and len(message["checksum"]) != CHECKSUM_BYTES:
         raise ProtocolError(f"FETCH checksum of {len(message['checksum'])} bytes, expected {CHECKSUM_BYTES}")
 

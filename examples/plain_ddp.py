@@ -97,6 +97,9 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=None,
                         help="the first attempt SIGKILLs --kill-rank right after this step's snapshot starts")
     parser.add_argument("--kill-rank", type=int, default=1, help="-1: every rank")
+    parser.add_argument("--load-dir", default=None,
+                        help="the first attempt loads this iteration_N directory (a rollback: a new timeline); "
+                             "torchrun's restarts resume as usual")
     parser.add_argument("--peer-timeout", type=float, default=10.0,
                         help="multi-node: seconds one request to another node's agent may take")
     args = parser.parse_args()
@@ -122,9 +125,10 @@ def main() -> None:
     ckpt = easyckpt.Checkpointer(args.save_dir, args.save_mem_interval, args.save_storage_interval,
                                  args.max_ckpt_num, log_file_path=str(out / "persist.log"),
                                  peer_timeout=args.peer_timeout)
-    result = ckpt.load({"model": net.state_dict(), "optim": optimizer.state_dict()})
-    start = 0
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    result = ckpt.load({"model": net.state_dict(), "optim": optimizer.state_dict()},
+                       load_dir=args.load_dir if attempt == "0" else None)
+    start = 0
     if result.step is not None:
         net.load_state_dict(result.state["model"])
         optimizer.load_state_dict(result.state["optim"])

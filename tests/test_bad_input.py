@@ -21,7 +21,7 @@ import torch
 import zmq
 
 import easyckpt
-from easyckpt_wire import layout, protocol
+from easyckpt_wire import layout, protocol, timeline
 from easyckpt_wire.protocol import Kind
 from easyckpt_wire.shm import format_bytes
 
@@ -314,12 +314,16 @@ def assert_falls_back_to_step_2(env: Env, two_on_disk: dict, caplog: Any, damage
         assert any(str(damaged.resolve()) in w and reason in w for w in warnings), warnings
     finally:
         ck.close()
-    # The damaged iteration is still there for a human to look at (nothing is silently deleted).
-    assert damaged.is_file()
-    verify = run_cli("verify", str(env.save_dir), env=env)
+    # The resume from 2 abandoned the damaged iteration (invariant 10): it was moved aside, not deleted, and
+    # is still there for a human to look at; the tracker names 2.
+    assert not damaged.exists() and layout.read_tracker(env.save_dir) == 2
+    moved = [path for _, step, path in timeline.abandoned_iterations(env.save_dir) if step == 4]
+    assert len(moved) == 1 and (moved[0] / damaged.name).is_file()
+    verify = run_cli("verify", str(moved[0].parent), env=env)
     assert verify.returncode == 1, verify.stdout + verify.stderr
     assert "iteration_0000004: DAMAGED" in verify.stdout and damaged.name in verify.stdout
-    assert "iteration_0000002: OK" in verify.stdout
+    verify = run_cli("verify", str(env.save_dir), env=env)
+    assert verify.returncode == 0 and "iteration_0000002: OK" in verify.stdout, verify.stdout + verify.stderr
 
 
 def test_flipped_bytes_fall_back_to_previous_iteration(env: Env, two_on_disk: dict, caplog: Any) -> None:

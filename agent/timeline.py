@@ -1,0 +1,156 @@
+"""The agent's side of timelines (invariant 10): a resume moves the abandoned iterations aside.
+
+Ranks tell their node agent the step they resumed from (RESUME, after ``load()``). The agent that
+commits iterations (the only one of a single-node job, the leader of a multi-node one) moves every
+iteration newer than that step into ``save_dir/.abandoned-<time>/`` (one rename each, audited, never
+deleted here) and points the tracker at the newest iteration at or below it; every agent forgets the
+steps of the abandoned timeline, so the new timeline's steps are persisted again. The operation is
+idempotent: every rank of the job sends the same step and only the first finds anything to move.
+
+A persist may be in flight while a resume abandons its step; it publishes under the same lock and
+checks first (``publishing``), so an abandoned step never becomes ``iteration_N`` nor the tracked one.
+Rotation also runs under the lock and removes abandoned iterations before any of the current timeline.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+from easyckpt_wire import layout, timeline
+
+from agent import policy
+from agent.persister import AuditLog, drop_stage, stage_steps, write_tracker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Abandonment:
+    resumed: int
+    moved: list[int]          # steps moved aside by this call (empty when another rank's call did it)
+    directory: Path | None    # where they went
+    tracker: int | None       # what the tracker names afterwards
+
+
+class DiskTimeline:
+    def __init__(self, save_dir: Path, audit: AuditLog) -> None:
+        self.save_dir = save_dir
+        self.audit = audit
+        self.lock = threading.Lock()
+        self.epoch = 0
+        self._resumes: list[tuple[int, int]] = []   # (epoch, resumed step), the newest few
+
+    def abandoned_since(self, epoch: int, step: int) -> bool:
+        """Did a resume after ``epoch`` abandon ``step`` (a resume from an older step)?"""
+        return any(e > epoch and resumed < step for e, resumed in self._resumes)
+
+    @contextlib.contextmanager
+    def publishing(self, step: int, epoch: int) -> Iterator[bool]:
+        """Hold the lock while a persist that started at ``epoch`` publishes ``step``; yields whether the
+        step still belongs to the current timeline."""
+        with self.lock:
+            yield not self.abandoned_since(epoch, step)
+
+    def abandon_after(self, resumed: int, *, commits: bool) -> Abandonment:
+        """A resume from ``resumed``: forget newer steps; with ``commits`` (this agent publishes iterations)
+        move the newer iterations aside and point the tracker at the newest one left."""
+        with self.lock:
+            self.epoch += 1
+            self._resumes = [*self._resumes[-15:], (self.epoch, resumed)]
+            if not commits:
+                complete = [s for s, _ in layout.complete_iterations(self.save_dir)]
+                return Abandonment(resumed, [], None, policy.tracker_after_resume(complete, resumed))
+            return self._move_aside(resumed)
+
+    def _move_aside(self, resumed: int) -> Abandonment:
+        on_disk = {step: path for step, path, complete in layout.list_iterations(self.save_dir) if complete}
+        victims = policy.abandoned_by_resume(on_disk, resumed)
+        head = policy.tracker_after_resume(on_disk, resumed)
+        # The tracker first: should the agent die between the two, a load already follows the new timeline
+        # and the next resume moves the rest aside.
+        if layout.read_tracker(self.save_dir) != head:
+            if head is None:
+                tracker = self.save_dir / layout.TRACKER
+                if tracker.exists():
+                    self.audit.record("tracker-remove", tracker, resumed=resumed,
+                                      reason=f"resumed at step {resumed}: no iteration at or below it on disk")
+                    tracker.unlink()
+                    layout.fsync_dir(self.save_dir)
+            else:
+                write_tracker(self.save_dir, head, self.audit)
+        for step in stage_steps(self.save_dir):
+            if step > resumed:
+                drop_stage(self.save_dir, step, self.audit, f"abandoned timeline: the job resumed at step {resumed}")
+        if not victims:
+            return Abandonment(resumed, [], None, head)
+        target = self._new_abandoned_dir()
+        for step in victims:
+            source = on_disk[step]
+            dest = target / source.name
+            self.audit.record("abandon", source, step=step, to=str(dest), resumed=resumed,
+                              reason=f"the job resumed at step {resumed}: step {step} belongs to the abandoned "
+                                     "timeline")
+            os.rename(source, dest)
+        layout.fsync_dir(target)
+        layout.fsync_dir(self.save_dir)
+        logger.warning("the job resumed at step %d: moved iterations %s of the abandoned timeline to %s "
+                       "(rotation removes them first; delete them by hand if you do not need them)",
+                       resumed, victims, target)
+        return Abandonment(resumed, victims, target, head)
+
+    def _new_abandoned_dir(self) -> Path:
+        name = timeline.abandoned_dirname()
+        for attempt in range(100):
+            path = self.save_dir / (name if attempt == 0 else f"{name}-{attempt}")
+            try:
+                path.mkdir()
+            except FileExistsError:
+                continue
+            self.audit.record("mkdir", path, reason="iterations of an abandoned timeline")
+            return path
+        raise FileExistsError(f"{self.save_dir}: cannot make a new {name} directory (100 taken)")
+
+    def rotate(self, max_ckpt_num: int, keep: int) -> list[tuple[str, int]]:
+        """Delete the iterations beyond ``max_ckpt_num``, abandoned ones first; never ``keep``, the tracked
+        step, nor the newest of the current timeline. Returns (directory name, step) of each deleted."""
+        with self.lock:
+            current = {step: path for step, path in layout.complete_iterations(self.save_dir)}
+            abandoned = {(name, step): path for name, step, path in timeline.abandoned_iterations(self.save_dir)}
+            tracked = layout.read_tracker(self.save_dir)
+            keep_steps = {keep} | ({tracked} if tracked is not None else set())
+            gone_abandoned, gone_current = policy.rotation_victims(sorted(current), sorted(abandoned),
+                                                                   max_ckpt_num=max_ckpt_num, keep=keep_steps)
+            trash: list[Path] = []
+            reason = f"rotation to max_ckpt_num={max_ckpt_num}"
+            for key in gone_abandoned:
+                trash.append(self._to_trash(abandoned[key], key[1], reason + " (abandoned timeline first)"))
+            for step in gone_current:
+                trash.append(self._to_trash(current[step], step, reason))
+            for name in {name for name, _ in gone_abandoned}:
+                parent = self.save_dir / name
+                if not any(parent.iterdir()):
+                    self.audit.record("delete", parent, reason="no abandoned iteration left in it")
+                    parent.rmdir()
+        for path in trash:   # one rename made each vanish; the slow part runs outside the lock
+            shutil.rmtree(path, ignore_errors=True)
+        for (name, step) in gone_abandoned:
+            logger.info("deleted %s/%s (rotation: abandoned timeline first)", name, layout.iteration_dirname(step))
+        for step in gone_current:
+            logger.info("deleted %s (rotation to max_ckpt_num=%d)", current[step], max_ckpt_num)
+        return [*gone_abandoned, *(("", step) for step in gone_current)]
+
+    def _to_trash(self, path: Path, step: int, reason: str) -> Path:
+        self.audit.record("delete", path, step=step, reason=reason)
+        trash = self.save_dir / f"{layout.TRASH_PREFIX}{step:07d}-{os.getpid()}"
+        n = 0
+        while trash.exists():   # two deleted at once with the same step (one abandoned, one current)
+            n += 1
+            trash = self.save_dir / f"{layout.TRASH_PREFIX}{step:07d}-{os.getpid()}{n}"
+        os.rename(path, trash)
+        return trash

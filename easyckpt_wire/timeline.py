@@ -1,0 +1,60 @@
+"""Timelines on disk (invariant 10): which iteration an automatic load follows, and where abandoned ones go.
+
+A resume from step s starts a new timeline; iterations newer than s belong to the abandoned one. The
+node agent moves them into ``save_dir/.abandoned-<UTC time>/iteration_N`` (one rename each) and points
+the tracker at the newest iteration of the current timeline. Both sides read the same rules from here:
+the library to choose what ``load()`` reads, the agent to know the newest step of the current timeline
+(below which nothing is persisted again) when it starts.
+
+The tracker is the authority: an iteration newer than the one it names is either of an abandoned
+timeline that was not moved aside yet, or was published by a persist that died before it replaced the
+tracker; an automatic load never takes it. Only when the tracker is missing, or names an iteration that
+is not complete, does a load fall back to the newest complete one.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from easyckpt_wire import layout
+
+ABANDONED_PREFIX = ".abandoned-"
+ABANDONED_RE = re.compile(r"^\.abandoned-(\d{8}T\d{6}\.\d{6}Z)(?:-(\d+))?$")
+
+
+def load_order(complete: Sequence[int], tracker: int | None) -> list[int]:
+    """Complete steps an automatic load tries, newest first: the tracked one and those before it when the
+    tracker names a complete iteration, else every complete one."""
+    steps = sorted(set(complete), reverse=True)
+    if tracker is None or tracker not in steps:
+        return steps
+    return [step for step in steps if step <= tracker]
+
+
+def head(complete: Sequence[int], tracker: int | None) -> int | None:
+    """The newest step of the current timeline on disk (what an automatic load would try first)."""
+    order = load_order(complete, tracker)
+    return order[0] if order else None
+
+
+def abandoned_dirname(now: float | None = None) -> str:
+    """A new ``.abandoned-<time>`` name; the names sort in the order they were made."""
+    now = time.time() if now is None else now
+    micros = int(round(now * 1e6)) % 1_000_000
+    return f"{ABANDONED_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime(int(now)))}.{micros:06d}Z"
+
+
+def abandoned_iterations(save_dir: Path) -> list[tuple[str, int, Path]]:
+    """Every ``.abandoned-*/iteration_N`` as (abandoned dir name, step, path), oldest abandonment first."""
+    found = []
+    try:
+        entries = [e for e in os.scandir(save_dir) if ABANDONED_RE.match(e.name) and e.is_dir(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    for entry in entries:
+        for step, path, _complete in layout.list_iterations(Path(entry.path)):
+            found.append((entry.name, step, path))
+    return sorted(found)
