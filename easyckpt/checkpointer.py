@@ -144,6 +144,9 @@ class Checkpointer:
         # own must still make it durable. A step read from disk is durable already.
         self._resumed = result.step if result.source in ("memory", "replica") else None
         if result.step is not None:
+            # This process's snapshots before the resume belong to the abandoned timeline (or are the resumed
+            # step itself): the end of the run must not wait for one of them to become durable.
+            self.stager.last_commit_step = None
             self._start_timeline(result.step)
         return result
 

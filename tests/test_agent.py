@@ -153,6 +153,59 @@ def test_agent_killed_mid_write_leaves_nothing_loadable_and_is_cleaned_up(env: E
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
+def test_agent_killed_before_the_tracker_update_leaves_the_tracked_step_loadable(
+        env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGKILL after iteration 10 is renamed into place but before the tracker names it: the tracker is the
+    commit point, so a load from disk follows it to step 5 (never a half-committed state); the next agent
+    goes on, and the next due step is persisted, tracked and loaded."""
+    monkeypatch.setenv("EASYCKPT_FAULT", "agent.persist.before_tracker@10")
+    monkeypatch.setenv("EASYCKPT_FAULT_ONCE", str(env.tmp_path / "fault-fired"))
+    ck = make(env, save_storage_interval=5, max_ckpt_num=5)
+    try:
+        for step in range(0, 10):
+            state = {"w": torch.full((1000,), float(step)), "step": step}
+            if step % 5 == 0:
+                save_and_persist(ck, env, step, state)
+            else:
+                ck.save_if_needed(step, state)
+        first_agent = env.agent_pid()
+        wait_for(lambda: ck.save_if_needed(10, {"w": torch.full((1000,), 10.0), "step": 10}), 30, "a slot for step 10")
+        ck.wait()
+        wait_for(lambda: env.agent_pid() is None, 30, "the agent to die at the fault point")
+        assert complete_steps(env) == [0, 5, 10] and layout.read_tracker(env.save_dir) == 5
+
+        monkeypatch.setenv("EASYCKPT_SHM_DIR", str(env.tmp_path))  # a view of the job without its memory
+        reader = make(env, save_storage_interval=5, max_ckpt_num=5, start_agent=False)
+        try:
+            result = reader.load()
+            assert (result.step, result.source, result.state["step"]) == (5, "disk", 5)
+        finally:
+            reader.close()
+        monkeypatch.setenv("EASYCKPT_SHM_DIR", str(env.shm_dir))
+
+        step = 10
+        def next_step() -> bool:  # keep training until save_if_needed has started a new agent
+            nonlocal step
+            step += 1
+            ck.save_if_needed(step, {"w": torch.full((1000,), float(step)), "step": step})
+            return env.agent_pid() not in (None, first_agent)
+        wait_for(next_step, 30, "save_if_needed to start a new agent")
+        due = (step // 5 + 1) * 5
+        save_and_persist(ck, env, due, {"w": torch.full((1000,), float(due)), "step": due})
+        assert layout.read_tracker(env.save_dir) == due
+    finally:
+        ck.close()
+    monkeypatch.setenv("EASYCKPT_SHM_DIR", str(env.tmp_path))
+    reader = make(env, save_storage_interval=5, max_ckpt_num=5, start_agent=False)
+    try:
+        result = reader.load()
+        assert result.source == "disk" and result.step == layout.read_tracker(env.save_dir) >= due
+    finally:
+        reader.close()
+    verify = run_cli("verify", str(env.save_dir), env=env)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
 CHILD = """
 import sys, torch, easyckpt
 ck = easyckpt.Checkpointer(sys.argv[1], 1, 1000, 3, agent_idle_timeout=float(sys.argv[2]))

@@ -73,9 +73,10 @@ def check_new_timeline(env: Env, job: Job, resumed_first: int, abandoned: list[i
             assert written.get(name, -1) > abandon_lines[-1], f"{name} of the new timeline was never persisted"
     complete = [s for s, _ in layout.complete_iterations(env.save_dir)]
     assert 40 in complete and 30 in complete, complete
-    # The tracker names the newest iteration of the new timeline, which a load follows.
-    assert layout.read_tracker(env.save_dir) == max(complete) == 40
-    assert storage.newest_first(env.save_dir)[0] == 40
+    # The tracker names the newest iteration of the new timeline, which a load follows: the end of the run
+    # (close() makes the last snapshot durable).
+    assert layout.read_tracker(env.save_dir) == max(complete) == SECOND_STEPS - 1, complete
+    assert storage.newest_first(env.save_dir)[0] == SECOND_STEPS - 1
     assert all(problem is None for _, _, problem in storage.verify(env.save_dir))
 
 
