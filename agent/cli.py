@@ -13,12 +13,11 @@ from pathlib import Path
 
 import psutil
 
+from agent import persister
+from agent.server import Agent, AgentConfig
 from easyckpt_wire import protocol
 from easyckpt_wire.runtime import remove_runtime_dir, take_lock
 from easyckpt_wire.shm import check_job_id, shm_dir
-
-from agent import persister
-from agent.server import Agent, AgentConfig
 
 logger = logging.getLogger("agent")
 

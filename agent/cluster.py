@@ -9,19 +9,27 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 
+from agent.persister import AuditLog, commit_stage, describe, drop_stage, lower_priority, stage_steps
+from agent.replica import (
+    BuddyPuller,
+    Holdings,
+    MapCache,
+    Peers,
+    ReplicaServer,
+    build_manifest,
+    push_manifests,
+    survey_coverage,
+)
+from agent.watcher import Watcher
 from easyckpt_wire import protocol
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.shm import SlotFormatError
-
-from agent.persister import AuditLog, commit_stage, describe, drop_stage, lower_priority, stage_steps
-from agent.replica import (BuddyPuller, Holdings, MapCache, Peers, ReplicaServer, build_manifest,
-                           push_manifests, survey_coverage)
-from agent.watcher import Watcher
 
 logger = logging.getLogger(__name__)
 

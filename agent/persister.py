@@ -20,8 +20,9 @@ import shutil
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any
 
 import numpy
 import psutil
@@ -333,7 +334,7 @@ def _discard(path: Path, step: int, audit: AuditLog) -> None:
 
 
 def persist(save_dir: Path, step: int, snapshots: list[RankSnapshot], audit: AuditLog, threads: int = 2,
-            publishing: Callable[[int], ContextManager[bool]] | None = None) -> PersistStats:
+            publishing: Callable[[int], contextlib.AbstractContextManager[bool]] | None = None) -> PersistStats:
     """Write ``iteration_<step>`` atomically from the given ranks' slots. An OSError (a full or read-only
     disk) comes out as PersistFailed, after the temporary directory is removed.
 
@@ -559,7 +560,7 @@ def write_tracker(save_dir: Path, step: int, audit: AuditLog) -> None:
 
 def clean_leftovers(save_dir: Path, audit: AuditLog) -> list[Path]:
     """Remove temporary directories of dead writers and iteration directories without a marker."""
-    removed = []
+    removed: list[Path] = []
     try:
         entries = list(os.scandir(save_dir))
     except FileNotFoundError:

@@ -27,18 +27,29 @@ from typing import Any
 
 import zmq
 
+from agent import persister, policy
+from agent.cluster import NodeReplication
+from agent.persister import (
+    AuditLog,
+    PersistFailed,
+    PersistStats,
+    RankSnapshot,
+    StepAbandoned,
+    clean_leftovers,
+    describe,
+    drop_own_shards,
+    lower_priority,
+    persist,
+    persist_shards,
+    stage_steps,
+)
+from agent.timeline import DiskTimeline
+from agent.watcher import SlotHolds, SlotInfo, Watcher
 from easyckpt_wire import layout, protocol, timeline
 from easyckpt_wire.control import ControlWriter, PersistFailure, control_path
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.protocol import Kind, ProtocolError
 from easyckpt_wire.shm import list_slots
-
-from agent import persister, policy
-from agent.cluster import NodeReplication
-from agent.persister import (AuditLog, PersistFailed, PersistStats, RankSnapshot, StepAbandoned, clean_leftovers,
-                             describe, drop_own_shards, lower_priority, persist, persist_shards, stage_steps)
-from agent.timeline import DiskTimeline
-from agent.watcher import SlotHolds, SlotInfo, Watcher
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +246,8 @@ class Agent:
                 if self.inflight is not None:
                     done.append(self._stop_wait_inflight(deadline))
                 else:
-                    done.append(f"step {newest} could not be claimed (a rank was rewriting its slot) or its metadata was unreadable")
+                    done.append(f"step {newest} could not be claimed (a rank was rewriting its slot) "
+                                "or its metadata was unreadable")
         alive = [proc.rank for proc in self.watcher.ranks.values() if proc.alive()]
         newest_now = self.watcher.common_steps()
         on_disk = not newest_now or (self.persisted is not None and newest_now[0] <= self.persisted)

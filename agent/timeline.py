@@ -22,10 +22,9 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from easyckpt_wire import layout, timeline
-
 from agent import policy
 from agent.persister import AuditLog, drop_stage, stage_steps, write_tracker
+from easyckpt_wire import layout, timeline
 
 logger = logging.getLogger(__name__)
 

@@ -134,7 +134,8 @@ class Watcher:
                 continue
             if self.abandoned and info.header is not None and (r, info.slot, info.header.generation) in self.abandoned:
                 continue
-            if step not in found or found[step].header.generation < info.header.generation:
+            previous = found.get(step)
+            if previous is None or _generation(previous) < _generation(info):
                 found[step] = info
         return found
 
@@ -211,3 +212,8 @@ class SlotHolds:
                 info.map.unlock()
             except (OSError, ValueError):  # the watcher closed the map (file gone): the flock went with it
                 pass
+
+
+def _generation(info: SlotInfo) -> int:
+    # Only infos whose header was read are listed as committed; -1 keeps the order total all the same.
+    return -1 if info.header is None else info.header.generation

@@ -57,7 +57,7 @@ def _release(stager: Stager, agent: AgentClient, slots: RankSlots) -> None:
         slots.close()
 
 
-def _goodbye_at_exit(ref: "weakref.ReferenceType[Checkpointer]") -> None:
+def _goodbye_at_exit(ref: weakref.ReferenceType[Checkpointer]) -> None:
     ckpt = ref()
     # An uncaught exception (sys.last_value is set before atexit runs) is a failure, not the end of the
     # run: no goodbye, so the agent sees a dead rank and keeps its memory (flush on failure).
@@ -327,7 +327,7 @@ class Checkpointer:
             logger.error("%s", error)
         logger.info("easyckpt rank %d: process exit without close(): said goodbye to the agent", self.rank)
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, kind: Any, value: Any, tb: Any) -> None:

@@ -87,7 +87,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     else:
         results = storage.verify(save_dir)
     bad = 0
-    for step, path, problem in results:
+    for _step, path, problem in results:
         print(f"{path.name}: {'OK' if problem is None else 'DAMAGED: ' + problem}")
         bad += problem is not None
     if not results:

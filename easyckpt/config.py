@@ -48,10 +48,12 @@ class CheckpointerConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.save_storage_interval % self.save_mem_interval:
+            suggestion = self.save_storage_interval // self.save_mem_interval * self.save_mem_interval \
+                or self.save_mem_interval
             raise ValueError(
                 f"save_storage_interval={self.save_storage_interval} is not a multiple of "
                 f"save_mem_interval={self.save_mem_interval}: a persisted step must also be a snapshot step; "
-                f"use e.g. save_storage_interval={self.save_storage_interval // self.save_mem_interval * self.save_mem_interval or self.save_mem_interval}"
+                f"use e.g. save_storage_interval={suggestion}"
             )
         for name in ("agent_idle_timeout", "agent_start_timeout", "load_timeout", "close_timeout", "pin_timeout",
                      "peer_timeout", "flush_timeout"):
@@ -92,7 +94,8 @@ def check_writable(save_dir: Path) -> None:
     except OSError as exc:
         owner = ""
         try:
-            owner = f" (owner uid {save_dir.stat().st_uid}, mode {oct(save_dir.stat().st_mode & 0o777)}, we are uid {os.getuid()})"
+            info = save_dir.stat()
+            owner = f" (owner uid {info.st_uid}, mode {oct(info.st_mode & 0o777)}, we are uid {os.getuid()})"
         except OSError:
             pass
         raise PermissionError(

@@ -14,11 +14,11 @@ import os
 import time
 from pathlib import Path
 
+from easyckpt.config import MIN_SLOTS
+from easyckpt.slot_choice import SlotView, write_order
 from easyckpt_wire.control import ControlReader, ControlView, control_path
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.shm import SlotFormatError, SlotHeader, SlotMap, format_bytes, list_slots, slot_path
-from easyckpt.config import MIN_SLOTS
-from easyckpt.slot_choice import SlotView, write_order
 
 logger = logging.getLogger(__name__)
 

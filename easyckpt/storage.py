@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import xxhash
@@ -94,7 +95,8 @@ def rank_entry(iteration_dir: Path, rank: int, world_size: int) -> RankEntry:
     except FileNotFoundError as exc:
         raise CheckpointCorruptError(f"{iteration_dir}: {exc.filename} is missing") from None
     except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointCorruptError(f"{iteration_dir}: rank {rank} entry is damaged ({type(exc).__name__}: {exc})") from None
+        raise CheckpointCorruptError(
+            f"{iteration_dir}: rank {rank} entry is damaged ({type(exc).__name__}: {exc})") from None
     return RankEntry(iteration_dir, step, rank, skeleton, sorted(records, key=lambda r: r.index))
 
 

@@ -145,9 +145,9 @@ def _check(message: dict[str, Any], kind: Kind) -> None:
             raise ProtocolError(
                 f"{kind.name} message field {field!r} is {value!r}, expected {'/'.join(t.__name__ for t in types)}"
             )
-        low, high = _RANGES.get(field, (None, None))
-        if low is not None and not low <= value <= high:
-            raise ProtocolError(f"{kind.name} message field {field!r} is {value}, outside [{low}, {high}]")
+        bounds = _RANGES.get(field)
+        if bounds is not None and not (isinstance(value, int) and bounds[0] <= value <= bounds[1]):
+            raise ProtocolError(f"{kind.name} message field {field!r} is {value}, outside [{bounds[0]}, {bounds[1]}]")
     if kind == Kind.HELLO and not (message["rank"] < message["world_size"]
                                    and message["local_world_size"] <= message["world_size"]):
         raise ProtocolError(f"HELLO with rank {message['rank']}, local_world_size {message['local_world_size']} "
@@ -166,7 +166,7 @@ def _check(message: dict[str, Any], kind: Kind) -> None:
 def token_ok(message: dict[str, Any], token: str | None) -> bool:
     """Constant-time check of a peer request's job token (no token configured: nobody is let in)."""
     given = message.get("token")
-    return bool(token) and isinstance(given, str) and hmac.compare_digest(given.encode(), token.encode())
+    return bool(token) and isinstance(given, str) and hmac.compare_digest(given.encode(), (token or "").encode())
 
 
 def reply(ok: bool = True, **fields: Any) -> bytes:

@@ -15,11 +15,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import ROOT, Env, assert_same, run_cli, save_and_persist, wait_for
 
 import easyckpt
 from easyckpt_wire import layout
-
-from conftest import ROOT, Env, assert_same, run_cli, save_and_persist, wait_for
 
 
 def realistic_state(seed: int = 0) -> dict[str, Any]:
@@ -59,7 +58,8 @@ def test_roundtrip_through_memory_and_disk_is_bitwise(env: Env) -> None:
         assert_same(state, result.state)
         template = realistic_state(seed=1)
         result = ck.load(template)
-        assert result.state["model"]["encoder.layers.0.linear1.weight"] is template["model"]["encoder.layers.0.linear1.weight"]
+        name = "encoder.layers.0.linear1.weight"
+        assert result.state["model"][name] is template["model"][name]
         assert_same(state, result.state)
     finally:
         ck.close()
@@ -296,7 +296,7 @@ def test_a_skipped_last_due_snapshot_is_made_up_for_at_close(env: Env) -> None:
     try:
         save_and_persist(ck, env, 0, state)
         for step in (1, 2, 3):
-            wait_for(lambda: ck.save_if_needed(step, state), 30, f"a free slot for step {step}")
+            wait_for(lambda step=step: ck.save_if_needed(step, state), 30, f"a free slot for step {step}")
             ck.wait()
         # Step 3 is the safe step; the test holds every other slot as the agent holds a step it persists.
         wait_for(lambda: (word := ck.slots.agent_word()) is not None and word.safe == 3, 30, "step 3 to be safe")
@@ -394,7 +394,7 @@ def test_a_step_snapshotted_twice_persists_its_newer_copy_and_pins_nothing(env: 
         from_memory = ck.load({"w": torch.zeros(512), "eval": None})
         assert from_memory.source == "memory" and from_memory.state["eval"] == 0.5
         for step in (5, 6, 7):   # the agent may hold slot 4 for a moment after its commit; not for pin_timeout
-            wait_for(lambda: ck.save_if_needed(step, {"w": torch.full((512,), float(step)), "eval": None}), 15,
+            wait_for(lambda step=step: ck.save_if_needed(step, {"w": torch.full((512,), float(step)), "eval": None}), 15,
                      f"a free slot for step {step} (pin_timeout is 300 s)")
             ck.wait()
             if step == 5:   # the agent held the older copy (the safe step) when the newer one committed

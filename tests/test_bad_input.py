@@ -12,20 +12,20 @@ import random
 import shutil
 import subprocess
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import msgpack
 import pytest
 import torch
 import zmq
+from conftest import Env, assert_same, run_cli, save_and_persist, wait_for
 
 import easyckpt
 from easyckpt_wire import layout, protocol, timeline
 from easyckpt_wire.protocol import Kind
 from easyckpt_wire.shm import format_bytes
-
-from conftest import Env, assert_same, run_cli, save_and_persist, wait_for
 
 MODEL_FILE = "easyckpt-model-0000000-0000001.safetensors"
 OPT_FILE = "easyckpt-opt-0000000-0000001.safetensors"
@@ -427,9 +427,9 @@ def test_incomplete_iteration_is_never_loaded_and_listed_incomplete(env: Env, tw
         assert_same(two_on_disk[4], result.state)
         listing = run_cli("ls", str(env.save_dir), env=env)
         assert listing.returncode == 0, listing.stderr
-        line = next(l for l in listing.stdout.splitlines() if l.startswith("iteration_0000099"))
+        line = next(row for row in listing.stdout.splitlines() if row.startswith("iteration_0000099"))
         assert "INCOMPLETE" in line and "complete" not in line.replace("INCOMPLETE", "")
-        line4 = next(l for l in listing.stdout.splitlines() if l.startswith("iteration_0000004"))
+        line4 = next(row for row in listing.stdout.splitlines() if row.startswith("iteration_0000004"))
         assert "complete" in line4 and "INCOMPLETE" not in line4
         verify = run_cli("verify", str(env.save_dir), env=env)
         assert verify.returncode == 1 and "iteration_0000099: DAMAGED: incomplete" in verify.stdout, verify.stdout

@@ -15,18 +15,18 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import psutil
 import pytest
+from conftest import ROOT, Env, run_cli, wait_for
+from ddp_job import Job, newest_common_committed, slot_states
 
 from easyckpt_wire import layout
 from easyckpt_wire.control import MAX_TEXT, ControlReader, ControlWriter, PersistFailure
 from easyckpt_wire.shm import SlotMap
-
-from conftest import ROOT, Env, run_cli, wait_for
-from ddp_job import Job, newest_common_committed, slot_states
 
 JOB = ROOT / "tests" / "failure_job.py"
 TMPFS_SIZE = "4m"   # two tensors of 400 KB per iteration: a few iterations fit, a full one is easy to make
@@ -242,7 +242,7 @@ def test_final_persist_false_keeps_only_due_steps(env: Env, tmp_path: Path, proc
     processes.append(run)
     for step in (0, 10, 20):   # each due step on disk before the loop goes on: none is passed over
         run.paused(step)
-        wait_for(lambda: tracked_or_none(env.save_dir) == step, 60, f"step {step} on disk")
+        wait_for(lambda step=step: tracked_or_none(env.save_dir) == step, 60, f"step {step} on disk")
         run.go(step)
     assert run.wait() == {"closed": True}
     assert complete_steps(env.save_dir)[-1] == 20 and tracked(env.save_dir) == 20

@@ -17,9 +17,9 @@ import random
 from pathlib import Path
 
 import pytest
-
 from conftest import Env, save_and_persist, wait_for
 from ddp_job import Job, slot_states
+
 from easyckpt import storage
 from easyckpt_wire import layout, timeline
 
@@ -126,10 +126,10 @@ def test_a_rollback_in_the_same_process_drops_the_snapshots_the_agent_held(env: 
     and the new timeline's 30 (with other values than the abandoned 30) is persisted and tracked; with
     max_ckpt_num=5 its persist rotates out the abandoned 30 first, not an iteration of the new timeline."""
     import torch
+    from agent_client_status import safe_step_of
     from safetensors import safe_open
 
     import easyckpt
-    from agent_client_status import safe_step_of
 
     ck = easyckpt.Checkpointer(env.save_dir, 1, 10, 5)
     state = {"w": torch.zeros(4096)}
@@ -140,7 +140,7 @@ def test_a_rollback_in_the_same_process_drops_the_snapshots_the_agent_held(env: 
             if step % 10 == 0:
                 save_and_persist(ck, env, step, state)
             else:
-                wait_for(lambda: ck.save_if_needed(step, state), 30, f"a free slot for step {step}")
+                wait_for(lambda step=step: ck.save_if_needed(step, state), 30, f"a free slot for step {step}")
         ck.wait()
         wait_for(lambda: safe_step_of(env) == 40, 30, "the agent to hold step 40 as the safe step")
         result = ck.load(load_dir=env.save_dir / layout.iteration_dirname(20))
@@ -158,7 +158,7 @@ def test_a_rollback_in_the_same_process_drops_the_snapshots_the_agent_held(env: 
             if step % 10 == 0:
                 path = save_and_persist(ck, env, step, state)
             else:
-                wait_for(lambda: ck.save_if_needed(step, state), 30, f"a free slot for step {step}")
+                wait_for(lambda step=step: ck.save_if_needed(step, state), 30, f"a free slot for step {step}")
         wait_for(lambda: layout.read_tracker(env.save_dir) == 30, 30, "the tracker to name the new step 30")
         wait_for(lambda: [s for _, s, _ in timeline.abandoned_iterations(env.save_dir)] == [40], 30,
                  "rotation to remove the abandoned 30 (6 iterations, max_ckpt_num=5)")
@@ -235,9 +235,9 @@ def test_a_persist_in_flight_when_the_rollback_arrives_publishes_nothing(env: En
     """The agent is still writing step 40 (writes capped) when load(load_dir=iteration_20) arrives: the
     finished copy is removed with an audit line instead of becoming iteration_40 or the tracked step."""
     import torch
+    from agent_client_status import agent_status
 
     import easyckpt
-    from agent_client_status import agent_status
 
     monkeypatch.setenv("EASYCKPT_PERSIST_MBPS", "8")       # 8 MiB: ~1 s for each persist, 40 still in flight
     ck = easyckpt.Checkpointer(env.save_dir, 1, 10, 10)
@@ -249,7 +249,7 @@ def test_a_persist_in_flight_when_the_rollback_arrives_publishes_nothing(env: En
             if step % 10 == 0 and step < 40:
                 save_and_persist(ck, env, step, state)
             else:
-                wait_for(lambda: ck.save_if_needed(step, state), 30, f"a free slot for step {step}")
+                wait_for(lambda step=step: ck.save_if_needed(step, state), 30, f"a free slot for step {step}")
         ck.wait()
         wait_for(lambda: (agent_status(env) or {}).get("persisting") == 40, 30, "the persist of step 40 to start")
         result = ck.load(load_dir=env.save_dir / layout.iteration_dirname(20))

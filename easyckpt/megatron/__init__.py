@@ -34,9 +34,9 @@ import torch.distributed as dist
 
 from easyckpt.checkpointer import Checkpointer
 from easyckpt.collectives import all_ok
-from easyckpt_wire import layout
 from easyckpt.megatron import legacy, snapshot
 from easyckpt.megatron.legacy import LegacyCheckpointError
+from easyckpt_wire import layout
 
 logger = logging.getLogger(__name__)
 
@@ -185,7 +185,8 @@ def _load_elsewhere(ctx: _Context, load_dir: Path, template: dict[str, Any]) -> 
     except (LegacyCheckpointError, OSError, RuntimeError, ValueError) as exc:
         problem = str(exc)
     if not all_ok(not problem):
-        raise LegacyCheckpointError(problem or f"another rank could not read the Megatron checkpoint in {load_dir}; see its log")
+        raise LegacyCheckpointError(
+            problem or f"another rank could not read the Megatron checkpoint in {load_dir}; see its log")
     if load_dir.resolve() == ctx.save_dir:
         logger.warning("%s holds a native Megatron checkpoint and is also easyckpt's save_dir: easyckpt's "
                        "persists will replace its %s; use another --save to keep it intact", load_dir, legacy.TRACKER)

@@ -8,18 +8,19 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from transformers import Trainer
 
 from easyckpt.checkpointer import Checkpointer
-from easyckpt.transformers import snapshot
 from easyckpt.collectives import all_ok
+from easyckpt.transformers import snapshot
 from easyckpt.transformers.export import POLL, Exporter
 from easyckpt.transformers.folders import CheckpointFolders, rng_file_name
-from easyckpt.transformers.resume import Resumer, ResumeInfo
+from easyckpt.transformers.resume import ResumeInfo, Resumer
 from easyckpt_wire import layout
 
 logger = logging.getLogger(__name__)
