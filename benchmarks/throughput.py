@@ -54,7 +54,7 @@ from typing import Any
 import torch
 
 import easyckpt
-from easyckpt_wire import layout
+from easyckpt_wire import layout, owner
 from easyckpt_wire.shm import shm_dir
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -313,6 +313,9 @@ def measure_memory(state: dict[str, Any], size_mb: float, dim: int, nbytes: int,
         copy = entry("snapshot_copy", nbytes, times, nbytes, raw_times, skipped=skipped)
         index, _header = ck.slots.committed()[last]
         slot_file = ck.slots.path(index)
+        # The readers stand in for a restarted rank, which finds its predecessor gone: the writer gives up
+        # ownership of the rank (it keeps its slots mapped), or a reader would refuse the busy save_dir.
+        owner.release(ck.agent.job_dir, ck.rank)
         loads, raws = [], []
         for run in range(repeats):
             for which in (("load", "raw") if run % 2 == 0 else ("raw", "load")):  # alternate: no order bias

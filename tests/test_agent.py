@@ -104,6 +104,28 @@ def _tree_digest(directory: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
 
+def load_from_disk_only(env: Env, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """What a load sees of the job without its memory (another shm dir, no agent)."""
+    monkeypatch.setenv("EASYCKPT_SHM_DIR", str(env.tmp_path))
+    reader = make(env, save_storage_interval=5, max_ckpt_num=5, start_agent=False)
+    try:
+        return reader.load()
+    finally:
+        reader.close()
+        monkeypatch.setenv("EASYCKPT_SHM_DIR", str(env.shm_dir))
+
+
+def train_until_a_new_agent(ck: easyckpt.Checkpointer, env: Env, dead_agent: int | None, step: int) -> int:
+    """Snapshot step after step until save_if_needed has started an agent in place of the dead one."""
+    def next_step() -> bool:
+        nonlocal step
+        step += 1
+        ck.save_if_needed(step, {"w": torch.full((1000,), float(step)), "step": step})
+        return env.agent_pid() not in (None, dead_agent)
+    wait_for(next_step, 30, "save_if_needed to start a new agent")
+    return step
+
+
 def test_agent_killed_mid_write_leaves_nothing_loadable_and_is_cleaned_up(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EASYCKPT_FAULT", "agent.persist.before_marker@10")
     monkeypatch.setenv("EASYCKPT_FAULT_ONCE", str(env.tmp_path / "fault-fired"))
@@ -126,22 +148,9 @@ def test_agent_killed_mid_write_leaves_nothing_loadable_and_is_cleaned_up(env: E
         listing = run_cli("ls", str(env.save_dir), env=env)
         assert "iteration_0000010" not in listing.stdout and listing.stdout.count("complete") == 2
 
-        monkeypatch.setenv("EASYCKPT_SHM_DIR", str(env.tmp_path))  # a view of the job without its memory
-        reader = make(env, save_storage_interval=5, max_ckpt_num=5, start_agent=False)
-        try:
-            result = reader.load()
-            assert (result.step, result.source) == (5, "disk")
-        finally:
-            reader.close()
-        monkeypatch.setenv("EASYCKPT_SHM_DIR", str(env.shm_dir))
-
-        step = 10
-        def next_step() -> bool:  # keep training until save_if_needed has started a new agent
-            nonlocal step
-            step += 1
-            ck.save_if_needed(step, {"w": torch.full((1000,), float(step)), "step": step})
-            return env.agent_pid() not in (None, first_agent)
-        wait_for(next_step, 30, "save_if_needed to start a new agent")
+        result = load_from_disk_only(env, monkeypatch)
+        assert (result.step, result.source) == (5, "disk")
+        step = train_until_a_new_agent(ck, env, first_agent, 10)
         wait_for(lambda: not list(env.save_dir.glob(".tmp-iteration_*")), 30, "the new agent to clean up")
         due = (step // 5 + 1) * 5
         save_and_persist(ck, env, due, {"w": torch.full((1000,), float(due)), "step": due})
@@ -174,34 +183,16 @@ def test_agent_killed_before_the_tracker_update_leaves_the_tracked_step_loadable
         wait_for(lambda: env.agent_pid() is None, 30, "the agent to die at the fault point")
         assert complete_steps(env) == [0, 5, 10] and layout.read_tracker(env.save_dir) == 5
 
-        monkeypatch.setenv("EASYCKPT_SHM_DIR", str(env.tmp_path))  # a view of the job without its memory
-        reader = make(env, save_storage_interval=5, max_ckpt_num=5, start_agent=False)
-        try:
-            result = reader.load()
-            assert (result.step, result.source, result.state["step"]) == (5, "disk", 5)
-        finally:
-            reader.close()
-        monkeypatch.setenv("EASYCKPT_SHM_DIR", str(env.shm_dir))
-
-        step = 10
-        def next_step() -> bool:  # keep training until save_if_needed has started a new agent
-            nonlocal step
-            step += 1
-            ck.save_if_needed(step, {"w": torch.full((1000,), float(step)), "step": step})
-            return env.agent_pid() not in (None, first_agent)
-        wait_for(next_step, 30, "save_if_needed to start a new agent")
+        result = load_from_disk_only(env, monkeypatch)
+        assert (result.step, result.source, result.state["step"]) == (5, "disk", 5)
+        step = train_until_a_new_agent(ck, env, first_agent, 10)
         due = (step // 5 + 1) * 5
         save_and_persist(ck, env, due, {"w": torch.full((1000,), float(due)), "step": due})
         assert layout.read_tracker(env.save_dir) == due
     finally:
         ck.close()
-    monkeypatch.setenv("EASYCKPT_SHM_DIR", str(env.tmp_path))
-    reader = make(env, save_storage_interval=5, max_ckpt_num=5, start_agent=False)
-    try:
-        result = reader.load()
-        assert result.source == "disk" and result.step == layout.read_tracker(env.save_dir) >= due
-    finally:
-        reader.close()
+    result = load_from_disk_only(env, monkeypatch)
+    assert result.source == "disk" and result.step == layout.read_tracker(env.save_dir) >= due
     verify = run_cli("verify", str(env.save_dir), env=env)
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
