@@ -63,7 +63,7 @@ def run_until_killed(job: Cluster) -> int:
     job.start_all()
     wait_for(lambda: job.reached(kill_at) or job.procs[0].poll() is not None, 120, f"every rank to reach step {kill_at}")
     assert (job.env.save_dir / layout.iteration_dirname(5) / layout.METADATA).exists() or wait_for(
-        lambda: (job.env.save_dir / layout.iteration_dirname(5) / layout.METADATA).exists(), 30,
+        lambda: (job.env.save_dir / layout.iteration_dirname(5) / layout.METADATA).exists(), 90,
         "step 5 committed by the leader")
     # Under load the buddy backup can trail the disk (a persisted step whose backup is not complete yet):
     # node 1 would then come back from disk and the replica path would go untested.
