@@ -861,16 +861,17 @@ class Agent:
         ranks = self.watcher.local_ranks()
         for step in sorted(self.claims, reverse=True):
             if len(ranks) >= self.watcher.local_world_size and set(self.claims[step]) >= ranks:
-                snaps = [RankSnapshot(rank, claim.info.map, claim.info.meta or {})
-                         for rank, claim in self.claims[step].items()]
-                if any(not snap.meta or snap.meta.get("step") != step for snap in snaps):
+                metas = {rank: claim.info.meta for rank, claim in self.claims[step].items()}
+                if any(meta is None or meta.step != step for meta in metas.values()):
                     continue  # metadata not read yet for this generation: next tick
+                snaps = [RankSnapshot(rank, claim.info.map, meta) for (rank, claim), meta
+                         in zip(self.claims[step].items(), metas.values()) if meta is not None]
                 self.inflight_epoch = self.timeline.epoch
                 self.inflight = (step, self.pool.submit(self._persist, step, snaps, self.inflight_epoch))
                 return
 
     def _persist(self, step: int, snaps: list[RankSnapshot], epoch: int) -> PersistStats:
-        world_size = snaps[0].meta["world_size"]
+        world_size = snaps[0].meta.world_size
         if len(snaps) != world_size:
             if self.cluster.peers is None:
                 raise RuntimeError(
