@@ -413,7 +413,7 @@ class FlushReply:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ResumeReply:
-    moved: list[str]                 # iteration directories moved aside
+    moved: list[int]                 # steps of the iterations moved aside (a new timeline)
     tracker: int | None              # the tracker's step afterwards
     persisted: int | None
     error: str | None = None
