@@ -20,21 +20,19 @@ from agent.replica import (
     BuddyPuller,
     Holdings,
     MapCache,
-    Peers,
     ReplicaServer,
     build_manifest,
     push_manifests,
     survey_coverage,
 )
 from agent.watcher import Watcher
-from easyckpt_wire import protocol
 from easyckpt_wire.episode import Episode
+from easyckpt_wire.records import Manifest, PeerTable, RecordError, SlotMeta
 from easyckpt_wire.shm import SlotFormatError
 
 logger = logging.getLogger(__name__)
 
 STAGE_WAIT = 120.0  # how long a leader whose ranks finished waits for other nodes' shards
-MAX_TENSOR_BYTES = 1 << 40  # a manifest naming a bigger tensor is refused (the buddy would allocate it)
 COVERAGE_EVERY = 2.0
 
 
@@ -62,7 +60,7 @@ class NodeReplication:
         self.max_ckpt_num = max_ckpt_num
         self.complete = complete                 # newest complete multi-node checkpoint (leader)
         self.holdings = Holdings(node)
-        self.peers: Peers | None = None
+        self.peers: PeerTable | None = None
         self.replica: ReplicaServer | None = None
         self.hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hash", initializer=lower_priority)
         self.surveyor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="survey", initializer=lower_priority)
@@ -86,7 +84,7 @@ class NodeReplication:
         peers = self.peers
         return {"node": self.node, "endpoint": self.replica.endpoint if self.replica else None,
                 "leader": peers.leader if peers else None, "buddy": peers.buddy() if peers else None,
-                "nodes": {n: v["endpoint"] for n, v in peers.nodes.items()} if peers else {},
+                "nodes": {n: v.endpoint for n, v in peers.nodes.items()} if peers else {},
                 "coverage": self.coverage, "complete_step": self.complete, "pinned_step": self.safe_step,
                 "served_bytes": self.replica.served_bytes if self.replica else 0,
                 "refused": self.replica.refused if self.replica else 0,
@@ -125,21 +123,16 @@ class NodeReplication:
 
     def set_peers(self, message: dict[str, Any]) -> str | None:
         """A rank's PEERS message; returns what is wrong with it, or None once adopted."""
-        nodes: dict[str, dict[str, Any]] = {}
-        for item in message["nodes"]:
-            if not (isinstance(item, dict) and isinstance(item.get("node"), str) and isinstance(item.get("endpoint"), str)
-                    and isinstance(item.get("ranks"), list) and all(isinstance(r, int) for r in item["ranks"])):
-                return f"malformed node entry {item!r}"
-            nodes[item["node"]] = {"endpoint": item["endpoint"], "ranks": item["ranks"]}
-        if message["node"] != self.node or message["leader"] not in nodes or len(message["token"]) < 16:
-            return (f"PEERS for node {message['node']!r} (leader {message['leader']!r}) reached the agent of node "
+        try:
+            peers = PeerTable.from_wire(message, "PEERS")
+        except RecordError as exc:
+            return str(exc)
+        if peers.node != self.node or len(peers.token) < 16:
+            return (f"PEERS for node {peers.node!r} (leader {peers.leader!r}) reached the agent of node "
                     f"{self.node!r}: set EASYCKPT_NODE_ID alike for the ranks and their agent")
         self.start_server()
-        peers = Peers(token=message["token"], node=message["node"], leader=message["leader"], nodes=nodes,
-                      world_size=message["world_size"], replicate_unique=message["replicate_unique"])
-        if self.peers is None or (peers.token, peers.nodes, peers.leader) != (self.peers.token, self.peers.nodes,
-                                                                             self.peers.leader):
-            logger.info("job spans nodes %s; leader %s; buddy %s", sorted(nodes), peers.leader, peers.buddy())
+        if not peers.same_job(self.peers):
+            logger.info("job spans nodes %s; leader %s; buddy %s", sorted(peers.nodes), peers.leader, peers.buddy())
         self.peers = peers
         assert self.replica is not None
         self.replica.token = peers.token
@@ -151,17 +144,11 @@ class NodeReplication:
         if peers is None or message["node"] != peers.predecessor():
             raise ValueError(f"PUSH from node {message['node']!r}: only node "
                              f"{peers.predecessor() if peers else None!r} hands this one its manifests")
-        manifests = message["manifests"]
+        where = f"PUSH from node {message['node']!r}"
+        manifests = [Manifest.from_wire(m, where) for m in message["manifests"]]   # RecordError: refused
         for manifest in manifests:
-            if not (isinstance(manifest, dict) and isinstance(manifest.get("rank"), int)
-                    and manifest.get("step") == message["step"] and isinstance(manifest.get("tensors"), list)
-                    and isinstance(manifest.get("checksums"), list)
-                    and len(manifest["checksums"]) == len(manifest["tensors"])
-                    and all(isinstance(c, bytes) and len(c) == protocol.CHECKSUM_BYTES for c in manifest["checksums"])
-                    and all(isinstance(e, list) and len(e) >= 7 and isinstance(e[0], str) and isinstance(e[4], int)
-                            and isinstance(e[5], int) and 0 <= e[4] and 0 <= e[5] <= MAX_TENSOR_BYTES
-                            for e in manifest["tensors"])):
-                raise ValueError(f"PUSH from node {message['node']!r} holds a malformed manifest")
+            if manifest.step != message["step"]:
+                raise RecordError(where, "manifest", "step", f"is {manifest.step}, the PUSH is of step {message['step']}")
         for manifest in manifests:
             self.holdings.add_backup(manifest)
         self.puller.submit(message["node"], message["step"], manifests)
@@ -190,7 +177,7 @@ class NodeReplication:
             self._coverage_at = now
             self.surveyor.submit(_logged, self._refresh_coverage)
 
-    def _hash(self, rank: int, slot: int, path: Path, meta: dict[str, Any], generation: int) -> None:
+    def _hash(self, rank: int, slot: int, path: Path, meta: SlotMeta, generation: int) -> None:
         maps = self._hash_maps
         try:
             entry = build_manifest(maps.get(path), meta, generation, self.node)
@@ -218,7 +205,7 @@ class NodeReplication:
         predecessor = self.peers.predecessor()
         if predecessor is None:
             return None
-        return self.holdings.backed_up_steps(self.peers.nodes[predecessor]["ranks"])
+        return self.holdings.backed_up_steps(list(self.peers.nodes[predecessor].ranks))
 
     def _commit_stages(self) -> None:
         """Leader: publish each staged step whose every rank is durable; drop superseded stages."""

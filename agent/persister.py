@@ -30,12 +30,12 @@ import xxhash
 
 from easyckpt_wire import layout
 from easyckpt_wire.faults import fault_point
-from easyckpt_wire.shm import SlotMap, format_bytes
+from easyckpt_wire.records import SlotMeta, TensorEntry
+from easyckpt_wire.shm import PAGE, SlotMap, format_bytes
 
 logger = logging.getLogger(__name__)
 
 _CHUNK = 64 << 20        # large ranges are written in chunks of this size
-_PAGE = 4096             # O_DIRECT alignment of memory, file offset and length
 
 
 @dataclasses.dataclass(slots=True)
@@ -44,7 +44,7 @@ class RankSnapshot:
 
     rank: int
     slot: SlotMap
-    meta: dict[str, Any]
+    meta: SlotMeta
 
 
 class PersistFailed(Exception):
@@ -86,11 +86,11 @@ def bytes_needed(snapshots: list[RankSnapshot]) -> int:
     page-padded header and its last partial block, and the JSON files."""
     total = 0
     for snap in snapshots:
-        tensors = snap.meta.get("tensors", [])
-        groups = {entry[6] for entry in tensors}
-        total += sum(entry[5] for entry in tensors) + len(groups) * 2 * _PAGE + 256 * len(tensors)
-        total += len(json.dumps(snap.meta.get("skeleton"), default=str)) + 256 * len(tensors)
-    return total + 4 * _PAGE
+        tensors = snap.meta.tensors
+        groups = {entry.group for entry in tensors}
+        total += sum(entry.nbytes for entry in tensors) + len(groups) * 2 * PAGE + 256 * len(tensors)
+        total += len(json.dumps(snap.meta.skeleton, default=str)) + 256 * len(tensors)
+    return total + 4 * PAGE
 
 
 def enough_space(needed: int, free: int | None) -> bool:
@@ -127,7 +127,7 @@ class AuditLog:
             os.close(fd)
 
 
-def _write_safetensors(path: Path, snap: RankSnapshot, entries: list[tuple[int, list[Any]]],
+def _write_safetensors(path: Path, snap: RankSnapshot, entries: list[tuple[int, TensorEntry]],
                        step: int) -> list[dict]:
     """Write one safetensors file from the slot; returns the metadata.json records of its tensors.
 
@@ -136,21 +136,23 @@ def _write_safetensors(path: Path, snap: RankSnapshot, entries: list[tuple[int, 
     straight from shared memory (no page cache to fill, which on these VMs is what makes buffered
     writes slow), and the JSON header is padded so that the data starts on a page in the file too.
     """
-    entries = sorted(entries, key=lambda item: item[1][4])
+    entries = sorted(entries, key=lambda item: item[1].offset)
     header: dict[str, Any] = {"__metadata__": {"format": "pt", "easyckpt_step": str(step),
                                                "easyckpt_rank": str(snap.rank)}}
     records = []
     position = 0
-    for index, (name, kind, dtype, shape, offset, nbytes, _group) in entries:
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [position, position + nbytes]}
-        position += nbytes
-        with snap.slot.data(offset, nbytes) as view:
+    for index, entry in entries:
+        shape = list(entry.shape)
+        header[entry.name] = {"dtype": entry.dtype, "shape": shape,
+                              "data_offsets": [position, position + entry.nbytes]}
+        position += entry.nbytes
+        with snap.slot.data(entry.offset, entry.nbytes) as view:
             digest = xxhash.xxh3_128_hexdigest(view)
-        records.append({"name": name, "index": index, "kind": kind, "dtype": dtype, "shape": shape,
-                        "global_shape": shape, "offsets": [0] * len(shape), "nbytes": nbytes,
+        records.append({"name": entry.name, "index": index, "kind": entry.kind, "dtype": entry.dtype, "shape": shape,
+                        "global_shape": shape, "offsets": [0] * len(shape), "nbytes": entry.nbytes,
                         "file": path.name, layout.CHECKSUM_ALGO: digest})
     blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-(8 + len(blob)) % _PAGE)  # JSON allows the padding; safetensors readers skip it
+    blob += b" " * (-(8 + len(blob)) % PAGE)  # JSON allows the padding; safetensors readers skip it
     data_start = 8 + len(blob)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -168,12 +170,12 @@ def _write_safetensors(path: Path, snap: RankSnapshot, entries: list[tuple[int, 
     return records
 
 
-def _runs(entries: list[tuple[int, list[Any]]], data_start: int) -> list[tuple[int, int, int]]:
+def _runs(entries: list[tuple[int, TensorEntry]], data_start: int) -> list[tuple[int, int, int]]:
     """(slot offset, bytes, file offset) of each stretch of tensors that lie back to back in the slot."""
     runs: list[list[int]] = []
     file_offset = data_start
     for _, entry in entries:
-        offset, nbytes = entry[4], entry[5]
+        offset, nbytes = entry.offset, entry.nbytes
         if runs and runs[-1][0] + runs[-1][1] == offset:
             runs[-1][1] += nbytes
         else:
@@ -188,9 +190,9 @@ def _write_range(fd: int, path: Path, view: memoryview, file_offset: int) -> Non
     # Every view of the slot is released on the way out, error or not (``with``): a view that an exception's
     # traceback keeps alive stops the agent from unmapping the slot later.
     with view:
-        bulk = len(view) - len(view) % _PAGE
+        bulk = len(view) - len(view) % PAGE
         direct = -1
-        if bulk and numpy.frombuffer(view, numpy.uint8).ctypes.data % _PAGE == 0 and file_offset % _PAGE == 0:
+        if bulk and numpy.frombuffer(view, numpy.uint8).ctypes.data % PAGE == 0 and file_offset % PAGE == 0:
             try:
                 direct = os.open(path, os.O_WRONLY | getattr(os, "O_DIRECT", 0))
             except OSError as exc:
@@ -386,7 +388,7 @@ class StepAbandoned(RuntimeError):
 
 def _fill(tmp: Path, step: int, snapshots: list[RankSnapshot], threads: int) -> int:
     """Every rank's safetensors files, common.json, and last the commit marker; returns tensor bytes."""
-    world_size = snapshots[0].meta["world_size"]
+    world_size = snapshots[0].meta.world_size
     ranks_meta, common, nbytes = _write_rank_files(tmp, step, snapshots, threads)
     _write_marker(tmp, step, world_size, ranks_meta, common, nbytes)
     return nbytes
@@ -407,21 +409,20 @@ def _write_marker(tmp: Path, step: int, world_size: int, ranks_meta: dict[str, A
 def _write_rank_files(tmp: Path, step: int, snapshots: list[RankSnapshot],
                       threads: int) -> tuple[dict[str, Any], dict[str, Any], int]:
     """The ranks' safetensors files in ``tmp``: (their metadata.json entries, common.json entries, bytes)."""
-    world_size = snapshots[0].meta["world_size"]
+    world_size = snapshots[0].meta.world_size
     ranks_meta: dict[str, Any] = {}
     common: dict[str, Any] = {}
     nbytes = 0
     jobs = []
     for snap in sorted(snapshots, key=lambda s: s.rank):
-        by_group: dict[str, list[tuple[int, list[Any]]]] = {}
-        for index, entry in enumerate(snap.meta["tensors"]):
-            by_group.setdefault(entry[6], []).append((index, entry))
+        by_group: dict[str, list[tuple[int, TensorEntry]]] = {}
+        for index, entry in enumerate(snap.meta.tensors):
+            by_group.setdefault(entry.group, []).append((index, entry))
         for group in sorted(by_group):
             jobs.append((snap, layout.rank_file_name(group, snap.rank, world_size), by_group[group]))
-            nbytes += sum(entry[5] for _, entry in by_group[group])
+            nbytes += sum(entry.nbytes for _, entry in by_group[group])
         ranks_meta[str(snap.rank)] = {"files": [name for s, name, _ in jobs if s is snap], "tensors": []}
-        common[str(snap.rank)] = {"skeleton": snap.meta["skeleton"],
-                                  "skeleton_version": snap.meta["skeleton_version"]}
+        common[str(snap.rank)] = {"skeleton": snap.meta.skeleton, "skeleton_version": snap.meta.skeleton_version}
     # Files in parallel: while one thread waits on fsync another hashes and writes.
     with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(jobs))), thread_name_prefix="write") as pool:
         futures = [pool.submit(_write_safetensors, tmp / name, snap, entries, step) for snap, name, entries in jobs]
@@ -439,7 +440,7 @@ def persist_shards(save_dir: Path, step: int, snapshots: list[RankSnapshot], nod
     started = time.monotonic()
     needed, free = check_space(save_dir, step, snapshots)
     stage = save_dir / layout.stage_dirname(step)
-    world_size = snapshots[0].meta["world_size"]
+    world_size = snapshots[0].meta.world_size
     failure: PersistFailed | None = None
     try:
         stage.mkdir(exist_ok=True)

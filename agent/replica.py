@@ -31,7 +31,8 @@ import zmq
 from agent.persister import lower_priority
 from easyckpt_wire import protocol
 from easyckpt_wire.faults import fault_point
-from easyckpt_wire.protocol import Kind, ProtocolError, split_checksums
+from easyckpt_wire.protocol import Kind, ProtocolError
+from easyckpt_wire.records import FetchReply, ListReply, ListRow, Manifest, PeerTable, RecordError, SlotMeta
 from easyckpt_wire.shm import SlotFormatError, SlotMap
 from easyckpt_wire.transfer import PeerClient, PeerError, tensor_checksum
 
@@ -43,41 +44,11 @@ BUDDY_WAIT = 5.0              # seconds a buddy waits for its own ranks' snapsho
 
 
 @dataclasses.dataclass(slots=True)
-class Peers:
-    """What the training ranks told this agent through the job's rendezvous."""
-
-    token: str
-    node: str
-    leader: str
-    nodes: dict[str, dict[str, Any]]     # node id -> {"endpoint": str, "ranks": [int]}
-    world_size: int
-    replicate_unique: bool = True
-
-    @property
-    def is_leader(self) -> bool:
-        return self.node == self.leader
-
-    def predecessor(self) -> str | None:
-        """The node whose buddy this one is."""
-        names = sorted(self.nodes)
-        if len(names) < 2 or self.node not in names:
-            return None
-        return names[(names.index(self.node) - 1) % len(names)]
-
-    def buddy(self) -> str | None:
-        """The next node in the sorted ring: it receives this node's manifests and unique tensors."""
-        names = sorted(self.nodes)
-        if len(names) < 2 or self.node not in names:
-            return None
-        return names[(names.index(self.node) + 1) % len(names)]
-
-
-@dataclasses.dataclass(slots=True)
 class LocalManifest:
     path: Path
     generation: int
     step: int
-    manifest: dict[str, Any]
+    manifest: Manifest
     where: dict[bytes, tuple[int, int]]   # checksum -> (offset, nbytes) in the slot
 
 
@@ -88,7 +59,7 @@ class Holdings:
         self.node = node
         self.lock = threading.Lock()
         self.local: dict[tuple[int, int], LocalManifest] = {}          # (rank, slot) ->
-        self.backups: dict[tuple[int, int], dict[str, Any]] = {}       # (rank, step) -> manifest
+        self.backups: dict[tuple[int, int], Manifest] = {}             # (rank, step) ->
         self.blobs: dict[bytes, bytearray] = {}                        # checksum -> bytes
         self.local_ranks: frozenset[int] = frozenset()                 # replaced (not mutated) by the main loop
         # Steps this node's ranks still hold (the safe step among them): their backups stay whatever newer
@@ -111,7 +82,7 @@ class Holdings:
         steps: dict[int, set[int]] = {}
         with self.lock:
             for entry in self.local.values():
-                steps.setdefault(entry.step, set()).add(entry.manifest["rank"])
+                steps.setdefault(entry.step, set()).add(entry.manifest.rank)
         return {step for step, held in steps.items() if ranks and held >= ranks}
 
     def backed_up_steps(self, ranks: list[int]) -> set[int]:
@@ -123,11 +94,11 @@ class Holdings:
             held = self.checksums_at(step)
             with self.lock:
                 manifests = [self.backups.get((rank, step)) for rank in ranks]
-            if all(m is not None and all(c in held for c in m["checksums"]) for m in manifests):
+            if all(m is not None and all(c in held for c in m.checksums) for m in manifests):
                 complete.add(step)
         return complete
 
-    def local_at(self, step: int) -> list[dict[str, Any]]:
+    def local_at(self, step: int) -> list[Manifest]:
         with self.lock:
             return [e.manifest for e in self.local.values() if e.step == step]
 
@@ -136,41 +107,41 @@ class Holdings:
             held = {c for e in self.local.values() if e.step == step for c in e.where}
             for (_rank, s), manifest in self.backups.items():
                 if s == step:
-                    held.update(c for c in manifest["checksums"] if c in self.blobs)
+                    held.update(c for c in manifest.checksums if c in self.blobs)
             return held
 
-    def add_backup(self, manifest: dict[str, Any]) -> None:
-        rank, step = manifest["rank"], manifest["step"]
+    def add_backup(self, manifest: Manifest) -> None:
+        rank, step = manifest.rank, manifest.step
         with self.lock:
             self.backups[(rank, step)] = manifest
             steps = sorted((s for r, s in self.backups if r == rank and s not in self.keep), reverse=True)
             for old in steps[KEEP_STEPS:]:
                 del self.backups[(rank, old)]
-            wanted = {c for m in self.backups.values() for c in m["checksums"]}
+            wanted = {c for m in self.backups.values() for c in m.checksums}
             for checksum in set(self.blobs) - wanted:
                 del self.blobs[checksum]
 
     def add_blob(self, checksum: bytes, data: bytearray) -> None:
         with self.lock:
-            if any(checksum in m["checksums"] for m in self.backups.values()):
+            if any(checksum in m.checksums for m in self.backups.values()):
                 self.blobs[checksum] = data
 
-    def listing(self) -> list[list[Any]]:
-        """[[step, [ranks with a manifest here], concatenated checksums held at that step]], newest first."""
+    def listing(self) -> list[ListRow]:
+        """What this agent holds, newest step first."""
         with self.lock:
             steps = {e.step for e in self.local.values()} | {s for _, s in self.backups}
         rows = []
         for step in sorted(steps, reverse=True):
             with self.lock:
-                ranks = {e.manifest["rank"] for e in self.local.values() if e.step == step}
+                ranks = {e.manifest.rank for e in self.local.values() if e.step == step}
                 ranks |= {r for r, s in self.backups if s == step}
-            rows.append([step, sorted(ranks), b"".join(sorted(self.checksums_at(step)))])
+            rows.append(ListRow(step, frozenset(ranks), frozenset(self.checksums_at(step))))
         return rows
 
-    def manifest(self, rank: int, step: int) -> dict[str, Any] | None:
+    def manifest(self, rank: int, step: int) -> Manifest | None:
         with self.lock:
             for entry in self.local.values():
-                if entry.step == step and entry.manifest["rank"] == rank:
+                if entry.step == step and entry.manifest.rank == rank:
                     return entry.manifest
             return self.backups.get((rank, step))
 
@@ -186,24 +157,20 @@ class Holdings:
         return copies[copy] if copy < len(copies) else ("none", None)
 
 
-def build_manifest(slot: SlotMap, meta: dict[str, Any], generation: int, node: str) -> LocalManifest | None:
+def build_manifest(slot: SlotMap, meta: SlotMeta, generation: int, node: str) -> LocalManifest | None:
     """Hash every tensor of a committed slot; None if the slot was rewritten meanwhile."""
     checksums: list[bytes] = []
     where: dict[bytes, tuple[int, int]] = {}
-    for entry in meta["tensors"]:
-        offset, nbytes = entry[4], entry[5]
-        view = slot.data(offset, nbytes)
-        try:
+    for entry in meta.tensors:
+        with slot.data(entry.offset, entry.nbytes) as view:
             checksum = tensor_checksum(view)
-        finally:
-            view.release()
         checksums.append(checksum)
-        where.setdefault(checksum, (offset, nbytes))
+        where.setdefault(checksum, (entry.offset, entry.nbytes))
     if slot.generation() != generation:
         return None
-    manifest = {key: value for key, value in meta.items() if key not in ("pid", "pid_start")}
-    manifest.update(checksums=checksums, node=node, generation=generation)
-    return LocalManifest(slot.path, generation, meta["step"], manifest, where)
+    manifest = Manifest.of(meta, checksums, node, generation)
+    manifest.to_wire()   # encoded here, in the hash thread, not by the server thread at each request
+    return LocalManifest(slot.path, generation, meta.step, manifest, where)
 
 
 class MapCache:
@@ -327,14 +294,15 @@ class ReplicaServer(threading.Thread):
             return
         try:
             if kind == Kind.LIST:
-                self._reply(identity, True, request_id, node=self.holdings.node, steps=self.holdings.listing())
+                listing = ListReply(self.holdings.node, tuple(self.holdings.listing()))
+                self._reply(identity, True, request_id, **listing.to_wire())
             elif kind == Kind.MANIFEST:
                 manifest = self.holdings.manifest(message["rank"], message["step"])
                 if manifest is None:
                     self._reply(identity, False, request_id,
                                 error=f"no manifest of rank {message['rank']} at step {message['step']} here")
                 else:
-                    self._reply(identity, True, request_id, manifest=manifest)
+                    self._reply(identity, True, request_id, manifest=manifest.to_wire())
             elif kind == Kind.FETCH:
                 self._fetch(identity, request_id, message)
             elif kind == Kind.PUSH:
@@ -384,9 +352,10 @@ class ReplicaServer(threading.Thread):
             view = memoryview(found)[offset:offset + length]
             digest = xxhash.xxh3_64_intdigest(view)
         else:
-            self._reply(identity, False, request_id, error=f"no copy {copy} of tensor {checksum.hex()} at step {step} here")
+            self._reply(identity, False, request_id, code=protocol.NO_COPY,
+                        error=f"no copy {copy} of tensor {checksum.hex()} at step {step} here")
             return
-        if self._reply(identity, True, request_id, data=view, xxh64=digest):
+        if self._reply(identity, True, request_id, data=view, **FetchReply(digest).to_wire()):
             self.served_bytes += length
 
 
@@ -399,34 +368,34 @@ class BuddyPuller:
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="buddy", initializer=lower_priority)
         self.pulled_bytes = 0
 
-    def submit(self, origin: str, step: int, manifests: list[dict[str, Any]]) -> None:
+    def submit(self, origin: str, step: int, manifests: list[Manifest]) -> None:
         self.pool.submit(self._pull, origin, step, manifests)
 
-    def _pull(self, origin: str, step: int, manifests: list[dict[str, Any]]) -> None:
+    def _pull(self, origin: str, step: int, manifests: list[Manifest]) -> None:
         try:
             self._pull_missing(origin, step, manifests)
         except Exception:  # a thread pool would swallow it
             logger.exception("backup of node %s's step %d failed", origin, step)
 
-    def _pull_missing(self, origin: str, step: int, manifests: list[dict[str, Any]]) -> None:
+    def _pull_missing(self, origin: str, step: int, manifests: list[Manifest]) -> None:
         deadline = time.monotonic() + BUDDY_WAIT
         while step not in self.holdings.hashed_steps() and time.monotonic() < deadline:
             time.sleep(0.05)  # bounded wait for our own ranks' snapshot of the same step (polling)
-        peers: Peers | None = self.peers()
+        peers: PeerTable | None = self.peers()
         if peers is None or origin not in peers.nodes:
             return
         held = self.holdings.checksums_at(step)
-        client = PeerClient(peers.nodes[origin]["endpoint"], peers.token, timeout=30.0)
+        client = PeerClient(peers.endpoint(origin), peers.token, timeout=30.0)
         started, nbytes = time.monotonic(), 0
         try:
             for manifest in manifests:
-                for entry, checksum in zip(manifest["tensors"], manifest["checksums"]):
-                    size = entry[5]
+                for entry, checksum in zip(manifest.tensors, manifest.checksums):
+                    size = entry.nbytes
                     if checksum in held or (not peers.replicate_unique and size > SMALL_TENSOR):
                         continue
                     if size * 2 > psutil.virtual_memory().available:
                         logger.warning("not backing up %s of node %s's step %d: %d bytes, and only %d are free",
-                                       entry[0], origin, step, size, psutil.virtual_memory().available)
+                                       entry.name, origin, step, size, psutil.virtual_memory().available)
                         return
                     buffer = bytearray(size)
                     client.fetch_into(step, checksum, memoryview(buffer))
@@ -446,69 +415,71 @@ class BuddyPuller:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def push_manifests(peers: Peers, step: int, manifests: list[dict[str, Any]]) -> None:
+def push_manifests(peers: PeerTable, step: int, manifests: list[Manifest]) -> None:
     """Hand the buddy this node's manifests of ``step``; a failure is logged, never raised."""
     buddy = peers.buddy()
     if buddy is None:
         return
-    client = PeerClient(peers.nodes[buddy]["endpoint"], peers.token, timeout=10.0)
+    client = PeerClient(peers.endpoint(buddy), peers.token, timeout=10.0)
     try:
-        client.call(Kind.PUSH, node=peers.node, step=step, manifests=manifests)
+        client.call(Kind.PUSH, node=peers.node, step=step, manifests=[m.to_wire() for m in manifests])
     except (PeerError, ProtocolError) as exc:
         logger.warning("could not hand step %d's manifests to buddy node %s: %s", step, buddy, exc)
     finally:
         client.close()
 
 
-def survey_coverage(peers: Peers, holdings: Holdings, timeout: float = 2.0) -> dict[str, Any]:
+def survey_coverage(peers: PeerTable, holdings: Holdings, timeout: float = 2.0) -> dict[str, Any]:
     """For the newest step this node holds: how many nodes hold each rank's tensors in memory.
 
     A rank part with a single copy is lost with its node; ``single`` names such tensors (a few).
     """
-    listings: dict[str, dict[int, tuple[list[int], set[bytes]]]] = {}
+    listings: dict[str, dict[int, ListRow]] = {}
     unreachable = []
     for node, info in sorted(peers.nodes.items()):
         if node == peers.node:
             rows = holdings.listing()
         else:
-            client = PeerClient(info["endpoint"], peers.token, timeout=timeout)
+            client = PeerClient(info.endpoint, peers.token, timeout=timeout)
             try:
-                rows = client.call(Kind.LIST)["steps"]
-            except (PeerError, ProtocolError, KeyError) as exc:
+                rows = list(ListReply.from_wire(client.call(Kind.LIST), f"agent {info.endpoint}").rows)
+            except (PeerError, ProtocolError, RecordError) as exc:
                 unreachable.append(node)
                 logger.debug("coverage: node %s unreachable: %s", node, exc)
                 continue
             finally:
                 client.close()
-        listings[node] = {row[0]: (row[1], split_checksums(row[2])) for row in rows}
+        listings[node] = {row.step: row for row in rows}
     with holdings.lock:
         steps = [e.step for e in holdings.local.values()]
     if not steps:
         return {"step": None, "ranks": {}, "unreachable": unreachable, "as_of": time.time()}
     step = max(steps)
+    nothing = ListRow(step, frozenset(), frozenset())
     ranks: dict[str, Any] = {}
     for rank in range(peers.world_size):
         manifest = holdings.manifest(rank, step)
         if manifest is None:
             for node, listing in listings.items():
-                if node != peers.node and rank in listing.get(step, ([], set()))[0]:
-                    client = PeerClient(peers.nodes[node]["endpoint"], peers.token, timeout=timeout)
+                if node != peers.node and rank in listing.get(step, nothing).ranks:
+                    client = PeerClient(peers.endpoint(node), peers.token, timeout=timeout)
                     try:
-                        manifest = client.call(Kind.MANIFEST, rank=rank, step=step)["manifest"]
+                        manifest = Manifest.from_wire(client.call(Kind.MANIFEST, rank=rank, step=step)["manifest"],
+                                                      f"agent {client.endpoint}")
                         break
-                    except (PeerError, ProtocolError, KeyError):
+                    except (PeerError, ProtocolError, RecordError, KeyError):
                         continue
                     finally:
                         client.close()
         if manifest is None:
             ranks[str(rank)] = {"copies": 0, "manifest_nodes": [], "single": []}
             continue
-        counts = [sum(1 for rows in listings.values() if c in rows.get(step, ([], set()))[1])
-                  for c in manifest["checksums"]]
-        names = [entry[0] for entry in manifest["tensors"]]
+        counts = [sum(1 for rows in listings.values() if c in rows.get(step, nothing).checksums)
+                  for c in manifest.checksums]
+        names = [entry.name for entry in manifest.tensors]
         ranks[str(rank)] = {
             "copies": min(counts, default=0), "tensors": len(counts),
-            "manifest_nodes": sorted(n for n, rows in listings.items() if rank in rows.get(step, ([], set()))[0]),
+            "manifest_nodes": sorted(n for n, rows in listings.items() if rank in rows.get(step, nothing).ranks),
             "single": [n for n, c in zip(names, counts) if c == 1][:5],
             "missing": [n for n, c in zip(names, counts) if c == 0][:5]}
     return {"step": step, "ranks": ranks, "unreachable": unreachable, "as_of": time.time()}

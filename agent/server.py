@@ -49,6 +49,7 @@ from easyckpt_wire import layout, protocol, timeline
 from easyckpt_wire.control import ControlWriter, PersistFailure, control_path
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.protocol import Kind, ProtocolError
+from easyckpt_wire.records import ByeReply, FlushReply, PingReply, ResumeReply
 from easyckpt_wire.shm import list_slots
 
 logger = logging.getLogger(__name__)
@@ -441,7 +442,7 @@ class Agent:
             if message["wait"]:
                 self.waiters.append((identity, request_id))
             else:
-                self._send(identity, protocol.reply(True, id=request_id, failure=self._failure_dict()))
+                self._send(identity, protocol.reply(True, id=request_id, **ByeReply(failure=self._failure_dict()).to_wire()))
         elif kind == Kind.FLUSH:
             self._request_flush(message["rank"], message["step"])
             if message["wait"]:
@@ -452,8 +453,8 @@ class Agent:
             self._send(identity, protocol.reply(True, id=request_id, **self.status()))
         elif kind == Kind.PING:
             endpoint = self.cluster.replica.endpoint if self.cluster.replica else None
-            self._send(identity, protocol.reply(True, id=request_id, pid=os.getpid(), node=self.config.node_id,
-                                                endpoint=endpoint))
+            self._send(identity, protocol.reply(True, id=request_id,
+                                                **PingReply(os.getpid(), self.config.node_id, endpoint).to_wire()))
         elif kind == Kind.PEERS:
             problem = self.cluster.set_peers(message)
             self._send(identity, protocol.reply(problem is None, id=request_id, error=problem))
@@ -513,8 +514,8 @@ class Agent:
             self.safe, self.safe_holds = None, []   # the next round declares a step of the new timeline safe
             self.cluster.safe_step = None
         self._publish()
-        return protocol.reply(error is None, id=request_id, moved=moved, tracker=tracker, persisted=self.persisted,
-                              error=error)
+        return protocol.reply(error is None, id=request_id,
+                              **ResumeReply(moved, tracker, self.persisted, error).to_wire())
 
     def _holds_abandoned(self, holds: list[SlotInfo]) -> bool:
         return any(info.header is not None and (info.rank, info.slot, info.header.generation) in self.watcher.abandoned
@@ -804,12 +805,12 @@ class Agent:
                 # In a multi-node job ``persisted`` is this node's durable shards; the leader renames the
                 # iteration into place once every node's are.
                 committed = (self.save_dir / layout.iteration_dirname(self.persisted)).is_dir()
-                self._send(identity, protocol.reply(True, id=request_id, persisted=self.persisted, committed=committed))
+                self._send(identity, protocol.reply(True, id=request_id,
+                                                    **FlushReply(self.persisted, committed).to_wire()))
             elif step not in self.flush_wanted:
-                self._send(identity, protocol.reply(False, id=request_id, persisted=self.persisted,
-                                                    error=self.flush_failed.get(step, f"persisting step {self.given_up} "
-                                                                                "failed (see the agent log)"),
-                                                    failure=self._failure_dict()))
+                error = self.flush_failed.get(step, f"persisting step {self.given_up} failed (see the agent log)")
+                self._send(identity, protocol.reply(False, id=request_id, **FlushReply(
+                    self.persisted, error=error, failure=self._failure_dict()).to_wire()))
             else:
                 waiting.append((identity, request_id, step))
         self.flush_waiters = waiting
@@ -861,16 +862,17 @@ class Agent:
         ranks = self.watcher.local_ranks()
         for step in sorted(self.claims, reverse=True):
             if len(ranks) >= self.watcher.local_world_size and set(self.claims[step]) >= ranks:
-                snaps = [RankSnapshot(rank, claim.info.map, claim.info.meta or {})
-                         for rank, claim in self.claims[step].items()]
-                if any(not snap.meta or snap.meta.get("step") != step for snap in snaps):
+                metas = {rank: claim.info.meta for rank, claim in self.claims[step].items()}
+                if any(meta is None or meta.step != step for meta in metas.values()):
                     continue  # metadata not read yet for this generation: next tick
+                snaps = [RankSnapshot(rank, claim.info.map, meta) for (rank, claim), meta
+                         in zip(self.claims[step].items(), metas.values()) if meta is not None]
                 self.inflight_epoch = self.timeline.epoch
                 self.inflight = (step, self.pool.submit(self._persist, step, snaps, self.inflight_epoch))
                 return
 
     def _persist(self, step: int, snaps: list[RankSnapshot], epoch: int) -> PersistStats:
-        world_size = snaps[0].meta["world_size"]
+        world_size = snaps[0].meta.world_size
         if len(snaps) != world_size:
             if self.cluster.peers is None:
                 raise RuntimeError(
@@ -960,6 +962,6 @@ class Agent:
         if not self.waiters or (not force and (self.inflight is not None or self.claims)):
             return
         for identity, request_id in self.waiters:
-            self._send(identity, protocol.reply(True, id=request_id, persisted=self.persisted,
-                                                failure=self._failure_dict()))
+            self._send(identity, protocol.reply(True, id=request_id,
+                                                **ByeReply(self.persisted, self._failure_dict()).to_wire()))
         self.waiters.clear()

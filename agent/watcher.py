@@ -15,6 +15,7 @@ from typing import Any
 
 import psutil
 
+from easyckpt_wire.records import SlotMeta
 from easyckpt_wire.shm import SlotFormatError, SlotHeader, SlotMap, list_slots
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class SlotInfo:
     path: Path
     map: SlotMap
     header: SlotHeader | None = None
-    meta: dict[str, Any] | None = None
+    meta: SlotMeta | None = None
     meta_generation: int = -1
 
     def committed_step(self) -> int | None:
@@ -92,7 +93,7 @@ class Watcher:
                 info.map.refresh()
                 info.header = info.map.header()
                 if info.header.committed and info.meta_generation != info.header.generation:
-                    meta = info.map.read_meta(info.header)
+                    meta = SlotMeta.from_wire(info.map.read_meta(info.header), str(info.path))
                     if info.map.generation() != info.header.generation:
                         raise SlotFormatError(f"{info.path} was rewritten while its metadata was read")
                     info.meta, info.meta_generation = meta, info.header.generation
@@ -104,12 +105,11 @@ class Watcher:
             self.abandoned = {key for key in self.abandoned if (held := self.slots.get((key[0], key[1]))) is not None
                               and held.header is not None and held.header.generation == key[2]}
 
-    def _learn_from_meta(self, meta: dict[str, Any]) -> None:
+    def _learn_from_meta(self, meta: SlotMeta) -> None:
         if not self.world_size:  # an adopting agent before any HELLO: the slots tell the job's shape
-            self.set_shape(int(meta.get("world_size", 0)), int(meta.get("local_world_size", 0)))
-        rank, pid = meta.get("rank"), meta.get("pid")
-        if isinstance(rank, int) and isinstance(pid, int) and rank not in self.ranks:
-            self.register(rank, pid, meta.get("pid_start"))
+            self.set_shape(meta.world_size, meta.local_world_size)
+        if meta.pid is not None and meta.rank not in self.ranks:
+            self.register(meta.rank, meta.pid, meta.pid_start)
 
     def set_shape(self, world_size: int, local_world_size: int) -> None:
         """The newest run's word wins: after a restart with fewer ranks, the others' leftovers are ignored."""

@@ -44,6 +44,7 @@ import xxhash
 import easyckpt
 from easyckpt_wire import protocol, transfer
 from easyckpt_wire.protocol import Kind
+from easyckpt_wire.records import ListReply, Manifest
 from easyckpt_wire.transfer import PeerClient
 
 TARGET = 0.70
@@ -131,7 +132,7 @@ def make_state(nbytes: int, tensors: int) -> dict[str, Any]:
     return {"model": {f"layer{i}.weight": torch.rand(numel, generator=gen) for i in range(tensors)}}
 
 
-def serving_agent(save_dir: Path, state: dict[str, Any]) -> tuple[easyckpt.Checkpointer, str, dict[str, Any]]:
+def serving_agent(save_dir: Path, state: dict[str, Any]) -> tuple[easyckpt.Checkpointer, str, Manifest]:
     """A Checkpointer with step 1 committed, its agent's replica server listing it; (ck, endpoint, manifest)."""
     ck = easyckpt.Checkpointer(save_dir, save_mem_interval=1, save_storage_interval=10**9, max_ckpt_num=1,
                                agent_idle_timeout=60.0)
@@ -148,9 +149,9 @@ def serving_agent(save_dir: Path, state: dict[str, Any]) -> tuple[easyckpt.Check
         endpoint = ck.agent.request(Kind.PING, 30.0)["endpoint"]
         client = PeerClient(endpoint, TOKEN, timeout=60.0)
         try:
-            poll(lambda: any(row[0] == 1 for row in client.call(Kind.LIST)["steps"]), 120,
+            poll(lambda: 1 in ListReply.from_wire(client.call(Kind.LIST), endpoint).by_step(), 120,
                  "the replica server to list step 1 (hashing the snapshot)")
-            manifest = client.call(Kind.MANIFEST, rank=0, step=1)["manifest"]
+            manifest = Manifest.from_wire(client.call(Kind.MANIFEST, rank=0, step=1)["manifest"], endpoint)
         finally:
             client.close()
         return ck, endpoint, manifest
@@ -159,12 +160,12 @@ def serving_agent(save_dir: Path, state: dict[str, Any]) -> tuple[easyckpt.Check
         raise
 
 
-def fetch_all(client: PeerClient, manifest: dict[str, Any], dest: memoryview, chunk: int, window: int) -> float:
+def fetch_all(client: PeerClient, manifest: Manifest, dest: memoryview, chunk: int, window: int) -> float:
     """Seconds to fetch every tensor of ``manifest`` into consecutive ranges of ``dest``."""
     start = time.perf_counter()
     position = 0
-    for entry, checksum in zip(manifest["tensors"], manifest["checksums"]):
-        nbytes = entry[5]
+    for entry, checksum in zip(manifest.tensors, manifest.checksums):
+        nbytes = entry.nbytes
         client.fetch_into(1, checksum, dest[position:position + nbytes], chunk=chunk, window=window)
         position += nbytes
     return time.perf_counter() - start
@@ -200,7 +201,7 @@ def measure(size_mb: float, tensors: int, repeats: int, configs: list[tuple[int,
     raw = None
     clients: dict[tuple[int, int], PeerClient] = {}
     try:
-        assert sum(entry[5] for entry in manifest["tensors"]) == nbytes, "the manifest does not cover the state"
+        assert sum(entry.nbytes for entry in manifest.tensors) == nbytes, "the manifest does not cover the state"
         dest_tensor = torch.empty(nbytes, dtype=torch.uint8)
         dest_tensor.fill_(1)  # every page written once: no page faults in the timed part
         dest = memoryview(dest_tensor.numpy()).cast("B")
@@ -232,7 +233,7 @@ def measure(size_mb: float, tensors: int, repeats: int, configs: list[tuple[int,
                  default=config == default) for config in configs]
     default_cell = next(c for c in grid if c["default"])
     best = max(grid, key=lambda c: c["gbps"])
-    return {"bytes": nbytes, "tensors": len(manifest["tensors"]), "raw": raw_cell, "easyckpt": default_cell,
+    return {"bytes": nbytes, "tensors": len(manifest.tensors), "raw": raw_cell, "easyckpt": default_cell,
             "grid": grid, "best_config": {"chunk_mb": best["chunk_mb"], "window": best["window"],
                                           "ratio": best["ratio"]},
             "target": TARGET, "met": default_cell["ratio"] >= TARGET, **speeds}

@@ -24,10 +24,11 @@ from easyckpt.agent_client import AgentClient
 from easyckpt.config import CheckpointerConfig
 from easyckpt.persist_watch import PersistError, PersistWatch, describe_failure
 from easyckpt.recovery import LoadResult, load
-from easyckpt.replica import PeerSet, introduce
+from easyckpt.replica import introduce
 from easyckpt.slots import RankSlots
 from easyckpt.stager import Stager
 from easyckpt_wire import owner, protocol
+from easyckpt_wire.records import PeerTable
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ class Checkpointer:
         self.agent.ensure(force=True)
         if config.start_agent:
             self.agent.wait_ready(config.agent_start_timeout)
-        self.peers: PeerSet | None = None
+        self.peers: PeerTable | None = None
         if self.world_size > self.local_world_size and dist.is_available() and dist.is_initialized():
             # A job across nodes: agents must know each other before any rank may need a replica.
             self.peers = introduce(self.agent.request, rank=self.rank, world_size=self.world_size,

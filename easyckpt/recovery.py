@@ -23,8 +23,8 @@ from easyckpt import replica, storage
 from easyckpt.collectives import all_gather_ints
 from easyckpt.slots import RankSlots
 from easyckpt.state import flatten, torch_dtype, unflatten
-from easyckpt_wire import transfer
 from easyckpt_wire.layout import CheckpointFormatError
+from easyckpt_wire.records import PeerTable
 from easyckpt_wire.shm import MAX_SLOTS, SlotFormatError, format_bytes
 
 logger = logging.getLogger(__name__)
@@ -118,48 +118,23 @@ def _read_memory(slots: RankSlots, step: int, template: dict[str, Any], timeout:
                  expected: tuple[int, list[bytes]] | None = None) -> tuple[Any, list[Any], str, int]:
     """Read this rank's slot of ``step``; with ``expected`` (the agent's checksums of that very
     snapshot) every tensor is verified before use."""
-    index, header = slots.committed()[step]
-    slot = slots.maps[index]
-    assert slot is not None
-    slot.lock_shared(timeout)
-    try:
-        current = slot.header()
-        if not current.committed or current.generation != header.generation or current.step != step:
-            raise SlotFormatError(f"{slot.path}: changed while it was being opened (step {current.step})")
-        meta = slot.read_meta(current)
-        records = [_Record(i, e[0], e[1], e[2], tuple(e[3])) for i, e in enumerate(meta["tensors"])]
+    with slots.read(step, timeout) as read:
+        meta = read.meta
+        records = [_Record(i, e.name, e.kind, e.dtype, e.shape) for i, e in enumerate(meta.tensors)]
         _check_template(records, template, step, "memory")
-        if expected is not None and expected[0] == current.generation:
-            _verify_slot(slot, meta["tensors"], expected[1], step)
+        if expected is not None and expected[0] == read.generation:
+            read.verify(expected[1])
         values, nbytes = [], 0
-        for record, entry in zip(records, meta["tensors"]):
-            offset, size = entry[4], entry[5]
-            if size == 0:
+        for record, entry in zip(records, meta.tensors):
+            if entry.nbytes == 0:
                 raw = torch.empty(record.shape, dtype=torch_dtype(record.dtype))
             else:
-                raw = torch.frombuffer(slot.data(offset, size), dtype=torch.uint8).view(
+                raw = torch.frombuffer(read.data(entry), dtype=torch.uint8).view(
                     torch_dtype(record.dtype)).view(record.shape)
             values.append(_place(record, raw, template, owned=False))
-            nbytes += size
+            nbytes += entry.nbytes
             del raw
-        if slot.generation() != current.generation:
-            raise SlotFormatError(f"{slot.path}: overwritten while being read")
-        return meta["skeleton"], values, str(slot.path), nbytes
-    finally:
-        slot.unlock()
-
-
-def _verify_slot(slot: Any, entries: list[Any], checksums: list[bytes], step: int) -> None:
-    if len(checksums) != len(entries):
-        raise SlotFormatError(f"{slot.path}: {len(entries)} tensors but {len(checksums)} checksums from the agent")
-    for entry, checksum in zip(entries, checksums):
-        view = slot.data(entry[4], entry[5])
-        try:
-            if transfer.tensor_checksum(view) != checksum:
-                raise SlotFormatError(f"{slot.path}: tensor {entry[0]} of step {step} does not match the checksum "
-                                      "the agent took when it was committed (memory corrupted?)")
-        finally:
-            view.release()
+        return meta.skeleton, values, str(read.path), nbytes
 
 
 def _read_disk(iteration_dir: Path, rank: int, world_size: int, template: dict[str, Any]) -> tuple[Any, list[Any], str, int]:
@@ -176,7 +151,7 @@ def _read_disk(iteration_dir: Path, rank: int, world_size: int, template: dict[s
     return entry.skeleton, values, str(iteration_dir), nbytes
 
 
-def _replica_plans(peers: replica.PeerSet | None, rank: int, mem_steps: list[int],
+def _replica_plans(peers: PeerTable | None, rank: int, mem_steps: list[int],
                    timeout: float) -> dict[int, replica.ReplicaPlan]:
     if peers is None:
         return {}
@@ -191,7 +166,7 @@ def _replica_plans(peers: replica.PeerSet | None, rank: int, mem_steps: list[int
 
 
 def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, template: Any = None,
-         load_dir: Path | None = None, timeout: float = 120.0, peers: replica.PeerSet | None = None,
+         load_dir: Path | None = None, timeout: float = 120.0, peers: PeerTable | None = None,
          peer_timeout: float = 10.0) -> LoadResult:
     started = time.perf_counter()
     template_map: dict[str, Any] = {}

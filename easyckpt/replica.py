@@ -28,9 +28,10 @@ import zmq
 
 from easyckpt.collectives import all_gather_text
 from easyckpt.slots import RankSlots
-from easyckpt_wire.protocol import Kind, ProtocolError, split_checksums
+from easyckpt_wire.protocol import Kind, ProtocolError
+from easyckpt_wire.records import ListReply, ListRow, Manifest, PeerNode, PeerTable, PingReply, RecordError
 from easyckpt_wire.shm import format_bytes, pack_meta, slot_size
-from easyckpt_wire.transfer import FetchError, PeerClient, PeerError
+from easyckpt_wire.transfer import FetchError, NoCopyError, PeerClient, PeerError
 
 logger = logging.getLogger(__name__)
 
@@ -43,52 +44,44 @@ class ReplicaError(RuntimeError):
     """This rank's state could not be rebuilt from replicas."""
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class PeerSet:
-    token: str
-    node: str
-    leader: str
-    nodes: dict[str, dict[str, Any]]   # node -> {"endpoint", "ranks"}
-
-    def ordered(self) -> list[str]:
-        """This node first (loopback is cheapest), then the others by name: the same order everywhere."""
-        return [self.node] + sorted(n for n in self.nodes if n != self.node)
-
-
 Request = Callable[..., dict[str, Any]]   # (kind, timeout, **fields) -> reply: a rank's session or one-off
 
 
 def introduce(request: Request, *, rank: int, world_size: int, replicate_unique: bool, timeout: float,
-              training: bool = True) -> PeerSet:
+              training: bool = True) -> PeerTable:
     """Collective: every rank's agent learns the job token, the other agents and the leader (rank 0's node).
 
     ``training=False`` is the standalone launcher (``easyckpt.agents``): one process per node and no
     training ranks yet, so every node is listed with no ranks and the job as one rank; the training job
     that comes later introduces the same agents again with its own ranks, token and leader."""
-    info = request(Kind.PING, timeout)
-    node, endpoint = info.get("node"), info.get("endpoint")
-    if not isinstance(node, str) or not isinstance(endpoint, str):
-        raise ReplicaError(f"rank {rank}: the node agent has no replica server (reply {info}); "
+    try:
+        ping = PingReply.from_wire(request(Kind.PING, timeout), "the node agent's PING reply")
+    except RecordError as exc:
+        raise ReplicaError(f"rank {rank}: {exc}") from None
+    node, endpoint = ping.node, ping.endpoint
+    if node is None or endpoint is None:
+        raise ReplicaError(f"rank {rank}: the node agent has no replica server (node {node}, endpoint {endpoint}); "
                            "is it an older easyckpt-agent?")
     rows = [row.split("\n", 1) for row in all_gather_text(f"{node}\n{endpoint}", world_size, field=_FIELD)]
     token = secrets.token_hex(16) if rank == 0 else "0" * 32
     token = all_gather_text(token, world_size, field=_FIELD)[0]
-    nodes: dict[str, dict[str, Any]] = {}
+    addresses: dict[str, str] = {}
+    ranks: dict[str, list[int]] = {}
     for other, (name, address) in enumerate(rows):
-        entry = nodes.setdefault(name, {"endpoint": address, "ranks": []})
-        if entry["endpoint"] != address:
-            raise ReplicaError(f"node id {name!r} names two agents ({entry['endpoint']} and {address}, rank {other}): "
+        known = addresses.setdefault(name, address)
+        if known != address:
+            raise ReplicaError(f"node id {name!r} names two agents ({known} and {address}, rank {other}): "
                                "give every node its own EASYCKPT_NODE_ID")
+        ranks.setdefault(name, [])
         if training:
-            entry["ranks"].append(other)
-    peers = PeerSet(token, node, rows[0][0], nodes)
-    reply = request(Kind.PEERS, timeout, token=token, node=node, leader=peers.leader,
-                    nodes=[{"node": n, **v} for n, v in sorted(nodes.items())],
-                    world_size=world_size if training else 1, replicate_unique=replicate_unique)
+            ranks[name].append(other)
+    peers = PeerTable(token, node, rows[0][0], {n: PeerNode(a, tuple(ranks[n])) for n, a in addresses.items()},
+                      world_size=world_size if training else 1, replicate_unique=replicate_unique)
+    reply = request(Kind.PEERS, timeout, **peers.to_wire())
     if not reply.get("ok"):
         raise ReplicaError(f"rank {rank}: the agent of node {node} refused the peer list: {reply.get('error')}")
     all_gather_text("", world_size, field=_FIELD)  # every agent knows the token before any rank asks one for data
-    logger.info("rank %d: node %s, %d nodes %s, leader %s", rank, node, len(nodes), sorted(nodes), peers.leader)
+    logger.info("rank %d: node %s, %d nodes %s, leader %s", rank, node, len(peers.nodes), sorted(peers.nodes), peers.leader)
     return peers
 
 
@@ -96,23 +89,27 @@ def introduce(request: Request, *, rank: int, world_size: int, replicate_unique:
 class Survey:
     """What every reachable agent holds: node -> {step: (ranks with a manifest, checksums)}."""
 
-    listings: dict[str, dict[int, tuple[set[int], set[bytes]]]]
+    listings: dict[str, dict[int, ListRow]]
     unreachable: dict[str, str]
 
+    def row(self, node: str, step: int) -> ListRow:
+        return self.listings[node].get(step) or _NOTHING
 
-def survey(peers: PeerSet, timeout: float) -> Survey:
+
+_NOTHING = ListRow(-1, frozenset(), frozenset())
+
+
+def survey(peers: PeerTable, timeout: float) -> Survey:
     """Ask every agent at once what it holds; a dead or hung one costs ``timeout`` and is left out."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    clients = {node: PeerClient(peers.nodes[node]["endpoint"], peers.token, timeout=timeout, ctx=ctx)
+    clients = {node: PeerClient(peers.endpoint(node), peers.token, timeout=timeout, ctx=ctx)
                for node in peers.ordered()}
     listings, unreachable = {}, {}
     try:
         for node, client in clients.items():   # sequential, but a dead node only costs its timeout once
             try:
-                rows = client.call(Kind.LIST)["steps"]
-                listings[node] = {int(step): (set(ranks), split_checksums(blob))
-                                  for step, ranks, blob in rows}
-            except (PeerError, ProtocolError, KeyError, TypeError, ValueError) as exc:
+                listings[node] = ListReply.from_wire(client.call(Kind.LIST), f"agent {client.endpoint}").by_step()
+            except (PeerError, ProtocolError, RecordError) as exc:
                 unreachable[node] = str(exc)
     finally:
         for client in clients.values():
@@ -120,48 +117,54 @@ def survey(peers: PeerSet, timeout: float) -> Survey:
     return Survey(listings, unreachable)
 
 
-def own_checksums(peers: PeerSet, rank: int, step: int, timeout: float) -> tuple[int, list[bytes]] | None:
+def own_checksums(peers: PeerTable, rank: int, step: int, timeout: float) -> tuple[int, list[bytes]] | None:
     """(slot generation, tensor checksums) the node agent computed for this rank's snapshot of ``step``,
     so that a read from memory is verified too; None when the agent has not hashed it."""
-    client = PeerClient(peers.nodes[peers.node]["endpoint"], peers.token, timeout=timeout)
+    client = PeerClient(peers.endpoint(peers.node), peers.token, timeout=timeout)
     try:
-        manifest = client.call(Kind.MANIFEST, rank=rank, step=step)["manifest"]
-        return int(manifest["generation"]), list(manifest["checksums"])
-    except (PeerError, ProtocolError, KeyError, TypeError, ValueError):
+        manifest = _manifest(client, rank, step)
+        return manifest.generation, list(manifest.checksums)
+    except (PeerError, ProtocolError, RecordError):
         return None
     finally:
         client.close()
 
 
+def _manifest(client: PeerClient, rank: int, step: int) -> Manifest:
+    reply = client.call(Kind.MANIFEST, rank=rank, step=step)
+    if "manifest" not in reply:
+        raise RecordError(f"agent {client.endpoint}", "MANIFEST reply", "manifest", "is missing")
+    return Manifest.from_wire(reply["manifest"], f"agent {client.endpoint}")
+
+
 @dataclasses.dataclass(slots=True)
 class ReplicaPlan:
     step: int
-    manifest: dict[str, Any]
+    manifest: Manifest
     holders: list[list[str]]      # per tensor: nodes holding its checksum at that step, cheapest first
     manifest_node: str
 
 
-def plan(peers: PeerSet, found: Survey, rank: int, timeout: float) -> dict[int, ReplicaPlan]:
+def plan(peers: PeerTable, found: Survey, rank: int, timeout: float) -> dict[int, ReplicaPlan]:
     """The steps (newest first, at most CANDIDATE_STEPS) whose whole state this rank can pull."""
     order = [n for n in peers.ordered() if n in found.listings]
-    steps = sorted({s for rows in found.listings.values() for s, (ranks, _) in rows.items() if rank in ranks},
+    steps = sorted({s for rows in found.listings.values() for s, row in rows.items() if rank in row.ranks},
                    reverse=True)
     plans: dict[int, ReplicaPlan] = {}
     for step in steps:
         if len(plans) >= CANDIDATE_STEPS:
             break
-        for node in (n for n in order if rank in found.listings[n].get(step, (set(), set()))[0]):
-            client = PeerClient(peers.nodes[node]["endpoint"], peers.token, timeout=timeout)
+        for node in (n for n in order if rank in found.row(n, step).ranks):
+            client = PeerClient(peers.endpoint(node), peers.token, timeout=timeout)
             try:
-                manifest = client.call(Kind.MANIFEST, rank=rank, step=step)["manifest"]
-            except (PeerError, ProtocolError, KeyError) as exc:
+                manifest = _manifest(client, rank, step)
+            except (PeerError, ProtocolError, RecordError) as exc:
                 logger.warning("rank %d: manifest of step %d from node %s: %s", rank, step, node, exc)
                 continue
             finally:
                 client.close()
-            holders = [[n for n in order if c in found.listings[n].get(step, (set(), set()))[1]]
-                       for c in manifest["checksums"]]
-            missing = [entry[0] for entry, h in zip(manifest["tensors"], holders) if not h]
+            holders = [[n for n in order if c in found.row(n, step).checksums] for c in manifest.checksums]
+            missing = [entry.name for entry, h in zip(manifest.tensors, holders) if not h]
             if missing:
                 logger.info("rank %d: step %d is not obtainable from replicas: no agent holds %s%s", rank, step,
                             ", ".join(missing[:3]), f" and {len(missing) - 3} more" if len(missing) > 3 else "")
@@ -171,62 +174,46 @@ def plan(peers: PeerSet, found: Survey, rank: int, timeout: float) -> dict[int, 
     return plans
 
 
-def fetch(peers: PeerSet, replica: ReplicaPlan, slots: RankSlots, *, rank: int, timeout: float) -> dict[str, Any]:
+def fetch(peers: PeerTable, replica: ReplicaPlan, slots: RankSlots, *, rank: int, timeout: float) -> dict[str, Any]:
     """Rebuild this rank's snapshot of ``replica.step`` in one of its own slots; returns transfer stats."""
     manifest = replica.manifest
-    meta = {k: v for k, v in manifest.items() if k not in ("checksums", "node", "generation")}
     # The snapshot now belongs to this process and this node's agent (a rank may come back elsewhere).
-    meta.update(pid=os.getpid(), pid_start=psutil.Process().create_time(), created=time.time(),
-                local_world_size=slots.local_world_size)
-    blob = pack_meta(meta)
-    data_len = max((e[4] + e[5] for e in manifest["tensors"]), default=0)
-    index = slots.choose()
-    if index is None:
+    meta = dataclasses.replace(manifest.meta, pid=os.getpid(), pid_start=psutil.Process().create_time(),
+                               created=time.time(), local_world_size=slots.local_world_size)
+    blob = pack_meta(meta.to_wire())
+    write = slots.write(slot_size(meta.data_len, len(blob)))
+    if write is None:
         raise ReplicaError(f"rank {rank}: no slot of {slots.directory} is free for the replica of step {replica.step}")
-    try:
-        slot = slots.ensure(index, slot_size(data_len, len(blob)))
-    except BaseException:
-        stale = slots.maps[index]
-        if stale is not None:
-            stale.unlock()
-        raise
-    generation = slots.next_generation()
-    slot.begin_write(generation=generation, rank=rank, world_size=slots.world_size, job_id=slots.job_id)
     clients: dict[str, PeerClient] = {}
     served: dict[str, list[float]] = {}
     started = time.perf_counter()
     try:
-        for entry, checksum, holders in zip(manifest["tensors"], manifest["checksums"], replica.holders):
-            name, offset, nbytes = entry[0], entry[4], entry[5]
-            if nbytes == 0:
-                continue
-            problems: list[str] = []
-            for node in holders:
-                client = clients.get(node) or clients.setdefault(
-                    node, PeerClient(peers.nodes[node]["endpoint"], peers.token, timeout=timeout))
-                begun = time.perf_counter()
-                if _fetch_one(client, replica.step, checksum, slot.data(offset, nbytes), problems,
-                              what=f"rank {rank}: {name} of step {replica.step} from node {node}"):
-                    stats = served.setdefault(node, [0.0, 0.0])
-                    stats[0] += nbytes
-                    stats[1] += time.perf_counter() - begun
-                    break
-            else:
-                raise ReplicaError(f"rank {rank}: tensor {name} of step {replica.step} could not be fetched from "
-                                   f"any holder: {'; '.join(problems) or 'none'}")
-        slot.commit(generation=generation, step=replica.step, data_len=data_len, meta=blob, rank=rank,
-                    world_size=slots.world_size, job_id=slots.job_id)
-    except BaseException:
-        slot.invalidate()
-        raise
+        with write:
+            for entry, checksum, holders in zip(manifest.tensors, manifest.checksums, replica.holders):
+                if entry.nbytes == 0:
+                    continue
+                problems: list[str] = []
+                for node in holders:
+                    client = clients.get(node) or clients.setdefault(
+                        node, PeerClient(peers.endpoint(node), peers.token, timeout=timeout))
+                    begun = time.perf_counter()
+                    if _fetch_one(client, replica.step, checksum, write.data(entry), problems,
+                                  what=f"rank {rank}: {entry.name} of step {replica.step} from node {node}"):
+                        stats = served.setdefault(node, [0.0, 0.0])
+                        stats[0] += entry.nbytes
+                        stats[1] += time.perf_counter() - begun
+                        break
+                else:
+                    raise ReplicaError(f"rank {rank}: tensor {entry.name} of step {replica.step} could not be fetched "
+                                       f"from any holder: {'; '.join(problems) or 'none'}")
+            write.commit(replica.step, meta.data_len, blob)
     finally:
-        slot.unlock()
         for client in clients.values():
             client.close()
     seconds = time.perf_counter() - started
     for node, (nbytes, spent) in sorted(served.items()):
         logger.info("rank %d: node %s (%s) served %s of step %d at %.2f GB/s", rank, node,
-                    peers.nodes[node]["endpoint"], format_bytes(nbytes), replica.step,
+                    peers.endpoint(node), format_bytes(nbytes), replica.step,
                     nbytes / spent / 1e9 if spent else 0.0)
     return {"seconds": seconds, "bytes": sum(v[0] for v in served.values()),
             "peers": {n: v[0] for n, v in served.items()}}
@@ -243,10 +230,14 @@ def _fetch_one(client: PeerClient, step: int, checksum: bytes, view: memoryview,
             except FetchError as exc:  # bad bytes in this copy: the node may hold another
                 problems.append(str(exc))
                 logger.warning("%s: copy %d is bad (%s); trying another copy", what, copy, exc)
-            except PeerError as exc:   # refused (no such copy) or hung: the next node
+            except NoCopyError as exc:   # every copy this node holds was tried: the next node
                 problems.append(str(exc))
-                if copy == 0 or "no copy" not in str(exc):
+                if copy == 0:
                     logger.warning("%s failed (%s); trying the next holder", what, exc)
+                return False
+            except PeerError as exc:   # refused or hung: the next node
+                problems.append(str(exc))
+                logger.warning("%s failed (%s); trying the next holder", what, exc)
                 return False
         return False
     finally:

@@ -1,5 +1,10 @@
 """A rank's shared-memory slots (3 by default, 2 when memory is short): allocate after a free-space
-check, re-attach after a restart, choose where the next snapshot goes, invalidate, close.
+check, re-attach after a restart, choose where the next snapshot goes, write, read, invalidate, close.
+
+Writing (the stager's snapshots and the replica fetch alike) goes through :meth:`RankSlots.write`:
+choose a slot, size it, number the write, mark it WRITING; the :class:`SlotWrite` then either commits
+or, left without a commit (an exception, a failed copy), marks the slot EMPTY, and always unlocks it.
+Reading goes through :meth:`RankSlots.read` (shared lock, generation checked before and after).
 
 The choice itself is the pure rule of ``slot_choice`` over the slot headers and the node agent's control
 block (the safe step and the steps it holds); here it is carried out with exclusive flocks. When no
@@ -7,18 +12,22 @@ slot is free the snapshot is skipped, never waited for.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
 import os
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from easyckpt.config import MIN_SLOTS
 from easyckpt.slot_choice import SlotView, write_order
 from easyckpt_wire.control import ControlReader, ControlView, control_path
 from easyckpt_wire.episode import Episode
+from easyckpt_wire.records import SlotMeta, TensorEntry
 from easyckpt_wire.shm import SlotFormatError, SlotHeader, SlotMap, format_bytes, list_slots, slot_path
+from easyckpt_wire.transfer import tensor_checksum
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +38,71 @@ SAFE_WAIT = 0.02   # longest a rank waits for the agent to declare a step every 
 
 class ShmSpaceError(RuntimeError):
     """The shared-memory file system cannot hold the snapshot."""
+
+
+class SlotWrite:
+    """One write into one of the rank's slots, begun (WRITING, odd generation) and locked exclusively.
+
+    Used as a context manager (possibly on another thread than the one that began it): the block ends
+    with :meth:`commit`, or the slot is marked EMPTY; either way it is unlocked."""
+
+    def __init__(self, slots: RankSlots, index: int, slot: SlotMap, generation: int) -> None:
+        self.slots = slots
+        self.index = index
+        self.slot = slot
+        self.generation = generation
+        self.committed = False
+        self.closed = False
+
+    def data(self, entry: TensorEntry) -> memoryview:
+        return self.slot.data(entry.offset, entry.nbytes)
+
+    def commit(self, step: int, data_len: int, meta: bytes) -> None:
+        slots = self.slots
+        self.slot.commit(generation=self.generation, step=step, data_len=data_len, meta=meta, rank=slots.rank,
+                         world_size=slots.world_size, job_id=slots.job_id)
+        self.committed = True
+
+    def close(self) -> None:
+        """Unlock; a write that did not commit leaves an EMPTY slot, never a half-written one that looks busy."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if not self.committed:
+                self.slot.invalidate()
+        finally:
+            self.slot.unlock()
+
+    def __enter__(self) -> SlotWrite:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SlotRead:
+    """A committed slot under a shared lock (``RankSlots.read``): its metadata and zero-copy views."""
+
+    def __init__(self, slot: SlotMap, generation: int, meta: SlotMeta) -> None:
+        self.slot = slot
+        self.path = slot.path
+        self.generation = generation
+        self.meta = meta
+
+    def data(self, entry: TensorEntry) -> memoryview:
+        return self.slot.data(entry.offset, entry.nbytes)
+
+    def verify(self, checksums: list[bytes]) -> None:
+        """Every tensor against the checksums the agent took of this very snapshot (multi-node reads)."""
+        tensors = self.meta.tensors
+        if len(checksums) != len(tensors):
+            raise SlotFormatError(f"{self.path}: {len(tensors)} tensors but {len(checksums)} checksums from the agent")
+        for entry, checksum in zip(tensors, checksums):
+            with self.data(entry) as view:
+                if tensor_checksum(view) != checksum:
+                    raise SlotFormatError(f"{self.path}: tensor {entry.name} of step {self.meta.step} does not match "
+                                          "the checksum the agent took when it was committed (memory corrupted?)")
 
 
 class RankSlots:
@@ -93,6 +167,46 @@ class RankSlots:
     def next_generation(self) -> int:
         newest = max((h.generation for h in map(self.header, range(self.count)) if h is not None), default=0)
         return newest + 1 if newest % 2 == 0 else newest + 2
+
+    # writing and reading ----------------------------------------------------------------------------
+    def write(self, size: int, *, before_remap: Callable[[int], None] = lambda index: None) -> SlotWrite | None:
+        """Begin a write of ``size`` bytes into the slot ``choose`` picks; None when every slot holds a step
+        the agent keeps (the caller skips). ``before_remap(index)`` runs before a slot is grown, when the
+        caller's views of the old mapping must go (an mmap with live views cannot be re-mapped)."""
+        index = self.choose()
+        if index is None:
+            return None
+        current = self.maps[index]
+        if current is not None and current.size < size:
+            before_remap(index)
+        try:
+            slot = self.ensure(index, size)
+        except BaseException:
+            stale = self.maps[index]
+            if stale is not None:
+                stale.unlock()
+            raise
+        generation = self.next_generation()
+        slot.begin_write(generation=generation, rank=self.rank, world_size=self.world_size, job_id=self.job_id)
+        return SlotWrite(self, index, slot, generation)
+
+    @contextlib.contextmanager
+    def read(self, step: int, timeout: float) -> Iterator[SlotRead]:
+        """This rank's newest committed slot of ``step`` under a shared lock (waiting at most ``timeout`` for
+        a writer); raises SlotFormatError when it changed meanwhile, or was overwritten during the block."""
+        index, header = self.committed()[step]
+        slot = self.maps[index]
+        assert slot is not None
+        slot.lock_shared(timeout)
+        try:
+            current = slot.header()
+            if not current.committed or current.generation != header.generation or current.step != step:
+                raise SlotFormatError(f"{slot.path}: changed while it was being opened (step {current.step})")
+            yield SlotRead(slot, current.generation, SlotMeta.from_wire(slot.read_meta(current), str(slot.path)))
+            if slot.generation() != current.generation:
+                raise SlotFormatError(f"{slot.path}: overwritten while being read")
+        finally:
+            slot.unlock()
 
     # allocation -------------------------------------------------------------------------------------
     def ensure(self, index: int, size: int) -> SlotMap:

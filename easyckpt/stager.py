@@ -25,19 +25,19 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from easyckpt.config import CheckpointerConfig
-from easyckpt.slots import RankSlots
+from easyckpt.slots import RankSlots, SlotWrite
 from easyckpt.state import SKELETON_VERSION, TensorRef, flatten, numpy_dtype, torch_dtype
 from easyckpt_wire import layout
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.faults import fault_point
-from easyckpt_wire.shm import DATA_OFFSET, FORMAT_VERSION, SlotMap, align, slot_size
+from easyckpt_wire.records import SlotMeta, TensorEntry
+from easyckpt_wire.shm import DATA_OFFSET, PAGE, SlotMap, align, slot_size
 
 logger = logging.getLogger(__name__)
 
 _META_HEADROOM = 64 << 10  # plain values (e.g. a growing log history) may grow between snapshots
 _LARGE = 1 << 20           # tensors from this size on are copied by numpy, in chunks, on copy_threads threads
 _CHUNK = 16 << 20
-_PAGE = 4096
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -55,7 +55,7 @@ class _Plan:
     refs: list[TensorRef]
     offsets: list[int]
     data_len: int
-    entries: list[list[Any]]
+    entries: list[TensorEntry]
     static_meta: bytes = b""   # the msgpack key/value pairs that do not change between snapshots
 
 
@@ -110,8 +110,9 @@ class Stager:
         skeleton, refs, values = flatten(state)
         plan = self._plan(refs)
         meta = self._meta(plan, step, skeleton)
-        index = self.slots.choose()
-        if index is None:
+        needed = slot_size(plan.data_len, len(meta) + _META_HEADROOM)
+        write = self.slots.write(needed, before_remap=self._drop_views)
+        if write is None:
             self.skipped += 1
             word = self.slots.agent_word()
             # Expected with two slots while a persist runs (said once at start-up); with three it is not.
@@ -121,24 +122,14 @@ class Stager:
                             sorted(word.held) if word else [])
             return False
         self._skips.end("rank %d: snapshots resume at step %d after skips", self.rank, step)
-        needed = slot_size(plan.data_len, len(meta) + _META_HEADROOM)
-        current = self.slots.maps[index]
-        if current is not None and current.size < needed:
-            self._drop_views(index)  # an mmap with live tensor views over it cannot be re-mapped
         try:
-            slot = self.slots.ensure(index, needed)
+            dst = self._slot_views(write.index, write.slot, plan)
+            event = self._launch_cuda(dst, values) if self._uses_cuda(values) else None
+            future = self.pool.submit(self._finish_copy, step, write, plan, meta, dst, values, event, started)
         except BaseException:
-            stale = self.slots.maps[index]
-            if stale is not None:
-                stale.unlock()
+            write.close()
             raise
-        generation = self.slots.next_generation()
-        slot.begin_write(generation=generation, rank=self.rank, world_size=self.world_size,
-                         job_id=self.slots.job_id)
-        dst = self._slot_views(index, slot, plan)
-        event = self._launch_cuda(dst, values) if self._uses_cuda(values) else None
-        future = self.pool.submit(self._finish_copy, step, slot, generation, plan, meta, dst, values, event, started)
-        self.pending = _Pending(step, index, persist, future)
+        self.pending = _Pending(step, write.index, persist, future)
         if self._hook is None:
             self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
         return True
@@ -180,15 +171,12 @@ class Stager:
 
     def _meta(self, plan: _Plan, step: int, skeleton: object) -> bytes:
         """The slot's msgpack map; the tensor index (the bulk, for big states) is packed once per plan."""
-        dynamic = {"step": step, "skeleton": skeleton, "created": time.time()}
+        dynamic = SlotMeta.dynamic_fields(step=step, skeleton=skeleton, created=time.time())
         if not plan.static_meta:
-            static = {
-                "v": FORMAT_VERSION, "job": self.config.job_id, "rank": self.rank, "world_size": self.world_size,
-                "local_rank": self.local_rank, "local_world_size": self.local_world_size, "pid": self._pid,
-                "pid_start": self._pid_start, "skeleton_version": SKELETON_VERSION, "tensors": plan.entries,
-                "config": {"save_storage_interval": self.config.save_storage_interval,
-                           "max_ckpt_num": self.config.max_ckpt_num, "log_file_path": self.config.log_file_path},
-            }
+            static = SlotMeta.static_fields(
+                job=self.slots.job_id, rank=self.rank, world_size=self.world_size, local_rank=self.local_rank,
+                local_world_size=self.local_world_size, pid=self._pid, pid_start=self._pid_start,
+                skeleton_version=SKELETON_VERSION, tensors=plan.entries)
             plan.static_meta = b"".join(self._packer.pack(k) + self._packer.pack(v) for k, v in static.items())
             self._static_keys = len(static)
         return (self._packer.pack_map_header(self._static_keys + len(dynamic)) + plan.static_meta
@@ -208,10 +196,10 @@ class Stager:
         offsets, position, group = [0] * len(refs), 0, None
         for i in order:
             if groups[i] != group:
-                position, group = align(position, _PAGE), groups[i]
+                position, group = align(position, PAGE), groups[i]
             offsets[i] = position
             position += refs[i].nbytes
-        entries = [[ref.name, ref.kind, ref.dtype, list(ref.shape), offsets[i], ref.nbytes, groups[i]]
+        entries = [TensorEntry(ref.name, ref.kind, ref.dtype, ref.shape, offsets[i], ref.nbytes, groups[i])
                    for i, ref in enumerate(refs)]
         if self.plan is not None:
             logger.info("rank %d: state structure changed (%d -> %d tensors): re-planned the slot layout",
@@ -285,10 +273,10 @@ class Stager:
         if address is not None:
             torch.cuda.cudart().cudaHostUnregister(address)
 
-    def _finish_copy(self, step: int, slot: SlotMap, generation: int, plan: _Plan, meta: bytes,
+    def _finish_copy(self, step: int, write: SlotWrite, plan: _Plan, meta: bytes,
                      dst: list[Any], values: list[Any], event: Any, started: float) -> float:
         """Runs on the copy thread: copy what is left, commit and unlock the slot; returns the seconds taken."""
-        try:
+        with write:
             cpu = [(t, v) for t, v in zip(dst, values) if isinstance(v, numpy.ndarray) or not v.is_cuda]
             half = len(cpu) // 2
             for number, part in enumerate((cpu[:half], cpu[half:])):
@@ -318,12 +306,9 @@ class Stager:
             if event is not None:
                 event.synchronize()
             fault_point("stager.before_commit", step=step, rank=self.rank)
-            slot.commit(generation=generation, step=step, data_len=plan.data_len, meta=meta, rank=self.rank,
-                        world_size=self.world_size, job_id=self.slots.job_id)
+            write.commit(step, plan.data_len, meta)
             self.on_commit()
             return time.perf_counter() - started
-        finally:
-            slot.unlock()
 
     def stats(self) -> dict[str, Any]:
         return {"committed": self.committed, "skipped": self.skipped, "last_step": self.last_commit_step,

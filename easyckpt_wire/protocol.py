@@ -14,6 +14,41 @@ A requester uses a DEALER socket, the agent a ROUTER socket; every message is on
 ``v`` (the protocol version), ``kind`` (a :class:`Kind`) and the fields that kind requires. Nothing is
 ever unpickled: a message that is too large, is not msgpack, has another version, an unknown kind or
 a field of the wrong type raises :class:`ProtocolError`, which the receiver logs and drops.
+
+Session of a rank (``easyckpt.agent_client.AgentClient``), in order:
+
+1. ``HELLO`` on every (re)connect, followed by ``PEERS`` again when the rank sent one before (a restarted
+   agent learns the job's nodes without a new introduction);
+2. ``PING`` at start-up (``wait_ready``), and in a multi-node job the introduction: ``PING`` for the
+   node and endpoint, then ``PEERS`` (``easyckpt.replica.introduce``);
+3. ``RESUME`` once after a load chose a step;
+4. any number of ``FLUSH`` (``save(persist=True)`` once the step is committed, or ``flush()``);
+5. ``BYE`` at ``close()`` (wait=True), or wait=False when the process leaves without it.
+
+Tools send ``STATUS``, ``PING`` and ``PEERS`` without a ``HELLO`` (:func:`request_agent`). Recovering
+ranks and agents send the tcp kinds (``LIST``, ``MANIFEST``, ``FETCH``, ``PUSH``) with the job token.
+
+Every reply is a ``REPLY`` with ``ok`` and the request's ``id``, plus (typed in ``easyckpt_wire.records``):
+
+========  =====================================================================================
+HELLO     ``pid``
+BYE       ``persisted``, ``failure`` (at once without wait; with wait once no persist is in flight
+          or claimed): :class:`~easyckpt_wire.records.ByeReply`
+FLUSH     none without wait; with wait ``persisted`` and ``committed``, or ``ok=False`` with
+          ``persisted``, ``error``, ``failure``: :class:`~easyckpt_wire.records.FlushReply`
+RESUME    ``moved``, ``tracker``, ``persisted``, ``error`` (``ok=False`` when set):
+          :class:`~easyckpt_wire.records.ResumeReply`
+STATUS    the agent's status map (``Agent.status``, free-form: it is for people)
+PING      ``pid``, ``node``, ``endpoint``: :class:`~easyckpt_wire.records.PingReply`
+PEERS     ``error`` (None when the table was adopted, with ``ok=False`` otherwise)
+LIST      ``node``, ``steps`` (one :class:`~easyckpt_wire.records.ListRow` each, newest first)
+MANIFEST  ``manifest`` (:class:`~easyckpt_wire.records.Manifest`), or ``ok=False`` with ``error``
+FETCH     ``xxh64`` of the chunk plus one raw data frame; ``ok=False`` with ``error``, and ``code``
+          :data:`NO_COPY` when the agent holds no such copy of the tensor
+PUSH      nothing
+========  =====================================================================================
+
+A peer request with a wrong or missing token gets ``ok=False`` and a fixed ``error``, nothing else.
 """
 from __future__ import annotations
 
@@ -41,6 +76,7 @@ JOB_ID_ENV = "EASYCKPT_JOB_ID"
 NODE_ID_ENV = "EASYCKPT_NODE_ID"
 AGENT_ADDR_ENV = "EASYCKPT_AGENT_ADDR"   # the address peers reach this node's agent at
 AGENT_PORT_ENV = "EASYCKPT_AGENT_PORT"   # its tcp port (default: any free one)
+NO_COPY = "no_copy"   # a refused FETCH's ``code``: the agent holds no such copy (try the next holder)
 
 
 class Kind(enum.IntEnum):
@@ -323,9 +359,3 @@ def request_agent(job_dir: Path, kind: Kind, timeout: float, **fields: Any) -> d
         sock.close(linger=0)
         ctx.term()
 
-
-def split_checksums(blob: bytes) -> set[bytes]:
-    """The checksums a LIST row packs back to back, CHECKSUM_BYTES each."""
-    if len(blob) % CHECKSUM_BYTES:
-        raise ProtocolError(f"a LIST row's checksums take {len(blob)} bytes, not a multiple of {CHECKSUM_BYTES}")
-    return {blob[i:i + CHECKSUM_BYTES] for i in range(0, len(blob), CHECKSUM_BYTES)}

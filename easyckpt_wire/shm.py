@@ -31,7 +31,10 @@ import xxhash
 
 MAGIC = b"EZCKSLOT"
 FORMAT_VERSION = 1
-HEADER_SIZE = 4096
+# The O_DIRECT alignment of memory, file offset and length: each file's tensors start on a page of the
+# slot (the stager's plan) so the agent writes them to disk in one aligned range (the persister).
+PAGE = 4096
+HEADER_SIZE = PAGE
 DATA_OFFSET = HEADER_SIZE
 TENSOR_ALIGN = 64
 MAX_META_BYTES = 256 << 20

@@ -36,6 +36,10 @@ class FetchError(PeerError):
     """Tensor bytes from a peer did not arrive intact."""
 
 
+class NoCopyError(PeerError):
+    """The peer holds no such copy of the tensor (``protocol.NO_COPY``): ask the next holder, not again."""
+
+
 class PeerClient:
     """Requests to one agent's tcp endpoint. Not thread-safe: one per thread."""
 
@@ -92,7 +96,8 @@ class PeerClient:
             if not message["ok"]:
                 while sock.getsockopt(zmq.RCVMORE):
                     sock.recv()
-                raise PeerError(f"{kind.name} to agent {self.endpoint} refused: {message.get('error', 'no reason given')}")
+                refusal = NoCopyError if message.get("code") == protocol.NO_COPY else PeerError
+                raise refusal(f"{kind.name} to agent {self.endpoint} refused: {message.get('error', 'no reason given')}")
             return message
 
     def call(self, kind: Kind, **fields: Any) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from multinode import NODES, RANKS_PER_NODE, Cluster
 
 from easyckpt_wire import layout, shm
 from easyckpt_wire.protocol import job_id_for
+from easyckpt_wire.records import SlotMeta
 
 pytestmark = pytest.mark.slow
 STEPS = 30
@@ -173,8 +174,9 @@ def test_corrupted_replica_is_caught(cluster: Cluster, reference: Cluster) -> No
         try:
             header = slot.header()
             if rank == 0 and header.committed:
-                entry = next(e for e in slot.read_meta(header)["tensors"] if e[0] == "model/embed.weight")
-                start = shm.DATA_OFFSET + entry[4]
+                meta = SlotMeta.from_wire(slot.read_meta(header), str(path))
+                entry = next(e for e in meta.tensors if e.name == "model/embed.weight")
+                start = shm.DATA_OFFSET + entry.offset
                 slot.mm[start:start + 64] = bytes(b ^ 0xFF for b in slot.mm[start:start + 64])
                 flipped.append(header.step)
         finally:

@@ -30,7 +30,8 @@ from zmq.utils.monitor import recv_monitor_message
 import easyckpt
 from easyckpt_wire import protocol, shm
 from easyckpt_wire.protocol import Kind, ProtocolError
-from easyckpt_wire.transfer import FetchError, PeerClient, PeerError
+from easyckpt_wire.records import ListReply, ListRow, Manifest, TensorEntry
+from easyckpt_wire.transfer import FetchError, NoCopyError, PeerClient, PeerError
 
 TOKEN = "replica-wire-test-token-0123456789abcdef"
 REFUSAL_KEYS = {"v", "kind", "ok", "id", "error"}
@@ -44,10 +45,11 @@ class Replica:
     state: dict[str, Any]
     manifest: dict[str, Any]
 
-    def tensor(self, name: str) -> tuple[list[Any], bytes]:
+    def tensor(self, name: str) -> tuple[TensorEntry, bytes]:
         """(manifest entry, checksum) of the tensor called ``name``."""
-        for entry, checksum in zip(self.manifest["tensors"], self.manifest["checksums"]):
-            if entry[0] == name:
+        manifest = Manifest.from_wire(self.manifest, self.endpoint)
+        for entry, checksum in zip(manifest.tensors, manifest.checksums):
+            if entry.name == name:
                 return entry, checksum
         raise KeyError(name)
 
@@ -59,16 +61,16 @@ def saved_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def listed_steps(endpoint: str, token: str = TOKEN) -> list[list[Any]]:
+def listed_steps(endpoint: str, token: str = TOKEN) -> list[ListRow]:
     client = PeerClient(endpoint, token, timeout=10.0)
     try:
-        return client.call(Kind.LIST)["steps"]
+        return list(ListReply.from_wire(client.call(Kind.LIST), endpoint).rows)
     finally:
         client.close()
 
 
-def fetch(endpoint: str, entry: list[Any], checksum: bytes, token: str = TOKEN, **options: Any) -> bytearray:
-    buffer = bytearray(entry[5])
+def fetch(endpoint: str, entry: TensorEntry, checksum: bytes, token: str = TOKEN, **options: Any) -> bytearray:
+    buffer = bytearray(entry.nbytes)
     client = PeerClient(endpoint, token, timeout=10.0)
     try:
         client.fetch_into(1, checksum, memoryview(buffer), **options)
@@ -98,7 +100,7 @@ def replica(env: Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[Replica]:
         assert reply["ok"] is True, reply
         endpoint = ck.agent.request(Kind.PING, 10.0)["endpoint"]
         assert endpoint and endpoint.startswith("tcp://127.0.0.1:"), endpoint
-        wait_for(lambda: any(row[0] == 1 for row in listed_steps(endpoint)), 30, "the replica server to list step 1")
+        wait_for(lambda: any(row.step == 1 for row in listed_steps(endpoint)), 30, "the replica server to list step 1")
         client = PeerClient(endpoint, TOKEN, timeout=10.0)
         try:
             manifest = client.call(Kind.MANIFEST, rank=0, step=1)["manifest"]
@@ -112,13 +114,13 @@ def replica(env: Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[Replica]:
 # 1. a token holder lists, gets the manifest, fetches verified bytes ---------------------------------------
 def test_token_holder_lists_gets_manifest_and_fetches_the_saved_bytes(replica: Replica) -> None:
     steps = listed_steps(replica.endpoint)
-    assert [row[0] for row in steps] == [1] and steps[0][1] == [0], steps
-    held = {steps[0][2][i:i + protocol.CHECKSUM_BYTES] for i in range(0, len(steps[0][2]), protocol.CHECKSUM_BYTES)}
-    manifest = replica.manifest
-    assert manifest["rank"] == 0 and manifest["step"] == 1
-    names = [entry[0] for entry in manifest["tensors"]]
+    assert [row.step for row in steps] == [1] and steps[0].ranks == {0}, steps
+    held = steps[0].checksums
+    manifest = Manifest.from_wire(replica.manifest, replica.endpoint)
+    assert manifest.rank == 0 and manifest.step == 1
+    names = [entry.name for entry in manifest.tensors]
     assert sorted(names) == ["model/b", "model/w", "rng"], names
-    assert len(manifest["checksums"]) == len(names) and set(manifest["checksums"]) == held
+    assert len(manifest.checksums) == len(names) and set(manifest.checksums) == held
 
     expected = {"model/w": replica.state["model"]["w"], "model/b": replica.state["model"]["b"],
                 "rng": replica.state["rng"]}
@@ -126,15 +128,29 @@ def test_token_holder_lists_gets_manifest_and_fetches_the_saved_bytes(replica: R
     fetched = 0
     for name, tensor in expected.items():
         entry, checksum = replica.tensor(name)
-        assert entry[5] == tensor.numel() * tensor.element_size() and list(entry[3]) == list(tensor.shape)
+        assert entry.nbytes == tensor.numel() * tensor.element_size() and list(entry.shape) == list(tensor.shape)
         assert checksum == xxhash.xxh3_128_digest(saved_bytes(tensor))
         assert bytes(fetch(replica.endpoint, entry, checksum)) == saved_bytes(tensor), name
-        fetched += entry[5]
+        fetched += entry.nbytes
     # Many small chunks, a window of 3 in flight: the same bytes.
     entry, checksum = replica.tensor("model/w")
     assert bytes(fetch(replica.endpoint, entry, checksum, chunk=40_000, window=3)) == saved_bytes(expected["model/w"])
-    fetched += entry[5]
+    fetched += entry.nbytes
     assert replica.status()["served_bytes"] - before == fetched
+
+
+def test_a_copy_the_agent_does_not_hold_is_a_typed_refusal(replica: Replica) -> None:
+    """The rank moves on to the next holder on NoCopyError, without reading the error text."""
+    entry, checksum = replica.tensor("model/w")
+    client = PeerClient(replica.endpoint, TOKEN, timeout=10.0)
+    try:
+        with pytest.raises(NoCopyError, match="refused"):
+            client.fetch_into(1, checksum, memoryview(bytearray(entry.nbytes)), copy=63)
+        with pytest.raises(PeerError) as other:   # another refusal is not NoCopyError
+            client.fetch_into(1, checksum, memoryview(bytearray(entry.nbytes + 1)))
+        assert not isinstance(other.value, NoCopyError)
+    finally:
+        client.close()
 
 
 # 2. no token, wrong token: a refusal and nothing else ----------------------------------------------------
@@ -160,7 +176,7 @@ def test_wrong_or_missing_token_is_refused_for_every_peer_kind(replica: Replica,
         try:
             with pytest.raises(PeerError) as info:
                 if kind == Kind.FETCH:
-                    client.fetch_into(1, checksum, memoryview(bytearray(entry[5])))
+                    client.fetch_into(1, checksum, memoryview(bytearray(entry.nbytes)))
                 else:
                     client.call(kind, **fields)
         finally:
@@ -171,7 +187,7 @@ def test_wrong_or_missing_token_is_refused_for_every_peer_kind(replica: Replica,
     status = replica.status()
     assert status["refused"] - refused_before == len(peer_requests(replica))
     # The refused PUSH left nothing behind: the server still holds step 1 only, of rank 0 only.
-    assert [row[:2] for row in listed_steps(replica.endpoint)] == [[1, [0]]]
+    assert [(row.step, row.ranks) for row in listed_steps(replica.endpoint)] == [(1, {0})]
 
 
 def test_refusal_reveals_nothing_and_tokenless_requests_get_no_data(replica: Replica) -> None:
@@ -256,7 +272,7 @@ def test_peers_sent_over_tcp_cannot_change_the_token(replica: Replica) -> None:
         ctx.term()
     with pytest.raises(PeerError, match="token"):
         listed_steps(replica.endpoint, intruder)
-    assert listed_steps(replica.endpoint)[0][0] == 1
+    assert listed_steps(replica.endpoint)[0].step == 1
     status = replica.status()
     assert [r["rank"] for r in status["ranks"]] == [0] and status["ranks"][0]["finished"] is False
     assert status["nodes"] == {node: "tcp://127.0.0.1:1"} and status["max_ckpt_num"] == 2
@@ -303,7 +319,7 @@ class Fuzzer:
             fields.update(rank=r.choice([0, 0, 1, (1 << 20) - 1]), step=r.choice([1, 1, 0, 2, 1 << 62]))
         elif kind == Kind.FETCH:
             entry = r.choice([self.big, self.small])
-            nbytes = entry[5]
+            nbytes = entry.nbytes
             offset, length = r.choice([
                 (0, min(nbytes, 4096)), (r.randrange(nbytes), 1), (nbytes - 1, 1), (0, nbytes),  # in range
                 (nbytes, 1), (nbytes - 10, 11), (0, nbytes + 1), (r.randrange(nbytes), nbytes),  # past the end
@@ -337,7 +353,7 @@ class Fuzzer:
             fields["step"] = r.choice([1, 1, 0, 2, -1, 1 << 62, (1 << 62) + 1, "1", 1.0])
         elif kind == Kind.FETCH:
             entry = r.choice([self.big, self.small])
-            nbytes = entry[5]
+            nbytes = entry.nbytes
             fields["step"] = r.choice([1, 1, 1, 0, 2, -5, 1 << 62, None])
             fields["checksum"] = self.checksum()
             offset, length = r.choice([
@@ -570,7 +586,8 @@ def test_agent_survives_ten_thousand_fuzzed_messages_on_its_tcp_port(replica: Re
 
     # The agent is the same process, alive, and still serves correct bytes to a token holder.
     assert replica.env.agent_pid() == agent_pid, "the agent was replaced: the fuzzing killed it"
-    assert [row[:2] for row in listed_steps(replica.endpoint)] == [[1, [0]]], "a fuzzed PUSH installed a backup"
+    listed = [(row.step, row.ranks) for row in listed_steps(replica.endpoint)]
+    assert listed == [(1, {0})], "a fuzzed PUSH installed a backup"
     entry, checksum = replica.tensor("model/w")
     assert bytes(fetch(replica.endpoint, entry, checksum)) == saved_bytes(replica.state["model"]["w"])
     with pytest.raises(PeerError, match="token"):
@@ -605,7 +622,7 @@ def slot_holding(env: Env, step: int) -> Path:
 @pytest.mark.parametrize("where", ["first byte", "middle", "last byte"])
 def test_fetch_of_a_corrupted_copy_raises_fetch_error(replica: Replica, where: str) -> None:
     entry, checksum = replica.tensor("model/w")
-    offset, nbytes = entry[4], entry[5]
+    offset, nbytes = entry.offset, entry.nbytes
     position = {"first byte": 0, "middle": nbytes // 2 + 123, "last byte": nbytes - 1}[where]
     path = slot_holding(replica.env, 1)
     slot = shm.SlotMap(path, writable=True)
