@@ -140,6 +140,16 @@ def test_shm_with_room_for_two_slots_only_uses_two_and_says_so_once(env: Env, tm
         ck.close()
 
 
+def snapshots_what_fits(ck: easyckpt.Checkpointer, step: int) -> None:
+    """After a refused snapshot: a small state at ``step`` is snapshotted and loads back from memory."""
+    small = state_at(step)
+    assert ck.save_if_needed(step, small) is True
+    ck.wait()
+    result = ck.load()
+    assert (result.step, result.source) == (step, "memory")
+    assert_same(small, result.state)
+
+
 @pytest.mark.parametrize("value", ["1", "9", "three"])
 def test_bad_slot_counts_are_refused_naming_the_range(env: Env, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("EASYCKPT_SLOTS", value)
@@ -162,13 +172,7 @@ def test_shm_too_small_for_a_huge_state_raises_shm_space_error(env: Env) -> None
         assert format_bytes(numel * 4) in message  # the slot size: 10**10 float32 = 37.3 GiB
         assert "--shm-size=" in message and "EASYCKPT_SHM_DIR" in message
         assert env.slot_files() == [], "a failed free-space check must not leave slot files behind"
-        # The same Checkpointer still snapshots a state that fits.
-        small = state_at(2)
-        assert ck.save_if_needed(2, small) is True
-        ck.wait()
-        result = ck.load()
-        assert (result.step, result.source) == (2, "memory")
-        assert_same(small, result.state)
+        snapshots_what_fits(ck, 2)   # the same Checkpointer still snapshots a state that fits
     finally:
         ck.close()
     env.wait_agent_gone()
@@ -178,12 +182,7 @@ def test_shm_too_small_for_a_huge_state_raises_shm_space_error(env: Env) -> None
     try:
         with pytest.raises(easyckpt.ShmSpaceError):
             ck.save_if_needed(0, huge)
-        small = state_at(4)
-        assert ck.save_if_needed(4, small) is True
-        ck.wait()
-        result = ck.load()
-        assert (result.step, result.source) == (4, "memory")
-        assert_same(small, result.state)
+        snapshots_what_fits(ck, 4)
     finally:
         ck.close()
 
