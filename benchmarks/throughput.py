@@ -190,7 +190,7 @@ _CHILD = ("import importlib.util, json, sys\n"
 def in_child(function: str, args: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
     """Run ``function(args)`` of this file in a new Python process; returns its JSON result."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(BENCH_DIR), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(Path(__file__).resolve()), function, json.dumps(args)],
                           capture_output=True, text=True, timeout=timeout, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

@@ -134,12 +134,14 @@ def snapshot_10_into_the_fault(ck: easyckpt.Checkpointer, env: Env) -> int | Non
     return agent
 
 
-def train_until_a_new_agent(ck: easyckpt.Checkpointer, env: Env, dead_agent: int | None, step: int) -> int:
-    """Snapshot step after step until save_if_needed has started an agent in place of the dead one."""
+def train_until_a_new_agent(ck: easyckpt.Checkpointer, env: Env, dead_agent: int | None, step: int,
+                            numel: int = 1000) -> int:
+    """Snapshot step after step (a ``numel``-float state) until save_if_needed has started an agent in place
+    of the dead one; returns the last step snapshotted."""
     def next_step() -> bool:
         nonlocal step
         step += 1
-        ck.save_if_needed(step, {"w": torch.full((1000,), float(step)), "step": step})
+        ck.save_if_needed(step, {"w": torch.full((numel,), float(step)), "step": step})
         return env.agent_pid() not in (None, dead_agent)
     wait_for(next_step, 30, "save_if_needed to start a new agent")
     return step
@@ -239,13 +241,7 @@ def test_agent_killed_during_training_is_replaced_and_adopts_slots(env: Env) -> 
         assert first is not None
         os.kill(first, signal.SIGKILL)
         wait_for(lambda: env.agent_pid() is None, 30, "the killed agent to be gone")
-        step = 4
-        def next_step() -> bool:
-            nonlocal step
-            step += 1
-            ck.save_if_needed(step, {"w": torch.full((128,), float(step)), "step": step})
-            return env.agent_pid() not in (None, first)
-        wait_for(next_step, 30, "a replacement agent")
+        step = train_until_a_new_agent(ck, env, first, 4, numel=128)
         status = wait_for(lambda: _status_with_slots(env, ck.slots.count), 30,
                           "the new agent to report the existing slots")
         assert {slot["slot"] for slot in status["slots"]} == set(range(ck.slots.count)) == {0, 1, 2}

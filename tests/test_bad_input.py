@@ -302,17 +302,22 @@ def test_shape_and_dtype_mismatch_raise_state_mismatch_error_and_change_nothing(
 
 
 # 4. corrupted safetensors ---------------------------------------------------------------------------------
-def assert_falls_back_to_step_2(env: Env, two_on_disk: dict, caplog: Any, damaged: Path, reason: str) -> None:
+def assert_loads_from_disk_warning(env: Env, caplog: Any, step: int, state: dict, damaged: Path, reason: str) -> None:
+    """A load resumes from ``step`` on disk (``state``) and warns naming ``damaged`` and ``reason``."""
     ck = make_ck(env)
     try:
         with caplog.at_level(logging.WARNING):
             result = ck.load()
-        assert (result.step, result.source) == (2, "disk")
-        assert_same(two_on_disk[2], result.state)
+        assert (result.step, result.source) == (step, "disk")
+        assert_same(state, result.state)
         warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
         assert any(str(damaged.resolve()) in w and reason in w for w in warnings), warnings
     finally:
         ck.close()
+
+
+def assert_falls_back_to_step_2(env: Env, two_on_disk: dict, caplog: Any, damaged: Path, reason: str) -> None:
+    assert_loads_from_disk_warning(env, caplog, 2, two_on_disk[2], damaged, reason)
     # The resume from 2 abandoned the damaged iteration (invariant 10): it was moved aside, not deleted, and
     # is still there for a human to look at; the tracker names 2.
     assert not damaged.exists() and layout.read_tracker(env.save_dir) == 2
@@ -391,16 +396,7 @@ def test_tracker_naming_a_missing_iteration_uses_the_newest_complete_one(env: En
     tracker = env.save_dir / layout.TRACKER
     assert tracker.read_text().strip() == "4"
     tracker.write_text("999\n")
-    ck = make_ck(env)
-    try:
-        with caplog.at_level(logging.WARNING):
-            result = ck.load()
-        assert (result.step, result.source) == (4, "disk")
-        assert_same(two_on_disk[4], result.state)
-        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-        assert any(str(tracker.resolve()) in w and "999" in w for w in warnings), warnings
-    finally:
-        ck.close()
+    assert_loads_from_disk_warning(env, caplog, 4, two_on_disk[4], tracker, "999")
 
 
 def test_garbage_tracker_is_ignored(env: Env, two_on_disk: dict) -> None:
