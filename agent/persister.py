@@ -360,13 +360,8 @@ def persist(save_dir: Path, step: int, snapshots: list[RankSnapshot], audit: Aud
                 audit.record("delete", tmp, step=step, reason="a resume abandoned this step while it was persisted")
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise StepAbandoned(f"step {step} was abandoned by a resume while it was persisted: not published")
-            if final.exists():
-                # A step persisted before and not moved aside (a tracker that lagged a crash): replace it.
-                trash = save_dir / f"{layout.TRASH_PREFIX}{step:07d}-{os.getpid()}"
-                audit.record("delete", final, step=step, reason="replaced by a new persist of the same step")
-                os.rename(final, trash)
-            os.rename(tmp, final)
-            layout.fsync_dir(save_dir)
+            # A step persisted before and not moved aside (a tracker that lagged a crash) is replaced.
+            trash = _replace(tmp, final, save_dir, step, audit)
             audit.record("write", final, step=step, bytes=nbytes)
             fault_point("agent.persist.before_tracker", step=step)
             write_tracker(save_dir, step, audit)
@@ -380,6 +375,15 @@ def persist(save_dir: Path, step: int, snapshots: list[RankSnapshot], audit: Aud
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
     return PersistStats(step, final, nbytes, time.monotonic() - started)
+
+
+def _replace(src: Path, final: Path, save_dir: Path, step: int, audit: AuditLog) -> Path | None:
+    """Publish ``src`` as ``final`` (``layout.replace_dir``); returns the replaced copy's trash path."""
+    if final.exists():
+        audit.record("delete", final, step=step, reason="replaced by a new persist of the same step")
+    pid = os.getpid()
+    return layout.replace_dir(src, final, aside=save_dir / f"{layout.ASIDE_PREFIX}{step:07d}-{pid}",
+                              trash=save_dir / f"{layout.TRASH_PREFIX}{step:07d}-{pid}")
 
 
 class StepAbandoned(RuntimeError):
@@ -505,13 +509,9 @@ def commit_stage(save_dir: Path, step: int, audit: AuditLog) -> PersistStats | N
     _write_marker(stage, step, world_size, {r: e for r, (e, _, _) in ranks.items()},
                   {r: c for r, (_, c, _) in ranks.items()}, nbytes)
     final = save_dir / layout.iteration_dirname(step)
-    if final.exists():
-        trash = save_dir / f"{layout.TRASH_PREFIX}{step:07d}-{os.getpid()}"
-        audit.record("delete", final, step=step, reason="replaced by a new persist of the same step")
-        os.rename(final, trash)
+    trash = _replace(stage, final, save_dir, step, audit)
+    if trash is not None:
         shutil.rmtree(trash)
-    os.rename(stage, final)
-    layout.fsync_dir(save_dir)
     audit.record("write", final, step=step, bytes=nbytes, nodes="all")
     fault_point("agent.persist.before_tracker", step=step)
     write_tracker(save_dir, step, audit)
@@ -575,6 +575,18 @@ def clean_leftovers(save_dir: Path, audit: AuditLog) -> list[Path]:
                 continue  # a live writer (another agent of this save_dir?) still owns it
             audit.record("delete", path, step=int(tmp.group(1)), reason="leftover of a dead writer")
             shutil.rmtree(path)
+            removed.append(path)
+            continue
+        aside = layout.ASIDE_RE.match(entry.name)
+        if aside and entry.is_dir(follow_symlinks=False):
+            step, pid = int(aside.group(1)), int(aside.group(2))
+            if pid != os.getpid() and psutil.pid_exists(pid):
+                continue
+            final = save_dir / layout.iteration_dirname(step)
+            restore = not final.exists()
+            audit.record("rename" if restore else "delete", path, step=step,
+                         reason="a replace that died: the old copy goes back" if restore else "leftover of a dead writer")
+            layout.settle_aside(path, final, save_dir / f"{layout.TRASH_PREFIX}{step:07d}-{pid}")
             removed.append(path)
             continue
         match = layout.ITERATION_RE.match(entry.name)

@@ -8,7 +8,6 @@ divided by the tensor count, and the copy time (launch to commit) likewise, medi
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import write_result
 
 import easyckpt
 
@@ -55,10 +55,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"{args.tensors} tensors of {args.numel} fp32: launch {launch * 1e3:.2f} ms "
           f"({result['launch_per_tensor_us']:.2f} us/tensor, target <= 20), launch to commit {copy * 1e3:.2f} ms "
           f"({result['copy_per_tensor_us']:.2f} us/tensor)")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
-    return result
+    return write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ they are: with few cores the copy thread competes with the compute threads for t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import write_result
 from torch import nn
 
 import easyckpt
@@ -201,10 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"target <= {TARGET_CUDA:.0%}: {'ok' if overhead <= TARGET_CUDA else 'MISS'}")
     else:
         print("CPU: reported as measured (the copy thread competes with compute for the same cores)")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
-    return result
+    return write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ functions on this machine is reported too, since the fetch path hashes every byt
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import socket
@@ -40,6 +39,7 @@ from typing import Any
 
 import torch
 import xxhash
+from common import poll, write_result
 
 import easyckpt
 from easyckpt_wire import protocol, transfer
@@ -78,18 +78,6 @@ while True:
 def parse_list(values: list[str], kind: Callable[[str], Any]) -> list[Any]:
     """``["256,1024"]`` or ``["256", "1024"]`` -> [256, 1024]."""
     return [kind(item) for value in values for item in value.split(",") if item.strip()]
-
-
-def poll(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.01) -> Any:
-    """Poll ``predicate`` until truthy, against a deadline (never a fixed sleep)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
 
 
 class RawServer:
@@ -293,10 +281,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "raw": "one stream, sendall from a touched buffer in another process, recv_into a "
                                "touched buffer; no framing, no hashing"},
               "rows": rows}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
-    return result
+    return write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -47,11 +47,11 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from common import poll, write_result
 
 import easyckpt
 from easyckpt_wire import layout, owner
@@ -95,18 +95,6 @@ def make_state(size_mb: float, device: str, dim: int = 1024) -> dict[str, Any]:
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def poll(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.01) -> Any:
-    """Poll ``predicate`` until truthy, against a deadline (never a fixed sleep)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
 
 
 def touched(nbytes: int, device: str = "cpu", pin: bool = False) -> torch.Tensor:
@@ -202,7 +190,7 @@ _CHILD = ("import importlib.util, json, sys\n"
 def in_child(function: str, args: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
     """Run ``function(args)`` of this file in a new Python process; returns its JSON result."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), str(BENCH_DIR), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(Path(__file__).resolve()), function, json.dumps(args)],
                           capture_output=True, text=True, timeout=timeout, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -483,10 +471,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "targets": TARGETS, "notes": {"cache_drop": CACHE_NOTE,
                                             "ratio": "easyckpt throughput / raw throughput, bytes per second each"},
               "rows": rows}
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2))
-    return result
+    return write_result(args.out, result)
 
 
 if __name__ == "__main__":

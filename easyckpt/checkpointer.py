@@ -58,17 +58,6 @@ def _release(stager: Stager, agent: AgentClient, slots: RankSlots) -> None:
         slots.close()
 
 
-def _goodbye_at_exit(ref: weakref.ReferenceType[Checkpointer]) -> None:
-    ckpt = ref()
-    # An uncaught exception (sys.last_value is set before atexit runs) is a failure, not the end of the
-    # run: no goodbye, so the agent sees a dead rank and keeps its memory (flush on failure).
-    if ckpt is not None and getattr(sys, "last_value", None) is None:
-        try:
-            ckpt._exit_without_close()
-        except Exception:   # at exit nothing is left to handle it: say what happened and go on exiting
-            logger.exception("easyckpt: saying goodbye at exit failed")
-
-
 def _topology() -> tuple[int, int, int, int]:
     """(rank, world_size, local_rank, local_world_size)."""
     if dist.is_available() and dist.is_initialized():
@@ -124,7 +113,7 @@ class Checkpointer:
         # Nothing the finalizer holds refers back to self, so a dropped Checkpointer is collected, and its
         # sockets and maps are released without blocking; at interpreter exit an unclosed one says goodbye.
         self._finalizer = weakref.finalize(self, _release, self.stager, self.agent, self.slots)
-        atexit.register(_goodbye_at_exit, weakref.ref(self))
+        atexit.register(Checkpointer._goodbye_at_exit, weakref.ref(self))
         logger.info("easyckpt rank %d/%d: job %s, save_dir %s, shm %s, snapshot every %d, persist every %d, keep %d",
                     self.rank, self.world_size, config.job_id, config.save_dir, config.shm_dir,
                     config.save_mem_interval, config.save_storage_interval, config.max_ckpt_num)
@@ -240,23 +229,18 @@ class Checkpointer:
             self.watch.observe(self.slots.agent_word())
         return {**self.stager.stats(), **self.watch.stats()}
 
-    def close(self) -> None:
+    def close(self, *, raise_errors: bool = True) -> None:
         """The end of the run: finish the last copy, make the newest snapshot durable (``final_persist``,
         bounded by ``close_timeout``), then detach.
 
         Raises :class:`PersistError` when the agent could not persist it (a full or read-only disk); the
         snapshot then stays in shared memory, where a rerun of the job resumes from it. A persist that is
         merely slow is not an error: past ``close_timeout`` the agent finishes it after this process ends.
+        ``raise_errors=False``: that failure is logged instead (an exception is already on its way).
         """
-        self._close(raise_errors=True)
-
-    def _close(self, *, raise_errors: bool) -> None:
-        if self._closed:
+        started = self._begin_end()
+        if started is None:
             return
-        self._closed = True
-        self._finalizer.detach()
-        started = time.monotonic()
-        self.stager.close()
         final = self._final_persist(self.config.close_timeout, started, "close_timeout")
         remaining = max(1.0, self.config.close_timeout - (time.monotonic() - started))
         reply = self.agent.close(wait=True, timeout=remaining)
@@ -308,16 +292,41 @@ class Checkpointer:
             step=result.step, save_dir=config.save_dir, persisted=result.persisted, failure=result.failure,
             shm_dir=config.shm_dir)
 
-    def _exit_without_close(self) -> None:
-        """The interpreter exits and close() was never called (the Megatron API has none): say goodbye
-        without waiting, so the agent persists what is due and exits at once instead of after
-        agent_idle_timeout."""
+    @property
+    def closed(self) -> bool:
+        """True once close() began (or the process exit said goodbye instead)."""
+        return self._closed
+
+    def _begin_end(self) -> float | None:
+        """The first step of either end (close() or the exit without it): the monotonic time it began after
+        the last copy finished, or None when the end happened already."""
         if self._closed:
-            return
+            return None
         self._closed = True
         self._finalizer.detach()
         started = time.monotonic()
         self.stager.close()
+        return started
+
+    @staticmethod
+    def _goodbye_at_exit(ref: weakref.ReferenceType[Checkpointer]) -> None:
+        """atexit, holding only a weak reference (a Checkpointer dropped before is collected)."""
+        ckpt = ref()
+        # An uncaught exception (sys.last_value is set before atexit runs) is a failure, not the end of the
+        # run: no goodbye, so the agent sees a dead rank and keeps its memory (flush on failure).
+        if ckpt is not None and getattr(sys, "last_value", None) is None:
+            try:
+                ckpt._exit_without_close()
+            except Exception:   # at exit nothing is left to handle it: say what happened and go on exiting
+                logger.exception("easyckpt: saying goodbye at exit failed")
+
+    def _exit_without_close(self) -> None:
+        """The interpreter exits and close() was never called (the Megatron API has none): say goodbye
+        without waiting, so the agent persists what is due and exits at once instead of after
+        agent_idle_timeout."""
+        started = self._begin_end()
+        if started is None:
+            return
         # The end of the run all the same (the Megatron API has no close): its newest snapshot is made durable,
         # bounded by flush_timeout as any exit path; a failure is said, there is no one left to raise it to.
         timeout = min(self.config.flush_timeout, self.config.close_timeout)
@@ -333,4 +342,4 @@ class Checkpointer:
 
     def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
         # With an exception on its way, a PersistError must not replace it: it is logged instead.
-        self._close(raise_errors=kind is None)
+        self.close(raise_errors=kind is None)

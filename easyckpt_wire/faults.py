@@ -29,6 +29,8 @@ POINTS: dict[str, str] = {
     "agent.persist.before_marker": "agent: every file written, metadata.json (the completion marker) not yet",
     "agent.persist.before_tracker": "agent: the iteration renamed into place, the tracker not yet updated",
     "agent.replica.fetch": "agent: serving a FETCH of a replica to a peer (every one; arm it with EASYCKPT_FAULT_ARM)",
+    "layout.replace.swapped": "any: replace_dir swapped the new directory in, the old one not yet renamed to trash",
+    "layout.replace.aside": "any: replace_dir without an atomic swap, the old directory aside, the new one not yet in",
     "hf.export.mid_write": "rank: a checkpoint-N folder half-written (weights in, the rest not)",
     "hf.export.before_rename": "rank: a checkpoint-N folder complete in its temp name, not yet renamed",
 }

@@ -11,6 +11,8 @@
       latest_checkpointed_iteration.txt
       easyckpt-audit.log
       .tmp-iteration_0000100-<pid>/                  # a persist in progress (or a dead writer's)
+      .aside-iteration_0000100-<pid>/                # the old copy while replace_dir swaps a step in
+      .trash-iteration_0000100-<pid>/                # an iteration being deleted
       .stage-iteration_0000100/                      # multi-node: every node's agent adds its ranks'
         node-<node id>.json                          #   files, then this; the leader commits the step
       .abandoned-<UTC time>/iteration_0000120/       # a timeline a resume abandoned (easyckpt_wire.timeline)
@@ -20,11 +22,17 @@ The agent writes this layout; the library and the CLI read it. Both use the func
 """
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
+
+from easyckpt_wire.faults import fault_point
 
 METADATA_FORMAT = "easyckpt-ckpt2"
 METADATA_VERSION = 1
@@ -34,12 +42,14 @@ TRACKER = "latest_checkpointed_iteration.txt"
 AUDIT_LOG = "easyckpt-audit.log"
 TMP_PREFIX = ".tmp-iteration_"
 TRASH_PREFIX = ".trash-iteration_"
+ASIDE_PREFIX = ".aside-iteration_"
 STAGE_PREFIX = ".stage-iteration_"
 STAGE_RE = re.compile(r"^\.stage-iteration_(\d{7,})$")
 NODE_FILE_RE = re.compile(r"^node-[A-Za-z0-9_.-]{1,64}\.json$")
 CHECKSUM_ALGO = "xxh3_128"
 ITERATION_RE = re.compile(r"^iteration_(\d{7,})$")
 TMP_RE = re.compile(r"^\.(?:tmp|trash)-iteration_(\d{7,})-(\d+)$")
+ASIDE_RE = re.compile(r"^\.aside-iteration_(\d{7,})-(\d+)$")
 RANK_FILE_RE = re.compile(r"^easyckpt-(model|opt)-(\d{7})-(\d{7})\.safetensors$")
 OPT_KEYS = ("optim", "optimizer", "opt")
 
@@ -55,6 +65,85 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_RENAME_EXCHANGE = 2   # renameat2(2) flag: swap two existing entries atomically
+_AT_FDCWD = -100
+
+
+@functools.cache
+def _renameat2() -> Any:
+    """libc's renameat2 (Linux, glibc 2.28+), or None where there is none."""
+    try:
+        return getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    except OSError:
+        return None
+
+
+def exchange_dirs(a: Path, b: Path) -> bool:
+    """Swap the directories ``a`` and ``b`` in one atomic step; False (nothing done) where the system or the
+    file system cannot (no renameat2, or EINVAL from a file system without RENAME_EXCHANGE)."""
+    renameat2 = _renameat2()
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
+def replace_dir(src: Path, final: Path, *, aside: Path | None = None, trash: Path | None = None) -> Path | None:
+    """Publish the complete directory ``src`` as ``final`` (same parent), replacing a directory already
+    there; the parent is fsynced. Returns where the old directory now is (``trash``, for the caller to
+    delete, when convenient), or None when there was none.
+
+    The name ``final`` never stops naming a whole directory, old or new, so a tracker naming it stays
+    true: the old and new are swapped in one atomic step (``exchange_dirs``), and the old one, now under
+    ``src``'s temporary name, is renamed to ``trash``. Where no atomic swap exists the old one is first
+    renamed to ``aside``, then ``src`` in; a crash between the two leaves ``final`` missing and the old
+    directory whole under ``aside``, which the caller's clean-up puts back (``settle_aside``). An aside
+    name only ever holds a whole directory: deleting starts under the ``trash`` name.
+
+    Without ``aside`` and ``trash`` an existing ``final`` is refused (FileExistsError).
+    """
+    parent = final.parent
+    if not final.exists():
+        os.rename(src, final)
+        fsync_dir(parent)
+        return None
+    if aside is None or trash is None:
+        raise FileExistsError(errno.EEXIST, "replace_dir: it exists and no aside name was given", str(final))
+    if exchange_dirs(src, final):
+        fault_point("layout.replace.swapped")       # new in place, the old one under src's temporary name
+        fsync_dir(parent)
+        _to_trash(src, trash)
+    else:
+        os.rename(final, aside)
+        fault_point("layout.replace.aside")         # final missing; the old one whole under aside
+        os.rename(src, final)
+        fsync_dir(parent)
+        _to_trash(aside, trash)
+    return trash
+
+
+def settle_aside(aside: Path, final: Path, trash: Path) -> bool:
+    """Finish a ``replace_dir`` that died with the old directory under ``aside`` (its writer is dead): put
+    it back as ``final`` when ``final`` is missing (returns True), else move it to ``trash`` and delete it."""
+    if not final.exists():
+        os.rename(aside, final)
+        fsync_dir(final.parent)
+        return True
+    _to_trash(aside, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+    return False
+
+
+def _to_trash(path: Path, trash: Path) -> None:
+    if trash.exists():   # a deletion of the same name that failed before: it is trash all the same
+        shutil.rmtree(trash, ignore_errors=True)
+    os.rename(path, trash)
 
 
 def stage_dirname(step: int) -> str:

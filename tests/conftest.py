@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,18 +20,18 @@ import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# The benchmarks' shared helpers (tests/test_benchmarks.py loads the benchmarks, which import it as ``common``).
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import poll  # noqa: E402
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
     """Poll ``predicate`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)  # polling interval against a deadline, not a synchronisation sleep
+    try:
+        return poll(predicate, timeout, what, interval)
+    except TimeoutError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 def gone(pid: int | None) -> bool:

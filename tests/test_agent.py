@@ -115,12 +115,33 @@ def load_from_disk_only(env: Env, monkeypatch: pytest.MonkeyPatch) -> Any:
         monkeypatch.setenv("EASYCKPT_SHM_DIR", str(env.shm_dir))
 
 
-def train_until_a_new_agent(ck: easyckpt.Checkpointer, env: Env, dead_agent: int | None, step: int) -> int:
-    """Snapshot step after step until save_if_needed has started an agent in place of the dead one."""
+def persist_0_and_5(ck: easyckpt.Checkpointer, env: Env) -> None:
+    """Snapshot steps 0..9, persisting 0 and 5 (save_storage_interval=5) and waiting for each."""
+    for step in range(0, 10):
+        state = {"w": torch.full((1000,), float(step)), "step": step}
+        if step % 5 == 0:
+            save_and_persist(ck, env, step, state)
+        else:
+            ck.save_if_needed(step, state)
+
+
+def snapshot_10_into_the_fault(ck: easyckpt.Checkpointer, env: Env) -> int | None:
+    """Snapshot step 10, whose persist meets the armed fault point; returns the agent that died there."""
+    agent = env.agent_pid()
+    wait_for(lambda: ck.save_if_needed(10, {"w": torch.full((1000,), 10.0), "step": 10}), 30, "a slot for step 10")
+    ck.wait()
+    wait_for(lambda: env.agent_pid() is None, 30, "the agent to die at the fault point")
+    return agent
+
+
+def train_until_a_new_agent(ck: easyckpt.Checkpointer, env: Env, dead_agent: int | None, step: int,
+                            numel: int = 1000) -> int:
+    """Snapshot step after step (a ``numel``-float state) until save_if_needed has started an agent in place
+    of the dead one; returns the last step snapshotted."""
     def next_step() -> bool:
         nonlocal step
         step += 1
-        ck.save_if_needed(step, {"w": torch.full((1000,), float(step)), "step": step})
+        ck.save_if_needed(step, {"w": torch.full((numel,), float(step)), "step": step})
         return env.agent_pid() not in (None, dead_agent)
     wait_for(next_step, 30, "save_if_needed to start a new agent")
     return step
@@ -131,17 +152,9 @@ def test_agent_killed_mid_write_leaves_nothing_loadable_and_is_cleaned_up(env: E
     monkeypatch.setenv("EASYCKPT_FAULT_ONCE", str(env.tmp_path / "fault-fired"))
     ck = make(env, save_storage_interval=5, max_ckpt_num=5)
     try:
-        for step in range(0, 10):
-            state = {"w": torch.full((1000,), float(step)), "step": step}
-            if step % 5 == 0:
-                save_and_persist(ck, env, step, state)
-            else:
-                ck.save_if_needed(step, state)
+        persist_0_and_5(ck, env)
         before = {step: _tree_digest(path) for step, path in layout.complete_iterations(env.save_dir)}
-        first_agent = env.agent_pid()
-        wait_for(lambda: ck.save_if_needed(10, {"w": torch.full((1000,), 10.0), "step": 10}), 30, "a slot for step 10")
-        ck.wait()
-        wait_for(lambda: env.agent_pid() is None, 30, "the agent to die at the fault point")
+        first_agent = snapshot_10_into_the_fault(ck, env)
         leftovers = list(env.save_dir.glob(".tmp-iteration_0000010-*"))
         assert leftovers and not (leftovers[0] / layout.METADATA).exists(), "the kill should leave a torn directory"
         assert complete_steps(env) == [0, 5]
@@ -171,16 +184,8 @@ def test_agent_killed_before_the_tracker_update_leaves_the_tracked_step_loadable
     monkeypatch.setenv("EASYCKPT_FAULT_ONCE", str(env.tmp_path / "fault-fired"))
     ck = make(env, save_storage_interval=5, max_ckpt_num=5)
     try:
-        for step in range(0, 10):
-            state = {"w": torch.full((1000,), float(step)), "step": step}
-            if step % 5 == 0:
-                save_and_persist(ck, env, step, state)
-            else:
-                ck.save_if_needed(step, state)
-        first_agent = env.agent_pid()
-        wait_for(lambda: ck.save_if_needed(10, {"w": torch.full((1000,), 10.0), "step": 10}), 30, "a slot for step 10")
-        ck.wait()
-        wait_for(lambda: env.agent_pid() is None, 30, "the agent to die at the fault point")
+        persist_0_and_5(ck, env)
+        first_agent = snapshot_10_into_the_fault(ck, env)
         assert complete_steps(env) == [0, 5, 10] and layout.read_tracker(env.save_dir) == 5
 
         result = load_from_disk_only(env, monkeypatch)
@@ -236,13 +241,7 @@ def test_agent_killed_during_training_is_replaced_and_adopts_slots(env: Env) -> 
         assert first is not None
         os.kill(first, signal.SIGKILL)
         wait_for(lambda: env.agent_pid() is None, 30, "the killed agent to be gone")
-        step = 4
-        def next_step() -> bool:
-            nonlocal step
-            step += 1
-            ck.save_if_needed(step, {"w": torch.full((128,), float(step)), "step": step})
-            return env.agent_pid() not in (None, first)
-        wait_for(next_step, 30, "a replacement agent")
+        step = train_until_a_new_agent(ck, env, first, 4, numel=128)
         status = wait_for(lambda: _status_with_slots(env, ck.slots.count), 30,
                           "the new agent to report the existing slots")
         assert {slot["slot"] for slot in status["slots"]} == set(range(ck.slots.count)) == {0, 1, 2}

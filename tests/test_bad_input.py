@@ -140,6 +140,16 @@ def test_shm_with_room_for_two_slots_only_uses_two_and_says_so_once(env: Env, tm
         ck.close()
 
 
+def snapshots_what_fits(ck: easyckpt.Checkpointer, step: int) -> None:
+    """After a refused snapshot: a small state at ``step`` is snapshotted and loads back from memory."""
+    small = state_at(step)
+    assert ck.save_if_needed(step, small) is True
+    ck.wait()
+    result = ck.load()
+    assert (result.step, result.source) == (step, "memory")
+    assert_same(small, result.state)
+
+
 @pytest.mark.parametrize("value", ["1", "9", "three"])
 def test_bad_slot_counts_are_refused_naming_the_range(env: Env, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("EASYCKPT_SLOTS", value)
@@ -162,13 +172,7 @@ def test_shm_too_small_for_a_huge_state_raises_shm_space_error(env: Env) -> None
         assert format_bytes(numel * 4) in message  # the slot size: 10**10 float32 = 37.3 GiB
         assert "--shm-size=" in message and "EASYCKPT_SHM_DIR" in message
         assert env.slot_files() == [], "a failed free-space check must not leave slot files behind"
-        # The same Checkpointer still snapshots a state that fits.
-        small = state_at(2)
-        assert ck.save_if_needed(2, small) is True
-        ck.wait()
-        result = ck.load()
-        assert (result.step, result.source) == (2, "memory")
-        assert_same(small, result.state)
+        snapshots_what_fits(ck, 2)   # the same Checkpointer still snapshots a state that fits
     finally:
         ck.close()
     env.wait_agent_gone()
@@ -178,12 +182,7 @@ def test_shm_too_small_for_a_huge_state_raises_shm_space_error(env: Env) -> None
     try:
         with pytest.raises(easyckpt.ShmSpaceError):
             ck.save_if_needed(0, huge)
-        small = state_at(4)
-        assert ck.save_if_needed(4, small) is True
-        ck.wait()
-        result = ck.load()
-        assert (result.step, result.source) == (4, "memory")
-        assert_same(small, result.state)
+        snapshots_what_fits(ck, 4)
     finally:
         ck.close()
 
@@ -303,17 +302,22 @@ def test_shape_and_dtype_mismatch_raise_state_mismatch_error_and_change_nothing(
 
 
 # 4. corrupted safetensors ---------------------------------------------------------------------------------
-def assert_falls_back_to_step_2(env: Env, two_on_disk: dict, caplog: Any, damaged: Path, reason: str) -> None:
+def assert_loads_from_disk_warning(env: Env, caplog: Any, step: int, state: dict, damaged: Path, reason: str) -> None:
+    """A load resumes from ``step`` on disk (``state``) and warns naming ``damaged`` and ``reason``."""
     ck = make_ck(env)
     try:
         with caplog.at_level(logging.WARNING):
             result = ck.load()
-        assert (result.step, result.source) == (2, "disk")
-        assert_same(two_on_disk[2], result.state)
+        assert (result.step, result.source) == (step, "disk")
+        assert_same(state, result.state)
         warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
         assert any(str(damaged.resolve()) in w and reason in w for w in warnings), warnings
     finally:
         ck.close()
+
+
+def assert_falls_back_to_step_2(env: Env, two_on_disk: dict, caplog: Any, damaged: Path, reason: str) -> None:
+    assert_loads_from_disk_warning(env, caplog, 2, two_on_disk[2], damaged, reason)
     # The resume from 2 abandoned the damaged iteration (invariant 10): it was moved aside, not deleted, and
     # is still there for a human to look at; the tracker names 2.
     assert not damaged.exists() and layout.read_tracker(env.save_dir) == 2
@@ -392,16 +396,7 @@ def test_tracker_naming_a_missing_iteration_uses_the_newest_complete_one(env: En
     tracker = env.save_dir / layout.TRACKER
     assert tracker.read_text().strip() == "4"
     tracker.write_text("999\n")
-    ck = make_ck(env)
-    try:
-        with caplog.at_level(logging.WARNING):
-            result = ck.load()
-        assert (result.step, result.source) == (4, "disk")
-        assert_same(two_on_disk[4], result.state)
-        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-        assert any(str(tracker.resolve()) in w and "999" in w for w in warnings), warnings
-    finally:
-        ck.close()
+    assert_loads_from_disk_warning(env, caplog, 4, two_on_disk[4], tracker, "999")
 
 
 def test_garbage_tracker_is_ignored(env: Env, two_on_disk: dict) -> None:

@@ -75,6 +75,7 @@ def _megatron_args() -> Any:
         from megatron.training import global_vars
     except Exception:  # not installed (megatron-core alone has no megatron.training), or broken on import
         return None
+    # Megatron's own global, read without its get_args(), which asserts when the args are not set yet.
     return getattr(global_vars, "_GLOBAL_ARGS", None)
 
 

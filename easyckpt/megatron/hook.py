@@ -26,13 +26,15 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-_previous_handler: Any = None
-_previous_excepthook: Any = None
+# What signal.getsignal returned: a handler, SIG_DFL/SIG_IGN, or None (one not installed from Python).
+_previous_handler: Callable[[int, FrameType | None], Any] | int | signal.Handlers | None = None
+_previous_excepthook: Callable[[type[BaseException], BaseException, TracebackType | None], Any] | None = None
 _installed = False
 _flushing = threading.Lock()
 
@@ -42,7 +44,7 @@ def flush_newest(reason: str) -> int | None:
     from easyckpt.megatron import get_checkpointer
 
     ckpt = get_checkpointer()
-    if ckpt is None or getattr(ckpt, "_closed", False):
+    if ckpt is None or ckpt.closed:
         return None
     if not _flushing.acquire(blocking=False):
         return None  # a second signal while the first is being handled

@@ -228,8 +228,7 @@ def convert_to_megatron(src: Path, dst: Path, *, no_optim: bool = False) -> tupl
             handle.flush()
             os.fsync(handle.fileno())
         written.append(target / name / FILE)
-    os.rename(tmp, target)
-    layout.fsync_dir(dst)
+    layout.replace_dir(tmp, target)   # no aside name: a target that exists after all is refused
     tracker_tmp = dst / f".{TRACKER}.tmp-{os.getpid()}"
     with open(tracker_tmp, "w", encoding="utf-8") as handle:
         handle.write(str(step))

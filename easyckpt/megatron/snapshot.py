@@ -311,5 +311,6 @@ def _update_microbatches(consumed: int) -> None:
         from megatron.core import num_microbatches_calculator as calculator
     except ImportError:
         return
+    # Megatron's global: update_num_microbatches asserts when it is unset, and no public call says whether it is.
     if getattr(calculator, "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", None) is not None:
         calculator.update_num_microbatches(consumed_samples=consumed, verbose=False)

@@ -28,6 +28,8 @@ CHECKPOINT_PREFIX = "checkpoint"
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 EXPORT_TMP_PREFIX = ".easyckpt-tmp-checkpoint-"
 EXPORT_TRASH_PREFIX = ".easyckpt-trash-checkpoint-"
+EXPORT_ASIDE_PREFIX = ".easyckpt-aside-checkpoint-"   # replace_dir's old copy: put back if checkpoint-N is missing
+EXPORT_ASIDE_RE = re.compile(rf"^{re.escape(EXPORT_ASIDE_PREFIX)}(\d+)-(\d+)$")
 TRAINER_STATE_NAME = "trainer_state.json"
 OPTIMIZER_NAME = "optimizer.pt"
 SCHEDULER_NAME = "scheduler.pt"
@@ -167,7 +169,12 @@ class CheckpointFolders:
         except FileNotFoundError:
             return
         for entry in entries:
-            if entry.name.startswith((EXPORT_TMP_PREFIX, EXPORT_TRASH_PREFIX)) and entry.is_dir():
+            if (aside := EXPORT_ASIDE_RE.match(entry.name)) and entry.is_dir():
+                step, pid = aside.groups()
+                if layout.settle_aside(entry, self.path(int(step)),
+                                       self.output_dir / f"{EXPORT_TRASH_PREFIX}{step}-{pid}"):
+                    logger.warning("put %s back as %s: a job died while replacing it", entry, self.path(int(step)))
+            elif entry.name.startswith((EXPORT_TMP_PREFIX, EXPORT_TRASH_PREFIX)) and entry.is_dir():
                 logger.info("removing %s, left by a job that died while writing or deleting a checkpoint", entry)
                 shutil.rmtree(entry, ignore_errors=True)
 
@@ -219,12 +226,9 @@ class CheckpointFolders:
         with self._publish_lock:
             _fsync_tree(tmp)
             fault_point("hf.export.before_rename", step=step, rank=self.trainer.args.process_index)
-            trash = None
-            if final.exists():
-                trash = self.output_dir / f"{EXPORT_TRASH_PREFIX}{step}-{os.getpid()}"
-                os.rename(final, trash)
-            os.rename(tmp, final)
-            layout.fsync_dir(self.output_dir)
+            pid = os.getpid()
+            trash = layout.replace_dir(tmp, final, aside=self.output_dir / f"{EXPORT_ASIDE_PREFIX}{step}-{pid}",
+                                       trash=self.output_dir / f"{EXPORT_TRASH_PREFIX}{step}-{pid}")
             if trash is not None:
                 shutil.rmtree(trash, ignore_errors=True)
             self._rotate()

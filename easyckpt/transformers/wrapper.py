@@ -81,6 +81,8 @@ class TrainerWrapper:
         self._resumer: Resumer | None = None
         self._last_step: int | None = None    # the last step the post-save-point snapshot was handled for
         self._checkpoint_steps: set[int] = set()   # checkpoint-N this run has written or asked for
+        # The Trainer has no public hook at its save point (a TrainerCallback cannot replace the save), so
+        # the wrapper takes over these two methods of this one Trainer; transformers is pinned (pyproject).
         self._original_mlse = trainer._maybe_log_save_evaluate
         trainer._maybe_log_save_evaluate = self._maybe_log_save_evaluate   # type: ignore[method-assign]
         trainer._save_checkpoint = self._save_checkpoint                   # type: ignore[method-assign]
@@ -288,7 +290,7 @@ class TrainerWrapper:
         ckpt, self.ckpt = self.ckpt, None
         try:
             if ckpt is not None:
-                ckpt._close(raise_errors=raise_errors)
+                ckpt.close(raise_errors=raise_errors)
         finally:
             self._drain()
             if self._exporter is not None:

@@ -1,0 +1,32 @@
+"""What the benchmarks share: polling against a deadline, and writing the result file.
+
+The benchmarks run as scripts (``python benchmarks/throughput.py``), so this directory is on ``sys.path``
+and they import it as ``common``; the tests put it there too (``tests/conftest.py``).
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def poll(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.01) -> Any:
+    """Poll ``predicate`` until truthy, against a deadline (never a fixed sleep); TimeoutError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)  # polling interval against a deadline, not a synchronisation sleep
+
+
+def write_result(out: Path | None, result: dict[str, Any]) -> dict[str, Any]:
+    """Write ``result`` as JSON to ``out`` (when given, creating its directory); returns ``result``."""
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+    return result
