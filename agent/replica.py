@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -200,7 +201,7 @@ class ReplicaServer(threading.Thread):
     """Serves this agent's holdings to token holders over tcp."""
 
     def __init__(self, holdings: Holdings, ctx: zmq.Context, bind_host: str, port: int,
-                 on_push: Any, port_file: Path | None = None) -> None:
+                 on_push: Callable[[dict[str, Any]], None], port_file: Path | None = None) -> None:
         super().__init__(name="replica-server", daemon=True)
         self.holdings = holdings
         self.token: str | None = None
@@ -362,7 +363,7 @@ class ReplicaServer(threading.Thread):
 class BuddyPuller:
     """Pulls, in its own thread, the tensors of a peer's manifests that this node does not hold."""
 
-    def __init__(self, holdings: Holdings, peers_getter: Any) -> None:
+    def __init__(self, holdings: Holdings, peers_getter: Callable[[], PeerTable | None]) -> None:
         self.holdings = holdings
         self.peers = peers_getter
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="buddy", initializer=lower_priority)

@@ -21,6 +21,7 @@ import zmq
 import easyckpt
 from easyckpt_wire import protocol
 from easyckpt_wire.protocol import Kind, ProtocolError
+from easyckpt_wire.records import ByeReply, FlushReply, RecordError, ResumeReply
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class AgentClient:
         raise AgentTimeout(f"agent {kind.name} request of rank {self.rank}: no reply within {timeout:.0f}s "
                            f"(agent log: {self.job_dir / 'agent.log'})")
 
-    def flush(self, step: int, *, wait: bool, timeout: float) -> dict[str, Any] | None:
+    def flush(self, step: int, *, wait: bool, timeout: float) -> FlushReply | None:
         """Ask the agent to persist ``step`` now. With ``wait``, block (bounded) for its answer: a reply
         with ``persisted`` (the newest step durable on this node) and ``committed``, or ``error``; None when
         no agent answered in time. Without, return None at once (the agent does not answer)."""
@@ -189,14 +190,17 @@ class AgentClient:
             if not self.alive():
                 return None
             try:
-                return self.request(Kind.FLUSH, max(0.0, deadline - time.monotonic()), rank=self.rank, step=step,
-                                    wait=True)
+                return FlushReply.from_wire(self.request(Kind.FLUSH, max(0.0, deadline - time.monotonic()),
+                                                         rank=self.rank, step=step, wait=True), "agent FLUSH reply")
+            except RecordError as exc:   # an agent of another build: no answer a program could act on
+                logger.warning("rank %d: %s", self.rank, exc)
+                return None
             except AgentTimeout as exc:
                 logger.warning("%s", exc)
                 if time.monotonic() >= deadline:
                     return None
 
-    def resume(self, step: int, stale: list[list[int]], *, timeout: float) -> dict[str, Any] | None:
+    def resume(self, step: int, stale: list[list[int]], *, timeout: float) -> ResumeReply | None:
         """Tell the agent this rank resumed at ``step`` (a new timeline: it moves newer iterations aside and
         persists the new timeline's steps) and which of its slots ([index, generation]) hold abandoned
         steps it could not invalidate. Waits (bounded) for the reply; None when no agent answered."""
@@ -207,8 +211,9 @@ class AgentClient:
                            step, self.save_dir)
             return None
         try:
-            return self.request(Kind.RESUME, timeout, rank=self.rank, step=step, stale=stale)
-        except AgentTimeout as exc:
+            return ResumeReply.from_wire(self.request(Kind.RESUME, timeout, rank=self.rank, step=step, stale=stale),
+                                         "agent RESUME reply")
+        except (AgentTimeout, RecordError) as exc:
             logger.warning("%s; iterations newer than step %d in %s stay until the agent hears of the resume",
                            exc, step, self.save_dir)
             return None
@@ -220,17 +225,18 @@ class AgentClient:
             except zmq.Again:
                 return
 
-    def close(self, *, wait: bool, timeout: float) -> dict[str, Any] | None:
+    def close(self, *, wait: bool, timeout: float) -> ByeReply | None:
         """Say goodbye; with ``wait`` block (bounded) until the agent has persisted what is due."""
         reply = None
         self.ensure(force=True)
         try:
             if self.alive():
-                reply = self.request(Kind.BYE, timeout, rank=self.rank, pid=os.getpid(), wait=wait)
+                reply = ByeReply.from_wire(self.request(Kind.BYE, timeout, rank=self.rank, pid=os.getpid(), wait=wait),
+                                           "agent BYE reply")
             elif self.spawn_allowed:
                 logger.warning("rank %d: no easyckpt agent runs for job %s; due snapshots stay in %s unpersisted",
                                self.rank, self.job_id, self.shm_dir)
-        except AgentTimeout as exc:
+        except (AgentTimeout, RecordError) as exc:
             logger.warning("%s", exc)
         finally:
             self.detach()

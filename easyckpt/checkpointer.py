@@ -145,12 +145,12 @@ class Checkpointer:
         save_dir aside and persists this run's steps again, whatever numbers the abandoned run reached."""
         stale = [[index, generation] for index, generation in sorted(self.slots.abandoned.items())]
         reply = self.agent.resume(step, stale, timeout=self.config.agent_start_timeout)
-        if reply is not None and not reply.get("ok"):
+        if reply is not None and reply.error is not None:
             logger.warning("rank %d: the agent could not record the resume at step %d: %s", self.rank, step,
-                           reply.get("error"))
-        elif reply is not None and reply.get("moved"):
+                           reply.error)
+        elif reply is not None and reply.moved:
             logger.info("rank %d: resumed at step %d; iterations %s of the abandoned timeline were moved aside",
-                        self.rank, step, reply["moved"])
+                        self.rank, step, reply.moved)
         self.slots.retry_abandoned()
 
     def save_if_needed(self, step: int, state_dict: Any) -> bool:
@@ -205,12 +205,10 @@ class Checkpointer:
             error = (f"the agent did not answer within {timeout:.0f}s ({what}); it goes on persisting step "
                      f"{step} after this process ends" if self.agent.alive() else "no agent runs for this job")
             return FlushResult(step=step, durable=False, committed=False, persisted=None, seconds=seconds, error=error)
-        persisted = reply.get("persisted")
-        if not reply.get("ok"):
-            failure = reply.get("failure") if isinstance(reply.get("failure"), dict) else None
-            return FlushResult(step=step, durable=False, committed=False, persisted=persisted, seconds=seconds,
-                               error=str(reply.get("error")), failure=failure)
-        return FlushResult(step=step, durable=True, committed=bool(reply.get("committed")), persisted=persisted,
+        if reply.error is not None:
+            return FlushResult(step=step, durable=False, committed=False, persisted=reply.persisted, seconds=seconds,
+                               error=reply.error, failure=reply.failure)
+        return FlushResult(step=step, durable=True, committed=reply.committed, persisted=reply.persisted,
                            seconds=seconds)
 
     def wait(self) -> None:
@@ -248,7 +246,7 @@ class Checkpointer:
         self.slots.close()
         owner.release(self.agent.job_dir, self.rank)
         logger.info("easyckpt rank %d closed: %d snapshots, %d skipped, newest on disk: %s", self.rank,
-                    self.stager.committed, self.stager.skipped, reply.get("persisted") if reply else "unknown")
+                    self.stager.committed, self.stager.skipped, reply.persisted if reply else "unknown")
         error = self._final_error(final)
         if error is not None:
             if raise_errors:

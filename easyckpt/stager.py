@@ -23,6 +23,7 @@ import numpy
 import psutil
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from easyckpt.config import CheckpointerConfig
 from easyckpt.slots import RankSlots, SlotWrite
@@ -89,7 +90,7 @@ class Stager:
         self._tensor_views: dict[int, tuple[int, int, list[Any]]] = {}  # slot -> (mmap id, plan id, views)
         self._packer = msgpack.Packer(use_bin_type=True)
         self._static_keys = 0
-        self._hook: Any = None
+        self._hook: RemovableHandle | None = None
         self._cuda_stream: Any = None
         self._registered: dict[int, int] = {}                    # slot index -> registered address
         self.skipped = 0

@@ -381,6 +381,14 @@ class PingReply:
                    None if endpoint is None else _str(endpoint, where, "PING reply", "endpoint"))
 
 
+def _refusal(obj: Mapping[str, Any], where: str, record: str) -> str | None:
+    """The ``error`` of a refusal (``ok`` false), None for a success; a refusal without one is named as such."""
+    if obj.get("ok", True):
+        return None
+    error = obj.get("error")
+    return _str(error, where, record, "error") if error is not None else f"{record}: refused without a reason"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ByeReply:
     persisted: int | None = None                 # the newest step durable on this node
@@ -410,6 +418,13 @@ class FlushReply:
             fields.update(error=self.error, failure=self.failure)
         return fields
 
+    @classmethod
+    def from_wire(cls, obj: Mapping[str, Any], where: str) -> FlushReply:
+        """From the whole REPLY message: a refusal (``ok`` false) always has an ``error``."""
+        failure = obj.get("failure")
+        return cls(_opt_int(obj, "persisted", where, "FLUSH reply"), bool(obj.get("committed")),
+                   _refusal(obj, where, "FLUSH reply"), failure if isinstance(failure, dict) else None)
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ResumeReply:
@@ -420,6 +435,13 @@ class ResumeReply:
 
     def to_wire(self) -> dict[str, Any]:
         return {"moved": self.moved, "tracker": self.tracker, "persisted": self.persisted, "error": self.error}
+
+    @classmethod
+    def from_wire(cls, obj: Mapping[str, Any], where: str) -> ResumeReply:
+        """From the whole REPLY message: a refusal (``ok`` false) always has an ``error``."""
+        moved = list(_ints(obj.get("moved") or [], where, "RESUME reply", "moved"))
+        return cls(moved, _opt_int(obj, "tracker", where, "RESUME reply"),
+                   _opt_int(obj, "persisted", where, "RESUME reply"), _refusal(obj, where, "RESUME reply"))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

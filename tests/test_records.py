@@ -13,6 +13,7 @@ from easyckpt_wire.records import (
     MAX_TENSOR_BYTES,
     ByeReply,
     FetchReply,
+    FlushReply,
     ListReply,
     ListRow,
     Manifest,
@@ -20,6 +21,7 @@ from easyckpt_wire.records import (
     PeerTable,
     PingReply,
     RecordError,
+    ResumeReply,
     SlotMeta,
     TensorEntry,
 )
@@ -220,3 +222,17 @@ def test_replies() -> None:
 
 def test_page_is_the_slot_header_size() -> None:
     assert shm.PAGE == shm.HEADER_SIZE == 4096
+
+
+def test_flush_and_resume_replies_read_refusals_from_the_envelope() -> None:
+    """A program tells a refused FLUSH or RESUME by its ``error``, whatever the agent put in the fields."""
+    ok = FlushReply.from_wire({"ok": True, "id": 3, **FlushReply(7, True).to_wire()}, "ipc")
+    assert ok == FlushReply(7, True)
+    refused = FlushReply.from_wire({"ok": False, "id": 3, **FlushReply(5, error="disk full",
+                                                                        failure={"errno": 28}).to_wire()}, "ipc")
+    assert (refused.error, refused.persisted, refused.failure) == ("disk full", 5, {"errno": 28})
+    assert FlushReply.from_wire({"ok": False, "id": 3}, "ipc").error == "FLUSH reply: refused without a reason"
+    resume = ResumeReply.from_wire({"ok": True, **ResumeReply([30, 40], 20, 20).to_wire()}, "ipc")
+    assert resume == ResumeReply([30, 40], 20, 20)
+    with pytest.raises(RecordError, match=r"'moved\[0\]'"):
+        ResumeReply.from_wire({"ok": True, "moved": ["x"]}, "ipc")
