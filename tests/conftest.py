@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -24,6 +25,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import poll  # noqa: E402
+
+
+def seeded_random() -> random.Random:
+    """The random source of a test's kill points and interleavings: EASYCKPT_TEST_SEED, or a fresh seed,
+    printed either way so that a failure replays (``EASYCKPT_TEST_SEED=<seed> pytest ...``)."""
+    seed = int(os.environ.get("EASYCKPT_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
+    print(f"EASYCKPT_TEST_SEED={seed}")
+    return random.Random(seed)
 
 
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:

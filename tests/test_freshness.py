@@ -11,12 +11,11 @@ from __future__ import annotations
 import collections
 import json
 import os
-import random
 import re
 import signal
 
 import pytest
-from conftest import Env, wait_for
+from conftest import Env, seeded_random, wait_for
 from ddp_job import Job
 
 STEPS = 60
@@ -24,12 +23,6 @@ INTERVAL = 5
 BALLAST_MB = 48
 PERSIST_MBPS = 200
 pytestmark = pytest.mark.slow
-
-
-def seed() -> int:
-    value = int(os.environ.get("EASYCKPT_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
-    print(f"EASYCKPT_TEST_SEED={value}")
-    return value
 
 
 def job(env: Env, name: str, *extra: str, max_restarts: int = 1) -> Job:
@@ -79,7 +72,7 @@ def check_agent_log_is_quiet(env: Env) -> None:
 @pytest.mark.parametrize("victim", [1, 0, -1], ids=["rank1", "rank0", "whole-group"])
 def test_kill_at_a_random_step_resumes_from_memory_at_most_two_steps_back(env: Env, reference: Job,
                                                                           victim: int) -> None:
-    kill_at = random.Random(seed()).randint(8, STEPS - 10)
+    kill_at = seeded_random().randint(8, STEPS - 10)
     run = job(env, "out", "--kill-at", str(kill_at), "--kill-rank", str(victim))
     try:
         assert run.wait(240) == 0, run.log()[-3000:]
@@ -95,7 +88,7 @@ def test_kill_during_a_persist_resumes_from_memory_at_most_two_steps_back(env: E
     """The test kills rank 1 at the moment the agent reports a persist in flight (after a seeded step)."""
     from easyckpt.agent_client import AgentTimeout, query_status
 
-    after = random.Random(seed()).randint(8, STEPS - 20)
+    after = seeded_random().randint(8, STEPS - 20)
     run = job(env, "out")
 
     def persisting() -> bool:

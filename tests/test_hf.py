@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import re
 import shutil
 import signal
@@ -25,7 +24,7 @@ pytest.importorskip("transformers", reason="the HF integration needs transformer
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate: pip install -e '.[hf]'")
 
 import torch  # noqa: E402
-from conftest import ROOT, Env, gone, wait_for  # noqa: E402
+from conftest import ROOT, Env, gone, seeded_random, wait_for  # noqa: E402
 from ddp_job import TORCHRUN, Job, newest_common_committed, slot_states  # noqa: E402
 
 from easyckpt_wire import layout  # noqa: E402
@@ -178,10 +177,9 @@ def test_epoch_saves_are_persisted_by_the_agent_and_exported(env: Env, reference
 def test_kill9_then_resume_from_memory_continues_the_loss_curve(env: Env, reference: tuple[HFJob, Path]) -> None:
     """No compute padding, persists capped to take a few steps (fewer than save_steps), a seeded kill step:
     the rerun resumes from memory at most two steps behind the kill (invariant 9)."""
-    seed = int(os.environ.get("EASYCKPT_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
-    print(f"EASYCKPT_TEST_SEED={seed}")
+    rng = seeded_random()
     output_dir = env.tmp_path / "hf"
-    first = killed_run(env, output_dir, env.tmp_path / "first", random.Random(seed).randint(6, 13), step_seconds=0.0,
+    first = killed_run(env, output_dir, env.tmp_path / "first", rng.randint(6, 13), step_seconds=0.0,
                        extra_env={"EASYCKPT_PERSIST_MBPS": "20"})
     killed_at = max(first.losses(1))
     persists = re.findall(r"seconds=([\d.]+)", (first.out / "persist.log").read_text())
@@ -201,7 +199,7 @@ def test_kill9_then_resume_from_memory_continues_the_loss_curve(env: Env, refere
 
 def test_memory_wiped_resumes_from_newest_complete_on_disk(env: Env, reference: tuple[HFJob, Path]) -> None:
     output_dir = env.tmp_path / "hf"
-    killed_run(env, output_dir, env.tmp_path / "first", random.Random().randint(11, 14))
+    killed_run(env, output_dir, env.tmp_path / "first", seeded_random().randint(11, 14))
     wipe_memory(env)
     iterations = [step for step, _ in layout.complete_iterations(output_dir / "easyckpt")]
     checkpoints = [int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*")]
@@ -222,7 +220,7 @@ def test_plain_trainer_resumes_from_a_wrapper_checkpoint(env: Env, reference: tu
     first = HFJob(env, output_dir, env.tmp_path / "first", step_seconds=0.15)
     try:
         wait_for(lambda: checkpoint.is_dir() or first.proc.poll() is not None, 90, f"{checkpoint} to be exported")
-        first.kill_rank(1, random.Random().randint(11, 14))
+        first.kill_rank(1, seeded_random().randint(11, 14))
         assert first.wait(90) != 0
     finally:
         first.kill()

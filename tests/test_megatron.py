@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
-from conftest import ROOT, Env, assert_same, gone, run_cli, wait_for  # noqa: E402
+from conftest import ROOT, Env, assert_same, gone, run_cli, seeded_random, wait_for  # noqa: E402
 
 from easyckpt_wire import layout  # noqa: E402
 
@@ -124,9 +124,8 @@ def assert_same_curve(job: Job, reference: dict[int, Any], *, start: int = 1) ->
 def test_kill_rank_resumes_from_memory_with_identical_losses(env: Env, reference: dict[int, Any]) -> None:
     """No idle standing for compute, and persists capped (EASYCKPT_PERSIST_MBPS) to take several iterations:
     a kill at a seeded iteration resumes from memory at most two iterations back (invariant 9)."""
-    seed = int(os.environ.get("EASYCKPT_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
-    print(f"EASYCKPT_TEST_SEED={seed}")
-    at = random.Random(seed).randint(6, ITERS - 6)
+    rng = seeded_random()
+    at = rng.randint(6, ITERS - 6)
     job = Job(env, env.tmp_path / "run", save_dir=env.save_dir, max_restarts=1, idle="0",
               extra_env={"EASYCKPT_PERSIST_MBPS": "20"})
     job.wait_reached(1, at)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
 import subprocess
@@ -14,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Env, wait_for
+from conftest import ROOT, Env, seeded_random, wait_for
 from multinode import NODES, RANKS_PER_NODE, Cluster
 
 from easyckpt_wire import layout, shm
@@ -58,9 +57,8 @@ def cluster(env: Env) -> Cluster:
 
 def run_until_killed(job: Cluster) -> int:
     """Train on both nodes, then kill node 1 entirely (ranks, torchrun, agent, shared memory)."""
-    seed = int(os.environ.get("EASYCKPT_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
-    print(f"EASYCKPT_TEST_SEED={seed}")
-    kill_at = random.Random(seed).randint(8, 14)
+    rng = seeded_random()
+    kill_at = rng.randint(8, 14)
     job.start_all()
     wait_for(lambda: job.reached(kill_at) or job.procs[0].poll() is not None, 120, f"every rank to reach step {kill_at}")
     assert (job.env.save_dir / layout.iteration_dirname(5) / layout.METADATA).exists() or wait_for(
@@ -126,9 +124,8 @@ def test_lost_node_with_slow_persists_resumes_at_most_two_steps_back(cluster: Cl
     second), node 1 lost whole at a seeded step; every rank resumes from memory or a replica, at most three
     steps back. The steps idle as the other multi-node tests do (Cluster: four busy ranks on two cores
     starve the agents' hashing, which no node with a GPU per rank does)."""
-    seed = int(os.environ.get("EASYCKPT_TEST_SEED") or random.SystemRandom().randrange(1 << 30))
-    print(f"EASYCKPT_TEST_SEED={seed}")
-    at = random.Random(seed).randint(10, STEPS - 8)
+    rng = seeded_random()
+    at = rng.randint(10, STEPS - 8)
     slow = {"EASYCKPT_PERSIST_MBPS": "0.3"}
     job = cluster(node_env={0: slow, 1: slow})
     job.start_all()

@@ -3,10 +3,8 @@ newest step both ranks committed, with a state bitwise equal to an uninterrupted
 loss curve afterwards."""
 from __future__ import annotations
 
-import random
-
 import pytest
-from conftest import Env, wait_for
+from conftest import Env, seeded_random, wait_for
 from ddp_job import Job, newest_common_committed, slot_states
 
 STEPS = 30
@@ -44,7 +42,7 @@ def check_resume(job: Job, reference: Job, step: int, source: str) -> None:
 
 @pytest.mark.parametrize("victims", [[1], [0, 1]], ids=["one-rank", "whole-group"])
 def test_kill9_then_restart_resumes_from_memory(env: Env, reference: Job, victims: list[int]) -> None:
-    kill_at = random.Random().randint(5, 22)
+    kill_at = seeded_random().randint(5, 22)
     first = Job(env, env.save_dir, env.tmp_path / "first", steps=STEPS)
     try:
         for rank in victims:
@@ -67,7 +65,7 @@ def test_torchrun_restart_after_kill9_resumes_from_memory(env: Env, reference: J
     """torchrun's own restart (--max-restarts=1) brings the group back; it resumes from memory."""
     job = Job(env, env.save_dir, env.tmp_path / "out", steps=STEPS, max_restarts=1)
     try:
-        job.kill_rank(1, random.Random().randint(5, 22))
+        job.kill_rank(1, seeded_random().randint(5, 22))
         assert job.wait() == 0, job.log()[-3000:]
     finally:
         job.kill()
