@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from easyckpt.checkpointer import Checkpointer, FlushResult
     from easyckpt.config import CheckpointerConfig
+    from easyckpt.health import DataSkipper, TrainingAborted
     from easyckpt.persist_watch import PersistError
     from easyckpt.recovery import LoadError, LoadResult, StateMismatchError
     from easyckpt.slots import ShmSpaceError
@@ -24,6 +25,7 @@ __all__ = [
     "CheckpointFormatError",
     "Checkpointer",
     "CheckpointerConfig",
+    "DataSkipper",
     "FlushResult",
     "LoadError",
     "LoadResult",
@@ -31,6 +33,7 @@ __all__ = [
     "SaveDirInUseError",
     "ShmSpaceError",
     "StateMismatchError",
+    "TrainingAborted",
 ]
 __version__ = "0.1.0"
 
@@ -39,6 +42,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Checkpointer": "easyckpt.checkpointer", "FlushResult": "easyckpt.checkpointer",
     "CheckpointerConfig": "easyckpt.config",
+    "DataSkipper": "easyckpt.health", "TrainingAborted": "easyckpt.health",
     "LoadResult": "easyckpt.recovery", "LoadError": "easyckpt.recovery", "StateMismatchError": "easyckpt.recovery",
     "ShmSpaceError": "easyckpt.slots",
     "PersistError": "easyckpt.persist_watch",
