@@ -14,6 +14,7 @@ import os
 import sys
 import time
 import weakref
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from easyckpt.replica import introduce
 from easyckpt.slots import RankSlots
 from easyckpt.stager import Stager
 from easyckpt_wire import owner, protocol
+from easyckpt_wire.health import RankHealth, rank_verdict
 from easyckpt_wire.records import PeerTable
 
 logger = logging.getLogger(__name__)
@@ -153,8 +155,11 @@ class Checkpointer:
                         self.rank, step, reply.moved)
         self.slots.retry_abandoned()
 
-    def save_if_needed(self, step: int, state_dict: Any) -> bool:
-        """Snapshot when ``step % save_mem_interval == 0``; returns at once (True if a copy started)."""
+    def save_if_needed(self, step: int, state_dict: Any, *, metrics: Mapping[str, float] | None = None) -> bool:
+        """Snapshot when ``step % save_mem_interval == 0``; returns at once (True if a copy started).
+
+        ``metrics`` (say ``{"embedding_local_norm": ..., "loss": ...}``, plain numbers) give this rank's
+        health verdict on the snapshot against ``health_thresholds``; without them the rank is neutral."""
         if self._closed:
             raise RuntimeError(f"save_if_needed(step={step}) after close(): create a new Checkpointer")
         self.stager.wait()
@@ -162,9 +167,10 @@ class Checkpointer:
         self.watch.observe(self.slots.agent_word())
         if step % self.config.save_mem_interval:
             return False
-        return self.stager.snapshot(step, state_dict)
+        return self.stager.snapshot(step, state_dict, health=self._verdict(metrics))
 
-    def save(self, step: int, state_dict: Any, *, persist: bool = False) -> bool:
+    def save(self, step: int, state_dict: Any, *, persist: bool = False,
+             metrics: Mapping[str, float] | None = None) -> bool:
         """Snapshot now, whatever ``save_mem_interval`` says; returns at once (True if the copy started,
         False if it was skipped: no free slot, the agent still reads both).
 
@@ -179,7 +185,11 @@ class Checkpointer:
         self.stager.wait()
         self.agent.ensure()
         self.watch.observe(self.slots.agent_word())
-        return self.stager.snapshot(step, state_dict, persist=persist)
+        return self.stager.snapshot(step, state_dict, persist=persist, health=self._verdict(metrics))
+
+    def _verdict(self, metrics: Mapping[str, float] | None) -> RankHealth:
+        assert self.config.health_thresholds is not None
+        return rank_verdict(metrics, self.config.health_thresholds)
 
     def flush(self, *, timeout: float | None = None) -> FlushResult:
         """Make the newest snapshot durable now: finish its copy, ask the agent to persist it, and wait

@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 
 from easyckpt_wire import protocol
+from easyckpt_wire.health import check_thresholds
 from easyckpt_wire.shm import MAX_SLOTS, check_job_id, shm_dir
 
 SLOTS_ENV = "EASYCKPT_SLOTS"
@@ -40,6 +41,9 @@ class CheckpointerConfig:
     # flush() waiting for the newest snapshot to be durable; under torchrun a SIGTERMed worker is killed
     # 30 s later, so the exit hook's flush must end before that
     flush_timeout: float = 25.0
+    # checkpoint health: a snapshot whose reported metric (save_if_needed(..., metrics=)) exceeds its
+    # threshold here, or is not finite, is unhealthy; load() passes unhealthy steps over
+    health_thresholds: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
         self.save_dir = Path(self.save_dir).expanduser().resolve()
@@ -70,6 +74,7 @@ class CheckpointerConfig:
                                        or not MIN_SLOTS <= self.slots <= MAX_SLOTS):
             raise ValueError(f"slots must be an int from {MIN_SLOTS} to {MAX_SLOTS} (or None for 3 when shared "
                              f"memory has room, else 2), got {self.slots!r}")
+        self.health_thresholds = check_thresholds(self.health_thresholds)
         self.job_id = check_job_id(self.job_id or protocol.job_id_for(self.save_dir))
         self.shm_dir = Path(self.shm_dir) if self.shm_dir is not None else shm_dir()
         try:

@@ -31,6 +31,7 @@ from easyckpt.state import SKELETON_VERSION, TensorRef, flatten, numpy_dtype, to
 from easyckpt_wire import layout
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.faults import fault_point
+from easyckpt_wire.health import NEUTRAL, RankHealth
 from easyckpt_wire.records import SlotMeta, TensorEntry
 from easyckpt_wire.shm import DATA_OFFSET, PAGE, SlotMap, align, slot_size
 
@@ -102,7 +103,7 @@ class Stager:
         self._pid, self._pid_start = proc.pid, proc.create_time()
 
     # public -----------------------------------------------------------------------------------------
-    def snapshot(self, step: int, state: object, *, persist: bool = False) -> bool:
+    def snapshot(self, step: int, state: object, *, persist: bool = False, health: RankHealth = NEUTRAL) -> bool:
         """Launch a snapshot of ``state`` at ``step``; False when it was skipped (no free slot). With
         ``persist``, the agent is asked to persist it once it is committed (not before: the agent would
         take any committed copy of that step, and an older one of the same step may be in the other slot)."""
@@ -110,7 +111,7 @@ class Stager:
         started = time.perf_counter()
         skeleton, refs, values = flatten(state)
         plan = self._plan(refs)
-        meta = self._meta(plan, step, skeleton)
+        meta = self._meta(plan, step, skeleton, health)
         needed = slot_size(plan.data_len, len(meta) + _META_HEADROOM)
         write = self.slots.write(needed, before_remap=self._drop_views)
         if write is None:
@@ -170,9 +171,9 @@ class Stager:
     def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.wait()
 
-    def _meta(self, plan: _Plan, step: int, skeleton: object) -> bytes:
+    def _meta(self, plan: _Plan, step: int, skeleton: object, health: RankHealth) -> bytes:
         """The slot's msgpack map; the tensor index (the bulk, for big states) is packed once per plan."""
-        dynamic = SlotMeta.dynamic_fields(step=step, skeleton=skeleton, created=time.time())
+        dynamic = SlotMeta.dynamic_fields(step=step, skeleton=skeleton, created=time.time(), health=health)
         if not plan.static_meta:
             static = SlotMeta.static_fields(
                 job=self.slots.job_id, rank=self.rank, world_size=self.world_size, local_rank=self.local_rank,

@@ -50,6 +50,9 @@ class RankHealth:
         return cls(True, obj["healthy"], tuple(obj.get("reasons", [])))
 
 
+NEUTRAL = RankHealth()   # a rank that reported no metrics
+
+
 def check_thresholds(thresholds: Mapping[str, float] | None, what: str = "health_thresholds") -> dict[str, float]:
     """Thresholds as a plain dict; each must be a finite positive number (a ValueError names the key)."""
     checked: dict[str, float] = {}

@@ -24,6 +24,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
+from easyckpt_wire.health import NEUTRAL, RankHealth
 from easyckpt_wire.protocol import CHECKSUM_BYTES
 from easyckpt_wire.shm import FORMAT_VERSION
 
@@ -145,8 +146,9 @@ class SlotMeta:
     step: int
     skeleton: Any              # the non-tensor state (easyckpt.state's tagged skeleton)
     created: float
+    health: RankHealth = NEUTRAL   # the rank's verdict on this snapshot (neutral: it reported nothing)
 
-    DYNAMIC = ("step", "skeleton", "created")   # what changes between two snapshots of one plan
+    DYNAMIC = ("step", "skeleton", "created", "health")   # what changes between two snapshots of one plan
 
     @staticmethod
     def static_fields(*, job: str, rank: int, world_size: int, local_rank: int, local_world_size: int,
@@ -162,15 +164,16 @@ class SlotMeta:
         return fields
 
     @staticmethod
-    def dynamic_fields(*, step: int, skeleton: Any, created: float) -> dict[str, Any]:
-        return {"step": step, "skeleton": skeleton, "created": created}
+    def dynamic_fields(*, step: int, skeleton: Any, created: float, health: RankHealth = NEUTRAL) -> dict[str, Any]:
+        return {"step": step, "skeleton": skeleton, "created": created, "health": health.to_wire()}
 
     def to_wire(self) -> dict[str, Any]:
         return {**self.static_fields(job=self.job, rank=self.rank, world_size=self.world_size,
                                      local_rank=self.local_rank, local_world_size=self.local_world_size,
                                      pid=self.pid, pid_start=self.pid_start, skeleton_version=self.skeleton_version,
                                      tensors=[e.to_wire() for e in self.tensors]),
-                **self.dynamic_fields(step=self.step, skeleton=self.skeleton, created=self.created)}
+                **self.dynamic_fields(step=self.step, skeleton=self.skeleton, created=self.created,
+                                      health=self.health)}
 
     @classmethod
     def from_wire(cls, obj: Any, where: str, *, record: str = "slot metadata", with_pid: bool = True) -> SlotMeta:
@@ -198,11 +201,19 @@ class SlotMeta:
             tensors=_entries(_field(obj, "tensors", where, record), where, record),
             step=_int(_field(obj, "step", where, record), where, record, "step"),
             skeleton=_field(obj, "skeleton", where, record),
-            created=_float(obj.get("created", 0.0), where, record, "created"))
+            created=_float(obj.get("created", 0.0), where, record, "created"),
+            health=_health(obj.get("health"), where, record))
 
     @property
     def data_len(self) -> int:
         return data_len(self.tensors)
+
+
+def _health(value: Any, where: str, record: str) -> RankHealth:
+    try:
+        return RankHealth.from_wire(value, where)   # absent (older builds) or None: neutral
+    except ValueError as exc:
+        raise RecordError(where, record, "health", str(exc)) from None
 
 
 # manifest -------------------------------------------------------------------------------------------
