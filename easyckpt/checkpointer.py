@@ -165,6 +165,7 @@ class Checkpointer:
         self.stager.wait()
         self.agent.ensure()
         self.watch.observe(self.slots.agent_word())
+        self.stager.note_step(step)
         if step % self.config.save_mem_interval:
             return False
         return self.stager.snapshot(step, state_dict, health=self._verdict(metrics))
@@ -200,6 +201,7 @@ class Checkpointer:
         ``failure`` say why; a failed step is tried again by every flush(), in case the disk was fixed."""
         timeout = self.config.flush_timeout if timeout is None else timeout
         started = time.monotonic()
+        self.stager.take_owed(timeout / 2)   # the newest state, if its snapshot was skipped and it did not move
         self.stager.wait()
         step = self.stager.last_commit_step
         if step is None:
@@ -246,7 +248,7 @@ class Checkpointer:
         merely slow is not an error: past ``close_timeout`` the agent finishes it after this process ends.
         ``raise_errors=False``: that failure is logged instead (an exception is already on its way).
         """
-        started = self._begin_end()
+        started = self._begin_end(self.config.close_timeout)
         if started is None:
             return
         final = self._final_persist(self.config.close_timeout, started, "close_timeout")
@@ -305,14 +307,17 @@ class Checkpointer:
         """True once close() began (or the process exit said goodbye instead)."""
         return self._closed
 
-    def _begin_end(self) -> float | None:
+    def _begin_end(self, timeout: float) -> float | None:
         """The first step of either end (close() or the exit without it): the monotonic time it began after
-        the last copy finished, or None when the end happened already."""
+        the last copy finished, or None when the end happened already. The run's last snapshot, if it was
+        skipped, is taken now (within half of ``timeout``), so that final_persist makes the end durable."""
         if self._closed:
             return None
         self._closed = True
         self._finalizer.detach()
         started = time.monotonic()
+        if self.config.final_persist:
+            self.stager.take_owed(timeout / 2)
         self.stager.close()
         return started
 
@@ -332,12 +337,12 @@ class Checkpointer:
         """The interpreter exits and close() was never called (the Megatron API has none): say goodbye
         without waiting, so the agent persists what is due and exits at once instead of after
         agent_idle_timeout."""
-        started = self._begin_end()
-        if started is None:
-            return
         # The end of the run all the same (the Megatron API has no close): its newest snapshot is made durable,
         # bounded by flush_timeout as any exit path; a failure is said, there is no one left to raise it to.
         timeout = min(self.config.flush_timeout, self.config.close_timeout)
+        started = self._begin_end(timeout)
+        if started is None:
+            return
         error = self._final_error(self._final_persist(timeout, started, "flush_timeout"))
         self.agent.close(wait=False, timeout=5.0)
         self.slots.close()

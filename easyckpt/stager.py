@@ -69,6 +69,17 @@ class _Pending:
     future: concurrent.futures.Future[float]   # the copy thread's result: seconds from launch to commit
 
 
+@dataclasses.dataclass(slots=True)
+class _Owed:
+    """The newest snapshot that found no free slot: close() and flush() take it late, so that the end of a
+    run is not lost, but only while no optimizer step has changed the state since (``moved``)."""
+    step: int
+    state: object
+    persist: bool
+    health: RankHealth
+    moved: bool = False
+
+
 class Stager:
     def __init__(self, config: CheckpointerConfig, slots: RankSlots, *, rank: int, world_size: int,
                  local_rank: int, local_world_size: int,
@@ -92,6 +103,8 @@ class Stager:
         self._packer = msgpack.Packer(use_bin_type=True)
         self._static_keys = 0
         self._hook: RemovableHandle | None = None
+        self.owed: _Owed | None = None
+        self._owed_hook: RemovableHandle | None = None
         self._cuda_stream: Any = None
         self._registered: dict[int, int] = {}                    # slot index -> registered address
         self.skipped = 0
@@ -108,6 +121,61 @@ class Stager:
         ``persist``, the agent is asked to persist it once it is committed (not before: the agent would
         take any committed copy of that step, and an older one of the same step may be in the other slot)."""
         self.wait()
+        if self._launch(step, state, persist, health):
+            self._forget_owed()
+            return True
+        self.skipped += 1
+        word = self.slots.agent_word()
+        # Expected with two slots while a persist runs (said once at start-up); with three it is not.
+        self._skips.level = logging.INFO if self.slots.count < 3 else logging.WARNING
+        self._skips.hit("rank %d: snapshot of step %d skipped: all %d slots hold steps the agent keeps (safe "
+                        "step %s, held %s)", self.rank, step, self.slots.count, word.safe if word else None,
+                        sorted(word.held) if word else [])
+        self.owed = _Owed(step, state, persist, health)
+        if self._owed_hook is None:
+            self._owed_hook = register_optimizer_step_pre_hook(self._state_moves)
+        return False
+
+    def take_owed(self, timeout: float) -> int | None:
+        """The end of a run: take the newest snapshot that was skipped, if no optimizer step changed the
+        state since, retrying for a free slot (the agent frees one when its persist ends) for at most
+        ``timeout`` seconds; waits for its copy. Returns the step taken, or None."""
+        owed = self.owed
+        if owed is None or owed.moved or (self.last_commit_step is not None and self.last_commit_step >= owed.step):
+            self._forget_owed()
+            return None
+        self.wait()
+        deadline = time.monotonic() + timeout
+        while not self._launch(owed.step, owed.state, owed.persist, owed.health):
+            if time.monotonic() > deadline:
+                logger.warning("rank %d: the snapshot of step %d was skipped and no slot came free within %.0fs "
+                               "(end-of-run snapshot timeout): the newest snapshot stays step %s", self.rank,
+                               owed.step, timeout, self.last_commit_step)
+                self._forget_owed()
+                return None
+            time.sleep(0.02)   # polling the agent's holds against the deadline
+        self._forget_owed()
+        self.wait()
+        logger.info("rank %d: took the skipped snapshot of step %d at the end of the run", self.rank, owed.step)
+        return owed.step
+
+    def note_step(self, step: int) -> None:
+        """The loop reached ``step``: a skipped snapshot of another step no longer describes the state (a loop
+        that updates its parameters without a torch optimizer is caught here, not by the optimizer hook)."""
+        if self.owed is not None and step != self.owed.step:
+            self.owed.moved = True
+
+    def _state_moves(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.owed is not None:
+            self.owed.moved = True
+
+    def _forget_owed(self) -> None:
+        self.owed = None
+        if self._owed_hook is not None:
+            self._owed_hook.remove()
+            self._owed_hook = None
+
+    def _launch(self, step: int, state: object, persist: bool, health: RankHealth) -> bool:
         started = time.perf_counter()
         skeleton, refs, values = flatten(state)
         plan = self._plan(refs)
@@ -115,13 +183,6 @@ class Stager:
         needed = slot_size(plan.data_len, len(meta) + _META_HEADROOM)
         write = self.slots.write(needed, before_remap=self._drop_views)
         if write is None:
-            self.skipped += 1
-            word = self.slots.agent_word()
-            # Expected with two slots while a persist runs (said once at start-up); with three it is not.
-            self._skips.level = logging.INFO if self.slots.count < 3 else logging.WARNING
-            self._skips.hit("rank %d: snapshot of step %d skipped: all %d slots hold steps the agent keeps (safe "
-                            "step %s, held %s)", self.rank, step, self.slots.count, word.safe if word else None,
-                            sorted(word.held) if word else [])
             return False
         self._skips.end("rank %d: snapshots resume at step %d after skips", self.rank, step)
         try:
@@ -160,6 +221,7 @@ class Stager:
             self.request_persist(pending.step)
 
     def close(self) -> None:
+        self._forget_owed()
         self.wait()
         self.pool.shutdown(wait=True)
         if self._chunk_pool is not None:
