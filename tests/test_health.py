@@ -210,3 +210,13 @@ def test_forget_health_leaves_a_missing_file_missing(tmp_path: Path) -> None:
     save_dir, audit = new_save_dir(tmp_path)
     forget_health(save_dir, audit)
     assert not (save_dir / health.HEALTH_FILE).exists()
+
+
+def test_candidates_pass_over_unhealthy_steps_in_every_tier() -> None:
+    from easyckpt.recovery import candidates_with_health, pass_over_unhealthy
+    ordered, bad = candidates_with_health([30, 20], [30, 10], 1, unhealthy={30}, unhealthy_disk={30})
+    assert ordered == [(30, "memory"), (30, "disk"), (20, "memory"), (10, "disk")]
+    assert bad == {30: [0]}
+    assert pass_over_unhealthy(ordered, bad) == [(20, "memory"), (10, "disk")]
+    ordered, bad = candidates_with_health([], [30, 10], 1, unhealthy_disk={10})
+    assert pass_over_unhealthy(ordered, bad) == [(30, "disk")]
