@@ -109,3 +109,29 @@ def test_a_corrupt_health_file_falls_back_to_metadata(env: Env, caplog: pytest.L
         assert str(Path(env.save_dir) / health.HEALTH_FILE) in caplog.text
     finally:
         ck.close()
+
+
+def test_cli_ls_shows_health_and_verify_checks_the_index(env: Env) -> None:
+    from conftest import run_cli
+    ck = make_ck(env, max_ckpt_num=5)
+    try:
+        save(ck, env, 2, 100.0)
+        save(ck, env, 4, 300.0)
+    finally:
+        ck.close()
+    env.wait_agent_gone()
+    out = run_cli("ls", str(env.save_dir), env=env).stdout
+    line2 = next(line for line in out.splitlines() if line.startswith("iteration_0000002"))
+    line4 = next(line for line in out.splitlines() if line.startswith("iteration_0000004"))
+    assert "health: healthy" in line2 and "health: UNHEALTHY" in line4 and "embedding_local_norm 300" in line4
+    assert run_cli("verify", str(env.save_dir), env=env).returncode == 0
+    index = env.save_dir / health.HEALTH_FILE
+    entries = json.loads(index.read_text())
+    index.write_text(json.dumps(entries + [{"is_health": 0, "ckpt_name": "iteration_0000009", "step": 9,
+                                            "reasons": []}]))
+    proc = run_cli("verify", str(env.save_dir), env=env)
+    assert proc.returncode == 1 and str(index) in proc.stdout and "step 9" in proc.stdout
+    index.write_text("{corrupt")
+    proc = run_cli("verify", str(env.save_dir), env=env)
+    assert proc.returncode == 1 and str(index) in proc.stdout and "not readable JSON" in proc.stdout
+    assert on_disk(env) == [2, 4] and index.read_text() == "{corrupt"   # nothing deleted nor rewritten
