@@ -122,7 +122,7 @@ def floor_after_resume(complete: Iterable[int], resumed: int, persisted: int | N
 
 def newest_healthy(current: Collection[int], unhealthy: Collection[int]) -> int | None:
     """The newest complete iteration not known to be unhealthy (a step without a verdict counts as healthy:
-    nobody reported against it). Rotation keeps it (invariant 11), so a job whose newest checkpoints
+    nobody reported against it). Rotation keeps it (invariant 13), so a job whose newest checkpoints
     are all unhealthy can still go back to a healthy one."""
     return max((step for step in current if step not in set(unhealthy)), default=None)
 

@@ -228,7 +228,7 @@ def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, templa
         disk_steps, base, mem_steps = storage.newest_first(save_dir), save_dir, list(slots.committed())
     plans = _replica_plans(peers, rank, mem_steps, peer_timeout) if load_dir is None else {}
     tried = []
-    # Health (invariant 11): every rank's verdicts on its snapshots, and each iteration's on disk.
+    # Health (invariant 13): every rank's verdicts on its snapshots, and each iteration's on disk.
     mine = _memory_health(slots, mem_steps, timeout)
     mine.update({step: p.manifest.meta.health for step, p in plans.items()})
     on_disk = storage.disk_health(base, disk_steps) if load_dir is None else {}

@@ -1,6 +1,6 @@
 """Checkpoint health in one process: a rank's verdict, the job's verdict on a step, ``health_ckpts.json``
 (round trip, corrupt, atomic), the agent's record of each persist in it, and rotation that keeps the newest
-healthy iteration whatever ``max_ckpt_num`` says (invariant 11)."""
+healthy iteration whatever ``max_ckpt_num`` says (invariant 13)."""
 from __future__ import annotations
 
 import json
