@@ -28,8 +28,10 @@ import numpy
 import psutil
 import xxhash
 
+from easyckpt_wire import health as wire_health
 from easyckpt_wire import layout
 from easyckpt_wire.faults import fault_point
+from easyckpt_wire.health import NEUTRAL, RankHealth
 from easyckpt_wire.records import SlotMeta, TensorEntry
 from easyckpt_wire.shm import PAGE, SlotMap, format_bytes
 
@@ -374,7 +376,53 @@ def persist(save_dir: Path, step: int, snapshots: list[RankSnapshot], audit: Aud
         raise failure   # outside the handler: no chained OSError (nor its frames) rides along
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
+    record_health(save_dir, step, step_health({s.rank: s.meta.health for s in snapshots}), audit)
     return PersistStats(step, final, nbytes, time.monotonic() - started)
+
+
+def step_health(verdicts: dict[int, RankHealth]) -> RankHealth:
+    """The job's verdict on a step from its ranks' (``easyckpt_wire.health.combine``)."""
+    return wire_health.combine(verdicts)
+
+
+def record_health(save_dir: Path, step: int, verdict: RankHealth, audit: AuditLog) -> None:
+    """After the tracker names ``step``: rewrite ``health_ckpts.json`` (atomically) with its entry, keeping
+    only entries of iterations still on disk. Only when a rank reported metrics or the file exists already:
+    a job that does not use health sees no new file. A failure here is logged; the step is durable anyway."""
+    path = save_dir / wire_health.HEALTH_FILE
+    if not verdict.reporting and not path.exists():
+        return
+    try:
+        try:
+            entries = wire_health.read_health_file(save_dir) or []
+        except wire_health.HealthFileError as exc:
+            logger.warning("%s; it is rewritten from this persist on (older entries are lost)", exc)
+            entries = []
+        kept = [s for s, _ in layout.complete_iterations(save_dir)]
+        new = wire_health.entry_for(step, layout.iteration_dirname(step), verdict)
+        wire_health.write_health_file(save_dir, wire_health.updated(entries, new, kept))
+        audit.record("health", path, step=step, healthy=verdict.healthy, reasons=list(verdict.reasons))
+    except OSError as exc:
+        logger.warning("cannot update %s after step %d: %s", path, step, exc)
+    if not verdict.healthy:
+        logger.warning("step %d is unhealthy: %s (recorded in %s)", step, "; ".join(verdict.reasons), path)
+
+
+def forget_health(save_dir: Path, audit: AuditLog) -> None:
+    """Drop the entries of iterations no longer on disk (rotation, a resume's moves) from an existing
+    ``health_ckpts.json``."""
+    path = save_dir / wire_health.HEALTH_FILE
+    try:
+        entries = wire_health.read_health_file(save_dir)
+        if entries is None:
+            return
+        kept = [s for s, _ in layout.complete_iterations(save_dir)]
+        left = wire_health.updated(entries, None, kept)
+        if len(left) != len(entries):
+            wire_health.write_health_file(save_dir, left)
+            audit.record("health", path, dropped=sorted({e.step for e in entries} - {e.step for e in left}))
+    except (OSError, wire_health.HealthFileError) as exc:
+        logger.warning("cannot update %s: %s", path, exc)
 
 
 def _replace(src: Path, final: Path, save_dir: Path, step: int, audit: AuditLog) -> Path | None:
@@ -394,18 +442,19 @@ def _fill(tmp: Path, step: int, snapshots: list[RankSnapshot], threads: int) -> 
     """Every rank's safetensors files, common.json, and last the commit marker; returns tensor bytes."""
     world_size = snapshots[0].meta.world_size
     ranks_meta, common, nbytes = _write_rank_files(tmp, step, snapshots, threads)
-    _write_marker(tmp, step, world_size, ranks_meta, common, nbytes)
+    _write_marker(tmp, step, world_size, ranks_meta, common, nbytes,
+                  step_health({s.rank: s.meta.health for s in snapshots}))
     return nbytes
 
 
 def _write_marker(tmp: Path, step: int, world_size: int, ranks_meta: dict[str, Any], common: dict[str, Any],
-                  nbytes: int) -> None:
+                  nbytes: int, verdict: RankHealth = NEUTRAL) -> None:
     _write_json(tmp / layout.COMMON, {"format": layout.METADATA_FORMAT, "step": step, "ranks": common})
     fault_point("agent.persist.before_marker", step=step)
     _write_json(tmp / layout.METADATA, {
         "format": layout.METADATA_FORMAT, "format_version": layout.METADATA_VERSION, "step": step,
         "world_size": world_size, "framework": "pytorch", "created": time.time(),
-        "checksum_algo": layout.CHECKSUM_ALGO, "bytes": nbytes, "health": None, "ranks": ranks_meta,
+        "checksum_algo": layout.CHECKSUM_ALGO, "bytes": nbytes, "health": verdict.to_wire(), "ranks": ranks_meta,
     })
     layout.fsync_dir(tmp)
 
@@ -457,7 +506,8 @@ def persist_shards(save_dir: Path, step: int, snapshots: list[RankSnapshot], nod
         note = stage / layout.node_file_name(node)
         tmp = note.with_suffix(f".tmp{os.getpid()}")
         _write_json(tmp, {"node": node, "step": step, "world_size": world_size, "bytes": nbytes,
-                          "ranks": ranks_meta, "common": common})
+                          "ranks": ranks_meta, "common": common,
+                          "health": {str(s.rank): s.meta.health.to_wire() for s in snapshots}})
         os.rename(tmp, note)
         layout.fsync_dir(stage)
     except BaseException as exc:
@@ -475,7 +525,8 @@ def persist_shards(save_dir: Path, step: int, snapshots: list[RankSnapshot], nod
 
 
 def stage_progress(save_dir: Path, step: int) -> tuple[int | None, dict[str, Any]]:
-    """(world size, {rank: (metadata entry, common entry, bytes share)}) from the nodes that finished."""
+    """(world size, {rank: (metadata entry, common entry, bytes share, health)}) from the nodes that
+    finished; a rank's health is its verdict from the node's note (neutral from an older agent's note)."""
     stage = save_dir / layout.stage_dirname(step)
     world_size, ranks = None, {}
     for name in sorted(os.listdir(stage)):
@@ -491,7 +542,12 @@ def stage_progress(save_dir: Path, step: int) -> tuple[int | None, dict[str, Any
             continue
         world_size = note["world_size"]
         for rank, entry in note["ranks"].items():
-            ranks[rank] = (entry, note["common"][rank], note["bytes"] / max(1, len(note["ranks"])))
+            try:
+                verdict = RankHealth.from_wire((note.get("health") or {}).get(rank), str(stage / name))
+            except (ValueError, AttributeError) as exc:
+                logger.warning("%s: rank %s's health is unreadable (%s): taken as not reporting", stage / name, rank, exc)
+                verdict = NEUTRAL
+            ranks[rank] = (entry, note["common"][rank], note["bytes"] / max(1, len(note["ranks"])), verdict)
     return world_size, ranks
 
 
@@ -502,12 +558,13 @@ def commit_stage(save_dir: Path, step: int, audit: AuditLog) -> PersistStats | N
     world_size, ranks = stage_progress(save_dir, step)
     if world_size is None or sorted(int(r) for r in ranks) != list(range(world_size)):
         return None
-    nbytes = int(sum(share for _, _, share in ranks.values()))
+    nbytes = int(sum(share for _, _, share, _ in ranks.values()))
+    verdict = step_health({int(r): h for r, (_, _, _, h) in ranks.items()})
     for name in os.listdir(stage):
         if layout.NODE_FILE_RE.match(name):
             os.unlink(stage / name)
-    _write_marker(stage, step, world_size, {r: e for r, (e, _, _) in ranks.items()},
-                  {r: c for r, (_, c, _) in ranks.items()}, nbytes)
+    _write_marker(stage, step, world_size, {r: e for r, (e, _, _, _) in ranks.items()},
+                  {r: c for r, (_, c, _, _) in ranks.items()}, nbytes, verdict)
     final = save_dir / layout.iteration_dirname(step)
     trash = _replace(stage, final, save_dir, step, audit)
     if trash is not None:
@@ -515,6 +572,7 @@ def commit_stage(save_dir: Path, step: int, audit: AuditLog) -> PersistStats | N
     audit.record("write", final, step=step, bytes=nbytes, nodes="all")
     fault_point("agent.persist.before_tracker", step=step)
     write_tracker(save_dir, step, audit)
+    record_health(save_dir, step, verdict, audit)
     return PersistStats(step, final, nbytes, time.monotonic() - started)
 
 

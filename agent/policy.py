@@ -120,6 +120,20 @@ def floor_after_resume(complete: Iterable[int], resumed: int, persisted: int | N
     return persisted, given_up if given_up <= resumed else -1
 
 
+def newest_healthy(current: Collection[int], unhealthy: Collection[int]) -> int | None:
+    """The newest complete iteration not known to be unhealthy (a step without a verdict counts as healthy:
+    nobody reported against it). Rotation keeps it (invariant 13), so a job whose newest checkpoints
+    are all unhealthy can still go back to a healthy one."""
+    return max((step for step in current if step not in set(unhealthy)), default=None)
+
+
+def rotation_keep(keep: Collection[int], current: Collection[int], unhealthy: Collection[int]) -> set[int]:
+    """What rotation must not delete: ``keep`` (the step just persisted, the tracked one) and the newest
+    healthy iteration."""
+    healthy = newest_healthy(current, unhealthy)
+    return set(keep) | ({healthy} if healthy is not None else set())
+
+
 def rotation_victims(current: Sequence[int], abandoned: Sequence[tuple[str, int]], *, max_ckpt_num: int,
                      keep: Collection[int]) -> tuple[list[tuple[str, int]], list[int]]:
     """What rotation deletes so that at most ``max_ckpt_num`` checkpoints remain, abandoned ones counted.

@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from agent import policy
-from agent.persister import AuditLog, drop_stage, stage_steps, write_tracker
-from easyckpt_wire import layout, timeline
+from agent.persister import AuditLog, drop_stage, forget_health, stage_steps, write_tracker
+from easyckpt_wire import health, layout, timeline
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class DiskTimeline:
             os.rename(source, dest)
         layout.fsync_dir(target)
         layout.fsync_dir(self.save_dir)
+        forget_health(self.save_dir, self.audit)
         logger.warning("the job resumed at step %d: moved iterations %s of the abandoned timeline to %s "
                        "(rotation removes them first; delete them by hand if you do not need them)",
                        resumed, victims, target)
@@ -122,7 +123,8 @@ class DiskTimeline:
             current = {step: path for step, path in layout.complete_iterations(self.save_dir)}
             abandoned = {(name, step): path for name, step, path in timeline.abandoned_iterations(self.save_dir)}
             tracked = layout.read_tracker(self.save_dir)
-            keep_steps = {keep} | ({tracked} if tracked is not None else set())
+            keep_steps = policy.rotation_keep({keep} | ({tracked} if tracked is not None else set()),
+                                              current, self._unhealthy(current))
             gone_abandoned, gone_current = policy.rotation_victims(sorted(current), sorted(abandoned),
                                                                    max_ckpt_num=max_ckpt_num, keep=keep_steps)
             trash: list[Path] = []
@@ -136,6 +138,8 @@ class DiskTimeline:
                 if not any(parent.iterdir()):
                     self.audit.record("delete", parent, reason="no abandoned iteration left in it")
                     parent.rmdir()
+        if gone_current:
+            forget_health(self.save_dir, self.audit)
         for path in trash:   # one rename made each vanish; the slow part runs outside the lock
             shutil.rmtree(path, ignore_errors=True)
         for (name, step) in gone_abandoned:
@@ -143,6 +147,25 @@ class DiskTimeline:
         for step in gone_current:
             logger.info("deleted %s (rotation to max_ckpt_num=%d)", current[step], max_ckpt_num)
         return [*gone_abandoned, *(("", step) for step in gone_current)]
+
+    def _unhealthy(self, current: dict[int, Path]) -> set[int]:
+        """Steps of ``current`` known to be unhealthy: from ``health_ckpts.json``, or (it is unreadable)
+        from each iteration's ``metadata.json``."""
+        try:
+            entries = health.read_health_file(self.save_dir)
+            return set(health.unhealthy_steps(entries or []))
+        except health.HealthFileError as exc:
+            logger.warning("%s; rotation reads each iteration's %s instead", exc, layout.METADATA)
+        bad = set()
+        for step, path in current.items():
+            try:
+                verdict = layout.read_metadata(path).get("health")
+            except layout.CheckpointFormatError as exc:
+                logger.warning("%s: %s", path, exc)
+                continue
+            if isinstance(verdict, dict) and verdict.get("healthy") is False:
+                bad.add(step)
+        return bad
 
     def _to_trash(self, path: Path, step: int, reason: str) -> Path:
         self.audit.record("delete", path, step=step, reason=reason)

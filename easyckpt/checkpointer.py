@@ -120,18 +120,24 @@ class Checkpointer:
                     self.rank, self.world_size, config.job_id, config.save_dir, config.shm_dir,
                     config.save_mem_interval, config.save_storage_interval, config.max_ckpt_num)
 
-    def load(self, state_dict: Any = None, *, load_dir: str | os.PathLike[str] | None = None) -> LoadResult:
+    def load(self, state_dict: Any = None, *, load_dir: str | os.PathLike[str] | None = None,
+             allow_unhealthy: bool = False) -> LoadResult:
         """Resume: the newest step every rank can get: from this node's memory, else (multi-node) from
         replicas on other nodes, else from disk.
 
         With ``state_dict``, its tensors of matching names are filled in place (on their devices) and
         appear in ``result.state``; a shape or dtype mismatch raises StateMismatchError and changes
-        nothing. ``load_dir`` names one ``iteration_N`` directory to load instead.
+        nothing. ``load_dir`` names one ``iteration_N`` directory to load instead, whatever its health.
+
+        Health: a step whose snapshot some rank judged unhealthy (``save_if_needed(metrics=)``) is passed
+        over for the newest healthy one, in every tier; when nothing healthy is left LoadError says so
+        (``allow_unhealthy=True`` loads the newest anyway).
         """
         self.stager.wait()
         result = load(slots=self.slots, save_dir=self.config.save_dir, rank=self.rank, world_size=self.world_size,
                       template=state_dict, load_dir=Path(load_dir).resolve() if load_dir is not None else None,
-                      timeout=self.config.load_timeout, peers=self.peers, peer_timeout=self.config.peer_timeout)
+                      timeout=self.config.load_timeout, peers=self.peers, peer_timeout=self.config.peer_timeout,
+                      allow_unhealthy=allow_unhealthy)
         # In this rank's slot (memory, or pulled from a replica): a process that ends without a snapshot of its
         # own must still make it durable. A step read from disk is durable already.
         self._resumed = result.step if result.source in ("memory", "replica") else None

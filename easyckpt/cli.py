@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from easyckpt.agent_client import AgentTimeout, query_status
-from easyckpt_wire import layout, owner, protocol, runtime, timeline
+from easyckpt_wire import health, layout, owner, protocol, runtime, timeline
 from easyckpt_wire.control import control_path
 from easyckpt_wire.shm import (
     HEADER_SIZE,
@@ -37,17 +37,53 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 2
     rows = layout.list_iterations(save_dir)
     tracker = layout.read_tracker(save_dir)
+    verdicts = _health_column(save_dir)
     print(f"{'iteration':<20} {'step':>10} {'size':>12}  status")
     for step, path, complete in rows:
         status = "complete" if complete and _parses(path) else "INCOMPLETE (no commit marker)"
         mark = "  <- tracker" if step == tracker else ""
-        print(f"{path.name:<20} {step:>10} {format_bytes(_dir_bytes(path)):>12}  {status}{mark}")
+        verdict = f"  health: {verdicts[step]}" if step in verdicts else ""   # only with health_ckpts.json
+        print(f"{path.name:<20} {step:>10} {format_bytes(_dir_bytes(path)):>12}  {status}{mark}{verdict}")
     if not rows:
         print("(no iterations)")
     for name, step, path in timeline.abandoned_iterations(save_dir):   # moved aside by a resume (invariant 10)
         print(f"{name}/{path.name:<20} {step:>10} {format_bytes(_dir_bytes(path)):>12}  abandoned timeline "
               "(never loaded automatically; rotation removes it first)")
     return 0
+
+
+def _health_column(save_dir: Path) -> dict[int, str]:
+    """{step: "healthy" | "UNHEALTHY: reasons"} from health_ckpts.json (none: no column values; corrupt:
+    a warning on stderr, ``easyckpt verify`` says more)."""
+    try:
+        entries = health.read_health_file(save_dir) or []
+    except health.HealthFileError as exc:
+        print(f"warning: {exc}", file=sys.stderr)
+        return {}
+    return {e.step: "healthy" if e.healthy else "UNHEALTHY" + (f" ({'; '.join(e.reasons)})" if e.reasons else "")
+            for e in entries}
+
+
+def _verify_health(save_dir: Path) -> list[str]:
+    """Problems of ``save_dir/health_ckpts.json``: unreadable, or entries naming iterations not on disk, or
+    whose ckpt_name does not match their step. Nothing is changed."""
+    path = save_dir / health.HEALTH_FILE
+    try:
+        entries = health.read_health_file(save_dir)
+    except health.HealthFileError as exc:
+        return [str(exc)]
+    if entries is None:
+        return []
+    complete = {step for step, _ in layout.complete_iterations(save_dir)}
+    problems = []
+    for entry in entries:
+        if entry.ckpt_name != layout.iteration_dirname(entry.step):
+            problems.append(f"{path}: entry of step {entry.step} names {entry.ckpt_name!r}, expected "
+                            f"{layout.iteration_dirname(entry.step)!r}")
+        elif entry.step not in complete:
+            problems.append(f"{path}: entry of step {entry.step} names {entry.ckpt_name}, which is not a complete "
+                            "iteration in this save_dir (the agent drops it at its next persist)")
+    return problems
 
 
 def _dir_bytes(path: Path) -> int:
@@ -92,8 +128,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
         bad += problem is not None
     if not results:
         print(f"{save_dir}: no iterations to verify")
-    print(f"{len(results) - bad} ok, {bad} damaged")
-    return 1 if bad else 0
+    health_problems = [] if layout.ITERATION_RE.match(save_dir.name) else _verify_health(save_dir)
+    for problem in health_problems:
+        print(f"{health.HEALTH_FILE}: BAD: {problem}")
+    print(f"{len(results) - bad} ok, {bad} damaged" + (f", {len(health_problems)} health index problem(s)"
+                                                       if health_problems else ""))
+    return 1 if bad or health_problems else 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from easyckpt import replica, storage
 from easyckpt.collectives import all_gather_ints
 from easyckpt.slots import RankSlots
 from easyckpt.state import flatten, torch_dtype, unflatten
+from easyckpt_wire.health import NEUTRAL, RankHealth
 from easyckpt_wire.layout import CheckpointFormatError
 from easyckpt_wire.records import PeerTable
 from easyckpt_wire.shm import MAX_SLOTS, SlotFormatError, format_bytes
@@ -63,11 +64,32 @@ class _Record:
 def candidates(mem_steps: list[int], disk_steps: list[int], world_size: int,
                replica_steps: Sequence[int] = ()) -> list[tuple[int, str]]:
     """The same ordered candidate list on every rank: (step, "memory" | "replica" | "disk")."""
+    return candidates_with_health(mem_steps, disk_steps, world_size, replica_steps)[0]
+
+
+def candidates_with_health(mem_steps: list[int], disk_steps: list[int], world_size: int,
+                           replica_steps: Sequence[int] = (), unhealthy: Collection[int] = (),
+                           unhealthy_disk: Collection[int] = ()) -> tuple[list[tuple[int, str]], dict[int, list[int]]]:
+    """``candidates``, and the steps some rank holds an unhealthy snapshot of: {step: [ranks saying so]}.
+
+    ``unhealthy``: this rank's memory/replica steps whose snapshot (its own) is unhealthy; ``unhealthy_disk``:
+    disk steps whose iteration says so (every rank reads the same). A memory/replica step is unhealthy when
+    any rank's snapshot is; a disk step when its iteration is. Every rank gets the same answer."""
     # Every slot's step: the safe step need not be among a rank's two newest (a persist may hold a third).
     mem = (sorted(mem_steps, reverse=True) + [-1] * MAX_SLOTS)[:MAX_SLOTS]
     rep = (sorted(set(replica_steps) - set(mem_steps), reverse=True) + [-1, -1])[:2]
     disk = (disk_steps[:MAX_DISK_CANDIDATES] + [-1] * MAX_DISK_CANDIDATES)[:MAX_DISK_CANDIDATES]
-    rows = all_gather_ints(mem + rep + disk, world_size)
+    n_local = MAX_SLOTS + 2
+    flags = [int(s >= 0 and s in unhealthy) for s in mem + rep] + [int(s >= 0 and s in unhealthy_disk) for s in disk]
+    both = all_gather_ints(mem + rep + disk + flags, world_size)
+    width = len(mem + rep + disk)
+    rows = [row[:width] for row in both]
+    bad_mem: dict[int, list[int]] = {}
+    bad_disk: dict[int, list[int]] = {}
+    for r, row in enumerate(both):
+        for i, (step, flag) in enumerate(zip(row[:width], row[width:])):
+            if step >= 0 and flag:
+                (bad_mem if i < n_local else bad_disk).setdefault(step, []).append(r)
     local, anywhere = MAX_SLOTS, MAX_SLOTS + 2
     common_mem = set.intersection(*({s for s in row[:local] if s >= 0} for row in rows))
     common_any = set.intersection(*({s for s in row[:anywhere] if s >= 0} for row in rows))
@@ -75,7 +97,29 @@ def candidates(mem_steps: list[int], disk_steps: list[int], world_size: int,
     ordered = ([(s, "memory" if s in common_mem else "replica") for s in common_any]
                + [(s, "disk") for s in common_disk])
     rank_of = {"memory": 0, "replica": 1, "disk": 2}
-    return sorted(ordered, key=lambda c: (-c[0], rank_of[c[1]]))
+    ordered = sorted(ordered, key=lambda c: (-c[0], rank_of[c[1]]))
+    bad = {step: sorted(set(bad_mem.get(step, [])) | set(bad_disk.get(step, [])))
+           for step in {s for s, _ in ordered} if step in bad_mem or step in bad_disk}
+    return ordered, bad
+
+
+def pass_over_unhealthy(ordered: list[tuple[int, str]], bad: Mapping[int, object]) -> list[tuple[int, str]]:
+    """The candidates left once every unhealthy step is passed over (pure: the same on every rank)."""
+    return [c for c in ordered if c[0] not in bad]
+
+
+def _memory_health(slots: RankSlots, steps: Sequence[int], timeout: float) -> dict[int, RankHealth]:
+    """This rank's verdict on each of its committed snapshots (an unreadable slot: neutral here; reading it
+    for the load fails the same way and moves every rank on)."""
+    found = {}
+    for step in steps:
+        try:
+            with slots.read(step, timeout) as read:
+                found[step] = read.meta.health
+        except (SlotFormatError, TimeoutError, KeyError, OSError) as exc:
+            logger.debug("health of step %d in memory unknown: %s", step, exc)
+            found[step] = NEUTRAL
+    return found
 
 
 def _outcomes(code: int, world_size: int) -> list[int]:
@@ -167,7 +211,7 @@ def _replica_plans(peers: PeerTable | None, rank: int, mem_steps: list[int],
 
 def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, template: Any = None,
          load_dir: Path | None = None, timeout: float = 120.0, peers: PeerTable | None = None,
-         peer_timeout: float = 10.0) -> LoadResult:
+         peer_timeout: float = 10.0, allow_unhealthy: bool = False) -> LoadResult:
     started = time.perf_counter()
     template_map: dict[str, Any] = {}
     if template is not None:
@@ -184,7 +228,40 @@ def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, templa
         disk_steps, base, mem_steps = storage.newest_first(save_dir), save_dir, list(slots.committed())
     plans = _replica_plans(peers, rank, mem_steps, peer_timeout) if load_dir is None else {}
     tried = []
-    ordered = candidates(mem_steps, disk_steps, world_size, list(plans))
+    # Health (invariant 13): every rank's verdicts on its snapshots, and each iteration's on disk.
+    mine = _memory_health(slots, mem_steps, timeout)
+    mine.update({step: p.manifest.meta.health for step, p in plans.items()})
+    on_disk = storage.disk_health(base, disk_steps) if load_dir is None else {}
+    ordered, bad = candidates_with_health(mem_steps, disk_steps, world_size, list(plans),
+                                          unhealthy={s for s, v in mine.items() if not v.healthy},
+                                          unhealthy_disk={s for s, v in on_disk.items() if not v.healthy})
+    why = {step: (on_disk[step].reasons if step in on_disk and not on_disk[step].healthy
+                  else tuple(f"rank {rank}: {r}" for r in mine[step].reasons) if step in mine else ())
+           for step in bad}
+
+    def describe(step: int) -> str:
+        return (f"step {step} (unhealthy on ranks {bad[step]}"
+                + (f": {'; '.join(why[step])}" if why[step] else "") + ")")
+
+    if bad and load_dir is None:
+        newer = [s for s in sorted({s for s, _ in ordered}, reverse=True) if s in bad]
+        healthy = pass_over_unhealthy(ordered, bad)
+        if allow_unhealthy:
+            logger.warning("rank %d: allow_unhealthy=True: unhealthy snapshots may be loaded: %s", rank,
+                           ", ".join(describe(s) for s in newer))
+        elif not healthy:
+            raise LoadError(
+                f"no healthy checkpoint to resume from in memory or in save_dir {save_dir} (this is rank {rank}): "
+                f"every one is unhealthy: {', '.join(describe(s) for s in newer)}. Either retrain from scratch "
+                "(remove or move save_dir), or raise the threshold in health_thresholds, or load a chosen iteration "
+                "with load(load_dir=<save_dir>/iteration_N), or load the newest anyway with "
+                "load(allow_unhealthy=True)")
+        else:
+            passed = [s for s in newer if s > healthy[0][0]]
+            if passed:
+                logger.warning("rank %d: passing over unhealthy snapshots newer than step %d: %s", rank,
+                               healthy[0][0], ", ".join(describe(s) for s in passed))
+            ordered = healthy
     if mem_steps and (not ordered or ordered[0][1] == "disk"):
         logger.warning("rank %d holds steps %s in memory, but no step that every rank can get from memory or from "
                        "replicas on other nodes (a rank whose node lost its memory gets only a step another node "

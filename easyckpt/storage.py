@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ import torch
 import xxhash
 from safetensors import safe_open
 
-from easyckpt_wire import layout, timeline
+from easyckpt_wire import health, layout, timeline
 from easyckpt_wire.layout import CheckpointFormatError
 
 logger = logging.getLogger(__name__)
@@ -64,6 +64,39 @@ def newest_first(save_dir: Path) -> list[int]:
                     "that died before it updated the tracker; not loaded", save_dir,
                     sorted(set(complete) - set(steps)), steps[0])
     return steps
+
+
+def iteration_health(iteration_dir: Path) -> health.RankHealth | None:
+    """The job's verdict in ``metadata.json`` (None: the iteration has no ``health`` key, or it is unreadable)."""
+    try:
+        raw = layout.read_metadata(iteration_dir)
+    except CheckpointFormatError:
+        return None
+    if "health" not in raw:
+        return None
+    try:
+        return health.RankHealth.from_wire(raw["health"], str(iteration_dir / layout.METADATA))
+    except ValueError as exc:
+        logger.warning("%s", exc)
+        return None
+
+
+def disk_health(save_dir: Path, steps: Iterable[int]) -> dict[int, health.RankHealth]:
+    """The verdict on each iteration of ``steps``: from ``health_ckpts.json``, else its ``metadata.json``
+    (a step neither names is neutral, i.e. healthy). A corrupt index is a warning, not a failed load."""
+    entries: dict[int, health.HealthEntry] = {}
+    try:
+        entries = {e.step: e for e in health.read_health_file(save_dir) or []}
+    except health.HealthFileError as exc:
+        logger.warning("%s; using each iteration's %s instead", exc, layout.METADATA)
+    found = {}
+    for step in steps:
+        entry = entries.get(step)
+        if entry is not None:
+            found[step] = health.RankHealth(True, entry.healthy, entry.reasons)
+        else:
+            found[step] = iteration_health(save_dir / layout.iteration_dirname(step)) or health.NEUTRAL
+    return found
 
 
 def iteration_step(iteration_dir: Path) -> int:
