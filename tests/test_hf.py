@@ -43,7 +43,7 @@ class HFJob(Job):
 
     def __init__(self, env: Env, output_dir: Path, out: Path, *, resume: str | None = None, plain: bool = False,
                  step_seconds: float = 0.0, save_total_limit: int | None = None, save_strategy: str = "steps",
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None) -> None:
         self.out = out
         self.nproc = 2
         out.mkdir(parents=True, exist_ok=True)
@@ -58,6 +58,7 @@ class HFJob(Job):
             command.append("--plain")
         if save_total_limit is not None:
             command += ["--save-total-limit", str(save_total_limit)]
+        command += extra_args or []
         extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TOKENIZERS_PARALLELISM": "false",
                  "HF_HUB_OFFLINE": "1", **(extra_env or {})}
         self._log = open(self.log_path, "w")
@@ -550,3 +551,30 @@ def test_hf_skipping_keywords_are_checked(tmp_path: Path) -> None:
     assert wrapper.skipper is not None
     assert (wrapper.skipper.global_norm_spike_threshold, wrapper.skipper.global_norm_spike_count_threshold) == (1.0, 10)
     assert wrapper.options["health_thresholds"] == {"loss": 10.0, "embedding_local_norm": 1.0}
+
+
+def test_hf_ddp_skips_a_spike_on_both_ranks_and_aborts_at_two(env: Env, tmp_path: Path) -> None:
+    """examples/hf_trainer.py on 2 ranks: the spike at step 3 (every rank's loss scaled) is skipped on both
+    ranks alike (DDP's all-reduced norm): the state after step 3 is the state after step 2, the Trainer still
+    logs step 3, and the ranks stay equal; spikes at 3 and 4 abort the job with step 3 durable."""
+    skip = ["--global-norm-spike-threshold", "50", "--global-norm-spike-count-threshold", "2",
+            "--embedding-local-norm-threshold", "270"]
+    job = run_to_end(HFJob(env, tmp_path / "hf", tmp_path / "out", save_strategy="no",
+                           extra_args=skip + ["--spike-steps", "3"]))
+    rows = [job.losses(rank) for rank in range(2)]
+    for rank in range(2):
+        assert sorted(rows[rank]) == list(range(1, STEPS + 1))
+        assert rows[rank][3]["grad_norm"] > 50 > max(r["grad_norm"] for s, r in rows[rank].items() if s != 3)
+        assert rows[rank][3]["digest"] == rows[rank][2]["digest"] != rows[rank][1]["digest"]
+        assert rows[rank][4]["digest"] != rows[rank][3]["digest"]
+    assert [r["digest"] for r in rows[0].values()] == [r["digest"] for r in rows[1].values()]
+    assert job.log().count("step 3: global norm") == 2, job.log()[-3000:]
+
+    aborted = HFJob(env, tmp_path / "hf2", tmp_path / "out2", save_strategy="no",
+                    extra_args=skip + ["--spike-steps", "3,4"])
+    try:
+        assert aborted.wait(120) != 0
+    finally:
+        aborted.kill()
+    assert "TrainingAborted" in aborted.log() and "step 4: global norm" in aborted.log()
+    assert (tmp_path / "hf2" / "easyckpt" / layout.iteration_dirname(3) / layout.METADATA).is_file()
