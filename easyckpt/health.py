@@ -21,7 +21,7 @@ from easyckpt_wire.health import HEALTH_FILE, RankHealth, check_thresholds, rank
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HEALTH_FILE", "DataSkipper", "RankHealth", "TrainingAborted", "check_thresholds",
+__all__ = ["HEALTH_FILE", "DataSkipper", "RankHealth", "TrainingAborted", "check_thresholds", "configure",
            "embedding_local_norm", "rank_verdict"]
 
 
@@ -107,3 +107,49 @@ def embedding_local_norm(model: torch.nn.Module) -> float | None:
         return None
     local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]   # DTensor: this rank's shard
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in local])))
+
+
+# MindSpore Transformers' defaults for the keywords of the integrations.
+DEFAULT_GLOBAL_NORM_SPIKE_THRESHOLD = 1.0
+DEFAULT_GLOBAL_NORM_SPIKE_COUNT_THRESHOLD = 10
+DEFAULT_EMBEDDING_LOCAL_NORM_THRESHOLD = 1.0
+
+
+def configure(*, use_skip_data_by_global_norm: bool = False, global_norm_spike_threshold: float | None = None,
+              global_norm_spike_count_threshold: int | None = None, use_checkpoint_health_monitor: bool = False,
+              embedding_local_norm_threshold: float | None = None,
+              health_thresholds: dict[str, float] | None = None,
+              what: str = "easyckpt") -> tuple[DataSkipper | None, dict[str, float] | None]:
+    """The integrations' keywords (TrainerWrapper, initialize_easyckpt), checked: the DataSkipper (None when
+    skipping is off; its ``on_abort`` is set once there is a Checkpointer) and the Checkpointer's
+    ``health_thresholds`` (``health_thresholds`` given directly, plus ``embedding_local_norm``)."""
+    for flag, on in (("use_skip_data_by_global_norm", use_skip_data_by_global_norm),
+                     ("use_checkpoint_health_monitor", use_checkpoint_health_monitor)):
+        if not isinstance(on, bool):
+            raise TypeError(f"{what}: {flag} must be True or False, got {on!r}")
+    if not use_skip_data_by_global_norm:
+        for name, value in (("global_norm_spike_threshold", global_norm_spike_threshold),
+                            ("global_norm_spike_count_threshold", global_norm_spike_count_threshold)):
+            if value is not None:
+                raise ValueError(f"{what}: {name}={value!r} has no effect without use_skip_data_by_global_norm=True")
+    if not use_checkpoint_health_monitor and embedding_local_norm_threshold is not None:
+        raise ValueError(f"{what}: embedding_local_norm_threshold={embedding_local_norm_threshold!r} has no effect "
+                         "without use_checkpoint_health_monitor=True")
+    skipper = None
+    if use_skip_data_by_global_norm:
+        skipper = DataSkipper(
+            global_norm_spike_threshold=DEFAULT_GLOBAL_NORM_SPIKE_THRESHOLD if global_norm_spike_threshold is None
+            else global_norm_spike_threshold,
+            global_norm_spike_count_threshold=DEFAULT_GLOBAL_NORM_SPIKE_COUNT_THRESHOLD
+            if global_norm_spike_count_threshold is None else global_norm_spike_count_threshold)
+    thresholds = check_thresholds(health_thresholds, what) if health_thresholds is not None else None
+    if use_checkpoint_health_monitor:
+        threshold = DEFAULT_EMBEDDING_LOCAL_NORM_THRESHOLD if embedding_local_norm_threshold is None \
+            else embedding_local_norm_threshold
+        mine = check_thresholds({"embedding_local_norm": threshold}, what)
+        if thresholds is not None and thresholds.get("embedding_local_norm", threshold) != threshold:
+            raise ValueError(f"{what}: embedding_local_norm_threshold={threshold!r} and "
+                             f"health_thresholds['embedding_local_norm']={thresholds['embedding_local_norm']!r} "
+                             "disagree: give one")
+        thresholds = {**(thresholds or {}), **mine}
+    return skipper, thresholds

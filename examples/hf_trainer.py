@@ -119,6 +119,13 @@ def main() -> None:
                         help="no value: newest state (memory, replica, disk); or a checkpoint-N path")
     parser.add_argument("--plain", action="store_true", help="a plain Trainer without easyckpt")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="extra compute per step (busy loop)")
+    parser.add_argument("--spike-steps", default="", help="comma-separated steps whose loss is scaled by 1e4 (a "
+                        "gradient spike), to see data skipping at work")
+    parser.add_argument("--global-norm-spike-threshold", type=float, default=None,
+                        help="data skipping on (use_skip_data_by_global_norm=True) with this threshold")
+    parser.add_argument("--global-norm-spike-count-threshold", type=int, default=None)
+    parser.add_argument("--embedding-local-norm-threshold", type=float, default=None,
+                        help="checkpoint health monitor on (use_checkpoint_health_monitor=True) with this threshold")
     args = parser.parse_args()
     run(args)
     # The Trainer leaves its process group up. Torn down during interpreter exit, gloo's DDP group can
@@ -148,7 +155,15 @@ def run(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32))
     step_log = StepLog(out / f"losses-rank{rank}.jsonl", attempt)
-    trainer = Trainer(model=model, args=training_args, train_dataset=SyntheticTokens(64), callbacks=[step_log])
+    spikes = {int(step) for step in args.spike_steps.split(",") if step}
+
+    class SpikyTrainer(Trainer):
+        def compute_loss(self, model: Any, inputs: Any, *rest: Any, **kwargs: Any) -> Any:
+            loss = super().compute_loss(model, inputs, *rest, **kwargs)
+            return loss * 1e4 if self.state.global_step + 1 in spikes else loss
+
+    trainer = (SpikyTrainer if spikes else Trainer)(model=model, args=training_args,
+                                                    train_dataset=SyntheticTokens(64), callbacks=[step_log])
     # Each rank its own dropout and noise streams (the sampler is seeded by data_seed), so a resumed rank
     # must get its own RNG states back, not rank 0's.
     torch.manual_seed(1 + rank)
@@ -159,8 +174,15 @@ def run(args: argparse.Namespace) -> None:
         trainer.add_callback(BusyStep(args.step_seconds))
 
     resume: str | bool | None = True if args.resume == "true" else args.resume
+    health: dict[str, Any] = {}
+    if args.global_norm_spike_threshold is not None:
+        health.update(use_skip_data_by_global_norm=True, global_norm_spike_threshold=args.global_norm_spike_threshold,
+                      global_norm_spike_count_threshold=args.global_norm_spike_count_threshold)
+    if args.embedding_local_norm_threshold is not None:
+        health.update(use_checkpoint_health_monitor=True,
+                      embedding_local_norm_threshold=args.embedding_local_norm_threshold)
     wrapper = None if args.plain else TrainerWrapper(trainer, save_mem_interval=args.save_mem_interval,
-                                                     log_file_path=str(out / "persist.log"))
+                                                     log_file_path=str(out / "persist.log"), **health)
 
     class ResumeReport(TrainerCallback):
         """Where this run started, written before its first step (a killed run still has it)."""

@@ -43,7 +43,7 @@ class HFJob(Job):
 
     def __init__(self, env: Env, output_dir: Path, out: Path, *, resume: str | None = None, plain: bool = False,
                  step_seconds: float = 0.0, save_total_limit: int | None = None, save_strategy: str = "steps",
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None) -> None:
         self.out = out
         self.nproc = 2
         out.mkdir(parents=True, exist_ok=True)
@@ -58,6 +58,7 @@ class HFJob(Job):
             command.append("--plain")
         if save_total_limit is not None:
             command += ["--save-total-limit", str(save_total_limit)]
+        command += extra_args or []
         extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TOKENIZERS_PARALLELISM": "false",
                  "HF_HUB_OFFLINE": "1", **(extra_env or {})}
         self._log = open(self.log_path, "w")
@@ -400,3 +401,180 @@ def test_configuration_errors_name_the_fix(tmp_path: Path) -> None:
         TrainerWrapper(object())  # type: ignore[arg-type]
     wrapper = TrainerWrapper(trainer(save_strategy="no"))
     assert wrapper.args.max_steps == 4 and wrapper.save_steps is None  # other attributes are the Trainer's
+
+
+# --- data skipping and checkpoint health (issue 13) -----------------------------------------------------
+
+SKIP_STEPS = 8
+
+
+def _skip_run(output_dir: Path, *, spikes: set[int], wrapper_kwargs: dict[str, Any] | None,
+              restore_at: int | None = None, resume: bool = False) -> tuple[Any, Any]:
+    """One process, the tiny GPT-2, the loss scaled by 1e4 at the steps in ``spikes``. ``restore_at``: the
+    reference, which lets step ``restore_at`` update and then puts model, optimizer and scheduler back as
+    they were before it (a callback, by construction: no easyckpt). Returns the Trainer and the
+    wrapper (None for the plain run), or raises what train() raises."""
+    import copy
+
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from easyckpt.transformers import TrainerWrapper
+
+    example = _example_module()
+
+    class Spiky(Trainer):
+        def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+            loss = super().compute_loss(model, inputs, *args, **kwargs)
+            return loss * 1e4 if self.state.global_step + 1 in spikes else loss
+
+    class Undo(TrainerCallback):
+        saved: Any = None
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if state.global_step + 1 == restore_at:
+                self.saved = copy.deepcopy((kw["model"].state_dict(), kw["optimizer"].state_dict(),
+                                            kw["lr_scheduler"].state_dict()))
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            if self.saved is not None:
+                model, optim, sched = self.saved
+                kw["model"].load_state_dict(model)
+                kw["optimizer"].load_state_dict(optim)
+                kw["lr_scheduler"].load_state_dict(sched)
+                self.saved = None
+
+    args = TrainingArguments(
+        output_dir=str(output_dir), per_device_train_batch_size=4, learning_rate=3e-3, warmup_steps=2,
+        max_steps=SKIP_STEPS, logging_steps=1, save_strategy="no", max_grad_norm=1.0, seed=0, data_seed=1234,
+        report_to="none", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=example.VOCAB, n_positions=32))
+    trainer = Spiky(model=model, args=args, train_dataset=example.SyntheticTokens(64),
+                    callbacks=[Undo()] if restore_at is not None else None)
+    if wrapper_kwargs is None:
+        trainer.train()
+        return trainer, None
+    wrapper = TrainerWrapper(trainer, save_mem_interval=1, **wrapper_kwargs)
+    wrapper.train(resume_from_checkpoint=resume)
+    return trainer, wrapper
+
+
+SKIPPING = {"use_skip_data_by_global_norm": True, "global_norm_spike_threshold": 50.0,
+            "global_norm_spike_count_threshold": 2}
+
+
+def test_hf_spike_is_skipped_exactly_and_health_metrics_ride_with_snapshots(
+        env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spike at step 3: the wrapped run's model and optimizer equal, bit for bit, a plain Trainer's that
+    undid step 3's update; the Trainer still counted and logged step 3. Each snapshot carried the
+    embedding's gradient norm and the step's loss."""
+    from easyckpt.checkpointer import Checkpointer
+
+    seen: list[tuple[int, Any]] = []
+    original = Checkpointer.save_if_needed
+
+    def spy(self: Checkpointer, step: int, state: Any, *, metrics: Any = None) -> bool:
+        seen.append((step, metrics))
+        return original(self, step, state, metrics=metrics)
+
+    monkeypatch.setattr(Checkpointer, "save_if_needed", spy)
+    ours, _ = _skip_run(tmp_path / "ours", spikes={3}, wrapper_kwargs={
+        **SKIPPING, "use_checkpoint_health_monitor": True, "embedding_local_norm_threshold": 270.0})
+    reference, _ = _skip_run(tmp_path / "reference", spikes={3}, wrapper_kwargs=None, restore_at=3)
+    assert ours.state.global_step == reference.state.global_step == SKIP_STEPS
+    norms = {r["step"]: r["grad_norm"] for r in ours.state.log_history if "grad_norm" in r}
+    assert sorted(norms) == list(range(1, SKIP_STEPS + 1))
+    assert norms[3] > 50.0 > max(n for s, n in norms.items() if s != 3)
+    for (key, a), (_, b) in zip(ours.model.state_dict().items(), reference.model.state_dict().items()):
+        assert torch.equal(a, b), key
+    assert_optimizers_equal(ours.optimizer.state_dict(), reference.optimizer.state_dict())
+    assert ours.lr_scheduler.state_dict() == reference.lr_scheduler.state_dict()
+    assert [r.get("loss") for r in ours.state.log_history] == [r.get("loss") for r in reference.state.log_history]
+    assert [s for s, _ in seen] == list(range(1, SKIP_STEPS + 1))
+    for step, metrics in seen:
+        assert set(metrics) == {"embedding_local_norm", "loss"}, (step, metrics)
+        assert metrics["embedding_local_norm"] > 0
+    assert seen[2][1]["loss"] > 1000 * seen[1][1]["loss"]   # step 3's loss, spiked
+
+
+def assert_optimizers_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["param_groups"] == b["param_groups"]
+    assert list(a["state"]) == list(b["state"])
+    for index in a["state"]:
+        for key, value in a["state"][index].items():
+            assert torch.equal(value, b["state"][index][key]), (index, key)
+
+
+def test_hf_consecutive_spikes_abort_and_the_count_resumes(env: Env, tmp_path: Path) -> None:
+    """Spikes at steps 3 and 4 with count threshold 2: TrainingAborted after step 3's snapshot was made
+    durable. A rerun resumes at step 3 with one spike counted: one more spike at step 4 aborts at once
+    (a fresh count would have skipped it); a rerun without it finishes with one step skipped in all."""
+    import easyckpt
+
+    with pytest.raises(easyckpt.TrainingAborted, match="step 4: global norm"):
+        _skip_run(tmp_path / "out", spikes={3, 4}, wrapper_kwargs=SKIPPING)
+    iteration = tmp_path / "out" / "easyckpt" / layout.iteration_dirname(3)
+    assert (iteration / layout.METADATA).is_file(), sorted(p.name for p in iteration.parent.iterdir())
+    with pytest.raises(easyckpt.TrainingAborted, match="step 4: global norm"):
+        _skip_run(tmp_path / "out", spikes={4}, wrapper_kwargs=SKIPPING, resume=True)
+    done, wrapper = _skip_run(tmp_path / "out", spikes=set(), wrapper_kwargs=SKIPPING, resume=True)
+    assert wrapper.resumed.step == 3 and done.state.global_step == SKIP_STEPS
+    assert wrapper.skipper.state_dict() == {"consecutive": 0, "skipped_total": 1}
+
+
+def test_hf_skipping_keywords_are_checked(tmp_path: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from easyckpt.transformers import TrainerWrapper
+
+    def trainer() -> Trainer:
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, report_to="none", use_cpu=True)
+        return Trainer(model=GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)),
+                       args=args)
+
+    with pytest.raises(ValueError, match="global_norm_spike_threshold=3.0 has no effect without "
+                                         "use_skip_data_by_global_norm=True"):
+        TrainerWrapper(trainer(), global_norm_spike_threshold=3.0)
+    with pytest.raises(ValueError, match="embedding_local_norm_threshold=2.0 has no effect without "
+                                         "use_checkpoint_health_monitor=True"):
+        TrainerWrapper(trainer(), embedding_local_norm_threshold=2.0)
+    with pytest.raises(ValueError, match="global_norm_spike_count_threshold must be a positive int"):
+        TrainerWrapper(trainer(), use_skip_data_by_global_norm=True, global_norm_spike_count_threshold=0)
+    with pytest.raises(ValueError, match="global_norm_spike_threshold"):
+        TrainerWrapper(trainer(), use_skip_data_by_global_norm=True, global_norm_spike_threshold=-1.0)
+    with pytest.raises(ValueError, match="embedding_local_norm"):
+        TrainerWrapper(trainer(), use_checkpoint_health_monitor=True, embedding_local_norm_threshold=float("nan"))
+    with pytest.raises(TypeError, match="use_skip_data_by_global_norm must be True or False"):
+        TrainerWrapper(trainer(), use_skip_data_by_global_norm="yes")  # type: ignore[arg-type]
+    wrapper = TrainerWrapper(trainer(), use_skip_data_by_global_norm=True, use_checkpoint_health_monitor=True,
+                             health_thresholds={"loss": 10.0})
+    assert wrapper.skipper is not None
+    assert (wrapper.skipper.global_norm_spike_threshold, wrapper.skipper.global_norm_spike_count_threshold) == (1.0, 10)
+    assert wrapper.options["health_thresholds"] == {"loss": 10.0, "embedding_local_norm": 1.0}
+
+
+def test_hf_ddp_skips_a_spike_on_both_ranks_and_aborts_at_two(env: Env, tmp_path: Path) -> None:
+    """examples/hf_trainer.py on 2 ranks: the spike at step 3 (every rank's loss scaled) is skipped on both
+    ranks alike (DDP's all-reduced norm): the state after step 3 is the state after step 2, the Trainer still
+    logs step 3, and the ranks stay equal; spikes at 3 and 4 abort the job with step 3 durable."""
+    skip = ["--global-norm-spike-threshold", "50", "--global-norm-spike-count-threshold", "2",
+            "--embedding-local-norm-threshold", "270"]
+    job = run_to_end(HFJob(env, tmp_path / "hf", tmp_path / "out", save_strategy="no",
+                           extra_args=skip + ["--spike-steps", "3"]))
+    rows = [job.losses(rank) for rank in range(2)]
+    for rank in range(2):
+        assert sorted(rows[rank]) == list(range(1, STEPS + 1))
+        assert rows[rank][3]["grad_norm"] > 50 > max(r["grad_norm"] for s, r in rows[rank].items() if s != 3)
+        assert rows[rank][3]["digest"] == rows[rank][2]["digest"] != rows[rank][1]["digest"]
+        assert rows[rank][4]["digest"] != rows[rank][3]["digest"]
+    assert [r["digest"] for r in rows[0].values()] == [r["digest"] for r in rows[1].values()]
+    assert job.log().count("step 3: global norm") == 2, job.log()[-3000:]
+
+    aborted = HFJob(env, tmp_path / "hf2", tmp_path / "out2", save_strategy="no",
+                    extra_args=skip + ["--spike-steps", "3,4"])
+    try:
+        assert aborted.wait(120) != 0
+    finally:
+        aborted.kill()
+    assert "TrainingAborted" in aborted.log() and "step 4: global norm" in aborted.log()
+    assert (tmp_path / "hf2" / "easyckpt" / layout.iteration_dirname(3) / layout.METADATA).is_file()

@@ -507,3 +507,150 @@ def test_legacy_files_are_read_without_unpickling_arbitrary_objects(tmp_path: Pa
 
 class _Odd:
     pass
+
+
+# --- data skipping and checkpoint health (issue 13) -----------------------------------------------------
+def _megatron_fp32_optimizer(params: list[torch.nn.Parameter], clip_grad: float) -> Any:
+    """Megatron's FP32Optimizer, its step() as shipped (prepare_grads, clip_grad_norm or none,
+    step_with_ready_grads), with only the norm computed by torch: Megatron's fused norm kernels and the
+    constructor's scale tensor need CUDA."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    class CpuFP32Optimizer(FP32Optimizer):
+        def get_grad_norm(self) -> float:
+            grads = [p.grad for p in self.get_parameters() if p.grad is not None]
+            return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+
+        def clip_grad_norm(self, clip_grad: float) -> float:
+            norm = CpuFP32Optimizer.get_grad_norm(self)   # the class's, not the instance's (easyckpt wraps that)
+            torch.nn.utils.clip_grads_with_norm_(self.get_parameters(), clip_grad, torch.tensor(norm))
+            return norm
+
+    optimizer = object.__new__(CpuFP32Optimizer)
+    # one parameter group as get_megatron_optimizer makes them (its keys identify groups on load)
+    optimizer.optimizer = torch.optim.AdamW([{"params": params, "wd_mult": 1.0, "lr_mult": 1.0,
+                                              "is_expert_parallel": False, "is_decoupled_lr": False}], lr=1e-3)
+    optimizer.config = OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=clip_grad)
+    optimizer.init_state_fn = None
+    optimizer.is_stub_optimizer = False
+    return optimizer
+
+
+def _made_up_grads(chunks: list[Any], iteration: int, scale: float) -> None:
+    generator = torch.Generator().manual_seed(iteration)
+    for chunk in chunks:
+        for param in chunk.parameters():
+            param.grad = 1e-3 * scale * torch.randn(param.shape, generator=generator)
+
+
+@pytest.mark.parametrize("clip_grad", [1.0, 0.0], ids=["clipping", "no-clipping"])
+def test_megatron_skips_a_spike_inside_the_optimizer_step_and_aborts_durably(
+        env: Env, megatron_world: None, monkeypatch: pytest.MonkeyPatch, clip_grad: float) -> None:
+    """Megatron's optimizer step with data skipping: a spike's step returns "not successful" (what Megatron's
+    train_step counts as a skipped iteration, not stepping the scheduler) with model and optimizer untouched;
+    each snapshot carries the embedding's pre-clip gradient norm and the given loss; two spikes in a row
+    abort after the newest snapshot was made durable, and the next load restores the skipper's count."""
+    import copy
+
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    import easyckpt
+    import easyckpt.megatron as em
+    from easyckpt.checkpointer import Checkpointer
+
+    seen: dict[int, Any] = {}
+    original = Checkpointer.save_if_needed
+
+    def spy(self: Checkpointer, step: int, state: Any, *, metrics: Any = None) -> bool:
+        if state is not None:
+            seen[step] = metrics
+        return original(self, step, state, metrics=metrics)
+
+    monkeypatch.setattr(Checkpointer, "save_if_needed", spy)
+
+    def objects(seed: int) -> tuple[list[Any], Any, Any]:
+        chunks = [_gpt(seed)]
+        optimizer = _megatron_fp32_optimizer(list(chunks[0].parameters()), clip_grad)
+        scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=2,
+                                            lr_decay_steps=10, lr_decay_style="linear", start_wd=0.0, end_wd=0.1,
+                                            wd_incr_steps=10, wd_incr_style="linear")
+        return chunks, optimizer, scheduler
+
+    keywords = {"use_skip_data_by_global_norm": True, "global_norm_spike_threshold": 50.0,
+                "global_norm_spike_count_threshold": 2, "use_checkpoint_health_monitor": True,
+                "embedding_local_norm_threshold": 270.0}
+    args = argparse.Namespace(consumed_train_samples=0, save=str(env.save_dir))
+    em.initialize_easyckpt(save_mem_interval=1, save_storage_interval=1000, max_ckpt_num=2, save_dir=env.save_dir,
+                           args=args, **keywords)
+    try:
+        chunks, optimizer, scheduler = objects(seed=1)
+        assert em.load_checkpoint(chunks, optimizer, scheduler) == (0, 0)
+        spikes = {3, 5, 6}
+        for iteration in range(1, 7):
+            _made_up_grads(chunks, iteration, 1e5 if iteration in spikes else 1.0)
+            embedding_grad = float(chunks[0].embedding.word_embeddings.weight.grad.norm())
+            before = copy.deepcopy((chunks[0].state_dict(), optimizer.optimizer.state_dict(), scheduler.state_dict()))
+            if iteration == 6:
+                with pytest.raises(easyckpt.TrainingAborted, match="step 6: global norm"):
+                    optimizer.step()
+                break
+            success, norm, _ = optimizer.step()
+            assert (norm is not None or clip_grad == 0.0) and success == (iteration not in spikes)
+            if success:
+                scheduler.step(increment=1)   # as Megatron's train_step: only after a successful update
+            else:
+                assert_same(chunks[0].state_dict(), before[0])
+                assert_same(optimizer.optimizer.state_dict(), before[1])
+            assert em.save_checkpoint_if_needed(iteration, chunks, optimizer, scheduler, metrics={"loss": 2.5})
+            assert set(seen[iteration]) == {"embedding_local_norm", "loss"}
+            assert seen[iteration]["embedding_local_norm"] == pytest.approx(embedding_grad, rel=1e-6)
+            em.get_checkpointer().wait()
+        assert scheduler.num_steps == 3   # iterations 1, 2, 4
+        assert (env.save_dir / layout.iteration_dirname(5) / layout.METADATA).is_file()   # on_abort: flush
+    finally:
+        em.finalize_easyckpt()
+
+    em.initialize_easyckpt(save_mem_interval=1, save_storage_interval=1000, max_ckpt_num=2, save_dir=env.save_dir,
+                           args=args, **keywords)
+    try:
+        fresh, fresh_optimizer, fresh_scheduler = objects(seed=9)
+        assert em.load_checkpoint(fresh, fresh_optimizer, fresh_scheduler)[0] == 5
+        assert em._require().skipper.state_dict() == {"consecutive": 1, "skipped_total": 2}
+        _made_up_grads(fresh, 6, 1e5)
+        with pytest.raises(easyckpt.TrainingAborted):   # the restored count: a second spike in a row
+            fresh_optimizer.step()
+    finally:
+        em.finalize_easyckpt()
+
+
+def test_megatron_skipping_keywords(env: Env, megatron_world: None) -> None:
+    import easyckpt.megatron as em
+
+    with pytest.raises(ValueError, match="global_norm_spike_count_threshold=3 has no effect without "
+                                         "use_skip_data_by_global_norm=True"):
+        em.initialize_easyckpt(1, 5, 2, save_dir=env.save_dir, global_norm_spike_count_threshold=3)
+    with pytest.raises(ValueError, match="global_norm_spike_threshold"):
+        em.initialize_easyckpt(1, 5, 2, save_dir=env.save_dir, use_skip_data_by_global_norm=True,
+                               global_norm_spike_threshold=0)
+    with pytest.raises(ValueError, match="has no effect without use_checkpoint_health_monitor=True"):
+        em.initialize_easyckpt(1, 5, 2, save_dir=env.save_dir, embedding_local_norm_threshold=5.0)
+    assert em.get_checkpointer() is None
+    chunks, optimizer, scheduler = _training_objects(seed=1)
+    em.initialize_easyckpt(1, 5, 2, save_dir=env.save_dir, use_skip_data_by_global_norm=True)
+    try:
+        with pytest.raises(NotImplementedError, match="needs Megatron's optimizer.*DataSkipper"):
+            em.load_checkpoint(chunks, optimizer, scheduler)
+    finally:
+        em.finalize_easyckpt()
+    # the health monitor alone works with a torch optimizer (the CPU example's): the gradients after the step
+    em.initialize_easyckpt(1, 5, 2, save_dir=env.save_dir, use_checkpoint_health_monitor=True,
+                           embedding_local_norm_threshold=270.0)
+    try:
+        assert em.get_checkpointer().config.health_thresholds == {"embedding_local_norm": 270.0}
+        assert em.load_checkpoint(chunks, optimizer, scheduler) == (0, 0)
+        _made_up_grads(chunks, 1, 1.0)
+        optimizer.step()
+        assert em.save_checkpoint_if_needed(1, chunks, optimizer, scheduler)
+    finally:
+        em.finalize_easyckpt()

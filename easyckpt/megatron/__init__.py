@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,8 @@ import torch.distributed as dist
 
 from easyckpt.checkpointer import Checkpointer
 from easyckpt.collectives import all_ok
-from easyckpt.megatron import legacy, snapshot
+from easyckpt.health import DataSkipper, configure
+from easyckpt.megatron import legacy, skipping, snapshot
 from easyckpt.megatron.legacy import LegacyCheckpointError
 from easyckpt_wire import layout
 
@@ -64,6 +66,9 @@ class _Context:
     trust_legacy_pickle: bool
     flops: float | int = 0
     last: LoadInfo | None = None
+    skipper: DataSkipper | None = None
+    health: bool = False
+    iteration: int = 0
 
 
 _ctx: _Context | None = None
@@ -84,13 +89,26 @@ def _rank() -> int:
 
 
 def initialize_easyckpt(save_mem_interval: int, save_storage_interval: int, max_ckpt_num: int,
-                        log_file_path: str | None = None, **kwargs: Any) -> Checkpointer:
+                        log_file_path: str | None = None, *, use_skip_data_by_global_norm: bool = False,
+                        global_norm_spike_threshold: float | None = None,
+                        global_norm_spike_count_threshold: int | None = None,
+                        use_checkpoint_health_monitor: bool = False, embedding_local_norm_threshold: float | None = None,
+                        **kwargs: Any) -> Checkpointer:
     """Create this rank's Checkpointer (after torch.distributed and Megatron's parallel state are set up).
 
     Keywords besides the Checkpointer's own (``job_id``, ``shm_dir``, ``copy_threads``, ...): ``save_dir``
     and ``load_dir`` (used when Megatron's args are not available), ``args`` (a Namespace or dict saved
     and restored like Megatron's args when megatron.training is absent), ``trust_legacy_pickle`` (see
     ``easyckpt.megatron.legacy``). A second call returns the existing Checkpointer.
+
+    ``use_skip_data_by_global_norm=True``: an iteration whose global gradient norm (Megatron's optimizer
+    computes it, pre-clip) exceeds ``global_norm_spike_threshold`` (default 1.0) is not applied; Megatron
+    counts it as a skipped iteration and does not step the LR scheduler. ``global_norm_spike_count_threshold``
+    (default 10) consecutive ones make the newest snapshot durable and raise :class:`easyckpt.TrainingAborted`.
+    Needs Megatron's optimizer (``get_megatron_optimizer``), whose ``step()`` computes the norm; the wrapping
+    happens in load_checkpoint. ``use_checkpoint_health_monitor=True``: each snapshot carries the word
+    embedding's local gradient norm (pipeline stage 0) and the ``metrics`` given to save_checkpoint_if_needed
+    (say the loss); above ``embedding_local_norm_threshold`` (default 1.0) a snapshot is unhealthy.
     """
     global _ctx
     if _ctx is not None:
@@ -99,6 +117,15 @@ def initialize_easyckpt(save_mem_interval: int, save_storage_interval: int, max_
     save_kw, load_kw = kwargs.pop("save_dir", None), kwargs.pop("load_dir", None)
     user_args = kwargs.pop("args", None)
     trust = bool(kwargs.pop("trust_legacy_pickle", False))
+    skipper, thresholds = configure(
+        use_skip_data_by_global_norm=use_skip_data_by_global_norm,
+        global_norm_spike_threshold=global_norm_spike_threshold,
+        global_norm_spike_count_threshold=global_norm_spike_count_threshold,
+        use_checkpoint_health_monitor=use_checkpoint_health_monitor,
+        embedding_local_norm_threshold=embedding_local_norm_threshold,
+        health_thresholds=kwargs.pop("health_thresholds", None), what="initialize_easyckpt")
+    if thresholds is not None:
+        kwargs["health_thresholds"] = thresholds
     margs = _megatron_args()
     save_dir = getattr(margs, "save", None) if margs is not None else None
     load_dir = getattr(margs, "load", None) if margs is not None else None
@@ -110,7 +137,9 @@ def initialize_easyckpt(save_mem_interval: int, save_storage_interval: int, max_
                         log_file_path=log_file_path, **kwargs)
     _ctx = _Context(ckpt=ckpt, save_dir=ckpt.config.save_dir, load_dir=Path(load_dir) if load_dir else None,
                     args=margs if margs is not None else user_args, megatron_args=margs is not None,
-                    trust_legacy_pickle=trust)
+                    trust_legacy_pickle=trust, skipper=skipper, health=use_checkpoint_health_monitor)
+    if skipper is not None:
+        skipper.on_abort = ckpt.flush   # the newest snapshot (before the spikes) is durable before the abort
     info = snapshot.parallel_info()
     logger.info("easyckpt megatron rank %d: tp %d/%d, pp %d/%d, dp %d/%d, ep %d/%d: model and optimizer state "
                 "is the same on the %d data-parallel ranks of this tensor/pipeline rank, and replicas are found "
@@ -141,20 +170,37 @@ _said_private = False
 
 
 def save_checkpoint_if_needed(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
-                              num_floating_point_operations_so_far: float | int | None = None) -> bool:
+                              num_floating_point_operations_so_far: float | int | None = None, *,
+                              metrics: Mapping[str, float] | None = None) -> bool:
     """Snapshot Megatron's state when ``iteration % save_mem_interval == 0``; returns at once.
 
     Pass ``num_floating_point_operations_so_far`` to keep Megatron's counter exact; without it the value
-    returned by the last load_checkpoint is saved.
+    returned by the last load_checkpoint is saved. ``metrics`` (with the health monitor; say
+    ``{"loss": loss_dict["lm loss"]}``) go with the snapshot besides the embedding's gradient norm.
     """
     global _said_private
     ctx = _require()
+    ctx.iteration = iteration
+    guard = skipping.guard_of(optimizer)
+    if guard is not None:
+        guard.iteration = iteration
     if num_floating_point_operations_so_far is not None:
         ctx.flops = num_floating_point_operations_so_far
     if iteration % ctx.ckpt.config.save_mem_interval:
         return ctx.ckpt.save_if_needed(iteration, None)  # not due: only keeps the agent watched
     chunks = model if isinstance(model, (list, tuple)) else [model]
     state = snapshot.build(iteration, list(chunks), optimizer, opt_param_scheduler, args=_args(ctx), flops=ctx.flops)
+    if ctx.skipper is not None:
+        state[snapshot.META_KEY]["data_skipper"] = ctx.skipper.state_dict()
+    health: dict[str, float] | None = None
+    if ctx.health:
+        health = dict(metrics or {})
+        if guard is not None:
+            health.update(guard.metrics_for(iteration))
+        else:   # a torch optimizer: the gradients of this step are still there
+            embedding = skipping.embedding_local_norm(list(chunks))
+            if embedding is not None:
+                health["embedding_local_norm"] = embedding
     if "optimizer_param_state" in state and not _said_private:
         _said_private = True
         info = state[snapshot.META_KEY]["parallel"]
@@ -162,7 +208,7 @@ def save_checkpoint_if_needed(iteration: int, model: Any, optimizer: Any, opt_pa
                     "are rank-private; no other rank of this job holds them, so only a replica on another node "
                     "(replicate_unique) or disk can restore them if this node is lost",
                     info["rank"], info["dp_rank"], info["dp_size"])
-    return ctx.ckpt.save_if_needed(iteration, state)
+    return ctx.ckpt.save_if_needed(iteration, state, metrics=health)
 
 
 def _load_elsewhere(ctx: _Context, load_dir: Path, template: dict[str, Any]) -> tuple[dict[str, Any] | None, LoadInfo, bool]:
@@ -212,13 +258,18 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
     elif load_arg != "load" and args is not None and snapshot.get_arg(args, load_arg):
         load_dir = Path(snapshot.get_arg(args, load_arg))
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    _guard(ctx, chunks, optimizer)
     template = snapshot.model_template(chunks)
     result = ctx.ckpt.load(template)
     state, release = result.state, False
     info = LoadInfo(result.step or 0, result.source, result.path, result.seconds)
     if result.step is None and load_dir is not None and load_dir.exists():
         state, info, release = _load_elsewhere(ctx, load_dir, template)
+    if ctx.skipper is not None:
+        saved = (state or {}).get(snapshot.META_KEY, {}).get("data_skipper")
+        ctx.skipper.load_state_dict(saved or {"consecutive": 0, "skipped_total": 0})
     if state is None:
+        _started(ctx, optimizer, 0)
         ctx.last, ctx.flops = LoadInfo(0, None), 0
         if _rank() == 0:
             logger.info("easyckpt megatron: nothing to resume from (memory, %s%s): starting at iteration 0",
@@ -230,6 +281,7 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
             and not snapshot.get_arg(args, "no_load_optim", False) and not snapshot.get_arg(args, "finetune", False)):
         legacy.load_distributed_optimizer(optimizer, Path(info.path or ""))
     info.iteration = iteration
+    _started(ctx, optimizer, iteration)
     ctx.last, ctx.flops = info, flops
     if _rank() == 0:
         logger.info("easyckpt megatron: resumed at iteration %d from %s (%s) in %.3fs", iteration, info.source,
@@ -237,6 +289,29 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return iteration, flops
+
+
+def _guard(ctx: _Context, chunks: list[Any], optimizer: Any) -> None:
+    """Wrap the optimizer for data skipping and the health metrics (once per optimizer)."""
+    if ctx.skipper is None and not ctx.health:
+        return
+    if skipping.guard_of(optimizer) is not None:
+        return
+    if skipping.is_megatron_optimizer(optimizer):
+        skipping.OptimizerGuard(optimizer, chunks, ctx.skipper, health=ctx.health,
+                                save_mem_interval=ctx.ckpt.config.save_mem_interval, iteration=0)
+    elif ctx.skipper is not None:
+        raise NotImplementedError(
+            f"use_skip_data_by_global_norm needs Megatron's optimizer (get_megatron_optimizer), whose step() computes "
+            f"the global gradient norm; this is a {type(optimizer).__qualname__}. In a loop of your own, call "
+            "easyckpt.DataSkipper.skip(step, grad_norm) before optimizer.step() instead")
+
+
+def _started(ctx: _Context, optimizer: Any, iteration: int) -> None:
+    ctx.iteration = iteration
+    guard = skipping.guard_of(optimizer)
+    if guard is not None:
+        guard.iteration = iteration
 
 
 def finalize_easyckpt() -> None:

@@ -31,8 +31,9 @@ def unwrapped_model(trainer: Trainer) -> Any:
         return accelerator.unwrap_model(trainer.model)
 
 
-def trainer_state_json(trainer: Trainer) -> str:
-    """The Trainer's state as ``trainer_state.json`` holds it, callbacks' states taken now."""
+def trainer_state_json(trainer: Trainer, extra: dict[str, Any] | None = None) -> str:
+    """The Trainer's state as ``trainer_state.json`` holds it, callbacks' states taken now; ``extra``:
+    more entries of ``stateful_callbacks`` (the wrapper's data skipping counter)."""
     record = dataclasses.asdict(trainer.state)
     stateful: dict[str, Any] = {}
     for callback in trainer.callback_handler.callbacks + [trainer.control]:
@@ -44,6 +45,7 @@ def trainer_state_json(trainer: Trainer) -> str:
                 stateful[name].append(callback.state())
             else:
                 stateful[name] = callback.state()
+    stateful.update(extra or {})
     record["stateful_callbacks"] = stateful
     return json.dumps(record, indent=2, sort_keys=True) + "\n"
 
@@ -58,7 +60,7 @@ def rng_state(trainer: Trainer) -> dict[str, Any]:
     return rng
 
 
-def capture(trainer: Trainer) -> dict[str, Any]:
+def capture(trainer: Trainer, extra_callback_states: dict[str, Any] | None = None) -> dict[str, Any]:
     """This rank's whole state now (tensors by reference: the Checkpointer copies them)."""
     if trainer.optimizer is None or trainer.lr_scheduler is None:
         raise RuntimeError("easyckpt snapshots the Trainer's state during training: its optimizer and scheduler "
@@ -70,7 +72,7 @@ def capture(trainer: Trainer) -> dict[str, Any]:
         "optim": trainer.optimizer.state_dict(),
         "sched": trainer.lr_scheduler.state_dict(),
         "rng": rng_state(trainer),
-        "trainer_state": trainer_state_json(trainer),
+        "trainer_state": trainer_state_json(trainer, extra_callback_states),
     }
     scaler = getattr(trainer.accelerator, "scaler", None)
     if scaler is not None:

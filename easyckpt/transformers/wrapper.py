@@ -17,9 +17,11 @@ from transformers import Trainer
 
 from easyckpt.checkpointer import Checkpointer
 from easyckpt.collectives import all_ok
+from easyckpt.health import configure
 from easyckpt.transformers import snapshot
 from easyckpt.transformers.export import POLL, Exporter
 from easyckpt.transformers.folders import CheckpointFolders, rng_file_name
+from easyckpt.transformers.health import STATE_KEY, StepGuard
 from easyckpt.transformers.resume import ResumeInfo, Resumer
 from easyckpt_wire import layout
 
@@ -36,10 +38,21 @@ class TrainerWrapper:
     since the Trainer-native ``checkpoint-N`` folders keep the history under ``save_total_limit``), except:
     ``staging_dir`` (where a resumed state is laid out for the Trainer; default: the shm directory) and
     ``export_timeout`` (how long an export waits for its iteration, default 600 s).
+
+    Data skipping (``use_skip_data_by_global_norm=True``): a step whose global gradient norm (the
+    Trainer's, computed when it clips or logs) exceeds ``global_norm_spike_threshold`` (default 1.0) is
+    not applied (model, optimizer, scheduler, scaler unchanged; the Trainer still counts and logs it);
+    ``global_norm_spike_count_threshold`` (default 10) consecutive ones make the newest snapshot durable
+    and raise :class:`easyckpt.TrainingAborted`. Checkpoint health (``use_checkpoint_health_monitor=True``):
+    each snapshot carries the input embedding's local gradient norm and the step's loss, and a snapshot
+    whose norm exceeds ``embedding_local_norm_threshold`` (default 1.0) is unhealthy (resume passes it over).
     Any other attribute is the wrapped Trainer's (``wrapper.evaluate()``, ``wrapper.state``...).
     """
 
-    def __init__(self, trainer: Trainer, save_mem_interval: int = 1, **checkpointer_kwargs: Any) -> None:
+    def __init__(self, trainer: Trainer, save_mem_interval: int = 1, *, use_skip_data_by_global_norm: bool = False,
+                 global_norm_spike_threshold: float | None = None, global_norm_spike_count_threshold: int | None = None,
+                 use_checkpoint_health_monitor: bool = False, embedding_local_norm_threshold: float | None = None,
+                 **checkpointer_kwargs: Any) -> None:
         if not isinstance(trainer, Trainer):
             raise TypeError(f"TrainerWrapper wraps a transformers.Trainer, got {type(trainer).__qualname__}")
         if not isinstance(save_mem_interval, int) or isinstance(save_mem_interval, bool) or save_mem_interval < 1:
@@ -60,6 +73,15 @@ class TrainerWrapper:
         if "save_storage_interval" in checkpointer_kwargs:
             raise ValueError("TrainerWrapper derives save_storage_interval from the Trainer's save_strategy and "
                              "save_steps: set TrainingArguments(save_steps=...) instead")
+        self.skipper, thresholds = configure(
+            use_skip_data_by_global_norm=use_skip_data_by_global_norm,
+            global_norm_spike_threshold=global_norm_spike_threshold,
+            global_norm_spike_count_threshold=global_norm_spike_count_threshold,
+            use_checkpoint_health_monitor=use_checkpoint_health_monitor,
+            embedding_local_norm_threshold=embedding_local_norm_threshold,
+            health_thresholds=checkpointer_kwargs.pop("health_thresholds", None), what="TrainerWrapper")
+        if thresholds is not None:
+            checkpointer_kwargs["health_thresholds"] = thresholds
         self.trainer = trainer
         args = trainer.args
         self.output_dir = Path(args.output_dir or "trainer_output").expanduser().resolve()
@@ -86,6 +108,10 @@ class TrainerWrapper:
         self._original_mlse = trainer._maybe_log_save_evaluate
         trainer._maybe_log_save_evaluate = self._maybe_log_save_evaluate   # type: ignore[method-assign]
         trainer._save_checkpoint = self._save_checkpoint                   # type: ignore[method-assign]
+        self.guard: StepGuard | None = None
+        if self.skipper is not None or use_checkpoint_health_monitor:
+            self.guard = StepGuard(trainer, self.skipper, health=use_checkpoint_health_monitor,
+                                   snapshot_step=lambda step: step % self.save_mem_interval == 0)
 
     def _save_steps(self, args: Any) -> int | None:
         if self.strategy == "no" or self.strategy in ("epoch", "best"):
@@ -124,6 +150,10 @@ class TrainerWrapper:
         if self.ckpt is None:
             self.ckpt = Checkpointer(self.save_dir, self.save_mem_interval, self.persist_interval, self.max_ckpt_num,
                                      log_file_path=self.log_file_path, **self.options)
+        if self.skipper is not None:
+            self.skipper.on_abort = self._on_abort
+        if self.guard is not None:
+            self.guard.start()
         if self.trainer.args.should_save and self._exporter is None:
             self._exporter = Exporter(self.folders, self.ckpt.config.save_dir, self.export_timeout)
         self._resumer = Resumer(self.ckpt, self.trainer, self.folders, save_dir=self.save_dir,
@@ -144,6 +174,24 @@ class TrainerWrapper:
             # PersistError when the disk refused it, unless training itself failed (that error goes on).
             self._finish(raise_errors=finished)
 
+    def _on_abort(self) -> None:
+        """Too many spikes in a row: make the newest snapshot (the last step before them) durable first."""
+        if self.ckpt is None:
+            return
+        result = self.ckpt.flush()
+        if result.durable:
+            logger.error("training aborted: step %s is durable in %s", result.step, self.save_dir)
+        else:
+            logger.error("training aborted; the newest snapshot (step %s) is not durable: %s", result.step,
+                         result.error)
+
+    def _capture(self) -> dict[str, Any]:
+        extra = {STATE_KEY: self.guard.state()} if self.guard is not None and self.skipper is not None else None
+        return snapshot.capture(self.trainer, extra)
+
+    def _metrics(self, step: int) -> dict[str, float] | None:
+        return self.guard.metrics_for(step) if self.guard is not None else None
+
     def _catch_up(self, resumed: int | None) -> None:
         """Export persisted due iterations up to the resumed step that have no checkpoint-N yet (a job died
         before or while exporting them). Now, before training: the agent's rotation would soon delete them."""
@@ -159,6 +207,8 @@ class TrainerWrapper:
 
     # hooks on the Trainer ---------------------------------------------------------------------------
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        if self.guard is not None:
+            self.guard.end_of_step()
         self._original_mlse(*args, **kwargs)
         trainer = self.trainer
         step = trainer.state.global_step
@@ -200,15 +250,17 @@ class TrainerWrapper:
         """The snapshot after the Trainer's save point; a due one waits for a free slot."""
         ckpt = self.ckpt
         assert ckpt is not None
-        state = snapshot.capture(self.trainer)
+        state = self._capture()
         if not ckpt.config.persist_due(step):
-            ckpt.save_if_needed(step, state)
+            ckpt.save_if_needed(step, state, metrics=self._metrics(step))
             return
         # The Trainer asked for checkpoint-N: the step is requested like an explicit save, so the agent
         # persists it even when it arrives while an older one is still being written (a plain due step
         # would then be passed over); a snapshot that finds no free slot waits for one.
-        if ckpt.save(step, state, persist=True) or \
-                self._until_slot(step, lambda: ckpt.save(step, state, persist=True), f"save_steps={self.save_steps}"):
+        metrics = self._metrics(step)
+        if ckpt.save(step, state, persist=True, metrics=metrics) or \
+                self._until_slot(step, lambda: ckpt.save(step, state, persist=True, metrics=metrics),
+                                 f"save_steps={self.save_steps}"):
             ckpt.wait()   # the request goes out once the copy is committed: now, not at the next step (the
             return        # Trainer may next wait for checkpoint-N itself, at the end of training)
         logger.warning("rank %d: no free slot for the due snapshot of step %d after %.0fs: step %d will not be "
@@ -223,9 +275,10 @@ class TrainerWrapper:
         # The step may be in memory already (the snapshot after the last step of an epoch, taken before
         # the epoch-end evaluation and save): the Checkpointer drops that copy once this one is committed,
         # and only then asks the agent, which takes the newer copy of a step.
-        state = snapshot.capture(self.trainer)
-        started = ckpt.save(step, state, persist=True) or \
-            self._until_slot(step, lambda: ckpt.save(step, state, persist=True), "this save")
+        state = self._capture()
+        metrics = self._metrics(step)
+        started = ckpt.save(step, state, persist=True, metrics=metrics) or \
+            self._until_slot(step, lambda: ckpt.save(step, state, persist=True, metrics=metrics), "this save")
         if started:
             self._last_step = step  # the snapshot after the Trainer's save point is this one
         if all_ok(started):
@@ -253,7 +306,7 @@ class TrainerWrapper:
         the step could not be snapshotted for the agent to persist."""
         args = self.trainer.args
         world_size = args.world_size
-        state = snapshot.capture(self.trainer)
+        state = self._capture()
         tmp = self.folders.tmp_path(step)
         problem = ""
         if args.should_save:

@@ -1,0 +1,113 @@
+"""A 2-rank training loop with data skipping (run under torchrun by tests/test_skip.py).
+
+The loop is the plain one a user writes (README, "Data skipping")::
+
+    skipper = easyckpt.DataSkipper(global_norm_spike_threshold=..., global_norm_spike_count_threshold=...,
+                                   on_abort=ckpt.flush)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if skipper.skip(step, norm): optimizer.zero_grad()      # the batch is consumed, the update not applied
+    else: optimizer.step(); scheduler.step()
+
+``--spike-steps`` scales the loss at those steps (a gradient spike); ``--drop-steps`` is the reference:
+it never applies those steps' updates, by construction, without a skipper. Gradients are averaged on one
+flat buffer in a fixed order, so every rank sees the same norm and the runs are bitwise comparable. Each
+rank appends ``{"step", "norm", "skipped", "digest"}`` per step to ``--out/steps-rank<r>.jsonl`` and writes
+``--out/resume-rank<r>.json`` (the step resumed and the skipper's state) after load; an abort writes
+``--out/aborted-rank<r>.json`` (the error and the flush result) and lets TrainingAborted end the process.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+from plain_ddp import TinyLM, average_gradients, batch, state_digest  # noqa: E402
+
+import easyckpt  # noqa: E402
+
+
+def steps(text: str) -> set[int]:
+    return {int(s) for s in text.split(",") if s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--save-dir", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--spike-steps", type=steps, default=set())
+    parser.add_argument("--spike-scale", type=float, default=1e4)
+    parser.add_argument("--drop-steps", type=steps, default=set())
+    parser.add_argument("--threshold", type=float, default=50.0)
+    parser.add_argument("--count", type=int, default=2)
+    parser.add_argument("--save-storage-interval", type=int, default=1000)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    model = TinyLM()
+    torch.manual_seed(1 + rank)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
+    ckpt = easyckpt.Checkpointer(args.save_dir, 1, args.save_storage_interval, 3,
+                                 log_file_path=str(out / "persist.log"))
+    skipper = easyckpt.DataSkipper(global_norm_spike_threshold=args.threshold,
+                                   global_norm_spike_count_threshold=args.count, on_abort=ckpt.flush)
+
+    result = ckpt.load({"model": model.state_dict(), "optim": optimizer.state_dict()})
+    start = 0
+    if result.step is not None:
+        model.load_state_dict(result.state["model"])
+        optimizer.load_state_dict(result.state["optim"])
+        scheduler.load_state_dict(result.state["sched"])
+        torch.set_rng_state(result.state["rng"])
+        skipper.load_state_dict(result.state["skipper"])
+        start = result.step + 1
+    (out / f"resume-rank{rank}.json").write_text(json.dumps(
+        {"step": result.step, "source": result.source, "skipper": skipper.state_dict()}))
+
+    with open(out / f"steps-rank{rank}.jsonl", "a", encoding="utf-8") as log:
+        for step in range(start, args.steps):
+            inputs, targets = batch(step, rank)
+            logits = model(inputs)
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+            if step in args.spike_steps:
+                loss = loss * args.spike_scale
+            optimizer.zero_grad()
+            loss.backward()
+            average_gradients(model, world)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+            try:
+                skipped = skipper.skip(step, norm)
+            except easyckpt.TrainingAborted as error:
+                flushed = ckpt.flush()   # on_abort ran it already: this one reports what is durable
+                (out / f"aborted-rank{rank}.json").write_text(json.dumps(
+                    {"step": error.step, "count": error.count, "message": str(error),
+                     "flush": {k: v for k, v in dataclasses.asdict(flushed).items() if k != "failure"}}))
+                raise   # the process ends non-zero; the exit hook detaches the Checkpointer
+            if skipped or step in args.drop_steps:
+                optimizer.zero_grad()
+            else:
+                optimizer.step()
+                scheduler.step()
+            state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "sched": scheduler.state_dict(),
+                     "rng": torch.get_rng_state(), "skipper": skipper.state_dict()}
+            ckpt.save_if_needed(step, state, metrics={"loss": loss.item()})
+            log.write(json.dumps({"step": step, "norm": float(norm), "skipped": skipped,
+                                  "digest": state_digest(state)}) + "\n")
+            log.flush()
+    ckpt.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
