@@ -184,7 +184,7 @@ def assert_same(a: Any, b: Any, path: str = "state") -> None:
         assert a == b, f"{path}: {a!r} vs {b!r}"
 
 
-def save_and_persist(ck: Any, env: Env, step: int, state: Any) -> Path:
+def save_and_persist(ck: Any, env: Env, step: int, state: Any, metrics: dict[str, float] | None = None) -> Path:
     """Snapshot ``step`` and wait until the agent has it on disk; returns the iteration directory.
 
     The agent may still hold the other slot from the previous persist for a moment (its claim is
@@ -192,7 +192,7 @@ def save_and_persist(ck: Any, env: Env, step: int, state: Any) -> Path:
     """
     from easyckpt_wire import layout
 
-    wait_for(lambda: ck.save_if_needed(step, state), 30, f"a free slot for step {step}")
+    wait_for(lambda: ck.save_if_needed(step, state, metrics=metrics), 30, f"a free slot for step {step}")
     ck.wait()
     path = env.save_dir / layout.iteration_dirname(step)
     wait_for(lambda: (path / layout.METADATA).is_file(), 60, f"{path}/{layout.METADATA} (persist of step {step})")

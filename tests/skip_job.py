@@ -9,7 +9,10 @@ The loop is the plain one a user writes (README, "Data skipping")::
     else: optimizer.step(); scheduler.step()
 
 ``--spike-steps`` scales the loss at those steps (a gradient spike); ``--drop-steps`` is the reference:
-it never applies those steps' updates, by construction, without a skipper. Gradients are averaged on one
+it never applies those steps' updates, by construction, without a skipper. For checkpoint health,
+``--spike-from`` scales the loss from that step on (a run that diverges), ``--health-threshold`` is the
+``embedding_local_norm`` threshold (the embedding's pre-clip gradient norm is reported with every
+snapshot), and ``--kill-at`` SIGKILLs rank 1 once its snapshot of that step is committed. Gradients are averaged on one
 flat buffer in a fixed order, so every rank sees the same norm and the runs are bitwise comparable. Each
 rank appends ``{"step", "norm", "skipped", "digest"}`` per step to ``--out/steps-rank<r>.jsonl`` and writes
 ``--out/resume-rank<r>.json`` (the step resumed and the skipper's state) after load; an abort writes
@@ -20,6 +23,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -31,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from plain_ddp import TinyLM, average_gradients, batch, state_digest  # noqa: E402
 
 import easyckpt  # noqa: E402
+from easyckpt.health import embedding_local_norm  # noqa: E402
 
 
 def steps(text: str) -> set[int]:
@@ -48,6 +54,10 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=50.0)
     parser.add_argument("--count", type=int, default=2)
     parser.add_argument("--save-storage-interval", type=int, default=1000)
+    parser.add_argument("--max-ckpt-num", type=int, default=3)
+    parser.add_argument("--spike-from", type=int, default=None)
+    parser.add_argument("--health-threshold", type=float, default=None)
+    parser.add_argument("--kill-at", type=int, default=None)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -58,8 +68,9 @@ def main() -> None:
     torch.manual_seed(1 + rank)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
-    ckpt = easyckpt.Checkpointer(args.save_dir, 1, args.save_storage_interval, 3,
-                                 log_file_path=str(out / "persist.log"))
+    health = {"embedding_local_norm": args.health_threshold} if args.health_threshold else None
+    ckpt = easyckpt.Checkpointer(args.save_dir, 1, args.save_storage_interval, args.max_ckpt_num,
+                                 log_file_path=str(out / "persist.log"), health_thresholds=health)
     skipper = easyckpt.DataSkipper(global_norm_spike_threshold=args.threshold,
                                    global_norm_spike_count_threshold=args.count, on_abort=ckpt.flush)
 
@@ -80,11 +91,12 @@ def main() -> None:
             inputs, targets = batch(step, rank)
             logits = model(inputs)
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-            if step in args.spike_steps:
+            if step in args.spike_steps or (args.spike_from is not None and step >= args.spike_from):
                 loss = loss * args.spike_scale
             optimizer.zero_grad()
             loss.backward()
             average_gradients(model, world)
+            embedding = embedding_local_norm(model)   # before clipping scales it down
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
             try:
                 skipped = skipper.skip(step, norm)
@@ -101,10 +113,16 @@ def main() -> None:
                 scheduler.step()
             state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "sched": scheduler.state_dict(),
                      "rng": torch.get_rng_state(), "skipper": skipper.state_dict()}
-            ckpt.save_if_needed(step, state, metrics={"loss": loss.item()})
-            log.write(json.dumps({"step": step, "norm": float(norm), "skipped": skipped,
+            metrics = {"loss": loss.item()}
+            if embedding is not None:
+                metrics["embedding_local_norm"] = embedding
+            ckpt.save_if_needed(step, state, metrics=metrics)
+            log.write(json.dumps({"step": step, "norm": float(norm), "skipped": skipped, "embedding": embedding,
                                   "digest": state_digest(state)}) + "\n")
             log.flush()
+            if step == args.kill_at and rank == 1 and result.step is None:   # only in the first attempt
+                ckpt.wait()
+                os.kill(os.getpid(), signal.SIGKILL)
     ckpt.close()
     dist.destroy_process_group()
 

@@ -29,12 +29,7 @@ def make_ck(env: Env, **overrides: Any) -> easyckpt.Checkpointer:
 
 def save(ck: easyckpt.Checkpointer, env: Env, step: int, norm: float) -> None:
     """``save_and_persist`` with this step's reported embedding norm."""
-    original = ck.save_if_needed
-    ck.save_if_needed = lambda s, state: original(s, state, metrics={"embedding_local_norm": norm})  # type: ignore
-    try:
-        save_and_persist(ck, env, step, state_at(step))
-    finally:
-        del ck.save_if_needed
+    save_and_persist(ck, env, step, state_at(step), metrics={"embedding_local_norm": norm})
 
 
 def on_disk(env: Env) -> list[int]:
@@ -135,3 +130,46 @@ def test_cli_ls_shows_health_and_verify_checks_the_index(env: Env) -> None:
     proc = run_cli("verify", str(env.save_dir), env=env)
     assert proc.returncode == 1 and str(index) in proc.stdout and "not readable JSON" in proc.stdout
     assert on_disk(env) == [2, 4] and index.read_text() == "{corrupt"   # nothing deleted nor rewritten
+
+
+# --- a real 2-rank loop under torchrun (tests/skip_job.py) ---------------------------------------------------
+# Its embedding's gradient norm is about 0.04; the loss scaled by 1e4 from a step on puts it near 350.
+HEALTH = ("--health-threshold", "5", "--threshold", "1e30")   # health monitored, no data skipping
+
+
+def test_torchrun_kill_after_an_unhealthy_step_resumes_the_newest_healthy_one_from_memory(env: Env) -> None:
+    """A spike at step 14 only (the snapshot of 14 is unhealthy), rank 1 SIGKILLed once its snapshot of 14
+    is committed; torchrun restarts the group, which passes 14 over and resumes at 13 from memory."""
+    from test_skip import rows, run_job
+
+    code, out, log = run_job(env, "run", "--steps", "18", "--spike-steps", "14", "--kill-at", "14",
+                             "--save-storage-interval", "4", *HEALTH, restarts=1)
+    assert code == 0, log[-4000:]
+    for rank in range(2):
+        resume = json.loads((out / f"resume-rank{rank}.json").read_text())
+        assert (resume["step"], resume["source"]) == (13, "memory"), resume
+        assert rows(out, rank)[14]["embedding"] > 5 > rows(out, rank)[13]["embedding"]
+    assert "passing over unhealthy snapshots newer than step 13: step 14 (unhealthy on ranks [0, 1]: " \
+           "rank 0: embedding_local_norm" in log, "the passed-over step is named in the log with its reasons"
+
+
+def test_torchrun_diverged_run_keeps_and_resumes_the_newest_healthy_iteration_from_disk(env: Env) -> None:
+    """Every step from 10 on is unhealthy; persists every 4 steps, max_ckpt_num=2. Rotation keeps 8, the newest
+    healthy, as one of the two (12 and 16 go instead), health_ckpts.json marks exactly the kept iterations,
+    and with memory gone a rerun resumes from 8 on disk."""
+    from test_skip import run_job
+
+    code, _, log = run_job(env, "first", "--steps", "20", "--spike-from", "10", "--save-storage-interval", "4",
+                           "--max-ckpt-num", "2", *HEALTH)
+    assert code == 0, log[-4000:]
+    env.wait_agent_gone()
+    kept = on_disk(env)
+    assert kept == [8, 19], kept   # 19: the end of the run (final_persist)
+    entries = {e.step: e.is_health for e in health.read_health_file(env.save_dir) or []}
+    assert entries == {step: (health.HEALTHY if step < 10 else health.UNHEALTHY) for step in kept}, entries
+    assert not list(env.shm_dir.glob("easyckpt-*")), "a clean end leaves no slots: the rerun has only disk"
+    code, out, log = run_job(env, "second", "--steps", "20", *HEALTH)
+    assert code == 0, log[-4000:]
+    for rank in range(2):
+        resume = json.loads((out / f"resume-rank{rank}.json").read_text())
+        assert (resume["step"], resume["source"]) == (8, "disk"), resume
