@@ -52,8 +52,9 @@ _LAZY = {
 }
 # An eager ``import easyckpt`` used to load these submodules as a side effect, and user code relies on
 # it (``import easyckpt; easyckpt.state.flatten(...)``); ``megatron`` and ``transformers`` were never
-# among them: they need optional packages, which a mere attribute probe must not import.
-_EAGER_BEFORE = frozenset({"agent_client", "checkpointer", "config", "recovery", "replica", "slots", "stager",
+# among them: they need optional packages, which a mere attribute probe must not import. ``health`` is
+# reached the same way (``easyckpt.health.embedding_local_norm``, as the README shows).
+_EAGER_BEFORE = frozenset({"agent_client", "checkpointer", "config", "health", "recovery", "replica", "slots", "stager",
                            "state", "storage"})
 
 
