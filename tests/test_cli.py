@@ -373,7 +373,8 @@ def test_package_names_still_import_lazily(env: Env) -> None:
     code = ("import sys, easyckpt; assert 'torch' not in sys.modules, 'import easyckpt pulled torch in'; "
             "from easyckpt import Checkpointer, CheckpointFormatError; assert 'torch' in sys.modules; "
             "assert easyckpt.LoadError.__module__ == 'easyckpt.recovery'; assert callable(easyckpt.state.flatten); "
-            "assert not hasattr(easyckpt, 'no_such_name'); "
+            "assert callable(easyckpt.health.embedding_local_norm); assert easyckpt.DataSkipper.__module__ == "
+            "'easyckpt.health'; assert not hasattr(easyckpt, 'no_such_name'); "
             "ns = {}; exec('from easyckpt import *', ns); assert set(easyckpt.__all__) <= set(ns), ns.keys()")
     proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120,
                           env=env.environ())
