@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import random
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,9 @@ def main() -> None:
     parser.add_argument("--global-norm-spike-count-threshold", type=int, default=None)
     parser.add_argument("--embedding-local-norm-threshold", type=float, default=None,
                         help="checkpoint health monitor on (use_checkpoint_health_monitor=True) with this threshold")
+    parser.add_argument("--max-ckpt-num", type=int, default=None, help="iterations easyckpt keeps on disk (default 2)")
+    parser.add_argument("--kill-at", type=int, default=None, help="rank 1 SIGKILLs itself once its snapshot of "
+                        "this step is in memory (a fresh start only): a kill right after a known step")
     args = parser.parse_args()
     run(args)
     # The Trainer leaves its process group up. Torn down during interpreter exit, gloo's DDP group can
@@ -181,6 +185,8 @@ def run(args: argparse.Namespace) -> None:
     if args.embedding_local_norm_threshold is not None:
         health.update(use_checkpoint_health_monitor=True,
                       embedding_local_norm_threshold=args.embedding_local_norm_threshold)
+    if args.max_ckpt_num is not None:
+        health["max_ckpt_num"] = args.max_ckpt_num
     wrapper = None if args.plain else TrainerWrapper(trainer, save_mem_interval=args.save_mem_interval,
                                                      log_file_path=str(out / "persist.log"), **health)
 
@@ -202,6 +208,18 @@ def run(args: argparse.Namespace) -> None:
                 print(f"resumed at step {info['step']} from {info['source']} ({info['path']})", flush=True)
 
     trainer.add_callback(ResumeReport())
+    if args.kill_at is not None and rank == 1 and wrapper is not None:
+        class KillAfterSnapshot(TrainerCallback):
+            """At the start of the step after ``--kill-at``: the snapshot of that step was taken at its save
+            point; once its copy is in shared memory, die as kill -9 would."""
+
+            def on_step_begin(self, args_: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                assert wrapper is not None and wrapper.resumed is not None
+                if state.global_step == args.kill_at and wrapper.resumed.step is None and wrapper.ckpt is not None:
+                    wrapper.ckpt.wait()
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        trainer.add_callback(KillAfterSnapshot())
     (wrapper or trainer).train(resume_from_checkpoint=resume)
     if rank == 0:
         print(f"done at step {trainer.state.global_step}", flush=True)

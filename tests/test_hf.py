@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from conftest import ROOT, Env, gone, seeded_random, wait_for  # noqa: E402
 from ddp_job import TORCHRUN, Job, newest_common_committed, slot_states  # noqa: E402
 
-from easyckpt_wire import layout  # noqa: E402
+from easyckpt_wire import health, layout  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -578,3 +578,59 @@ def test_hf_ddp_skips_a_spike_on_both_ranks_and_aborts_at_two(env: Env, tmp_path
         aborted.kill()
     assert "TrainingAborted" in aborted.log() and "step 4: global norm" in aborted.log()
     assert (tmp_path / "hf2" / "easyckpt" / layout.iteration_dirname(3) / layout.METADATA).is_file()
+
+
+# Health: the loss scaled by 1e4 puts the embedding's gradient norm far above HEALTH_THRESHOLD (it is
+# below 1 otherwise); data skipping stays off, so every step is applied.
+HEALTH_THRESHOLD = 100.0
+HEALTH_ARGS = ["--embedding-local-norm-threshold", str(HEALTH_THRESHOLD)]
+
+
+def test_hf_kill_after_an_unhealthy_step_resumes_the_newest_healthy_one_from_memory(env: Env) -> None:
+    """Step 14 alone is spiked (its snapshot unhealthy); rank 1 dies once its snapshot of 14 is in memory.
+    The rerun passes 14 over and resumes at 13 from memory, and continues from there."""
+    output_dir = env.tmp_path / "hf"
+    first = HFJob(env, output_dir, env.tmp_path / "first", extra_args=HEALTH_ARGS + ["--spike-steps", "14",
+                                                                                     "--kill-at", "14"])
+    try:
+        assert first.wait(90) != 0, first.log()[-3000:]
+    finally:
+        first.kill()
+    assert max(first.losses(1)) == 14
+    second = run_to_end(HFJob(env, output_dir, env.tmp_path / "second", resume="newest", extra_args=HEALTH_ARGS))
+    for report in resumed_at(second):
+        assert (report["step"], report["source"], report["global_step"]) == (13, "memory", 13), report
+    assert sorted(second.losses(0)) == list(range(14, STEPS + 1))
+    log = second.log()
+    assert "passing over unhealthy snapshots newer than step 13: step 14 (unhealthy on ranks [0, 1]: " \
+           "rank 0: embedding_local_norm" in log, log[-4000:]
+    entries = {e.step: e.is_health for e in health.read_health_file(output_dir / "easyckpt") or []}
+    assert entries and set(entries.values()) == {health.HEALTHY}, entries   # 14 was never persisted
+
+
+def test_hf_diverged_run_keeps_and_resumes_the_newest_healthy_iteration_from_disk(env: Env) -> None:
+    """Every step from 12 on is spiked; persists (and checkpoint-N) every 5 steps, max_ckpt_num=2: rotation
+    keeps iteration 10, the newest healthy, besides 20; health_ckpts.json marks exactly those two. With
+    memory wiped the rerun resumes from iteration 10 on disk, passing over the unhealthy checkpoint-15 and
+    checkpoint-20 the Trainer's own pick would be."""
+    output_dir = env.tmp_path / "hf"
+    spiked = ",".join(str(step) for step in range(12, STEPS + 1))
+    run_to_end(HFJob(env, output_dir, env.tmp_path / "first",
+                     extra_args=HEALTH_ARGS + ["--spike-steps", spiked, "--max-ckpt-num", "2"]))
+    save_dir = output_dir / "easyckpt"
+    kept = [step for step, _ in layout.complete_iterations(save_dir)]
+    assert kept == [10, 20], kept
+    entries = {e.step: e.is_health for e in health.read_health_file(save_dir) or []}
+    assert entries == {10: health.HEALTHY, 20: health.UNHEALTHY}, entries
+    assert sorted(int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*")) == [5, 10, 15, 20]
+    for step in (5, 10, 15, 20):   # the folders the Trainer wrote, and the unhealthy ones say so
+        files = {p.name for p in (output_dir / f"checkpoint-{step}").iterdir()}
+        assert files == (NATIVE_FILES | {"easyckpt_health.json"} if step > 10 else NATIVE_FILES), (step, files)
+    wipe_memory(env)
+    second = run_to_end(HFJob(env, output_dir, env.tmp_path / "second", resume="newest", extra_args=HEALTH_ARGS))
+    for report in resumed_at(second):
+        assert (report["step"], report["source"]) == (10, "disk"), report
+    assert sorted(second.losses(0)) == list(range(11, STEPS + 1))
+    log = second.log()
+    assert f"passing over {output_dir / 'checkpoint-20'}: unhealthy (rank 0: embedding_local_norm" in log, log[-4000:]
+    assert "passing over unhealthy snapshots newer than step 10: step 20" in log, log[-4000:]

@@ -124,6 +124,6 @@ class Exporter:
                 self.failed[step] = "rotated away"
                 return
             raise
-        self.folders.write_checkpoint(step, common, rngs, world_size)
+        self.folders.write_checkpoint(step, common, rngs, world_size, health=meta.get("health"))
         self.exported.append(step)
         logger.info("exported %s to checkpoint-%d in %.2fs", path, step, time.perf_counter() - started)

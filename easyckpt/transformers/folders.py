@@ -36,6 +36,10 @@ SCHEDULER_NAME = "scheduler.pt"
 SCALER_NAME = "scaler.pt"
 TRAINING_ARGS_NAME = "training_args.bin"
 SAFE_WEIGHTS_NAME = "model.safetensors"
+# In a checkpoint-N exported from an iteration marked unhealthy (invariant 13): its metadata.json "health"
+# entry. The Trainer ignores the file; TrainerWrapper's resume passes such a folder over (the iteration's
+# own entry leaves health_ckpts.json when rotation deletes it, the folder stays).
+HEALTH_NAME = "easyckpt_health.json"
 WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
                  "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin")
 
@@ -85,6 +89,18 @@ def checkpoint_problem(path: Path, *, world_size: int, need_optimizer: bool = Tr
             if not (path / rng_file_name(rank, world_size)).is_file():
                 return f"{path / rng_file_name(rank, world_size)} is missing (written by {world_size} ranks?)"
     return None
+
+
+def unhealthy_reasons(path: Path) -> list[str] | None:
+    """Why checkpoint-N folder ``path`` is unhealthy (it has a HEALTH_NAME file), or None."""
+    try:
+        health = json.loads((path / HEALTH_NAME).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        return [f"{path / HEALTH_NAME} is not readable ({exc})"]
+    reasons = health.get("reasons") if isinstance(health, dict) else None
+    return [str(r) for r in reasons] if isinstance(reasons, list) else []
 
 
 def complete_checkpoints(output_dir: Path, **checks: Any) -> list[tuple[int, Path]]:
@@ -178,12 +194,16 @@ class CheckpointFolders:
                 logger.info("removing %s, left by a job that died while writing or deleting a checkpoint", entry)
                 shutil.rmtree(entry, ignore_errors=True)
 
-    def write_checkpoint(self, step: int, common: dict[str, Any], rngs: dict[int, Any], world_size: int) -> Path:
-        """Export a saved state (all ranks' RNGs) as checkpoint-N, atomically. Runs on the saving process."""
+    def write_checkpoint(self, step: int, common: dict[str, Any], rngs: dict[int, Any], world_size: int,
+                         health: dict[str, Any] | None = None) -> Path:
+        """Export a saved state (all ranks' RNGs) as checkpoint-N, atomically. Runs on the saving process.
+        ``health``: the iteration's verdict (metadata.json); an unhealthy one is recorded in the folder."""
         tmp = self.tmp_path(step)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         self.write_files(tmp, common, rngs, world_size, native=True)
+        if isinstance(health, dict) and health.get("healthy") is False:
+            (tmp / HEALTH_NAME).write_text(json.dumps(health), encoding="utf-8")
         return self.publish(tmp, step)
 
     def write_files(self, directory: Path, common: dict[str, Any], rngs: dict[int, Any], world_size: int,

@@ -27,6 +27,7 @@ from easyckpt.transformers.folders import (
     checkpoint_problem,
     complete_checkpoints,
     rng_file_name,
+    unhealthy_reasons,
 )
 from easyckpt.transformers.snapshot import STATE_FORMAT
 from easyckpt_wire import layout
@@ -107,8 +108,13 @@ class Resumer:
                 logger.warning("cannot look for checkpoint-N folders in %s (%s): using easyckpt's states only",
                                self.output_dir, exc)
                 found = []
-            if found:
-                newest, newest_path = found[0]
+            for step, path in found:
+                reasons = unhealthy_reasons(path)
+                if reasons is None:
+                    newest, newest_path = step, path
+                    break
+                # exported from an unhealthy iteration (invariant 13): as load() passes those over
+                logger.warning("passing over %s: unhealthy (%s)", path, "; ".join(reasons) or "no reason recorded")
         newest = broadcast_int(newest)
         if newest >= 0:
             newest_path = self.folders.path(newest)
