@@ -34,6 +34,12 @@ too); the remaining ranks are data-parallel, and gradients are averaged over the
 ``--native-save-at N --native-save-dir D`` additionally writes, at iteration N, a native Megatron legacy
 checkpoint the way megatron.training.checkpointing does (``D/iter_000000N/mp_rank_00/model_optim_rng.pt``
 + tracker): the tests migrate from it with ``--load-dir D``.
+
+Checkpoint health: ``--embedding-local-norm-threshold T`` turns the monitor on (each snapshot carries the
+word embedding's gradient norm, read by save_checkpoint_if_needed, and the loss); ``--spike-steps 12,13``
+scales those iterations' loss by 1e4; ``--kill-at N`` SIGKILLs rank 1 once its snapshot of N is in memory.
+(Data skipping is not in this CPU loop: with a torch optimizer the skipper's counter has no place in the
+Megatron snapshot; see the README.)
 """
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ import json
 import logging
 import os
 import random
+import signal
 import time
 import warnings
 from pathlib import Path
@@ -202,6 +209,12 @@ def main() -> None:
     parser.add_argument("--cuda", action="store_true", help="megatron-core DDP and optimizer on CUDA (NCCL)")
     parser.add_argument("--use-distributed-optimizer", action="store_true")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the rest is data-parallel)")
+    parser.add_argument("--spike-steps", default="", help="comma-separated iterations whose loss is scaled by 1e4 "
+                        "(a gradient spike)")
+    parser.add_argument("--embedding-local-norm-threshold", type=float, default=None,
+                        help="checkpoint health monitor on (use_checkpoint_health_monitor=True) with this threshold")
+    parser.add_argument("--kill-at", type=int, default=None, help="rank 1 SIGKILLs itself once its snapshot of this "
+                        "iteration is in memory (a fresh start only)")
     cli = parser.parse_args()
     logging.basicConfig(level=os.environ.get("EASYCKPT_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s rank%(process)d %(name)s: %(message)s")
@@ -249,10 +262,13 @@ def main() -> None:
                               consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
                               save=cli.save_dir, load=cli.load_dir or cli.save_dir)
 
+    health = {} if cli.embedding_local_norm_threshold is None else {
+        "use_checkpoint_health_monitor": True, "embedding_local_norm_threshold": cli.embedding_local_norm_threshold}
+    spikes = {int(step) for step in cli.spike_steps.split(",") if step}
     # -- easyckpt, line 1 of 3 --
-    initialize_easyckpt(save_mem_interval=cli.save_mem_interval, save_storage_interval=cli.save_storage_interval,
-                        max_ckpt_num=cli.max_ckpt_num, log_file_path=str(out / "persist.log"),
-                        save_dir=args.save, load_dir=args.load, args=args)
+    ckpt = initialize_easyckpt(save_mem_interval=cli.save_mem_interval, save_storage_interval=cli.save_storage_interval,
+                               max_ckpt_num=cli.max_ckpt_num, log_file_path=str(out / "persist.log"),
+                               save_dir=args.save, load_dir=args.load, args=args, **health)
     # -- easyckpt, line 2 of 3 --
     iteration, flops = load_checkpoint(model, optimizer, scheduler)
 
@@ -280,6 +296,8 @@ def main() -> None:
             else:
                 optimizer.zero_grad(set_to_none=True)
             loss = model[0](inputs, positions, mask, labels=labels).float().mean()
+            if iteration + 1 in spikes:
+                loss = loss * 1e4
             loss.backward()
             if cli.cuda:
                 for chunk in model:
@@ -291,8 +309,12 @@ def main() -> None:
             iteration += 1
             args.consumed_train_samples += global_batch
             flops += 6 * sum(p.numel() for p in gpt.parameters()) * global_batch * SEQ
-            # -- easyckpt, line 3 of 3 --
-            save_checkpoint_if_needed(iteration, model, optimizer, scheduler, flops)
+            # -- easyckpt, line 3 of 3 --  (metrics: with the health monitor, besides the embedding's norm)
+            save_checkpoint_if_needed(iteration, model, optimizer, scheduler, flops,
+                                      metrics={"loss": loss.item()} if health else None)
+            if cli.kill_at == iteration and rank == 1 and (info is None or info.source is None):
+                ckpt.wait()
+                os.kill(os.getpid(), signal.SIGKILL)
             log.write(json.dumps({"iteration": iteration, "loss": loss.item(), "attempt": attempt}) + "\n")
             if tracing:
                 traces.write(json.dumps({"trace": iteration, "attempt": attempt, **trace(model, optimizer)}) + "\n")

@@ -654,3 +654,53 @@ def test_megatron_skipping_keywords(env: Env, megatron_world: None) -> None:
         assert em.save_checkpoint_if_needed(1, chunks, optimizer, scheduler)
     finally:
         em.finalize_easyckpt()
+
+
+# --- checkpoint health on the CPU path (torch AdamW): the embedding's gradient norm is read by
+# save_checkpoint_if_needed; the loss scaled by 1e4 puts it far above HEALTH_THRESHOLD ---------------------
+HEALTH_THRESHOLD = "5"
+
+
+def test_megatron_kill_after_an_unhealthy_iteration_resumes_the_newest_healthy_one_from_memory(env: Env) -> None:
+    """Iteration 14 alone is spiked; rank 1 dies once its snapshot of 14 is in memory; torchrun restarts
+    the group, which passes 14 over and resumes at 13 from memory."""
+    from easyckpt_wire import health
+
+    job = Job(env, env.tmp_path / "run", save_dir=env.save_dir, max_restarts=1, idle="0",
+              extra=("--embedding-local-norm-threshold", HEALTH_THRESHOLD, "--spike-steps", "14", "--kill-at", "14"))
+    assert job.wait() == 0, job.log()[-4000:]
+    for rank in (0, 1):
+        first, second = job.resumes(rank)
+        assert first["source"] is None
+        assert (second["iteration"], second["source"]) == (13, "memory"), second
+        assert sorted(job.losses(rank)) == list(range(1, ITERS + 1))
+    log = job.log()
+    assert "passing over unhealthy snapshots newer than step 13: step 14 (unhealthy on ranks [0, 1]: " \
+           "rank 0: embedding_local_norm" in log, log[-4000:]
+    entries = {e.step: e.is_health for e in health.read_health_file(env.save_dir) or []}
+    assert entries and set(entries.values()) == {health.HEALTHY}, entries   # 14 was never persisted
+
+
+def test_megatron_diverged_run_keeps_and_resumes_the_newest_healthy_iteration_from_disk(env: Env) -> None:
+    """Every iteration from 12 on is spiked; persists every 5, max_ckpt_num=2: rotation keeps 10, the
+    newest healthy, besides the final 24; health_ckpts.json marks exactly those; a rerun (a clean end left
+    no slots) resumes at 10 from disk."""
+    from easyckpt_wire import health
+
+    spiked = ",".join(str(i) for i in range(12, ITERS + 1))
+    flags = ("--embedding-local-norm-threshold", HEALTH_THRESHOLD, "--max-ckpt-num", "2")
+    # paced (IDLE per iteration) so that the agent persists every due iteration, not the newest one it finds
+    first = Job(env, env.tmp_path / "first", save_dir=env.save_dir, extra=(*flags, "--spike-steps", spiked))
+    assert first.wait() == 0, first.log()[-4000:]
+    env.wait_agent_gone()
+    kept = [step for step, _ in layout.complete_iterations(env.save_dir)]
+    assert kept == [10, ITERS], kept
+    entries = {e.step: e.is_health for e in health.read_health_file(env.save_dir) or []}
+    assert entries == {10: health.HEALTHY, ITERS: health.UNHEALTHY}, entries
+    assert not list(env.shm_dir.glob("easyckpt-*")), "a clean end leaves no slots: the rerun has only disk"
+    second = Job(env, env.tmp_path / "second", save_dir=env.save_dir, idle="0", extra=flags)
+    assert second.wait() == 0, second.log()[-4000:]
+    for rank in (0, 1):
+        resume = second.resumes(rank)[0]
+        assert (resume["iteration"], resume["source"]) == (10, "disk"), resume
+    assert "passing over unhealthy snapshots newer than step 10" in second.log(), second.log()[-4000:]
