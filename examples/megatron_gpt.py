@@ -39,7 +39,7 @@ Checkpoint health: ``--embedding-local-norm-threshold T`` turns the monitor on (
 word embedding's gradient norm, read by save_checkpoint_if_needed, and the loss); ``--spike-steps 12,13``
 scales those iterations' loss by 1e4; ``--kill-at N`` SIGKILLs rank 1 once its snapshot of N is in memory.
 (Data skipping is not in this CPU loop: with a torch optimizer the skipper's counter has no place in the
-Megatron snapshot; see the README.)
+Megatron snapshot: initialize_easyckpt(use_skip_data_by_global_norm=True) refuses a torch optimizer.)
 """
 from __future__ import annotations
 
