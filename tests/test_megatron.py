@@ -302,7 +302,11 @@ def test_tensor_parallel_ranks_resume_their_own_shards_from_memory_and_a_native_
 def _megatron_loader_accepts(path: Path, iteration: int) -> None:
     """What megatron.training.checkpointing.load_checkpoint does with a legacy file, on CPU."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.safe_globals import register_safe_globals
 
+    # What `import megatron.core` did in a Megatron process. In this pytest process a Trainer resume ran before
+    # (test_hf): leaving transformers' torch.serialization.safe_globals() block dropped numpy's entries again.
+    register_safe_globals()
     state = torch.load(path, map_location="cpu")   # Megatron's own call: torch's default weights_only=True
     args = state["args"]
     assert isinstance(args, argparse.Namespace)
@@ -549,7 +553,8 @@ def test_megatron_skips_a_spike_inside_the_optimizer_step_and_aborts_durably(
         env: Env, megatron_world: None, monkeypatch: pytest.MonkeyPatch, clip_grad: float) -> None:
     """Megatron's optimizer step with data skipping: a spike's step returns "not successful" (what Megatron's
     train_step counts as a skipped iteration, not stepping the scheduler) with model and optimizer untouched;
-    each snapshot carries the embedding's pre-clip gradient norm and the given loss; two spikes in a row
+    each applied step's snapshot carries the embedding's pre-clip gradient norm and the given loss (a skipped
+    one only the loss: its gradients were discarded); two spikes in a row
     abort after the newest snapshot was made durable, and the next load restores the skipper's count."""
     import copy
 
@@ -603,8 +608,11 @@ def test_megatron_skips_a_spike_inside_the_optimizer_step_and_aborts_durably(
                 assert_same(chunks[0].state_dict(), before[0])
                 assert_same(optimizer.optimizer.state_dict(), before[1])
             assert em.save_checkpoint_if_needed(iteration, chunks, optimizer, scheduler, metrics={"loss": 2.5})
-            assert set(seen[iteration]) == {"embedding_local_norm", "loss"}
-            assert seen[iteration]["embedding_local_norm"] == pytest.approx(embedding_grad, rel=1e-6)
+            if success:
+                assert set(seen[iteration]) == {"embedding_local_norm", "loss"}
+                assert seen[iteration]["embedding_local_norm"] == pytest.approx(embedding_grad, rel=1e-6)
+            else:   # the spiked gradients were discarded: the kept state is not judged by them
+                assert set(seen[iteration]) == {"loss"}
             em.get_checkpointer().wait()
         assert scheduler.num_steps == 3   # iterations 1, 2, 4
         assert (env.save_dir / layout.iteration_dirname(5) / layout.METADATA).is_file()   # on_abort: flush

@@ -95,6 +95,9 @@ class OptimizerGuard:
             if norm is None:   # no clipping: Megatron computed no norm; this is the one reduction it costs
                 norm = self._originals["get_grad_norm"]()
             if self.skipper.skip(self.iteration + 1, norm):
+                # The spiked gradients are discarded, so the state stays that of a healthy step: its
+                # snapshot must not be judged by their embedding norm (that would mark the kept state unhealthy).
+                self.embedding = None
                 return False
         return self._originals["step_with_ready_grads"](*args, **kwargs)
 

@@ -96,6 +96,10 @@ class StepGuard:
                 self._end_skip()
                 if self.skipper.skip(step, value):
                     self._skip_this_step()
+                    # The spiked gradients are discarded and the state stays a healthy one: its snapshot is
+                    # not judged by their embedding norm.
+                    if self.metrics is not None and self.metrics[0] == step:
+                        self.metrics[1].pop("embedding_local_norm", None)
         return norm
 
     def end_of_step(self) -> None:
