@@ -32,6 +32,17 @@ def save(ck: easyckpt.Checkpointer, env: Env, step: int, norm: float) -> None:
     save_and_persist(ck, env, step, state_at(step), metrics={"embedding_local_norm": norm})
 
 
+def persisted_run(env: Env, norms: dict[int, float]) -> None:
+    """A finished run that persisted these steps with these embedding norms; its agent has exited."""
+    ck = make_ck(env, max_ckpt_num=5)
+    try:
+        for step, norm in norms.items():
+            save(ck, env, step, norm)
+    finally:
+        ck.close()
+    env.wait_agent_gone()
+
+
 def on_disk(env: Env) -> list[int]:
     return [s for s, _ in layout.complete_iterations(env.save_dir)]
 
@@ -63,13 +74,7 @@ def test_spike_marks_iterations_rotation_keeps_the_healthy_one_and_load_resumes_
 
 
 def test_nothing_healthy_is_a_clear_error_then_allow_unhealthy_and_load_dir(env: Env) -> None:
-    ck = make_ck(env, max_ckpt_num=5)
-    try:
-        save(ck, env, 2, 300.0)
-        save(ck, env, 4, float("nan"))
-    finally:
-        ck.close()
-    env.wait_agent_gone()
+    persisted_run(env, {2: 300.0, 4: float("nan")})
     ck = make_ck(env, max_ckpt_num=5)
     try:
         with pytest.raises(LoadError) as caught:
@@ -88,13 +93,7 @@ def test_nothing_healthy_is_a_clear_error_then_allow_unhealthy_and_load_dir(env:
 
 
 def test_a_corrupt_health_file_falls_back_to_metadata(env: Env, caplog: pytest.LogCaptureFixture) -> None:
-    ck = make_ck(env, max_ckpt_num=5)
-    try:
-        save(ck, env, 2, 100.0)
-        save(ck, env, 4, 300.0)
-    finally:
-        ck.close()
-    env.wait_agent_gone()
+    persisted_run(env, {2: 100.0, 4: 300.0})
     (env.save_dir / health.HEALTH_FILE).write_text("{broken")
     ck = make_ck(env, max_ckpt_num=5)
     try:
@@ -108,13 +107,7 @@ def test_a_corrupt_health_file_falls_back_to_metadata(env: Env, caplog: pytest.L
 
 def test_cli_ls_shows_health_and_verify_checks_the_index(env: Env) -> None:
     from conftest import run_cli
-    ck = make_ck(env, max_ckpt_num=5)
-    try:
-        save(ck, env, 2, 100.0)
-        save(ck, env, 4, 300.0)
-    finally:
-        ck.close()
-    env.wait_agent_gone()
+    persisted_run(env, {2: 100.0, 4: 300.0})
     out = run_cli("ls", str(env.save_dir), env=env).stdout
     line2 = next(line for line in out.splitlines() if line.startswith("iteration_0000002"))
     line4 = next(line for line in out.splitlines() if line.startswith("iteration_0000004"))
