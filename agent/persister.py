@@ -376,13 +376,8 @@ def persist(save_dir: Path, step: int, snapshots: list[RankSnapshot], audit: Aud
         raise failure   # outside the handler: no chained OSError (nor its frames) rides along
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
-    record_health(save_dir, step, step_health({s.rank: s.meta.health for s in snapshots}), audit)
+    record_health(save_dir, step, wire_health.combine({s.rank: s.meta.health for s in snapshots}), audit)
     return PersistStats(step, final, nbytes, time.monotonic() - started)
-
-
-def step_health(verdicts: dict[int, RankHealth]) -> RankHealth:
-    """The job's verdict on a step from its ranks' (``easyckpt_wire.health.combine``)."""
-    return wire_health.combine(verdicts)
 
 
 def record_health(save_dir: Path, step: int, verdict: RankHealth, audit: AuditLog) -> None:
@@ -443,7 +438,7 @@ def _fill(tmp: Path, step: int, snapshots: list[RankSnapshot], threads: int) -> 
     world_size = snapshots[0].meta.world_size
     ranks_meta, common, nbytes = _write_rank_files(tmp, step, snapshots, threads)
     _write_marker(tmp, step, world_size, ranks_meta, common, nbytes,
-                  step_health({s.rank: s.meta.health for s in snapshots}))
+                  wire_health.combine({s.rank: s.meta.health for s in snapshots}))
     return nbytes
 
 
@@ -559,7 +554,7 @@ def commit_stage(save_dir: Path, step: int, audit: AuditLog) -> PersistStats | N
     if world_size is None or sorted(int(r) for r in ranks) != list(range(world_size)):
         return None
     nbytes = int(sum(share for _, _, share, _ in ranks.values()))
-    verdict = step_health({int(r): h for r, (_, _, _, h) in ranks.items()})
+    verdict = wire_health.combine({int(r): h for r, (_, _, _, h) in ranks.items()})
     for name in os.listdir(stage):
         if layout.NODE_FILE_RE.match(name):
             os.unlink(stage / name)
@@ -607,13 +602,7 @@ def stage_steps(save_dir: Path) -> list[int]:
 
 
 def write_tracker(save_dir: Path, step: int, audit: AuditLog) -> None:
-    tmp = save_dir / f".{layout.TRACKER}.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(f"{step}\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, save_dir / layout.TRACKER)
-    layout.fsync_dir(save_dir)
+    layout.write_file_atomic(save_dir / layout.TRACKER, f"{step}\n")
     audit.record("tracker", save_dir / layout.TRACKER, step=step)
 
 

@@ -14,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from easyckpt_wire.layout import write_file_atomic
 
 HEALTH_FILE = "health_ckpts.json"
 HEALTHY, UNHEALTHY = 0, 1          # ``is_health`` values, as MindSpore writes them (0 means healthy)
@@ -138,19 +139,8 @@ def read_health_file(save_dir: Path) -> list[HealthEntry] | None:
 
 def write_health_file(save_dir: Path, entries: Iterable[HealthEntry]) -> None:
     """Replace ``save_dir/health_ckpts.json`` atomically (a reader sees the old list or the new one)."""
-    path = Path(save_dir) / HEALTH_FILE
-    tmp = path.with_name(f".{HEALTH_FILE}.tmp-{os.getpid()}")
-    blob = json.dumps([e.to_json() for e in sorted(entries, key=lambda e: e.step)], indent=1) + "\n"
-    with open(tmp, "w") as handle:
-        handle.write(blob)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    write_file_atomic(Path(save_dir) / HEALTH_FILE,
+                      json.dumps([e.to_json() for e in sorted(entries, key=lambda e: e.step)], indent=1) + "\n")
 
 
 def updated(entries: Iterable[HealthEntry], new: HealthEntry | None, kept_steps: Iterable[int]) -> list[HealthEntry]:

@@ -67,6 +67,18 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_file_atomic(path: Path, text: str) -> None:
+    """Replace the small file ``path`` atomically and durably (a reader sees the old text or the new one):
+    a temporary file beside it, fsynced, renamed over it, the directory fsynced."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
 _RENAME_EXCHANGE = 2   # renameat2(2) flag: swap two existing entries atomically
 _AT_FDCWD = -100
 

@@ -229,11 +229,5 @@ def convert_to_megatron(src: Path, dst: Path, *, no_optim: bool = False) -> tupl
             os.fsync(handle.fileno())
         written.append(target / name / FILE)
     layout.replace_dir(tmp, target)   # no aside name: a target that exists after all is refused
-    tracker_tmp = dst / f".{TRACKER}.tmp-{os.getpid()}"
-    with open(tracker_tmp, "w", encoding="utf-8") as handle:
-        handle.write(str(step))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tracker_tmp, dst / TRACKER)
-    layout.fsync_dir(dst)
+    layout.write_file_atomic(dst / TRACKER, str(step))
     return step, written
