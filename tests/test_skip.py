@@ -124,13 +124,15 @@ def test_embedding_local_norm() -> None:
 JOB = ROOT / "tests" / "skip_job.py"
 
 
-def run_job(env: Env, name: str, *args: str, timeout: float = 180, restarts: int = 0) -> tuple[int, Path, str]:
+def run_job(env: Env, name: str, *args: str, timeout: float = 180, restarts: int = 0,
+            extra_env: dict[str, str] | None = None) -> tuple[int, Path, str]:
     out = env.tmp_path / name
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                f"--max-restarts={restarts}",
                str(JOB), "--save-dir", str(env.save_dir), "--out", str(out), *args]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=str(ROOT),
-                          env=env.environ(EASYCKPT_LOG_LEVEL="INFO", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+                          env=env.environ(EASYCKPT_LOG_LEVEL="INFO", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                                          **(extra_env or {})))
     return proc.returncode, out, proc.stdout + proc.stderr
 
 
