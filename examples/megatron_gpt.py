@@ -23,8 +23,11 @@ newest snapshot is persisted (``Checkpointer.flush()``) before the process exits
 On CPU, megatron-core's forward needs two stand-ins, installed by ``use_cpu_megatron()``: its global
 attention buffer is allocated on CPU, and its tensor-parallel RNG tracker forks the CPU generator
 instead of the CUDA one (so the tracker states are real and are checkpointed like on a GPU). Megatron's
-DDP wrapper and optimizer need CUDA, so the CPU path averages gradients with one flat all-reduce and
-steps a torch AdamW, driven by megatron-core's own OptimizerParamScheduler. With ``--cuda`` the script
+DDP wrapper needs CUDA, so the CPU path averages gradients with one flat all-reduce; its optimizer is
+megatron-core's FP32Optimizer around a torch AdamW (``CpuFP32Optimizer``: the constructor's loss-scale tensor
+and the fused gradient-norm kernel are CUDA-only, so those two are done by torch), driven by megatron-core's
+own OptimizerParamScheduler, and the loop steps the scheduler only when ``optimizer.step()`` reports a
+successful update, as Megatron's train_step does. With ``--cuda`` the script
 uses megatron-core's DistributedDataParallel and get_megatron_optimizer (``--use-distributed-optimizer``
 for the sharded optimizer); ``tests/test_megatron.py`` runs that path where CUDA is available.
 
@@ -38,8 +41,11 @@ checkpoint the way megatron.training.checkpointing does (``D/iter_000000N/mp_ran
 Checkpoint health: ``--embedding-local-norm-threshold T`` turns the monitor on (each snapshot carries the
 word embedding's gradient norm, read by save_checkpoint_if_needed, and the loss); ``--spike-steps 12,13``
 scales those iterations' loss by 1e4; ``--kill-at N`` SIGKILLs rank 1 once its snapshot of N is in memory.
-(Data skipping is not in this CPU loop: with a torch optimizer the skipper's counter has no place in the
-Megatron snapshot: initialize_easyckpt(use_skip_data_by_global_norm=True) refuses a torch optimizer.)
+Data skipping: ``--global-norm-spike-threshold T`` (and ``--global-norm-spike-count-threshold C``) turns on
+``use_skip_data_by_global_norm``: an iteration whose global gradient norm exceeds T is not applied (Megatron's
+optimizer step returns "not successful", the scheduler is not stepped), and C such iterations in a row stop
+the run with ``easyckpt.TrainingAborted`` after the newest snapshot is durable. ``--drop-steps 14`` skips
+those iterations' update unconditionally (a run that never saw them, to compare against).
 """
 from __future__ import annotations
 
@@ -64,6 +70,8 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig  # noqa: E402
+from megatron.core.optimizer.optimizer import FP32Optimizer, MegatronOptimizer  # noqa: E402
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler  # noqa: E402
 from megatron.core.tensor_parallel import random as tp_random  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
@@ -112,6 +120,29 @@ def use_cpu_megatron() -> None:
     parallel_state._GLOBAL_MEMORY_BUFFER = CpuMemoryBuffer()
     tp_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     tp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+class CpuFP32Optimizer(FP32Optimizer):
+    """megatron-core's FP32Optimizer (its step(): prepare_grads, clip_grad_norm when clip_grad > 0,
+    step_with_ready_grads) with the two CUDA-only pieces done by torch on CPU: the loss-scale tensor and
+    the gradient norm, over the same gradients as Megatron's (no tensor-parallel duplicates, no shared
+    parameters) and reduced over the same group."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig) -> None:
+        MegatronOptimizer.__init__(self, optimizer, config)
+        self._scale = torch.tensor([1.0])
+        self.is_stub_optimizer = False
+
+    def get_grad_norm(self) -> float:
+        grads = self.get_main_grads_for_grad_norm()
+        squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum() if grads else torch.zeros(())
+        dist.all_reduce(squares, group=self.get_grad_stats_parallel_group())
+        return float(squares.sqrt())
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        norm = CpuFP32Optimizer.get_grad_norm(self)   # the class's: easyckpt wraps the instance's to read it
+        torch.nn.utils.clip_grads_with_norm_(self.get_parameters(), clip_grad, torch.tensor(norm))
+        return norm
 
 
 def build_model(cuda: bool, tp: int = 1) -> tuple[GPTModel, TransformerConfig]:
@@ -213,6 +244,10 @@ def main() -> None:
                         "(a gradient spike)")
     parser.add_argument("--embedding-local-norm-threshold", type=float, default=None,
                         help="checkpoint health monitor on (use_checkpoint_health_monitor=True) with this threshold")
+    parser.add_argument("--drop-steps", default="", help="comma-separated iterations whose update is not applied")
+    parser.add_argument("--global-norm-spike-threshold", type=float, default=None,
+                        help="data skipping on (use_skip_data_by_global_norm=True) with this threshold")
+    parser.add_argument("--global-norm-spike-count-threshold", type=int, default=None)
     parser.add_argument("--kill-at", type=int, default=None, help="rank 1 SIGKILLs itself once its snapshot of this "
                         "iteration is in memory (a fresh start only)")
     cli = parser.parse_args()
@@ -237,7 +272,7 @@ def main() -> None:
     gpt, config = build_model(cli.cuda, cli.tp)
     if cli.cuda:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer import get_megatron_optimizer
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=cli.use_distributed_optimizer)
         model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)]
@@ -248,7 +283,12 @@ def main() -> None:
                                                            clip_grad=1.0), model)
     else:
         model = [gpt]
-        optimizer = torch.optim.AdamW(gpt.parameters(), lr=3e-3, weight_decay=0.01)
+        # one parameter group as get_megatron_optimizer makes them (its keys identify groups on load)
+        optimizer = CpuFP32Optimizer(torch.optim.AdamW([{"params": list(gpt.parameters()), "wd_mult": 1.0,
+                                                         "lr_mult": 1.0, "is_expert_parallel": False,
+                                                         "is_decoupled_lr": False}], lr=3e-3, weight_decay=0.01),
+                                     OptimizerConfig(optimizer="adam", lr=3e-3, min_lr=3e-4, weight_decay=0.01,
+                                                     clip_grad=0.0))
     global_batch = MICRO_BATCH * parallel_state.get_data_parallel_world_size()
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=3e-3, min_lr=3e-4,
                                         lr_warmup_steps=5 * global_batch, lr_decay_steps=200 * global_batch,
@@ -262,13 +302,18 @@ def main() -> None:
                               consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
                               save=cli.save_dir, load=cli.load_dir or cli.save_dir)
 
-    health = {} if cli.embedding_local_norm_threshold is None else {
+    monitor = cli.embedding_local_norm_threshold is not None
+    options: dict[str, object] = {} if not monitor else {
         "use_checkpoint_health_monitor": True, "embedding_local_norm_threshold": cli.embedding_local_norm_threshold}
     spikes = {int(step) for step in cli.spike_steps.split(",") if step}
+    dropped = {int(step) for step in cli.drop_steps.split(",") if step}
+    if cli.global_norm_spike_threshold is not None:
+        options.update(use_skip_data_by_global_norm=True, global_norm_spike_threshold=cli.global_norm_spike_threshold,
+                      global_norm_spike_count_threshold=cli.global_norm_spike_count_threshold)
     # -- easyckpt, line 1 of 3 --
     ckpt = initialize_easyckpt(save_mem_interval=cli.save_mem_interval, save_storage_interval=cli.save_storage_interval,
                                max_ckpt_num=cli.max_ckpt_num, log_file_path=str(out / "persist.log"),
-                               save_dir=args.save, load_dir=args.load, args=args, **health)
+                               save_dir=args.save, load_dir=args.load, args=args, **options)
     # -- easyckpt, line 2 of 3 --
     iteration, flops = load_checkpoint(model, optimizer, scheduler)
 
@@ -292,9 +337,7 @@ def main() -> None:
             if cli.cuda:
                 for chunk in model:
                     chunk.zero_grad_buffer()
-                optimizer.zero_grad()
-            else:
-                optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)
             loss = model[0](inputs, positions, mask, labels=labels).float().mean()
             if iteration + 1 in spikes:
                 loss = loss * 1e4
@@ -304,14 +347,17 @@ def main() -> None:
                     chunk.finish_grad_sync()
             else:
                 average_gradients(gpt)
-            optimizer.step()
-            scheduler.step(increment=global_batch)
+            # Megatron's train_step: the scheduler steps only after a successful update (not after an
+            # overflow, nor after a spike that data skipping refused)
+            update_successful = False if iteration + 1 in dropped else optimizer.step()[0]
+            if update_successful:
+                scheduler.step(increment=global_batch)
             iteration += 1
             args.consumed_train_samples += global_batch
             flops += 6 * sum(p.numel() for p in gpt.parameters()) * global_batch * SEQ
             # -- easyckpt, line 3 of 3 --  (metrics: with the health monitor, besides the embedding's norm)
             save_checkpoint_if_needed(iteration, model, optimizer, scheduler, flops,
-                                      metrics={"loss": loss.item()} if health else None)
+                                      metrics={"loss": loss.item()} if monitor else None)
             if cli.kill_at == iteration and rank == 1 and (info is None or info.source is None):
                 ckpt.wait()
                 os.kill(os.getpid(), signal.SIGKILL)

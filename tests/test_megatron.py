@@ -712,3 +712,56 @@ def test_megatron_diverged_run_keeps_and_resumes_the_newest_healthy_iteration_fr
         resume = second.resumes(rank)[0]
         assert (resume["iteration"], resume["source"]) == (10, "disk"), resume
     assert "passing over unhealthy snapshots newer than step 10" in second.log(), second.log()[-4000:]
+
+
+# --- data skipping in the example's loop (Megatron's optimizer step; the loss scaled by 1e4 puts the
+# global gradient norm far above SPIKE_THRESHOLD, which no normal iteration reaches) --------------------
+SPIKE_THRESHOLD = "100"
+
+
+def test_megatron_example_skips_a_spike_bit_exactly(env: Env, reference: dict[int, Any],
+                                                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Iteration 10 spikes and is skipped on both ranks: the state and every other loss equal, bit for bit,
+    a run that never applied iteration 10's update (``--drop-steps 10``), which differs from the run that did."""
+    skipped = Job(env, env.tmp_path / "skipped", save_dir=env.save_dir, idle="0",
+                  extra=("--spike-steps", "10", "--global-norm-spike-threshold", SPIKE_THRESHOLD))
+    assert skipped.wait() == 0, skipped.log()[-4000:]
+    log = skipped.log()
+    assert log.count("consecutive time(s); data skipped") == 2, log[-4000:]   # once per rank
+    assert "step 10: global norm" in log and "step 11: global norm" in log, log[-4000:]   # skipped, then back under
+    ref_env = Env(tmp_path_factory.mktemp("dropped"))
+    try:
+        dropped = Job(ref_env, ref_env.tmp_path / "dropped", save_dir=ref_env.save_dir, idle="0",
+                      extra=("--drop-steps", "10"))
+        assert dropped.wait() == 0, dropped.log()[-4000:]
+    finally:
+        ref_env.cleanup()
+    for rank in (0, 1):
+        ours, theirs = skipped.losses(rank), dropped.losses(rank)
+        assert sorted(ours) == sorted(theirs) == list(range(1, ITERS + 1))
+        assert {i: ours[i] for i in ours if i != 10} == {i: theirs[i] for i in theirs if i != 10}, f"rank {rank}"
+        assert skipped.final(rank)["digest"] == dropped.final(rank)["digest"], f"rank {rank}: state differs"
+        assert skipped.final(rank)["digest"] != reference[rank][1]["digest"], "the skip changed nothing"
+
+
+def test_megatron_example_consecutive_spikes_abort_durably_and_the_count_resumes(env: Env) -> None:
+    """Spikes at 12 and 13 with count threshold 2: 12 is skipped, 13 raises TrainingAborted after iteration
+    12's snapshot was made durable, and the job fails. A rerun resumes at 12 with the skipper's count (1 in
+    a row), so a single spike at 13 aborts it at once; a rerun without spikes then finishes."""
+    flags = ("--global-norm-spike-threshold", SPIKE_THRESHOLD, "--global-norm-spike-count-threshold", "2")
+    first = Job(env, env.tmp_path / "first", save_dir=env.save_dir, idle="0", extra=(*flags, "--spike-steps", "12,13"))
+    assert first.wait() != 0
+    log = first.log()
+    assert "TrainingAborted: step 13: global norm" in log and "2 consecutive" in log, log[-4000:]
+    assert 12 in [step for step, _ in layout.complete_iterations(env.save_dir)], "the newest snapshot is durable"
+    second = Job(env, env.tmp_path / "second", save_dir=env.save_dir, idle="0", extra=(*flags, "--spike-steps", "13"))
+    assert second.wait() != 0
+    assert "TrainingAborted: step 13: global norm" in second.log(), second.log()[-4000:]
+    for rank in (0, 1):
+        assert second.resumes(rank)[0]["iteration"] == 12
+        assert sorted(second.losses(rank)) == [], "no iteration was done: the restored count aborted at once"
+    third = Job(env, env.tmp_path / "third", save_dir=env.save_dir, idle="0", extra=flags)
+    assert third.wait() == 0, third.log()[-4000:]
+    for rank in (0, 1):
+        assert third.resumes(rank)[0]["iteration"] == 12
+        assert sorted(third.losses(rank)) == list(range(13, ITERS + 1))
