@@ -220,3 +220,12 @@ def test_candidates_pass_over_unhealthy_steps_in_every_tier() -> None:
     assert pass_over_unhealthy(ordered, bad) == [(20, "memory"), (10, "disk")]
     ordered, bad = candidates_with_health([], [30, 10], 1, unhealthy_disk={10})
     assert pass_over_unhealthy(ordered, bad) == [(30, "disk")]
+
+
+def test_replica_steps_are_judged_by_the_verdict_their_manifest_carries() -> None:
+    """A rank whose node lost its memory sees only replica steps; an unhealthy one (its manifest's verdict,
+    passed in as ``unhealthy`` the way load() does) is passed over for the next replica step."""
+    from easyckpt.recovery import candidates_with_health, pass_over_unhealthy
+    ordered, bad = candidates_with_health([], [10], 1, replica_steps=[30, 25], unhealthy={30})
+    assert ordered == [(30, "replica"), (25, "replica"), (10, "disk")] and bad == {30: [0]}
+    assert pass_over_unhealthy(ordered, bad) == [(25, "replica"), (10, "disk")]

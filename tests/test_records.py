@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from easyckpt_wire import protocol, shm
+from easyckpt_wire.health import RankHealth
 from easyckpt_wire.records import (
     MAX_TENSOR_BYTES,
     ByeReply,
@@ -141,6 +142,13 @@ def test_manifest_round_trip(pairs: list[tuple[TensorEntry, bytes]], generation:
     assert "pid" not in wire and "pid_start" not in wire and wire["generation"] == generation
     back = Manifest.from_wire(through_msgpack(wire), "tcp://peer:1")
     assert back == manifest and back.rank == 1 and back.step == 7 and back.meta.pid is None
+
+
+def test_manifest_carries_the_health_verdict() -> None:
+    """Replicas answer load()'s health question from the manifest: the verdict must survive the wire."""
+    verdict = RankHealth(reporting=True, healthy=False, reasons=("embedding_local_norm 300 > 270",))
+    manifest = Manifest.of(slot_meta(health=verdict), [], "node-a", 3)
+    assert Manifest.from_wire(through_msgpack(manifest.to_wire()), "tcp://peer:1").meta.health == verdict
 
 
 def test_manifest_validation() -> None:
