@@ -634,3 +634,35 @@ def test_hf_diverged_run_keeps_and_resumes_the_newest_healthy_iteration_from_dis
     log = second.log()
     assert f"passing over {output_dir / 'checkpoint-20'}: unhealthy (rank 0: embedding_local_norm" in log, log[-4000:]
     assert "passing over unhealthy snapshots newer than step 10: step 20" in log, log[-4000:]
+
+
+def test_hf_synchronous_save_carries_the_health_verdict(env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """Two slots and a persist capped to take many steps: the agent holds both slots (the persisted step and
+    the safe one), so the final save (step 5) finds no free slot within pin_timeout and is written
+    synchronously from the live state. Its checkpoint-5 records the job's verdict like an exported one
+    (every step is unhealthy under this threshold), so a resume passes it over. (Before, the export of the
+    due step 4, which was never snapshotted, held the end of training for export_timeout.)"""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from easyckpt.transformers import TrainerWrapper
+    from easyckpt.transformers.folders import HEALTH_NAME
+
+    monkeypatch.setenv("EASYCKPT_SLOTS", "2")
+    monkeypatch.setenv("EASYCKPT_PERSIST_MBPS", "0.03")
+    example = _example_module()
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=5, save_strategy="steps",
+        save_steps=2, logging_steps=1, seed=0, report_to="none", use_cpu=True, disable_tqdm=True,
+        dataloader_num_workers=0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=example.VOCAB, n_positions=32))
+    trainer = Trainer(model=model, args=args, train_dataset=example.SyntheticTokens(64))
+    caplog.set_level(logging.INFO, logger="easyckpt")
+    TrainerWrapper(trainer, save_mem_interval=1, pin_timeout=1.0, use_checkpoint_health_monitor=True,
+                   embedding_local_norm_threshold=1e-9).train()
+    assert "writing checkpoint-5 synchronously" in caplog.text, caplog.text[-4000:]
+    # the due step 4 found no slot either: its export gave up at once rather than holding up the end
+    assert "no checkpoint-4: step 4 was not snapshotted on every rank" in caplog.text, caplog.text[-4000:]
+    verdict = json.loads((tmp_path / "out" / "checkpoint-5" / HEALTH_NAME).read_text())
+    assert verdict["healthy"] is False and verdict["reasons"][0].startswith("rank 0: embedding_local_norm "), verdict

@@ -47,6 +47,7 @@ class Exporter:
         self.outstanding = 0
         self.exported: list[int] = []
         self.failed: dict[int, str] = {}
+        self.cancelled: set[int] = set()   # requested steps that will never be persisted (no snapshot was taken)
         self.thread = threading.Thread(target=self._run, name="easyckpt-hf-export", daemon=True)
         self.thread.start()
 
@@ -54,6 +55,11 @@ class Exporter:
         with self.idle:
             self.outstanding += 1
         self.requests.put(step)
+
+    def cancel(self, step: int) -> None:
+        """A requested step some rank could not snapshot: the agent will never persist it, so the export stops
+        waiting for it (it would otherwise wait ``timeout``, holding up the end of training)."""
+        self.cancelled.add(step)
 
     def drain(self, timeout: float) -> bool:
         """Wait until every requested export is done (or given up); False on timeout."""
@@ -93,6 +99,10 @@ class Exporter:
             done = dict(layout.complete_iterations(self.save_dir))
             if step in done:
                 return path
+            if step in self.cancelled:
+                logger.warning("no checkpoint-%d: step %d was not snapshotted on every rank, so it is not persisted",
+                               step, step)
+                return None
             if any(s > step for s in done) and not path.exists():
                 logger.warning("step %d was never persisted to %s (a newer iteration is complete): no checkpoint-%d",
                                step, self.save_dir, step)

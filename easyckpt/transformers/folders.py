@@ -103,6 +103,12 @@ def unhealthy_reasons(path: Path) -> list[str] | None:
     return [str(r) for r in reasons] if isinstance(reasons, list) else []
 
 
+def mark_health(directory: Path, health: dict[str, Any] | None) -> None:
+    """Record an unhealthy verdict (``RankHealth.to_wire()``, the job's) in a checkpoint folder being written."""
+    if isinstance(health, dict) and health.get("healthy") is False:
+        (directory / HEALTH_NAME).write_text(json.dumps(health), encoding="utf-8")
+
+
 def complete_checkpoints(output_dir: Path, **checks: Any) -> list[tuple[int, Path]]:
     """Complete ``checkpoint-N`` folders of ``output_dir``, newest first; torn ones are logged and skipped."""
     found = []
@@ -202,8 +208,7 @@ class CheckpointFolders:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         self.write_files(tmp, common, rngs, world_size, native=True)
-        if isinstance(health, dict) and health.get("healthy") is False:
-            (tmp / HEALTH_NAME).write_text(json.dumps(health), encoding="utf-8")
+        mark_health(tmp, health)
         return self.publish(tmp, step)
 
     def write_files(self, directory: Path, common: dict[str, Any], rngs: dict[int, Any], world_size: int,

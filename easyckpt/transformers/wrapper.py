@@ -4,6 +4,7 @@ See the package docstring (``easyckpt.transformers``) for what it does and why t
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -16,18 +17,20 @@ import torch
 from transformers import Trainer
 
 from easyckpt.checkpointer import Checkpointer
-from easyckpt.collectives import all_ok
+from easyckpt.collectives import all_gather_text, all_ok
 from easyckpt.health import configure
 from easyckpt.transformers import snapshot
 from easyckpt.transformers.export import POLL, Exporter
-from easyckpt.transformers.folders import CheckpointFolders, rng_file_name
+from easyckpt.transformers.folders import CheckpointFolders, mark_health, rng_file_name
 from easyckpt.transformers.health import STATE_KEY, StepGuard
 from easyckpt.transformers.resume import ResumeInfo, Resumer
 from easyckpt_wire import layout
+from easyckpt_wire.health import RankHealth, combine, rank_verdict
 
 logger = logging.getLogger(__name__)
 
 _NEVER = 1 << 40           # save_storage_interval = save_mem_interval * _NEVER: memory only
+VERDICT_BYTES = 2048       # one rank's verdict as JSON, gathered for a synchronous save
 
 
 class TrainerWrapper:
@@ -235,11 +238,12 @@ class TrainerWrapper:
             # so that rotation keeps it and load_best_model_at_end finds it once the exports are drained.
             if best_dir.is_dir() or self._due(best) or best in self._checkpoint_steps or best == step:
                 trainer.state.best_model_checkpoint = str(best_dir)
-        if self._due(step) or self._persist_now(step):
+        metrics = None if self._due(step) else self._metrics(step)
+        if self._due(step) or self._persist_now(step, metrics):
             if self._exporter is not None:
                 self._exporter.request(step)
         else:
-            self._save_now(step)
+            self._save_now(step, metrics)
         self._checkpoint_steps.add(step)
 
     def _due(self, step: int) -> bool:
@@ -258,16 +262,20 @@ class TrainerWrapper:
         # persists it even when it arrives while an older one is still being written (a plain due step
         # would then be passed over); a snapshot that finds no free slot waits for one.
         metrics = self._metrics(step)
-        if ckpt.save(step, state, persist=True, metrics=metrics) or \
-                self._until_slot(step, lambda: ckpt.save(step, state, persist=True, metrics=metrics),
-                                 f"save_steps={self.save_steps}"):
+        started = ckpt.save(step, state, persist=True, metrics=metrics) or \
+            self._until_slot(step, lambda: ckpt.save(step, state, persist=True, metrics=metrics),
+                             f"save_steps={self.save_steps}")
+        if started:
             ckpt.wait()   # the request goes out once the copy is committed: now, not at the next step (the
-            return        # Trainer may next wait for checkpoint-N itself, at the end of training)
-        logger.warning("rank %d: no free slot for the due snapshot of step %d after %.0fs: step %d will not be "
-                       "persisted and checkpoint-%d not written", ckpt.rank, step, ckpt.config.pin_timeout,
-                       step, step)
+                          # Trainer may next wait for checkpoint-N itself, at the end of training)
+        else:
+            logger.warning("rank %d: no free slot for the due snapshot of step %d after %.0fs: step %d will not be "
+                           "persisted and checkpoint-%d not written", ckpt.rank, step, ckpt.config.pin_timeout,
+                           step, step)
+        if not all_ok(started) and self._exporter is not None:
+            self._exporter.cancel(step)
 
-    def _persist_now(self, step: int) -> bool:
+    def _persist_now(self, step: int, metrics: dict[str, float] | None) -> bool:
         """A save the interval does not cover: snapshot the live state now and ask the agent to persist
         it, as for a due step. False, on every rank alike, when it must be written synchronously instead."""
         ckpt = self.ckpt
@@ -276,7 +284,6 @@ class TrainerWrapper:
         # the epoch-end evaluation and save): the Checkpointer drops that copy once this one is committed,
         # and only then asks the agent, which takes the newer copy of a step.
         state = self._capture()
-        metrics = self._metrics(step)
         started = ckpt.save(step, state, persist=True, metrics=metrics) or \
             self._until_slot(step, lambda: ckpt.save(step, state, persist=True, metrics=metrics), "this save")
         if started:
@@ -301,11 +308,27 @@ class TrainerWrapper:
                 return True
         return False
 
-    def _save_now(self, step: int) -> None:
+    def _job_verdict(self, metrics: dict[str, float] | None) -> RankHealth:
+        """Every rank's verdict on the live state combined, as the agent combines them for a persisted step
+        (a collective: every rank calls it, with the health monitor on or off alike)."""
+        assert self.ckpt is not None
+        if not self.ckpt.config.health_thresholds:
+            return RankHealth()
+        mine = rank_verdict(metrics, self.ckpt.config.health_thresholds)
+        text = json.dumps(mine.to_wire())
+        if len(text.encode()) > VERDICT_BYTES:   # only a flood of reasons; the verdict itself must get through
+            text = json.dumps(RankHealth(True, mine.healthy, mine.reasons[:1]).to_wire())[:VERDICT_BYTES]
+        texts = all_gather_text(text, self.trainer.args.world_size, field=VERDICT_BYTES)
+        return combine({rank: RankHealth.from_wire(json.loads(t), f"rank {rank}'s verdict on the live state")
+                        for rank, t in enumerate(texts)})
+
+    def _save_now(self, step: int, metrics: dict[str, float] | None) -> None:
         """A save written now from the live state, every rank blocking on the disk: the fallback when
-        the step could not be snapshotted for the agent to persist."""
+        the step could not be snapshotted for the agent to persist. It carries the step's health verdict
+        as an exported checkpoint-N does, so that a resume passes an unhealthy one over."""
         args = self.trainer.args
         world_size = args.world_size
+        verdict = self._job_verdict(metrics)
         state = self._capture()
         tmp = self.folders.tmp_path(step)
         problem = ""
@@ -320,6 +343,7 @@ class TrainerWrapper:
         try:
             if args.should_save:
                 self.folders.write_files(tmp, state, {}, world_size, native=True)
+                mark_health(tmp, verdict.to_wire())
             if not args.save_only_model:
                 torch.save(state["rng"], tmp / rng_file_name(args.process_index, world_size))
         except OSError as exc:
