@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 import xxhash
 from safetensors import safe_open
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -276,4 +277,11 @@ def _verified(handle: Any, path: Path, chunk: Chunk) -> torch.Tensor:
 def load_into(state: dict[str, Any], iteration_dir: Path) -> None:
     """Fill ``state`` ({DCP key: DTensor or tensor}) from ``iteration_dir`` with DCP's default load planning;
     collective over the default process group when one is initialised."""
-    dcp.load(state, storage_reader=StorageReader(iteration_dir))
+    try:
+        dcp.load(state, storage_reader=StorageReader(iteration_dir))
+    except CheckpointException as exc:
+        # A BaseException that every rank receives (DCP gathers the failures): turned into the error a failed
+        # read is everywhere else, so that load() moves every rank on to the next candidate together.
+        problems = "; ".join(f"rank {rank}: {error}" for rank, (error, _) in sorted(exc.failures.items()))
+        raise storage.CheckpointCorruptError(
+            f"{iteration_dir}: reading through torch.distributed.checkpoint failed: {problems}") from None
