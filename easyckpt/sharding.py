@@ -80,12 +80,6 @@ def private_rule(world_size: int, saved_world_size: int) -> str:
     return "; ".join(parts)
 
 
-def overlaps(a_offsets: Sequence[int], a_shape: Sequence[int], b_offsets: Sequence[int], b_shape: Sequence[int]) -> bool:
-    """Whether two boxes of one global tensor share an element (an empty box shares none)."""
-    return all(ao < bo + bn and bo < ao + an for ao, an, bo, bn in zip(a_offsets, a_shape, b_offsets, b_shape)) \
-        and all(n > 0 for n in (*a_shape, *b_shape))
-
-
 def describe(spec: ShardSpec | None, shape: Sequence[int]) -> str:
     """``global (8, 4), shard (2, 4) at (2, 0), S(0) on mesh (4,)`` for error messages."""
     if spec is None:

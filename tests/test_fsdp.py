@@ -95,17 +95,6 @@ def test_resume_on_2_ranks_reshards_from_disk(env: Env, reference: tuple[Path, P
 
 
 # bad input: in this process, a 1-rank gloo group and mesh --------------------------------------------------
-@pytest.fixture
-def one_rank(tmp_path: Path) -> Iterator[None]:
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def fsdp_state(vocab: int = 64) -> tuple[Any, Any, Any, dict[str, Any]]:
     """(the example module, model, optimizer, training state) of examples/fsdp2_train.py on this process's mesh."""
     import importlib.util
