@@ -285,3 +285,42 @@ def load_into(state: dict[str, Any], iteration_dir: Path) -> None:
         problems = "; ".join(f"rank {rank}: {error}" for rank, (error, _) in sorted(exc.failures.items()))
         raise storage.CheckpointCorruptError(
             f"{iteration_dir}: reading through torch.distributed.checkpoint failed: {problems}") from None
+
+
+def iteration_of(src: Path) -> Path:
+    """``src`` itself when it is an iteration directory, else the newest complete iteration of the save_dir."""
+    if (src / layout.METADATA).is_file():
+        return src
+    steps = storage.newest_first(src)
+    if not steps:
+        raise layout.CheckpointFormatError(f"{src} holds no complete iteration_N directory (`easyckpt ls {src}`)")
+    return src / layout.iteration_dirname(steps[0])
+
+
+def consolidate_model(src: Path, out: Path) -> tuple[int, dict[str, tuple[int, ...]]]:
+    """Write the model's full tensors of ``src`` (a save_dir's newest iteration, or one iteration_N) as one
+    safetensors file ``out``, names without the ``model.`` prefix (what ``model.load_state_dict`` of an
+    unsharded model takes); returns (step, {name: shape}). The shards are assembled by DCP's load planning
+    into whole tensors, in this process alone."""
+    iteration_dir = iteration_of(src)
+    index = checkpoint_index(iteration_dir)
+    group_of = {key: layout.tensor_group(name) for name, key in index.keys.get(0, {}).items()}
+    names = {key: key[len("model."):] for key in index.tensors if key.startswith("model.")}
+    if not names:   # a state without a top-level "model": every tensor of the model file
+        names = {key: key for key in index.tensors if group_of.get(key) == "model"}
+    if not names:
+        raise layout.CheckpointFormatError(f"{iteration_dir} holds no model tensors to convert")
+    full = {key: torch.empty(index.tensors[key].global_shape, dtype=torch_dtype(index.tensors[key].dtype))
+            for key in names}
+    dcp.load(full, storage_reader=StorageReader(iteration_dir), no_dist=True)
+    from safetensors.torch import save_file
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    save_file({names[key]: value.contiguous() for key, value in full.items()}, str(tmp),
+              metadata={"format": "pt", "easyckpt_step": str(index.step), "easyckpt_source": str(iteration_dir)})
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, out)
+    layout.fsync_dir(out.parent)
+    return index.step, {names[key]: tuple(value.shape) for key, value in full.items()}

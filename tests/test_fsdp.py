@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Env, seeded_random, wait_for
+from conftest import ROOT, Env, run_cli, seeded_random, wait_for
 from ddp_job import Job
 
 from easyckpt_wire import layout
@@ -180,3 +180,30 @@ def test_checkpoint_without_sharding_metadata(env: Env, reference: tuple[Path, P
     message = str(caught.value)
     assert "model/embed.weight: checkpoint (16, 32) has no sharding metadata" in message, message
     assert "(64, 32)" in message and "Shard the model the same way" in message, message
+
+
+def test_convert_to_hf_gives_the_sharded_models_outputs(env: Env, reference: tuple[Path, Path], one_rank: None) -> None:
+    """`easyckpt convert --to hf` of the 4-rank save: one safetensors file that an unsharded model loads, whose
+    outputs equal those of the FSDP2 model resumed from the same iteration."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    iteration = copy_iteration(env, reference)
+    out = env.tmp_path / "hf" / "model.safetensors"
+    done = run_cli("convert", "--to", "hf", str(iteration), str(out), env=env)
+    assert done.returncode == 0, done.stderr
+    assert f"step {INTERVAL}" in done.stdout and str(out) in done.stdout, done.stdout
+    module, model, optimizer, state = fsdp_state()
+    with safe_open(str(out), framework="pt") as handle:
+        assert set(handle.keys()) == set(module.TinyLM().state_dict())
+        assert handle.metadata()["easyckpt_step"] == str(INTERVAL)
+    plain = module.TinyLM()
+    plain.load_state_dict(load_file(str(out)), strict=True)
+    result = load_copy(env, iteration, state)
+    model.load_state_dict(result.state["model"])
+    tokens = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(5))
+    model.eval()
+    plain.eval()
+    with torch.no_grad():
+        assert torch.equal(model(tokens), plain(tokens))
