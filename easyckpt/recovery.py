@@ -147,7 +147,7 @@ def _outcomes(code: int, world_size: int) -> list[int]:
 
 
 def _check_template(records: list[_Record], template: dict[str, Target], step: int, source: str) -> None:
-    problems, sharding_fix = [], False
+    problems, fixes = [], set()
     for record in records:
         target = template.get(record.name)
         if target is None or not isinstance(target.into, torch.Tensor) or record.kind != "torch":
@@ -156,25 +156,32 @@ def _check_template(records: list[_Record], template: dict[str, Target], step: i
         saved, ours = record.shard, target.shard
         if ours is not None and saved is not None and (ours.global_shape != saved.global_shape
                                                        or ours.offsets != saved.offsets):
-            sharding_fix = sharding_fix or ours.global_shape == saved.global_shape
+            fixes.add("layout" if ours.global_shape == saved.global_shape else "config")
             problems.append(f"{record.name}: checkpoint {sharding.describe(saved, record.shape)}, "
                             f"your state {sharding.describe(ours, target.into.shape)}")
         elif ours is not None and saved is None and tuple(target.into.shape) != record.shape:
             problems.append(f"{record.name}: checkpoint {tuple(record.shape)} has no sharding metadata (saved from a "
                             f"plain tensor, or by an easyckpt before sharded state), your state is a DTensor "
                             f"{sharding.describe(ours, target.into.shape)}")
-            sharding_fix = True
+            fixes.add("unsharded")
         elif tuple(target.into.shape) != record.shape or target.into.dtype != want:
             problems.append(f"{record.name}: checkpoint {tuple(record.shape)} {want}, "
                             f"your state {tuple(target.into.shape)} {target.into.dtype}")
+            fixes.add("config")
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        fix = ("Shard the model the same way as the run that saved it (the same mesh and placements), or load that "
-               "iteration with load(state_dict, load_dir=<save_dir>/iteration_N), which reshards from disk"
-               if sharding_fix else "Build the model and optimizer with the same configuration as the run that saved it")
+        advice = {
+            "config": "Build the model and optimizer with the same configuration as the run that saved it",
+            "layout": "Shard the model as the run that saved it did (the same mesh and placements), or read this "
+                      "layout with torch.distributed.checkpoint.load(state, storage_reader="
+                      "easyckpt.dcp.StorageReader(<save_dir>/iteration_N))",
+            "unsharded": "Load it into the model before sharding it (plain tensors as the template), then call "
+                         "fully_shard",
+        }
+        fix = "; or ".join(advice[k] for k in ("config", "layout", "unsharded") if k in fixes)
         raise StateMismatchError(
             f"the state passed to load() does not match the checkpoint of step {step} ({source}): {shown}. "
-            f"{fix}, or call load() without a state to inspect what was saved"
+            f"{fix}; or call load() without a state to inspect what was saved"
         )
 
 
