@@ -150,9 +150,13 @@ def _write_safetensors(path: Path, snap: RankSnapshot, entries: list[tuple[int, 
         position += entry.nbytes
         with snap.slot.data(entry.offset, entry.nbytes) as view:
             digest = xxhash.xxh3_128_hexdigest(view)
-        records.append({"name": entry.name, "index": index, "kind": entry.kind, "dtype": entry.dtype, "shape": shape,
-                        "global_shape": shape, "offsets": [0] * len(shape), "nbytes": entry.nbytes,
-                        "file": path.name, layout.CHECKSUM_ALGO: digest})
+        record = {"name": entry.name, "index": index, "kind": entry.kind, "dtype": entry.dtype, "shape": shape,
+                  "global_shape": shape, "offsets": [0] * len(shape), "nbytes": entry.nbytes,
+                  "file": path.name, layout.CHECKSUM_ALGO: digest}
+        if entry.shard is not None:   # a DTensor's local shard: what a resharded load plans with
+            record.update(global_shape=list(entry.shard.global_shape), offsets=list(entry.shard.offsets),
+                          placements=list(entry.shard.placements), mesh_shape=list(entry.shard.mesh_shape))
+        records.append(record)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-(8 + len(blob)) % PAGE)  # JSON allows the padding; safetensors readers skip it
     data_start = 8 + len(blob)

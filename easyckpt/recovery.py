@@ -19,13 +19,14 @@ from typing import Any
 
 import torch
 
-from easyckpt import replica, storage
-from easyckpt.collectives import all_gather_ints
+from easyckpt import replica, sharding, storage
+from easyckpt.collectives import all_gather_ints, all_ok
 from easyckpt.slots import RankSlots
-from easyckpt.state import flatten, torch_dtype, unflatten
+from easyckpt.state import flatten_template, torch_dtype, unflatten
+from easyckpt_wire import layout
 from easyckpt_wire.health import NEUTRAL, RankHealth
 from easyckpt_wire.layout import CheckpointFormatError
-from easyckpt_wire.records import PeerTable
+from easyckpt_wire.records import PeerTable, ShardSpec
 from easyckpt_wire.shm import MAX_SLOTS, SlotFormatError, format_bytes
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,25 @@ class _Record:
     kind: str
     dtype: str
     shape: tuple[int, ...]
+    shard: ShardSpec | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Target:
+    """One tensor of the caller's template: what is copied into (a DTensor's local shard) and what the loaded
+    state hands back (the DTensor itself, else the same tensor)."""
+
+    into: Any
+    value: Any
+    shard: ShardSpec | None = None
+
+
+def template_targets(template: Any) -> dict[str, Target]:
+    """The caller's tensors by easyckpt name (the names ``flatten`` gives the saved state)."""
+    if template is None:
+        return {}
+    refs, values, wrappers = flatten_template(template)
+    return {ref.name: Target(value, wrappers.get(i, value), ref.shard) for i, (ref, value) in enumerate(zip(refs, values))}
 
 
 def candidates(mem_steps: list[int], disk_steps: list[int], world_size: int,
@@ -126,45 +146,65 @@ def _outcomes(code: int, world_size: int) -> list[int]:
     return [row[0] for row in all_gather_ints([code], world_size)]
 
 
-def _check_template(records: list[_Record], template: dict[str, Any], step: int, source: str) -> None:
-    problems = []
+def _check_template(records: list[_Record], template: dict[str, Target], step: int, source: str) -> None:
+    problems, fixes = [], set()
     for record in records:
         target = template.get(record.name)
-        if not isinstance(target, torch.Tensor) or record.kind != "torch":
+        if target is None or not isinstance(target.into, torch.Tensor) or record.kind != "torch":
             continue
         want = torch_dtype(record.dtype)
-        if tuple(target.shape) != record.shape or target.dtype != want:
+        saved, ours = record.shard, target.shard
+        if ours is not None and saved is not None and (ours.global_shape != saved.global_shape
+                                                       or ours.offsets != saved.offsets):
+            fixes.add("layout" if ours.global_shape == saved.global_shape else "config")
+            problems.append(f"{record.name}: checkpoint {sharding.describe(saved, record.shape)}, "
+                            f"your state {sharding.describe(ours, target.into.shape)}")
+        elif ours is not None and saved is None and tuple(target.into.shape) != record.shape:
+            problems.append(f"{record.name}: checkpoint {tuple(record.shape)} has no sharding metadata (saved from a "
+                            f"plain tensor, or by an easyckpt before sharded state), your state is a DTensor "
+                            f"{sharding.describe(ours, target.into.shape)}")
+            fixes.add("unsharded")
+        elif tuple(target.into.shape) != record.shape or target.into.dtype != want:
             problems.append(f"{record.name}: checkpoint {tuple(record.shape)} {want}, "
-                            f"your state {tuple(target.shape)} {target.dtype}")
+                            f"your state {tuple(target.into.shape)} {target.into.dtype}")
+            fixes.add("config")
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        advice = {
+            "config": "Build the model and optimizer with the same configuration as the run that saved it",
+            "layout": "Shard the model as the run that saved it did (the same mesh and placements), or read this "
+                      "layout with torch.distributed.checkpoint.load(state, storage_reader="
+                      "easyckpt.dcp.StorageReader(<save_dir>/iteration_N))",
+            "unsharded": "Load it into the model before sharding it (plain tensors as the template), then call "
+                         "fully_shard",
+        }
+        fix = "; or ".join(advice[k] for k in ("config", "layout", "unsharded") if k in fixes)
         raise StateMismatchError(
             f"the state passed to load() does not match the checkpoint of step {step} ({source}): {shown}. "
-            "Build the model and optimizer with the same configuration as the run that saved it, "
-            "or call load() without a state to inspect what was saved"
+            f"{fix}; or call load() without a state to inspect what was saved"
         )
 
 
-def _place(record: _Record, source: torch.Tensor, template: dict[str, Any], *, owned: bool) -> Any:
+def _place(record: _Record, source: torch.Tensor, template: dict[str, Target], *, owned: bool) -> Any:
     """Copy into the caller's tensor when it has one of that name, else keep ``source`` (cloned unless
     ``owned``: a view of shared memory must not outlive the read)."""
     target = template.get(record.name)
     if record.kind == "numpy":
         return source.numpy() if owned else source.numpy().copy()
-    if isinstance(target, torch.Tensor):
+    if target is not None and isinstance(target.into, torch.Tensor):
         with torch.no_grad():
-            target.copy_(source)
-        return target
+            target.into.copy_(source)
+        return target.value
     return source if owned else source.clone()
 
 
-def _read_memory(slots: RankSlots, step: int, template: dict[str, Any], timeout: float,
+def _read_memory(slots: RankSlots, step: int, template: dict[str, Target], timeout: float,
                  expected: tuple[int, list[bytes]] | None = None) -> tuple[Any, list[Any], str, int]:
     """Read this rank's slot of ``step``; with ``expected`` (the agent's checksums of that very
     snapshot) every tensor is verified before use."""
     with slots.read(step, timeout) as read:
         meta = read.meta
-        records = [_Record(i, e.name, e.kind, e.dtype, e.shape) for i, e in enumerate(meta.tensors)]
+        records = [_Record(i, e.name, e.kind, e.dtype, e.shape, e.shard) for i, e in enumerate(meta.tensors)]
         _check_template(records, template, step, "memory")
         if expected is not None and expected[0] == read.generation:
             read.verify(expected[1])
@@ -181,9 +221,13 @@ def _read_memory(slots: RankSlots, step: int, template: dict[str, Any], timeout:
         return meta.skeleton, values, str(read.path), nbytes
 
 
-def _read_disk(iteration_dir: Path, rank: int, world_size: int, template: dict[str, Any]) -> tuple[Any, list[Any], str, int]:
+def _read_disk(iteration_dir: Path, rank: int, world_size: int,
+               template: dict[str, Target]) -> tuple[Any, list[Any], str, int]:
+    saved_world = layout.read_metadata(iteration_dir).get("world_size")
+    if saved_world != world_size and type(saved_world) is int:
+        return _read_resharded(iteration_dir, rank, world_size, template)
     entry = storage.rank_entry(iteration_dir, rank, world_size)
-    records = [_Record(r.index, r.name, r.kind, r.dtype, r.shape) for r in entry.records]
+    records = [_Record(r.index, r.name, r.kind, r.dtype, r.shape, r.shard) for r in entry.records]
     if [r.index for r in records] != list(range(len(records))):
         raise storage.CheckpointCorruptError(f"{iteration_dir}: tensor index of rank {rank} has gaps")
     _check_template(records, template, entry.step, f"disk {iteration_dir}")
@@ -192,6 +236,71 @@ def _read_disk(iteration_dir: Path, rank: int, world_size: int, template: dict[s
     for record, tensor in storage.read_tensors(entry):  # file by file, not in index order
         values[record.index] = _place(records[record.index], tensor, template, owned=True)
         nbytes += record.nbytes
+    return entry.skeleton, values, str(iteration_dir), nbytes
+
+
+def _read_resharded(iteration_dir: Path, rank: int, world_size: int,
+                    template: dict[str, Target]) -> tuple[Any, list[Any], str, int]:
+    """A step saved by another number of ranks: its DTensors through ``dcp.load`` (DCP's planning decides which
+    saved ranges this rank reads), every other value from one saved rank (``sharding.source_rank``).
+
+    Collective: every rank of the job calls it for the same iteration. A template that does not fit fails on
+    every rank before any rank starts reading."""
+    from easyckpt import dcp  # torch.distributed.checkpoint only for a resharded load
+
+    index = dcp.checkpoint_index(iteration_dir)
+    source = sharding.source_rank(rank, index.world_size)
+    entry = storage.rank_entry(iteration_dir, source, None)
+    keys = index.keys[source]
+    into: dict[str, Any] = {}           # DCP key -> what dcp.load fills
+    handed: dict[int, Any] = {}         # record index -> what the loaded state holds
+    problems = []
+    for record in entry.records:
+        if record.shard is None:
+            continue
+        key, target = keys.get(record.name), template.get(record.name)
+        saved = record.shard
+        if key is None:
+            raise storage.CheckpointCorruptError(f"{iteration_dir}: sharded tensor {record.name!r} of rank {source} "
+                                                 "has no key that torch.distributed.checkpoint can address")
+        if target is None or not isinstance(target.into, torch.Tensor):
+            # No template tensor: the whole tensor, as a plain one (a DTensor needs a mesh to live on).
+            into[key] = handed[record.index] = torch.empty(saved.global_shape, dtype=torch_dtype(record.dtype))
+            continue
+        ours = target.shard.global_shape if target.shard is not None else tuple(target.into.shape)
+        if ours != saved.global_shape or target.into.dtype != torch_dtype(record.dtype):
+            problems.append(f"{record.name}: checkpoint {sharding.describe(saved, record.shape)} "
+                            f"{torch_dtype(record.dtype)}, your state global {ours} {target.into.dtype}")
+        into[key] = handed[record.index] = target.value
+    agreed = all_ok(not problems)   # before any rank raises: the others would wait in dcp.load
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise StateMismatchError(
+            f"the state passed to load() does not match the checkpoint of step {index.step} ({iteration_dir}, saved "
+            f"by {index.world_size} ranks): {shown}. A resharded load changes how tensors are split, not their "
+            "global shapes: build the model and optimizer with the configuration of the run that saved it")
+    if not agreed:
+        raise StateMismatchError(f"another rank's state does not fit step {index.step} of {iteration_dir}; see its log")
+    if into:   # the same on every rank: every rank saved the same structure
+        dcp.load_into(into, iteration_dir)
+    records = [_Record(r.index, r.name, r.kind, r.dtype, r.shape, r.shard) for r in entry.records]
+    private = storage.RankEntry(entry.path, entry.step, source, entry.skeleton,
+                                [r for r in entry.records if r.shard is None])
+    _check_template([records[r.index] for r in private.records], template, index.step, f"disk {iteration_dir}")
+    values: list[Any] = [None] * len(records)
+    nbytes = 0
+    for position, value in handed.items():
+        values[position] = value
+        nbytes += value.numel() * value.element_size()
+    for record, tensor in storage.read_tensors(private):
+        values[record.index] = _place(records[record.index], tensor, template, owned=True)
+        nbytes += record.nbytes
+    replicated = sum(1 for r in entry.records if r.shard is not None and r.shard.replicated)
+    logger.info("rank %d: step %d was saved by %d ranks, this job has %d: %d sharded tensors resharded through "
+                "torch.distributed.checkpoint's load planning%s; private values from rank %d (%s)", rank, index.step,
+                index.world_size, world_size, len(into),
+                f" ({replicated} replicated: the lowest saved rank's copy)" if replicated else "", source,
+                sharding.private_rule(world_size, index.world_size))
     return entry.skeleton, values, str(iteration_dir), nbytes
 
 
@@ -213,10 +322,7 @@ def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, templa
          load_dir: Path | None = None, timeout: float = 120.0, peers: PeerTable | None = None,
          peer_timeout: float = 10.0, allow_unhealthy: bool = False) -> LoadResult:
     started = time.perf_counter()
-    template_map: dict[str, Any] = {}
-    if template is not None:
-        _, refs, values = flatten(template)
-        template_map = {ref.name: value for ref, value in zip(refs, values)}
+    template_map = template_targets(template)
     unreadable = ""
     if load_dir is not None:
         base, mem_steps = load_dir.parent, []

@@ -263,7 +263,7 @@ class Stager:
                 position, group = align(position, PAGE), groups[i]
             offsets[i] = position
             position += refs[i].nbytes
-        entries = [TensorEntry(ref.name, ref.kind, ref.dtype, ref.shape, offsets[i], ref.nbytes, groups[i])
+        entries = [TensorEntry(ref.name, ref.kind, ref.dtype, ref.shape, offsets[i], ref.nbytes, groups[i], ref.shard)
                    for i, ref in enumerate(refs)]
         if self.plan is not None:
             logger.info("rank %d: state structure changed (%d -> %d tensors): re-planned the slot layout",

@@ -3,7 +3,8 @@
 The skeleton holds only JSON/msgpack-native values, so it can be stored without pickle;
 every non-scalar node is a list starting with a one-letter tag (table: ``_DECODERS``), so
 decoding never guesses. ``flatten`` runs every training step, so it never copies tensors:
-it records what a writer needs and hands back the original objects.
+it records what a writer needs and hands back the original objects. A DTensor is recorded as its local
+shard with a ``ShardSpec`` (``easyckpt.sharding``): what it holds of which global tensor.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from typing import Any, TypeVar
 import numpy
 import torch
 from torch.nn.parameter import UninitializedTensorMixin  # type: ignore[attr-defined]  # not in the stubs
+
+from easyckpt import sharding
+from easyckpt_wire.records import ShardSpec
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,7 @@ class TensorRef:
     dtype: str  # safetensors dtype code, so files stay readable by other tools
     shape: tuple[int, ...]
     nbytes: int  # contiguous size, because the copy target is always contiguous
+    shard: ShardSpec | None = None  # a DTensor's local shard: where it sits in the global tensor
 
 
 # Module-level tables: the dtype lookup happens once per tensor on the hot path. Torch and
@@ -101,13 +106,14 @@ class _Flattener:
     inline and name them from a per-container prefix, since those are the leaves we see
     thousands of times per step."""
 
-    __slots__ = ("refs", "values", "names", "path")
+    __slots__ = ("refs", "values", "names", "path", "wrappers")
 
     def __init__(self) -> None:
         self.refs: list[TensorRef] = []
         self.values: list[torch.Tensor | numpy.ndarray] = []
         self.names: set[str] = set()
         self.path: list[Any] = []
+        self.wrappers: dict[int, torch.Tensor] = {}   # value index -> the DTensor whose local shard it is
 
     def bad(self, what: str) -> TypeError:
         return TypeError(f"easyckpt cannot save {_key_path(self.path)}{what}")
@@ -148,6 +154,8 @@ class _Flattener:
         return self.other(x, t)
 
     def other(self, x: Any, t: type) -> Any:
+        if sharding.is_dtensor(x):  # before Parameter: FSDP2's DTensor parameters pass its isinstance
+            return self.dtensor(x)
         if t is torch.Tensor or (
             isinstance(x, torch.nn.Parameter) and not isinstance(x, UninitializedTensorMixin)
         ):
@@ -184,14 +192,28 @@ class _Flattener:
         name = prefix if key is None else prefix + (key if type(key) is str else str(key))
         return self.add(name, x, "torch", code, x.shape, x.numel() * x.element_size(), "T")
 
+    def dtensor(self, x: torch.Tensor) -> list[Any]:
+        try:
+            spec = sharding.shard_spec(x)
+        except sharding.ShardingError as exc:
+            raise self.bad(f": DTensor {tuple(x.shape)} {exc}") from None
+        local = sharding.local_tensor(x)
+        code = _TORCH_TO_CODE.get(local.dtype)
+        if code is None or local.layout is not torch.strided or local.is_meta:
+            raise self.bad(f": DTensor whose local shard has unsupported dtype, layout or device {local.dtype} "
+                           f"{local.layout} {local.device}; {_SUPPORTED}")
+        self.wrappers[len(self.values)] = x
+        return self.add(self.here(), local, "torch", code, local.shape, local.numel() * local.element_size(), "T",
+                        spec)
+
     def add(self, name: str, x: torch.Tensor | numpy.ndarray, kind: str, code: str,
-            shape: Sequence[int], nbytes: int, tag: str) -> list[Any]:
+            shape: Sequence[int], nbytes: int, tag: str, shard: ShardSpec | None = None) -> list[Any]:
         i = len(self.values)
         while name in self.names:  # keys containing "/" can collide with nested keys
             name += f"#{i}"
         self.names.add(name)
         self.values.append(x)
-        self.refs.append(TensorRef(name, kind, code, tuple(shape), nbytes))
+        self.refs.append(TensorRef(name, kind, code, tuple(shape), nbytes, shard))
         return [tag, i]
 
     def np_scalar(self, x: numpy.generic) -> list[Any]:
@@ -249,11 +271,23 @@ class _Flattener:
 def flatten(state: Any) -> tuple[object, list[TensorRef], list[torch.Tensor | numpy.ndarray]]:
     """Split ``state`` into (skeleton, refs, values) in one pass, without copying tensors.
 
-    ``values[i]`` is the very object found in ``state`` for ``refs[i]``, so the caller
+    ``values[i]`` is the very object found in ``state`` for ``refs[i]`` (of a DTensor: its local shard,
+    and ``refs[i].shard`` says where that sits), so the caller
     decides how and when to copy it (e.g. asynchronously into pinned memory). Refs come in
     depth-first insertion order. Raises TypeError naming the key path of the first
     unsupported value.
     """
+    return _flatten(state)[:3]
+
+
+def flatten_template(state: Any) -> tuple[list[TensorRef], list[torch.Tensor | numpy.ndarray], dict[int, torch.Tensor]]:
+    """``flatten`` for a load target: (refs, values, {index: DTensor}), where ``values[i]`` of a DTensor is its
+    local shard (what is copied into) and the DTensor itself is what the loaded state hands back."""
+    _, refs, values, wrappers = _flatten(state)
+    return refs, values, wrappers
+
+
+def _flatten(state: Any) -> tuple[object, list[TensorRef], list[torch.Tensor | numpy.ndarray], dict[int, torch.Tensor]]:
     f = _Flattener()
     # Each tensor allocates a few small containers; with ~10k tensors that triggers cyclic
     # GC passes over the whole heap, which doubled flatten's cost when measured. Nothing
@@ -265,7 +299,7 @@ def flatten(state: Any) -> tuple[object, list[TensorRef], list[torch.Tensor | nu
     finally:
         if gc_was_enabled:
             gc.enable()
-    return skeleton, f.refs, f.values
+    return skeleton, f.refs, f.values, f.wrappers
 
 
 class _Decoder:

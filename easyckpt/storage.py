@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from easyckpt_wire import health, layout, timeline
 from easyckpt_wire.layout import CheckpointFormatError
+from easyckpt_wire.records import ShardSpec
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class TensorRecord:
     nbytes: int
     file: str
     checksum: str
+    shard: ShardSpec | None = None   # a DTensor's local shard (metadata.json has its placements)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -110,13 +112,15 @@ def iteration_step(iteration_dir: Path) -> int:
     return int(match.group(1))
 
 
-def rank_entry(iteration_dir: Path, rank: int, world_size: int) -> RankEntry:
+def rank_entry(iteration_dir: Path, rank: int, world_size: int | None) -> RankEntry:
+    """Rank ``rank``'s part of ``iteration_dir``; with ``world_size``, the iteration must have been written by
+    that many ranks (None: any, for a resharded load that reads another world's ranks)."""
     meta = layout.read_metadata(iteration_dir)
     step = meta["step"]
-    if meta.get("world_size") != world_size:
+    if world_size is not None and meta.get("world_size") != world_size:
         raise CheckpointFormatError(
             f"{iteration_dir} (step {step}) was written by {meta.get('world_size')} ranks, this job has "
-            f"{world_size}: resume with the same number of ranks (resharding is not supported yet)"
+            f"{world_size}: load it with Checkpointer.load(state_dict), which reshards from disk"
         )
     try:
         info = meta["ranks"][str(rank)]
@@ -124,13 +128,23 @@ def rank_entry(iteration_dir: Path, rank: int, world_size: int) -> RankEntry:
             common = json.load(handle)
         skeleton = common["ranks"][str(rank)]["skeleton"]
         records = [TensorRecord(t["index"], t["name"], t["kind"], t["dtype"], tuple(t["shape"]), t["nbytes"],
-                                t["file"], t[layout.CHECKSUM_ALGO]) for t in info["tensors"]]
+                                t["file"], t[layout.CHECKSUM_ALGO], _shard(t, iteration_dir, rank)) for t in info["tensors"]]
     except FileNotFoundError as exc:
         raise CheckpointCorruptError(f"{iteration_dir}: {exc.filename} is missing") from None
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointCorruptError(
             f"{iteration_dir}: rank {rank} entry is damaged ({type(exc).__name__}: {exc})") from None
     return RankEntry(iteration_dir, step, rank, skeleton, sorted(records, key=lambda r: r.index))
+
+
+def _shard(record: dict[str, Any], iteration_dir: Path, rank: int) -> ShardSpec | None:
+    """The sharding of one metadata.json tensor record; None for a whole tensor (no ``placements``: written
+    before sharded state existed, or not a DTensor)."""
+    if "placements" not in record:
+        return None
+    where = f"{iteration_dir / layout.METADATA} (rank {rank})"
+    return ShardSpec.from_wire([record["global_shape"], record["offsets"], record["placements"], record["mesh_shape"]],
+                               where, f"tensor {record['name']!r}", tuple(record["shape"]))
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:

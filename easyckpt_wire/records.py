@@ -6,8 +6,9 @@ slot file, a peer's endpoint). The encodings are those of slot format 1 and prot
 these types read what older builds wrote and older builds read what these write:
 
 * :class:`TensorEntry`: one tensor's place in a slot, a msgpack list
-  ``[name, kind, dtype, shape, offset, nbytes, group]`` (a list, not a map: a state may hold 10k+
-  tensors, and the index is packed once per plan by the stager);
+  ``[name, kind, dtype, shape, offset, nbytes, group, shard]`` (a list, not a map: a state may hold 10k+
+  tensors, and the index is packed once per plan by the stager); ``shard`` (a :class:`ShardSpec`, or nil
+  for a whole tensor) came with sharded state, and readers of 7 fields ignore it;
 * :class:`SlotMeta`: the msgpack map after a slot's tensor bytes;
 * :class:`Manifest`: a slot's metadata as the agents hand it around (no pid, plus checksums);
 * :class:`PeerTable`: the job's nodes, token and leader (the PEERS fields);
@@ -87,6 +88,53 @@ def _checksum(value: Any, where: str, record: str, field: str) -> bytes:
     return value
 
 
+# shard spec -----------------------------------------------------------------------------------------
+MAX_DIMS = 64
+MAX_MESH_DIMS = 8
+
+
+class ShardSpec(NamedTuple):
+    """Where a saved local shard sits in its global tensor (a DTensor's): plain ints and strings, so the
+    agent and the wire stay torch-free. A tuple, packed as the list ``[global_shape, offsets, placements,
+    mesh_shape]``."""
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]       # of this shard's first element in the global tensor, per dim
+    placements: tuple[str, ...]    # one per mesh dim, as torch prints them: "S(0)", "R"
+    mesh_shape: tuple[int, ...]
+
+    @property
+    def replicated(self) -> bool:
+        """Every rank of the mesh holds the whole tensor."""
+        return all(p == "R" for p in self.placements)
+
+    def to_wire(self) -> list[Any]:
+        return [list(self.global_shape), list(self.offsets), list(self.placements), list(self.mesh_shape)]
+
+    @classmethod
+    def from_wire(cls, obj: Any, where: str, record: str, shape: tuple[int, ...]) -> ShardSpec:
+        """Checked against the local ``shape``: the shard must lie inside its global tensor."""
+        items = _list(obj, where, record, "shard")
+        if len(items) < 4:
+            raise RecordError(where, record, "shard", f"is {obj!r:.80}, expected [global_shape, offsets, "
+                              "placements, mesh_shape]")
+        global_shape = _ints(items[0], where, record, "shard.global_shape")
+        offsets = _ints(items[1], where, record, "shard.offsets")
+        placements = tuple(_str(p, where, record, f"shard.placements[{i}]")
+                           for i, p in enumerate(_list(items[2], where, record, "shard.placements")))
+        mesh_shape = _ints(items[3], where, record, "shard.mesh_shape")
+        if not len(global_shape) == len(offsets) == len(shape) <= MAX_DIMS:
+            raise RecordError(where, record, "shard", f"global shape {global_shape}, offsets {offsets} and "
+                              f"local shape {shape} must have the same number of dims")
+        if not 1 <= len(mesh_shape) == len(placements) <= MAX_MESH_DIMS:
+            raise RecordError(where, record, "shard", f"needs one placement per mesh dim: {placements} "
+                              f"for mesh {mesh_shape}")
+        if any(o + n > g for o, n, g in zip(offsets, shape, global_shape)):
+            raise RecordError(where, record, "shard", f"local shape {shape} at offsets {offsets} does not "
+                              f"fit in the global shape {global_shape}")
+        return cls(global_shape, offsets, placements, mesh_shape)
+
+
 # tensor entry ---------------------------------------------------------------------------------------
 class TensorEntry(NamedTuple):
     """One tensor's place in a slot. A tuple, so msgpack packs it as the list it always was, at no cost."""
@@ -98,13 +146,16 @@ class TensorEntry(NamedTuple):
     offset: int             # from the start of the slot's data region
     nbytes: int
     group: str              # the file it goes to on disk (layout.tensor_group)
+    shard: ShardSpec | None = None   # a DTensor's local shard: where it sits in the global tensor
 
     @property
     def end(self) -> int:
         return self.offset + self.nbytes
 
     def to_wire(self) -> list[Any]:
-        return [self.name, self.kind, self.dtype, list(self.shape), self.offset, self.nbytes, self.group]
+        # Eight fields even for a whole tensor (nil): the stager packs the tuple itself, which has eight.
+        return [self.name, self.kind, self.dtype, list(self.shape), self.offset, self.nbytes, self.group,
+                None if self.shard is None else self.shard.to_wire()]
 
     @classmethod
     def from_wire(cls, obj: Any, where: str, index: int = 0) -> TensorEntry:
@@ -115,9 +166,12 @@ class TensorEntry(NamedTuple):
         _str(name, where, record, "name")
         if kind not in TENSOR_KINDS:
             raise RecordError(where, record, "kind", f"is {kind!r:.40}, expected one of {sorted(TENSOR_KINDS)}")
-        return cls(name, kind, _str(dtype, where, record, "dtype"), _ints(shape, where, record, "shape"),
+        shape = _ints(shape, where, record, "shape")
+        shard = None if len(obj) < 8 or obj[7] is None else ShardSpec.from_wire(obj[7], where, record, shape)
+        return cls(name, kind, _str(dtype, where, record, "dtype"), shape,
                    _int(offset, where, record, "offset", 0, MAX_OFFSET),
-                   _int(nbytes, where, record, "nbytes", 0, MAX_TENSOR_BYTES), _str(group, where, record, "group"))
+                   _int(nbytes, where, record, "nbytes", 0, MAX_TENSOR_BYTES), _str(group, where, record, "group"),
+                   shard)
 
 
 def _entries(value: Any, where: str, record: str) -> tuple[TensorEntry, ...]:

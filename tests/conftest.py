@@ -197,3 +197,15 @@ def save_and_persist(ck: Any, env: Env, step: int, state: Any, metrics: dict[str
     path = env.save_dir / layout.iteration_dirname(step)
     wait_for(lambda: (path / layout.METADATA).is_file(), 60, f"{path}/{layout.METADATA} (persist of step {step})")
     return path
+
+
+@pytest.fixture
+def one_rank(tmp_path: Path) -> Any:
+    """A 1-rank gloo process group in this process (DTensors on a 1-rank mesh), destroyed afterwards."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg-store'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -20,13 +20,13 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 class Job:
     def __init__(self, env: Env, save_dir: Path, out: Path, *, steps: int, nproc: int = 2, max_restarts: int = 0,
                  step_seconds: float = 0.02, save_storage_interval: int = 10, extra_env: dict[str, str] | None = None,
-                 extra_args: list[str] | None = None) -> None:
+                 extra_args: list[str] | None = None, script: Path = SCRIPT) -> None:
         self.out = out
         self.nproc = nproc
         out.mkdir(parents=True, exist_ok=True)
         self.log_path = out / "torchrun.log"
         command = TORCHRUN + ["--standalone", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}",
-                              str(SCRIPT), "--save-dir", str(save_dir), "--out", str(out), "--steps", str(steps),
+                              str(script), "--save-dir", str(save_dir), "--out", str(out), "--steps", str(steps),
                               "--step-seconds", str(step_seconds), "--save-storage-interval", str(save_storage_interval),
                               *(extra_args or [])]
         # torch's shared rendezvous store hands restarted workers the previous attempt's gloo

@@ -1,6 +1,8 @@
 """The wire records: round trips through msgpack, and every validation error names its field and origin."""
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 import msgpack
@@ -23,6 +25,7 @@ from easyckpt_wire.records import (
     PingReply,
     RecordError,
     ResumeReply,
+    ShardSpec,
     SlotMeta,
     TensorEntry,
 )
@@ -37,7 +40,19 @@ def through_msgpack(obj: Any) -> Any:
 names = st.text(min_size=1, max_size=20)
 entries = st.builds(TensorEntry, names, st.sampled_from(["torch", "numpy"]), st.sampled_from(["F32", "BF16", "I64"]),
                     st.lists(st.integers(0, 1 << 20), max_size=4).map(tuple), st.integers(0, 1 << 40),
-                    st.integers(0, MAX_TENSOR_BYTES), st.sampled_from(["model", "opt"]))
+                    st.integers(0, MAX_TENSOR_BYTES), st.sampled_from(["model", "opt"]), st.none())
+
+
+@st.composite
+def sharded_entries(draw: Any) -> TensorEntry:
+    """A local shard inside its global tensor (empty shards included: their offset may be the dim's end)."""
+    global_shape = tuple(draw(st.lists(st.integers(0, 64), min_size=1, max_size=3)))
+    offsets = tuple(draw(st.integers(0, g)) for g in global_shape)
+    shape = tuple(draw(st.integers(0, g - o)) for g, o in zip(global_shape, offsets))
+    mesh = tuple(draw(st.lists(st.integers(1, 8), min_size=1, max_size=2)))
+    placements = tuple(draw(st.sampled_from(["S(0)", "R", "S(1)"])) for _ in mesh)
+    return TensorEntry(draw(names), "torch", "F32", shape, 0, 4 * math.prod(shape), "model",
+                       ShardSpec(global_shape, offsets, placements, mesh))
 checksum = st.binary(min_size=protocol.CHECKSUM_BYTES, max_size=protocol.CHECKSUM_BYTES)
 
 
@@ -55,6 +70,31 @@ def test_tensor_entry_round_trip(entry: TensorEntry) -> None:
     assert TensorEntry.from_wire(wire, WHERE) == entry
     # A tuple packs as the list it always was: the stager packs entries as they are.
     assert through_msgpack(entry) == wire
+
+
+@given(sharded_entries())
+def test_sharded_tensor_entry_round_trip(entry: TensorEntry) -> None:
+    wire = through_msgpack(entry.to_wire())
+    assert TensorEntry.from_wire(wire, WHERE) == entry
+    assert through_msgpack(entry) == wire
+    # A reader of the seven fields before sharded state (it ignores what a newer writer appends) still reads it.
+    assert TensorEntry.from_wire(wire[:7], WHERE) == entry._replace(shard=None)
+
+
+@pytest.mark.parametrize("shard, problem", [
+    ([[8], [6], ["S(0)"], [4]], "does not fit in the global shape"),          # 4 rows at 6 overrun 8
+    ([[8, 2], [0], ["S(0)"], [4]], "same number of dims"),
+    ([[8], [0], ["S(0)", "R"], [4]], "one placement per mesh dim"),
+    ([[8], [-1], ["S(0)"], [4]], "outside"),
+    ([[8], [0], [0], [4]], "expected a str"),
+    ([[8], [0]], "expected [global_shape"),
+])
+def test_shard_spec_names_the_problem(shard: list[Any], problem: str) -> None:
+    wire = TensorEntry("w", "torch", "F32", (4,), 0, 16, "model").to_wire()
+    wire[7] = shard
+    with pytest.raises(RecordError, match=re.escape(problem)) as caught:
+        TensorEntry.from_wire(wire, WHERE, 3)
+    assert caught.value.field.startswith("shard") and "tensor entry 3" in str(caught.value)
 
 
 @pytest.mark.parametrize("index, value, field", [

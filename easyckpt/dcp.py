@@ -1,0 +1,326 @@
+"""``torch.distributed.checkpoint`` over easyckpt's on-disk layout, and the resharded load built on it.
+
+``StorageReader(iteration_dir)`` lets ``dcp.load(state_dict, storage_reader=...)`` read an ``iteration_N``
+directory: every rank's saved tensors become DCP chunks of their global tensors (a DTensor's shard at its
+offsets; a plain tensor as a whole), so DCP's own load planning decides which saved ranges each rank
+of the new world reads; nothing here reshards by hand. Keys are DCP's: the dotted path of the state
+(``model.0.weight``, ``optim.state.0.exp_avg``), so a natural ``{"model": model.state_dict()}`` loads.
+
+Where several ranks saved the same range (a replicated DTensor, or a plain tensor every rank holds) the
+lowest rank's copy is served. Non-tensor values (ints, lists) are served from rank 0's state.
+
+``read_resharded`` is the disk tier of ``Checkpointer.load(state_dict)`` when the saved world size differs
+from this job's: DTensors through ``dcp.load``, every other value of the state (plain tensors, RNG states,
+data position) from one saved rank, by the rule of ``sharding.source_rank``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+import xxhash
+from safetensors import safe_open
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from easyckpt import storage
+from easyckpt.state import torch_dtype
+from easyckpt_wire import layout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Chunk:
+    """One saved range of a global tensor: which rank's file holds it, under which name."""
+
+    rank: int
+    file: str
+    name: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    checksum: str
+
+
+@dataclasses.dataclass(slots=True)
+class SavedTensor:
+    global_shape: tuple[int, ...]
+    dtype: str
+    sharded: bool
+    chunks: list[Chunk]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Value:
+    value: Any
+
+
+@dataclasses.dataclass(slots=True)
+class CheckpointIndex:
+    """An iteration directory as DCP sees it: its global tensors by DCP key, and rank 0's plain values."""
+
+    path: Path
+    step: int
+    world_size: int
+    tensors: dict[str, SavedTensor]
+    values: dict[str, Any]
+    keys: dict[int, dict[str, str]]   # rank -> {easyckpt tensor name: DCP key}
+
+
+def _keys_of(skeleton: Any, n_tensors: int) -> tuple[dict[int, str], dict[str, Any]]:
+    """({tensor index: DCP key}, {DCP key: non-tensor value}) of one rank's saved state, keyed exactly as
+    ``dcp.load`` flattens a state dict (DCP's own ``flatten_state_dict``)."""
+    from easyckpt.state import unflatten
+
+    marks = [torch.empty(0) for _ in range(n_tensors)]
+    state = unflatten(skeleton, marks)
+    if not isinstance(state, Mapping):
+        return {}, {}
+    flat, _ = flatten_state_dict(dict(state))
+    ids = {id(m): i for i, m in enumerate(marks)}
+    keys: dict[int, str] = {}
+    values: dict[str, Any] = {}
+    for key, value in flat.items():
+        index = ids.get(id(value))
+        if index is not None:
+            keys[index] = key
+        elif not _holds_mark(value, ids):   # a tuple with an array in it is neither a tensor nor a plain value
+            values[key] = value
+    return keys, values
+
+
+def _holds_mark(value: Any, ids: Mapping[int, int]) -> bool:
+    if isinstance(value, torch.Tensor):
+        return id(value) in ids
+    if isinstance(value, Mapping):
+        return any(_holds_mark(v, ids) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_mark(v, ids) for v in value)
+    return False
+
+
+def checkpoint_index(iteration_dir: Path) -> CheckpointIndex:
+    """Read ``metadata.json`` and ``common.json`` of ``iteration_dir`` (no tensor bytes)."""
+    meta = layout.read_metadata(iteration_dir)
+    world_size = meta.get("world_size")
+    if type(world_size) is not int or world_size < 1:
+        raise storage.CheckpointCorruptError(f"{iteration_dir / layout.METADATA}: world_size is {world_size!r}")
+    tensors: dict[str, SavedTensor] = {}
+    values: dict[str, Any] = {}
+    keys: dict[int, dict[str, str]] = {}
+    for rank in range(world_size):
+        entry = storage.rank_entry(iteration_dir, rank, None)
+        index_keys, rank_values = _keys_of(entry.skeleton, len(entry.records))
+        if rank == 0:
+            values = rank_values
+        keys[rank] = {r.name: index_keys[r.index] for r in entry.records if r.index in index_keys}
+        for record in entry.records:
+            key = index_keys.get(record.index)
+            if key is None or record.kind != "torch":
+                continue
+            spec = record.shard
+            global_shape = spec.global_shape if spec is not None else record.shape
+            offsets = spec.offsets if spec is not None else (0,) * len(record.shape)
+            saved = tensors.setdefault(key, SavedTensor(global_shape, record.dtype, spec is not None, []))
+            if (saved.global_shape, saved.dtype) != (global_shape, record.dtype):
+                # A rank-private plain tensor whose shape differs between ranks: DCP sees rank 0's.
+                logger.debug("%s: rank %d's %s differs from rank 0's; DCP serves the lower rank's", iteration_dir,
+                             rank, key)
+                continue
+            if 0 in record.shape or any(c.offsets == offsets and c.shape == record.shape for c in saved.chunks):
+                continue   # empty, or a copy of a range a lower rank saved (replicated)
+            saved.chunks.append(Chunk(rank, record.file, record.name, offsets, record.shape, record.checksum))
+    return CheckpointIndex(iteration_dir, int(meta["step"]), world_size, tensors, values, keys)
+
+
+class StorageReader(dcp.StorageReader):
+    """A ``torch.distributed.checkpoint.StorageReader`` of one easyckpt ``iteration_N`` directory.
+
+    ``verify=True`` (the default) checks every saved range it touches against its xxh3-128 before use,
+    which reads a range whole even when only part of it is needed (for FSDP-style dim-0 shards between
+    world sizes that divide each other, the whole ranges are what is needed anyway); ``verify=False``
+    reads only the needed byte ranges (safetensors ``get_slice``), unverified.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
+        super().__init__()
+        self.path = Path(path)
+        self.verify = verify
+        self.load_id = str(uuid.uuid4())
+        self.index: CheckpointIndex | None = None
+        self.storage_data: dict[MetadataIndex, Chunk | _Value] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = Path(checkpoint_id)
+        self.load_id = str(uuid.uuid4())
+        self.index = None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            layout.read_metadata(Path(checkpoint_id))
+        except layout.CheckpointFormatError:
+            return False
+        return True
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self.index is None:
+            self.index = checkpoint_index(self.path)
+        state: dict[str, Any] = {}
+        data: dict[MetadataIndex, Chunk | _Value] = {}
+        for key, saved in self.index.tensors.items():
+            state[key] = TensorStorageMetadata(
+                TensorProperties(dtype=torch_dtype(saved.dtype)), torch.Size(saved.global_shape),
+                [ChunkStorageMetadata(torch.Size(c.offsets), torch.Size(c.shape)) for c in saved.chunks])
+            for chunk in saved.chunks:
+                data[MetadataIndex(key, torch.Size(chunk.offsets))] = chunk
+        for key, value in self.index.values.items():
+            state[key] = BytesStorageMetadata()
+            data[MetadataIndex(key)] = _Value(value)
+        return Metadata(state_dict_metadata=state, storage_data=data,
+                        storage_meta=StorageMeta(checkpoint_id=str(self.path), load_id=self.load_id))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[tuple[ReadItem, Chunk]]] = {}
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            if isinstance(info, _Value):
+                buffer = io.BytesIO()
+                torch.save(info.value, buffer)   # a value decoded from common.json, not bytes read from disk
+                buffer.seek(0)
+                planner.load_bytes(item, buffer)
+            else:
+                per_file.setdefault(info.file, []).append((item, info))
+        for file_name, items in per_file.items():
+            self._read_file(self.path / file_name, items, planner)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_file(self, path: Path, items: list[tuple[ReadItem, Chunk]], planner: LoadPlanner) -> None:
+        first = items[0][1]
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except FileNotFoundError:
+            raise storage.CheckpointCorruptError(
+                f"{path} is missing: it holds rank {first.rank}'s shard of {first.name!r} and "
+                f"{len(items) - 1} more saved ranges needed here. Restore the file, or load another iteration "
+                f"(`easyckpt verify {path.parent.parent}` lists the complete ones)") from None
+        except Exception as exc:  # safetensors raises its own error type for a damaged header
+            raise storage.CheckpointCorruptError(f"{path} is not a readable safetensors file: {exc}") from None
+        whole: dict[str, torch.Tensor] = {}
+        with handle:
+            for item, chunk in items:
+                box = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
+                if self.verify:
+                    if chunk.name not in whole:
+                        whole[chunk.name] = _verified(handle, path, chunk)
+                    data = whole[chunk.name][box]
+                elif box:
+                    data = handle.get_slice(chunk.name)[box]
+                else:
+                    data = handle.get_tensor(chunk.name)
+                target = planner.resolve_tensor(item).detach()
+                if target.shape != data.shape:
+                    raise storage.CheckpointCorruptError(
+                        f"{path}: {chunk.name!r} range {tuple(item.storage_offsets)}+{tuple(item.lengths)} gave "
+                        f"{tuple(data.shape)}, the target needs {tuple(target.shape)}")
+                target.copy_(data)
+                planner.commit_tensor(item, target)
+
+
+def _verified(handle: Any, path: Path, chunk: Chunk) -> torch.Tensor:
+    try:
+        tensor = handle.get_tensor(chunk.name)
+    except Exception as exc:
+        raise storage.CheckpointCorruptError(f"{path}: tensor {chunk.name!r} is unreadable: {exc}") from None
+    if tuple(tensor.shape) != chunk.shape:
+        raise storage.CheckpointCorruptError(
+            f"{path}: tensor {chunk.name!r} has shape {tuple(tensor.shape)}, metadata says {chunk.shape}")
+    data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data if tensor.numel() else memoryview(b"")
+    if xxhash.xxh3_128_hexdigest(data) != chunk.checksum:
+        raise storage.CheckpointCorruptError(
+            f"{path}: tensor {chunk.name!r} (rank {chunk.rank}) fails its {layout.CHECKSUM_ALGO} checksum: the file "
+            "is corrupted; load another iteration")
+    return tensor
+
+
+def load_into(state: dict[str, Any], iteration_dir: Path) -> None:
+    """Fill ``state`` ({DCP key: DTensor or tensor}) from ``iteration_dir`` with DCP's default load planning;
+    collective over the default process group when one is initialised."""
+    try:
+        dcp.load(state, storage_reader=StorageReader(iteration_dir))
+    except CheckpointException as exc:
+        # A BaseException that every rank receives (DCP gathers the failures): turned into the error a failed
+        # read is everywhere else, so that load() moves every rank on to the next candidate together.
+        problems = "; ".join(f"rank {rank}: {error}" for rank, (error, _) in sorted(exc.failures.items()))
+        raise storage.CheckpointCorruptError(
+            f"{iteration_dir}: reading through torch.distributed.checkpoint failed: {problems}") from None
+
+
+def iteration_of(src: Path) -> Path:
+    """``src`` itself when it is an iteration directory, else the newest complete iteration of the save_dir."""
+    if (src / layout.METADATA).is_file():
+        return src
+    steps = storage.newest_first(src)
+    if not steps:
+        raise layout.CheckpointFormatError(f"{src} holds no complete iteration_N directory (`easyckpt ls {src}`)")
+    return src / layout.iteration_dirname(steps[0])
+
+
+def consolidate_model(src: Path, out: Path) -> tuple[int, dict[str, tuple[int, ...]]]:
+    """Write the model's full tensors of ``src`` (a save_dir's newest iteration, or one iteration_N) as one
+    safetensors file ``out``, names without the ``model.`` prefix (what ``model.load_state_dict`` of an
+    unsharded model takes); returns (step, {name: shape}). The shards are assembled by DCP's load planning
+    into whole tensors, in this process alone."""
+    iteration_dir = iteration_of(src)
+    index = checkpoint_index(iteration_dir)
+    group_of = {key: layout.tensor_group(name) for name, key in index.keys.get(0, {}).items()}
+    names = {key: key[len("model."):] for key in index.tensors if key.startswith("model.")}
+    if not names:   # a state without a top-level "model": every tensor of the model file
+        names = {key: key for key in index.tensors if group_of.get(key) == "model"}
+    if not names:
+        raise layout.CheckpointFormatError(f"{iteration_dir} holds no model tensors to convert")
+    full = {key: torch.empty(index.tensors[key].global_shape, dtype=torch_dtype(index.tensors[key].dtype))
+            for key in names}
+    dcp.load(full, storage_reader=StorageReader(iteration_dir), no_dist=True)
+    from safetensors.torch import save_file
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    save_file({names[key]: value.contiguous() for key, value in full.items()}, str(tmp),
+              metadata={"format": "pt", "easyckpt_step": str(index.step), "easyckpt_source": str(iteration_dir)})
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, out)
+    layout.fsync_dir(out.parent)
+    return index.step, {names[key]: tuple(value.shape) for key, value in full.items()}

@@ -1,0 +1,211 @@
+"""FSDP2 (``fully_shard``, gloo, CPU) with AdamW under real torchrun: 4 ranks train, one is SIGKILLed, the
+job resumes on 4 from memory with the uninterrupted run's losses bit for bit; the same persisted iteration
+resumes on 2 and on 3 ranks from disk (resharded through torch.distributed.checkpoint's planning), and plain
+``dcp.load`` with ``easyckpt.dcp.StorageReader`` loads it too: every ``full_tensor()`` of model and
+optimizer state equals the saved one bitwise. Then bad input, in this process on a 1-rank mesh: a
+template of other global shapes, a missing shard file, a checkpoint without sharding metadata."""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import ROOT, Env, run_cli, seeded_random, wait_for
+from ddp_job import Job
+
+from easyckpt_wire import layout
+
+SCRIPT = ROOT / "examples" / "fsdp2_train.py"
+STEPS = 8
+INTERVAL = 4
+pytestmark = pytest.mark.slow
+
+
+def fsdp_job(env: Env, out: Path, nproc: int, *extra: str, save_dir: Path | None = None) -> Job:
+    return Job(env, save_dir or env.save_dir, out, steps=STEPS, nproc=nproc, step_seconds=0.0,
+               save_storage_interval=INTERVAL, script=SCRIPT, extra_args=["--digest-every", "1", *extra])
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def losses(out: Path, rank: int) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / f"losses-rank{rank}.jsonl").read_text().splitlines()]
+    return {row["step"]: row["loss"] for row in rows}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
+    """One uninterrupted 4-rank run: (its out dir with losses and full-tensor digests, its save_dir)."""
+    env = Env(tmp_path_factory.mktemp("reference"))
+    try:
+        job = fsdp_job(env, env.tmp_path / "out", 4)
+        assert job.wait(240) == 0, job.log()[-3000:]
+        wait_for(lambda: env.agent_pid() is None, 30, "the reference job's agent to exit after a clean finish")
+        assert (env.save_dir / layout.iteration_dirname(INTERVAL) / layout.METADATA).is_file()
+        yield env.tmp_path / "out", env.save_dir
+    finally:
+        env.cleanup()
+
+
+def test_kill9_resume_on_4_from_memory_is_bit_exact(env: Env, reference: tuple[Path, Path]) -> None:
+    ref_out, _ = reference
+    kill_at = seeded_random().randint(2, STEPS - 3)
+    first = fsdp_job(env, env.tmp_path / "first", 4, "--kill-at", str(kill_at))
+    try:
+        assert first.wait(240) != 0, "rank 1 should have been SIGKILLed"
+    finally:
+        first.kill()
+    second = fsdp_job(env, env.tmp_path / "second", 4)
+    assert second.wait(240) == 0, second.log()[-3000:]
+    report = read_json(env.tmp_path / "second" / "resume-0.json")
+    step = report["step"]
+    assert report["source"] == "memory" and step is not None and kill_at - 2 <= step <= kill_at, report
+    assert report["digests"] == read_json(ref_out / f"full-{step}.json"), "the resumed state is not the saved one"
+    for rank in range(4):
+        ours, theirs = losses(env.tmp_path / "second", rank), losses(ref_out, rank)
+        assert sorted(ours) == list(range(step + 1, STEPS)), f"rank {rank} ran steps {sorted(ours)}"
+        for later in ours:
+            assert ours[later] == theirs[later], f"rank {rank}: loss at step {later} differs from the reference"
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_resume_on_fewer_ranks_reshards_from_disk(env: Env, reference: tuple[Path, Path], nproc: int) -> None:
+    """The 4-rank iteration alone in a save_dir: a job of 2 (or 3: shards that do not divide) reshards it in
+    load(); plain dcp.load reads it too."""
+    ref_out, ref_save = reference
+    iteration = env.save_dir / layout.iteration_dirname(INTERVAL)
+    shutil.copytree(ref_save / layout.iteration_dirname(INTERVAL), iteration)
+    (env.save_dir / layout.TRACKER).write_text(f"{INTERVAL}\n")
+    saved = read_json(ref_out / f"full-{INTERVAL}.json")
+    out = env.tmp_path / "resumed"
+    job = fsdp_job(env, out, nproc, "--dcp-check", str(iteration))
+    assert job.wait(240) == 0, job.log()[-3000:]
+    assert read_json(out / "dcp.json") == saved, "dcp.load with easyckpt.dcp.StorageReader changed a tensor"
+    report = read_json(out / "resume-0.json")
+    assert (report["step"], report["source"], report["world_size"]) == (INTERVAL, "disk", nproc), report
+    assert report["digests"] == saved, "the resharded state is not the saved one"
+    assert f"saved by 4 ranks, this job has {nproc}" in job.log()
+    for rank in range(nproc):
+        ours = losses(out, rank)
+        assert sorted(ours) == list(range(INTERVAL + 1, STEPS)) and all(math.isfinite(v) for v in ours.values())
+
+
+# bad input: in this process, a 1-rank gloo group and mesh --------------------------------------------------
+def fsdp_state(vocab: int = 64) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """(the example module, model, optimizer, training state) of examples/fsdp2_train.py on this process's mesh."""
+    import importlib.util
+
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    spec = importlib.util.spec_from_file_location("fsdp2_train", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    torch.manual_seed(0)
+    model = module.TinyLM(vocab=vocab)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    module.init_optimizer_state(optimizer)
+    return module, model, optimizer, module.training_state(model, optimizer, -1)
+
+
+def load_copy(env: Env, source: Path, state: dict[str, Any]) -> Any:
+    import easyckpt
+
+    ckpt = easyckpt.Checkpointer(env.save_dir, 1, 100, 2, start_agent=False)
+    try:
+        return ckpt.load(state, load_dir=source)
+    finally:
+        ckpt.close()
+
+
+def copy_iteration(env: Env, reference: tuple[Path, Path]) -> Path:
+    target = env.tmp_path / "copy" / layout.iteration_dirname(INTERVAL)
+    shutil.copytree(reference[1] / layout.iteration_dirname(INTERVAL), target)
+    return target
+
+
+def test_resume_on_1_rank_and_bad_templates(env: Env, reference: tuple[Path, Path], one_rank: None) -> None:
+    import easyckpt
+
+    iteration = copy_iteration(env, reference)
+    module, model, optimizer, state = fsdp_state()
+    result = load_copy(env, iteration, state)
+    assert (result.step, result.source) == (INTERVAL, "disk")
+    model.load_state_dict(result.state["model"])
+    optimizer.load_state_dict(result.state["optim"])
+    assert module.full_digests(model, optimizer) == read_json(reference[0] / f"full-{INTERVAL}.json")
+
+    _, _, _, wider = fsdp_state(vocab=65)
+    with pytest.raises(easyckpt.StateMismatchError) as caught:
+        load_copy(env, iteration, wider)
+    message = str(caught.value)
+    assert "model/embed.weight" in message and "(64, 32)" in message and "(65, 32)" in message, message
+    assert "global shapes" in message and "configuration of the run that saved it" in message, message
+
+
+def test_missing_shard_file_names_file_and_tensor(env: Env, reference: tuple[Path, Path], one_rank: None) -> None:
+    import easyckpt
+
+    iteration = copy_iteration(env, reference)
+    (iteration / layout.rank_file_name("model", 2, 4)).unlink()
+    _, _, _, state = fsdp_state()
+    with pytest.raises(easyckpt.LoadError) as caught:
+        load_copy(env, iteration, state)
+    message = str(caught.value)
+    assert layout.rank_file_name("model", 2, 4) in message and "is missing" in message, message
+    assert "rank 2's shard of 'model/" in message and "Restore the file" in message, message
+
+
+def test_checkpoint_without_sharding_metadata(env: Env, reference: tuple[Path, Path], one_rank: None) -> None:
+    """As an easyckpt before sharded state wrote it: every tensor whole, no placements."""
+    import easyckpt
+
+    iteration = copy_iteration(env, reference)
+    meta = read_json(iteration / layout.METADATA)
+    for rank in meta["ranks"].values():
+        for record in rank["tensors"]:
+            for key in ("placements", "mesh_shape"):
+                record.pop(key, None)
+            record["global_shape"], record["offsets"] = record["shape"], [0] * len(record["shape"])
+    (iteration / layout.METADATA).write_text(json.dumps(meta))
+    _, _, _, state = fsdp_state()
+    with pytest.raises(easyckpt.StateMismatchError) as caught:
+        load_copy(env, iteration, state)
+    message = str(caught.value)
+    assert "model/embed.weight: checkpoint (16, 32) has no sharding metadata" in message, message
+    assert "(64, 32)" in message and "before sharding it" in message, message
+
+
+def test_convert_to_hf_gives_the_sharded_models_outputs(env: Env, reference: tuple[Path, Path], one_rank: None) -> None:
+    """`easyckpt convert --to hf` of the 4-rank save: one safetensors file that an unsharded model loads, whose
+    outputs equal those of the FSDP2 model resumed from the same iteration."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    iteration = copy_iteration(env, reference)
+    out = env.tmp_path / "hf" / "model.safetensors"
+    done = run_cli("convert", "--to", "hf", str(iteration), str(out), env=env)
+    assert done.returncode == 0, done.stderr
+    assert f"step {INTERVAL}" in done.stdout and str(out) in done.stdout, done.stdout
+    module, model, optimizer, state = fsdp_state()
+    with safe_open(str(out), framework="pt") as handle:
+        assert set(handle.keys()) == set(module.TinyLM().state_dict())
+        assert handle.metadata()["easyckpt_step"] == str(INTERVAL)
+    plain = module.TinyLM()
+    plain.load_state_dict(load_file(str(out)), strict=True)
+    result = load_copy(env, iteration, state)
+    model.load_state_dict(result.state["model"])
+    tokens = torch.randint(0, 64, (2, 11), generator=torch.Generator().manual_seed(5))
+    model.eval()
+    plain.eval()
+    with torch.no_grad():
+        assert torch.equal(model(tokens), plain(tokens))
