@@ -421,5 +421,6 @@ def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, templa
     if load_dir is not None:
         raise LoadError(f"load_dir {load_dir} cannot be loaded by every rank: "
                         f"{unreadable or 'another rank cannot read it, see its log'}")
-    logger.info("rank %d: nothing to resume from in memory or in %s: fresh start", rank, save_dir)
+    # No "fresh start" here: a caller may resume from elsewhere (TrainerWrapper: a checkpoint-N folder).
+    logger.info("rank %d: nothing to resume from in memory or in %s (load() returns step None)", rank, save_dir)
     return LoadResult(None, None, None)

@@ -62,7 +62,11 @@ class SyntheticTokens(torch.utils.data.Dataset):
 def state_digest(model: torch.nn.Module, optimizer: Any) -> str:
     """xxh3-128 over every tensor of model and optimizer, in order: equal digests mean equal bits."""
     digest = xxhash.xxh3_128()
-    _, refs, values = easyckpt.state.flatten({"model": model.state_dict(), "optim": optimizer.state_dict()})
+    optim = optimizer.state_dict()
+    if not isinstance(optim.get("state"), dict):   # DeepSpeed ZeRO: this rank's partition, with DeepSpeed objects
+        from easyckpt.transformers.zero import portable
+        optim = portable(optim)
+    _, refs, values = easyckpt.state.flatten({"model": model.state_dict(), "optim": optim})
     for ref, value in zip(refs, values):
         digest.update(ref.name.encode())
         digest.update(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
@@ -128,6 +132,10 @@ def main() -> None:
     parser.add_argument("--embedding-local-norm-threshold", type=float, default=None,
                         help="checkpoint health monitor on (use_checkpoint_health_monitor=True) with this threshold")
     parser.add_argument("--max-ckpt-num", type=int, default=None, help="iterations easyckpt keeps on disk (default 2)")
+    parser.add_argument("--deepspeed", default=None, help="a DeepSpeed config file (ZeRO; run with DS_ACCELERATOR=cpu)")
+    parser.add_argument("--use-cpu", action=argparse.BooleanOptionalAction, default=True,
+                        help="TrainingArguments(use_cpu=...): --no-use-cpu under torchrun on a machine without CUDA "
+                        "is the misconfiguration TrainerWrapper refuses")
     parser.add_argument("--kill-at", type=int, default=None, help="rank 1 SIGKILLs itself once its snapshot of "
                         "this step is in memory (a fresh start only): a kill right after a known step")
     args = parser.parse_args()
@@ -154,8 +162,8 @@ def run(args: argparse.Namespace) -> None:
     training_args = TrainingArguments(
         output_dir=args.output_dir, max_steps=args.steps, per_device_train_batch_size=4, learning_rate=3e-3,
         warmup_steps=4, logging_steps=1, save_strategy=args.save_strategy, save_steps=args.save_steps,
-        save_total_limit=args.save_total_limit, seed=0, data_seed=1234, report_to="none", use_cpu=True,
-        disable_tqdm=True, dataloader_num_workers=0)
+        save_total_limit=args.save_total_limit, seed=0, data_seed=1234, report_to="none", use_cpu=args.use_cpu,
+        disable_tqdm=True, dataloader_num_workers=0, deepspeed=args.deepspeed)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32))
     step_log = StepLog(out / f"losses-rank{rank}.jsonl", attempt)

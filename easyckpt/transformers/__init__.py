@@ -54,8 +54,10 @@ What it does, and why this way:
   ``resume_from_checkpoint=True`` skips a folder that fails, and an explicit path that fails is refused
   with the reason.
 
-Supported: one process or DDP (each rank holds the whole model and optimizer, as the Trainer saves
-them). DeepSpeed, FSDP, ``save_on_each_node`` and hyperparameter search are refused with a clear error;
+Supported: one process, DDP (each rank holds the whole model and optimizer, as the Trainer saves
+them) and DeepSpeed ZeRO stages 1 and 2 (``zero``: each rank snapshots its own partition; resume and the
+checkpoint-N exports use DeepSpeed's own layout). ZeRO-3, ZeRO offload, FSDP, ``save_on_each_node``,
+hyperparameter search and a Trainer whose ``args.world_size`` is not the job's are refused with a clear error;
 with ``push_to_hub`` the checkpoints are not pushed at each save. A ``checkpoint-N`` appears when the
 agent has persisted the step and the export is done, so a callback's ``on_save`` may run before the
 folder exists (``best_model_checkpoint`` names it already, and rotation keeps it); training waits for
@@ -65,7 +67,7 @@ the pending exports before the Trainer's end-of-training work (``load_best_model
 The package: ``wrapper`` (TrainerWrapper: the hooks, snapshots, saves), ``snapshot`` (the state taken
 from the live Trainer), ``resume`` (choosing and staging the state to resume from), ``folders``
 (checkpoint-N folders: checks, the Trainer's files, atomic publish, ``save_total_limit``), ``export``
-(the thread turning persisted iterations into checkpoint-N folders); its collectives are
+(the thread turning persisted iterations into checkpoint-N folders), ``zero`` (DeepSpeed); its collectives are
 ``easyckpt.collectives``.
 """
 from __future__ import annotations

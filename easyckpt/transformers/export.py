@@ -24,11 +24,11 @@ logger = logging.getLogger(__name__)
 POLL = 0.05               # seconds between looks at the disk for a persisted iteration
 
 
-def read_rank_state(iteration_dir: Path, rank: int, world_size: int, only: str | None = None) -> Any:
-    """One rank's saved state from a complete iteration (checksums verified); with ``only`` (a top-level
-    key), only that part's tensors are read and the rest are None."""
+def read_rank_state(iteration_dir: Path, rank: int, world_size: int, only: tuple[str, ...] | None = None) -> Any:
+    """One rank's saved state from a complete iteration (checksums verified); with ``only`` (top-level
+    keys), only those parts' tensors are read and the rest are None."""
     entry = storage.rank_entry(iteration_dir, rank, world_size)
-    wanted = entry.records if only is None else [r for r in entry.records if r.name.split("/", 1)[0] == only]
+    wanted = entry.records if only is None else [r for r in entry.records if r.name.split("/", 1)[0] in only]
     values: list[Any] = [None] * len(entry.records)
     for record, tensor in storage.read_tensors(dataclasses.replace(entry, records=wanted)):
         values[record.index] = tensor.numpy() if record.kind == "numpy" else tensor
@@ -125,8 +125,14 @@ class Exporter:
         try:
             common = read_rank_state(path, 0, world_size)
             rngs = {0: common["rng"]}
+            deepspeed = "deepspeed" in common
+            # Under DeepSpeed ZeRO every rank's optimizer partition goes into the checkpoint too.
+            zero_optims = {0: (common["optim"], common["deepspeed"])} if deepspeed else {}
             for rank in range(1, world_size):
-                rngs[rank] = read_rank_state(path, rank, world_size, only="rng")["rng"]
+                part = read_rank_state(path, rank, world_size, only=("rng", "optim") if deepspeed else ("rng",))
+                rngs[rank] = part["rng"]
+                if deepspeed:
+                    zero_optims[rank] = (part["optim"], part["deepspeed"])
         except (FileNotFoundError, layout.CheckpointFormatError):
             if not path.exists():
                 logger.warning("iteration %s was rotated away before it could be exported: no checkpoint-%d "
@@ -134,6 +140,6 @@ class Exporter:
                 self.failed[step] = "rotated away"
                 return
             raise
-        self.folders.write_checkpoint(step, common, rngs, world_size, health=meta.get("health"))
+        self.folders.write_checkpoint(step, common, rngs, world_size, health=meta.get("health"), zero_optims=zero_optims)
         self.exported.append(step)
         logger.info("exported %s to checkpoint-%d in %.2fs", path, step, time.perf_counter() - started)

@@ -81,14 +81,25 @@ def checkpoint_problem(path: Path, *, world_size: int, need_optimizer: bool = Tr
         except Exception as exc:  # safetensors raises its own error types for a truncated file
             return f"{path / SAFE_WEIGHTS_NAME} is not a readable safetensors file ({exc})"
     if need_optimizer:
-        for name in (OPTIMIZER_NAME, SCHEDULER_NAME):
-            if not (path / name).is_file():
-                return f"{path / name} is missing"
+        # A DeepSpeed checkpoint holds the optimizer in global_stepN/ (named by ``latest``), not optimizer.pt.
+        if not (path / OPTIMIZER_NAME).is_file() and not has_deepspeed_layout(path):
+            return f"{path / OPTIMIZER_NAME} is missing (and there is no DeepSpeed 'latest' naming a global_step folder)"
+        if not (path / SCHEDULER_NAME).is_file() and not has_deepspeed_layout(path):
+            return f"{path / SCHEDULER_NAME} is missing"
     if need_rng:
         for rank in range(world_size):
             if not (path / rng_file_name(rank, world_size)).is_file():
                 return f"{path / rng_file_name(rank, world_size)} is missing (written by {world_size} ranks?)"
     return None
+
+
+def has_deepspeed_layout(path: Path) -> bool:
+    """Whether ``path`` holds a DeepSpeed checkpoint (``latest`` names an existing ``global_stepN`` folder)."""
+    try:
+        name = (path / "latest").read_text(encoding="utf-8").strip()
+    except OSError:
+        return False
+    return bool(name) and (path / name).is_dir()
 
 
 def unhealthy_reasons(path: Path) -> list[str] | None:
@@ -201,29 +212,42 @@ class CheckpointFolders:
                 shutil.rmtree(entry, ignore_errors=True)
 
     def write_checkpoint(self, step: int, common: dict[str, Any], rngs: dict[int, Any], world_size: int,
-                         health: dict[str, Any] | None = None) -> Path:
+                         health: dict[str, Any] | None = None,
+                         zero_optims: dict[int, tuple[Any, dict[str, Any]]] | None = None) -> Path:
         """Export a saved state (all ranks' RNGs) as checkpoint-N, atomically. Runs on the saving process.
         ``health``: the iteration's verdict (metadata.json); an unhealthy one is recorded in the folder."""
         tmp = self.tmp_path(step)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        self.write_files(tmp, common, rngs, world_size, native=True)
+        self.write_files(tmp, common, rngs, world_size, native=True, zero_optims=zero_optims)
         mark_health(tmp, health)
         return self.publish(tmp, step)
 
     def write_files(self, directory: Path, common: dict[str, Any], rngs: dict[int, Any], world_size: int,
-                    *, native: bool) -> None:
+                    *, native: bool, zero_optims: dict[int, tuple[Any, dict[str, Any]]] | None = None) -> None:
         """The Trainer's files for ``common`` (rank 0's state) and the given ranks' RNG states.
 
         ``native``: a checkpoint-N folder (model through ``save_pretrained``, config, processing class,
         training args, ``save_only_model`` honoured); else a directory only the Trainer's resume reads.
+        Under DeepSpeed (``common`` has ``zero.STATE_KEY``) the optimizer goes into DeepSpeed's layout:
+        the model states and ``latest`` from ``common``, one optimizer file per rank of ``zero_optims``
+        (rank -> (its optimizer state, its engine info)).
         """
         trainer = self.trainer
         args = trainer.args
         model_state = common["model"]
         step = common.get("step")
         model = unwrapped_model(trainer)
-        if native and isinstance(model, PreTrainedModel):
+        deepspeed_info = common.get("deepspeed")
+        if deepspeed_info is not None:
+            from easyckpt.transformers import zero
+            assert isinstance(step, int)
+            zero.write_model_states(directory, step, model_state, deepspeed_info)
+            for optim, info in (zero_optims or {}).values():
+                zero.write_optim_states(directory, step, optim, info)
+        if deepspeed_info is not None and not native:
+            pass  # the Trainer's DeepSpeed resume reads the weights from mp_rank_00_model_states.pt
+        elif native and isinstance(model, PreTrainedModel):
             model.save_pretrained(str(directory), state_dict=_retie(model, model_state), is_main_process=True)
         else:
             import safetensors.torch
@@ -237,7 +261,8 @@ class CheckpointFolders:
                 tokenizer.save_pretrained(str(directory))
             torch.save(args, directory / TRAINING_ARGS_NAME)
         if not (native and args.save_only_model):
-            torch.save(common["optim"], directory / OPTIMIZER_NAME)
+            if deepspeed_info is None:
+                torch.save(common["optim"], directory / OPTIMIZER_NAME)
             torch.save(common["sched"], directory / SCHEDULER_NAME)
             if "scaler" in common:
                 torch.save(common["scaler"], directory / SCALER_NAME)

@@ -31,10 +31,14 @@ from easyckpt.transformers.folders import (
 )
 from easyckpt.transformers.snapshot import STATE_FORMAT
 from easyckpt_wire import layout
+from easyckpt_wire.shm import format_bytes
 
 logger = logging.getLogger(__name__)
 
 STAGING_PREFIX = "easyckpt-hf-resume-"
+# The Trainer's own logger: run_clm.py-style scripts set its level (INFO on the main process, WARNING on
+# the others), and so the resume line lands in the Trainer's log next to "***** Running training *****".
+trainer_logger = logging.getLogger("transformers.trainer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +67,31 @@ class Resumer:
         self.save_dir = save_dir
         self.staging_dir = staging_dir
         self.staged: Path | None = None    # the staged directory this process removes once the Trainer read it
+
+    def announce(self, info: ResumeInfo, *, asked: bool) -> None:
+        """One line in the Trainer's log, on each node's main process, saying where training starts from.
+
+        WARNING for a resume, so that it shows at the Trainer's default level (transformers logs at
+        WARNING unless the script asks for more); the fresh start after ``resume_from_checkpoint=True``
+        found nothing is INFO (the normal first run).
+        """
+        if not self.trainer.args.should_log:
+            return
+        if info.step is None:
+            if asked:
+                trainer_logger.info("easyckpt: nothing to resume from in memory, %s or %s: fresh start",
+                                    self.save_dir, self.output_dir)
+            return
+        if info.source in ("memory", "replica", "disk"):
+            where = "" if info.source != "disk" else f"{info.path}, "
+            trainer_logger.warning("easyckpt: resumed at step %d from %s (%s%s, %.2f s)", info.step, info.source,
+                                   where, format_bytes(info.nbytes), info.seconds)
+        elif info.source == "checkpoint":
+            trainer_logger.warning("easyckpt: resuming at step %d from %s (a complete checkpoint-N at least as "
+                                   "new as anything easyckpt holds)", info.step, info.path)
+        else:
+            trainer_logger.warning("easyckpt: resuming at step %d from %s (resume_from_checkpoint)", info.step,
+                                   info.path)
 
     def release(self) -> None:
         """Remove the staged directory (every rank has read it once the first step is done)."""
@@ -133,7 +162,6 @@ class Resumer:
                 logger.info("%s (step %d) is newer than easyckpt's step %d (%s): resuming from it", newest_path,
                             newest, result.step, result.source)
             return str(newest_path), ResumeInfo(newest, "checkpoint", str(newest_path))
-        logger.info("nothing to resume from in memory, %s or %s: fresh start", self.save_dir, self.output_dir)
         return None, ResumeInfo(None, None)
 
     @staticmethod
@@ -150,6 +178,13 @@ class Resumer:
             raise ValueError(f"the easyckpt state of step {result.step} ({result.source}, {result.path}) was not "
                              f"written by TrainerWrapper (format {found!r}): "
                              f"give the wrapper a save_dir of its own (now {self.save_dir})")
+        deepspeed = bool(getattr(self.trainer, "is_deepspeed_enabled", False))
+        if ("deepspeed" in state) != deepspeed:
+            saved = "with" if "deepspeed" in state else "without"
+            raise ValueError(f"the easyckpt state of step {result.step} ({result.source}, {result.path}) was saved "
+                             f"{saved} DeepSpeed, and this Trainer runs {'with' if deepspeed else 'without'} it: run "
+                             "with the DeepSpeed setting of the saved run, or give the wrapper a new save_dir "
+                             f"(now {self.save_dir}) and output_dir")
         base = self.staging_dir or self.ckpt.config.shm_dir
         assert base is not None
         directory = Path(base) / f"{STAGING_PREFIX}{self.ckpt.config.job_id}"
@@ -168,6 +203,9 @@ class Resumer:
                                "TrainerWrapper(..., staging_dir=<a directory with room for one copy of the state>)")
         try:
             torch.save(state["rng"], directory / rng_file_name(self.ckpt.rank, world_size))
+            if "deepspeed" in state:   # each rank its own ZeRO partition, as DeepSpeed's save_checkpoint does
+                from easyckpt.transformers import zero
+                zero.write_optim_states(directory, result.step, state["optim"], state["deepspeed"])
         except OSError as exc:
             problem = f"{directory}: {exc}"
         if not all_ok(not problem):

@@ -1,6 +1,7 @@
 """The state TrainerWrapper snapshots, taken from the live Trainer in the layout its own checkpoints use.
 
-Model, optimizer, LR scheduler, grad scaler (when there is one), ``trainer_state.json`` as the Trainer
+Model, optimizer (under DeepSpeed ZeRO: this rank's partition, see ``zero``), LR scheduler, grad scaler
+(when there is one), ``trainer_state.json`` as the Trainer
 would write it now (callbacks' states included) and every RNG as in its ``rng_state`` files. The data
 position needs nothing more: the Trainer derives it from the global step and the seeds.
 """
@@ -65,15 +66,22 @@ def capture(trainer: Trainer, extra_callback_states: dict[str, Any] | None = Non
     if trainer.optimizer is None or trainer.lr_scheduler is None:
         raise RuntimeError("easyckpt snapshots the Trainer's state during training: its optimizer and scheduler "
                            "are not created yet (call TrainerWrapper.train(), not a snapshot before it)")
+    if getattr(trainer, "is_deepspeed_enabled", False):
+        from easyckpt.transformers import zero  # only here: deepspeed is an optional extra
+        optim, engine_info = zero.capture(trainer)
+    else:
+        optim, engine_info = trainer.optimizer.state_dict(), None
     state: dict[str, Any] = {
         "format": STATE_FORMAT,
         "step": trainer.state.global_step,
         "model": unwrapped_model(trainer).state_dict(),
-        "optim": trainer.optimizer.state_dict(),
+        "optim": optim,
         "sched": trainer.lr_scheduler.state_dict(),
         "rng": rng_state(trainer),
         "trainer_state": trainer_state_json(trainer, extra_callback_states),
     }
+    if engine_info is not None:
+        state["deepspeed"] = engine_info
     scaler = getattr(trainer.accelerator, "scaler", None)
     if scaler is not None:
         state["scaler"] = scaler.state_dict()

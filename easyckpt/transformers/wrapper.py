@@ -19,7 +19,7 @@ from transformers import Trainer
 from easyckpt.checkpointer import Checkpointer
 from easyckpt.collectives import all_gather_text, all_ok
 from easyckpt.health import configure
-from easyckpt.transformers import snapshot
+from easyckpt.transformers import snapshot, zero
 from easyckpt.transformers.export import POLL, Exporter
 from easyckpt.transformers.folders import CheckpointFolders, mark_health, rng_file_name
 from easyckpt.transformers.health import STATE_KEY, StepGuard
@@ -31,6 +31,29 @@ logger = logging.getLogger(__name__)
 
 _NEVER = 1 << 40           # save_storage_interval = save_mem_interval * _NEVER: memory only
 VERDICT_BYTES = 2048       # one rank's verdict as JSON, gathered for a synchronous save
+
+
+def check_world_size(trainer: Trainer) -> None:
+    """Refuse a Trainer that does not see the process group it runs in.
+
+    Under torchrun on a machine without CUDA and without ``use_cpu=True``, transformers runs every process
+    as a single-process job (``args.world_size`` 1, each its own rank 0): every process would snapshot,
+    persist and export as rank 0 of 1 into the same folders, and the checkpoints would be torn.
+    """
+    args = trainer.args
+    group_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else None
+    env_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    size = group_size if group_size is not None else env_size
+    if size == args.world_size:
+        return
+    rank = torch.distributed.get_rank() if group_size is not None else os.environ.get("RANK", "?")
+    raise RuntimeError(
+        f"TrainerWrapper: the Trainer's args.world_size is {args.world_size} (parallel_mode "
+        f"{getattr(args.parallel_mode, 'value', args.parallel_mode)}) but this process is rank {rank} of a job of "
+        f"{size} processes (torchrun's WORLD_SIZE): transformers runs every process as its own single-process "
+        "job, so all of them would write the same checkpoint-N and easyckpt iterations. On a machine without "
+        "CUDA that happens unless use_cpu=True: pass TrainingArguments(use_cpu=True) (--use_cpu on the command "
+        "line), or launch a single process. Nothing was written.")
 
 
 class TrainerWrapper:
@@ -60,11 +83,13 @@ class TrainerWrapper:
             raise TypeError(f"TrainerWrapper wraps a transformers.Trainer, got {type(trainer).__qualname__}")
         if not isinstance(save_mem_interval, int) or isinstance(save_mem_interval, bool) or save_mem_interval < 1:
             raise ValueError(f"save_mem_interval must be a positive int, got {save_mem_interval!r}")
-        if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+        # Before anything is created or written: a misconfigured job must not touch output_dir or save_dir.
+        check_world_size(trainer)
+        self.zero_stage = zero.check_config(trainer) if getattr(trainer, "is_deepspeed_enabled", False) else None
+        if getattr(trainer, "is_fsdp_enabled", False):
             raise NotImplementedError(
-                "TrainerWrapper supports one process or DDP (every rank holds the whole model and optimizer); "
-                "this Trainer uses DeepSpeed or FSDP, whose sharded states it does not snapshot yet: "
-                "drop the wrapper or use plain DDP")
+                "TrainerWrapper supports one process, DDP and DeepSpeed ZeRO stages 1 and 2; this Trainer uses "
+                "FSDP, whose sharded states it does not snapshot yet: drop the wrapper or use DDP or DeepSpeed")
         if trainer.args.save_on_each_node:
             raise NotImplementedError(
                 "TrainerWrapper writes checkpoint-N folders from the process with rank 0 only; "
@@ -166,6 +191,7 @@ class TrainerWrapper:
             if self.trainer.args.should_save:
                 self.folders.clean_stale()
             path, self.resumed = self._resumer.resolve(resume_from_checkpoint)
+            self._resumer.announce(self.resumed, asked=resume_from_checkpoint is True)
             self._last_step = self.resumed.step
             self._checkpoint_steps.clear()
             self._catch_up(self.resumed.step)
@@ -346,6 +372,8 @@ class TrainerWrapper:
                 mark_health(tmp, verdict.to_wire())
             if not args.save_only_model:
                 torch.save(state["rng"], tmp / rng_file_name(args.process_index, world_size))
+            if "deepspeed" in state:   # each rank its own ZeRO partition
+                zero.write_optim_states(tmp, step, state["optim"], state["deepspeed"])
         except OSError as exc:
             problem = str(exc)
         if not all_ok(not problem):

@@ -1,0 +1,171 @@
+"""TrainerWrapper with DeepSpeed ZeRO 1 and 2 under a real torchrun (2 ranks, gloo, DS_ACCELERATOR=cpu), the
+tiny GPT-2 of examples/hf_trainer.py; and the launches it refuses before anything is written.
+
+The reference is the same wrapped job run uninterrupted: a resumed run must log the same losses, grad norms
+and learning rates (exact float equality), draw the same random numbers and hold the same bits (digest of
+the module and of this rank's ZeRO optimizer state: its partition of the Adam moments and fp32 master
+weights) at every step after the one it resumed at.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers", reason="the HF integration needs transformers: pip install -e '.[hf]'")
+pytest.importorskip("deepspeed", reason="needs DeepSpeed: DS_BUILD_OPS=0 pip install -e '.[deepspeed]'")
+
+import torch  # noqa: E402
+from conftest import Env, seeded_random, wait_for  # noqa: E402
+from ddp_job import newest_common_committed, slot_states  # noqa: E402
+from test_hf import HFJob, resumed_at, run_to_end, wipe_memory  # noqa: E402
+
+from easyckpt_wire import layout  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+STEPS = 12          # 8 optimizer steps per epoch on 2 ranks: the runs cross an epoch boundary
+SAVE_STEPS = 5
+DS_ENV = {"DS_ACCELERATOR": "cpu"}
+
+
+def ds_config(tmp: Path, stage: int, **zero: Any) -> Path:
+    path = tmp / f"ds-zero{stage}.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": stage, **zero}, "train_batch_size": "auto",
+                                "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                                "gradient_clipping": "auto"}))
+    return path
+
+
+def ds_job(env: Env, output_dir: Path, out: Path, config: Path, *, step_seconds: float = 0.0,
+           resume: str | None = None, plain: bool = False, extra_args: list[str] | None = None) -> HFJob:
+    return HFJob(env, output_dir, out, resume=resume, plain=plain, step_seconds=step_seconds, extra_env=DS_ENV,
+                 extra_args=["--steps", str(STEPS), "--deepspeed", str(config), *(extra_args or [])])
+
+
+def assert_continues_exactly(resumed: HFJob, reference: HFJob, from_step: int) -> None:
+    for rank in range(2):
+        ours, theirs = resumed.losses(rank), reference.losses(rank)
+        assert sorted(ours) == list(range(from_step + 1, STEPS + 1)), f"rank {rank} ran steps {sorted(ours)}"
+        for step, row in ours.items():
+            for key in ("loss", "digest", "py_rand", "np_rand", "learning_rate", "grad_norm", "epoch"):
+                assert row[key] == theirs[step][key], \
+                    f"rank {rank} step {step}: {key} {row[key]!r} != {theirs[step][key]!r}"
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[int, tuple[HFJob, Path]]:
+    """Per ZeRO stage, the wrapped job run uninterrupted and its output_dir (run on first use)."""
+    return {}
+
+
+def reference(references: dict[int, tuple[HFJob, Path]], tmp_path_factory: pytest.TempPathFactory,
+              stage: int) -> tuple[HFJob, Path]:
+    if stage not in references:
+        env = Env(tmp_path_factory.mktemp(f"zero{stage}-reference"))
+        try:
+            job = run_to_end(ds_job(env, env.tmp_path / "hf", env.tmp_path / "out", ds_config(env.tmp_path, stage)))
+            references[stage] = job, env.tmp_path / "hf"
+        finally:
+            env.cleanup()
+    return references[stage]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stage,tier", [(1, "memory"), (2, "memory"), (2, "disk")])
+def test_zero_kill9_resumes_with_equal_losses(env: Env, stage: int, tier: str,
+                                              references: dict[int, tuple[HFJob, Path]],
+                                              tmp_path_factory: pytest.TempPathFactory) -> None:
+    """kill -9 one rank mid-training; the rerun resumes (each rank's ZeRO partition back into its engine)
+    and continues exactly: from memory, or, with the node's memory wiped, from the newest complete
+    iteration on disk."""
+    ref, _ = reference(references, tmp_path_factory, stage)
+    config = ds_config(env.tmp_path, stage)
+    output_dir = env.tmp_path / "hf"
+    save_dir = output_dir / "easyckpt"
+    first = ds_job(env, output_dir, env.tmp_path / "first", config, step_seconds=0.15)
+    try:
+        if tier == "disk":
+            wait_for(lambda: SAVE_STEPS in dict(layout.complete_iterations(save_dir)) or first.proc.poll() is not None,
+                     90, f"iteration {SAVE_STEPS} to be persisted")
+        first.kill_rank(1, seeded_random().randint(6, 9) if tier == "disk" else seeded_random().randint(3, 9))
+        assert first.wait(90) != 0
+    finally:
+        first.kill()
+    killed_at = max(first.losses(1))
+    if tier == "memory":
+        newest = newest_common_committed(slot_states(env, save_dir))
+        assert newest is not None and killed_at - 1 <= newest <= killed_at + 1, (newest, killed_at)
+    else:
+        wipe_memory(env)
+        # The agent makes the newest snapshot durable when a rank dies: disk holds about the killed step.
+        newest = max(step for step, _ in layout.complete_iterations(save_dir))
+        assert SAVE_STEPS <= newest <= killed_at + 1, (newest, killed_at)
+
+    second = run_to_end(ds_job(env, output_dir, env.tmp_path / "second", config, resume="newest"))
+    for report in resumed_at(second):
+        assert (report["step"], report["source"], report["global_step"]) == (newest, tier, newest), report
+    assert_continues_exactly(second, ref, newest)
+    size = r"[\d.]+ [KM]iB"
+    where = "memory" if tier == "memory" else f"disk \\({re.escape(str(save_dir))}/iteration_\\d+, "
+    assert re.search(rf"easyckpt: resumed at step {newest} from {where}", second.log()), \
+        "the resume is in the Trainer's own log: " + second.log()[-3000:]
+    assert re.search(rf"{size}, [\d.]+ s\)", second.log())
+
+
+@pytest.mark.timeout(180)
+def test_plain_deepspeed_trainer_resumes_from_a_wrapper_checkpoint_and_zero_to_fp32_reads_it(
+        env: Env, references: dict[int, tuple[HFJob, Path]], tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The wrapper's checkpoint-N is DeepSpeed's own layout (``latest``, ``global_stepN/``, one optimizer file
+    per rank): a plain Trainer + DeepSpeed resumes from it exactly, and zero_to_fp32 consolidates its fp32
+    partitions to the model's weights."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from safetensors.torch import load_file
+
+    ref, ref_dir = reference(references, tmp_path_factory, 2)
+    checkpoint = env.tmp_path / "checkpoint-10"
+    shutil.copytree(ref_dir / "checkpoint-10", checkpoint)
+    assert (checkpoint / "latest").read_text() == "global_step10"
+    assert {p.name for p in (checkpoint / "global_step10").iterdir()} == {
+        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
+
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    consolidated = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))
+    for name, tensor in weights.items():
+        assert torch.equal(consolidated[name], tensor), f"zero_to_fp32's {name} differs from model.safetensors"
+
+    config = ds_config(env.tmp_path, 2)
+    plain = run_to_end(ds_job(env, env.tmp_path / "hf", env.tmp_path / "plain", config, plain=True,
+                              resume=str(checkpoint)))
+    assert all(r["global_step"] == 10 for r in resumed_at(plain))
+    assert_continues_exactly(plain, ref, 10)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["no-use-cpu", "offload"])
+def test_misconfigured_launch_is_refused_before_anything_is_written(env: Env, case: str) -> None:
+    """torchrun on a CPU-only machine without use_cpu=True (transformers then runs each process as its own
+    single-process job) and ZeRO offload: the wrapper refuses at construction, naming the setting and the
+    fix; no checkpoint, no easyckpt iteration, no temporary folder is written."""
+    output_dir = env.tmp_path / "hf"
+    if case == "no-use-cpu":
+        job = HFJob(env, output_dir, env.tmp_path / "out", extra_args=["--steps", "4", "--no-use-cpu"])
+        expected = r"args\.world_size is 1 .* of a job of 2 processes.*TrainingArguments\(use_cpu=True\) \(--use_cpu"
+    else:
+        config = ds_config(env.tmp_path, 2, offload_optimizer={"device": "cpu"})
+        job = ds_job(env, output_dir, env.tmp_path / "out", config)
+        expected = r"zero_optimization\.offload_optimizer\.device='cpu'"
+    try:
+        assert job.wait(90) != 0
+    finally:
+        job.kill()
+    log = job.log()
+    assert re.search(expected, log), log[-4000:]
+    written = sorted(str(p.relative_to(output_dir)) for p in output_dir.rglob("*")) if output_dir.exists() else []
+    assert written == [], f"written before the refusal: {written}"
+    assert not env.slot_files()
