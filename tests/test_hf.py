@@ -403,6 +403,33 @@ def test_configuration_errors_name_the_fix(tmp_path: Path) -> None:
     assert wrapper.args.max_steps == 4 and wrapper.save_steps is None  # other attributes are the Trainer's
 
 
+def test_fsdp_trainer_is_refused_with_what_is_supported(tmp_path: Path) -> None:
+    """A Trainer that Accelerate runs with FSDP is refused, naming what is supported, before anything is
+    written. Accelerate never enables FSDP on CPU (see the next test), so the flag the Trainer sets from
+    Accelerate's state is set by hand here, to reach the refusal itself."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from easyckpt.transformers import TrainerWrapper
+
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, report_to="none", use_cpu=True, save_steps=2)
+    sharded = Trainer(model=GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)),
+                      args=args)
+    sharded.is_fsdp_enabled = True
+    with pytest.raises(NotImplementedError, match=r"uses FSDP.*easyckpt.Checkpointer.*examples/fsdp2_train.py"):
+        TrainerWrapper(sharded)
+    assert not (tmp_path / "easyckpt").exists(), "a refused Trainer must not get a save_dir"
+
+
+def test_fsdp_asked_on_cpu_runs_unsharded_and_the_wrapper_says_so(env: Env, reference: tuple[HFJob, Path]) -> None:
+    """TrainingArguments(fsdp="full_shard", fsdp_config={"version": 2}, use_cpu=True) under torchrun: Accelerate
+    1.15 keeps its FSDP plugin only on accelerator devices, so the Trainer trains as DDP. The wrapper accepts
+    it, logs that FSDP was not enabled, and the run equals the plain (DDP) reference step by step."""
+    job = run_to_end(HFJob(env, env.tmp_path / "hf", env.tmp_path / "out", extra_args=["--fsdp"]))
+    log = job.log()
+    assert "Accelerate did not enable it" in log and "never with use_cpu=True" in log, log[-4000:]
+    assert_continues_exactly(job, reference[0], 0)
+
+
 # --- data skipping and checkpoint health (issue 13) -----------------------------------------------------
 
 SKIP_STEPS = 8

@@ -56,6 +56,33 @@ def check_world_size(trainer: Trainer) -> None:
         "line), or launch a single process. Nothing was written.")
 
 
+def check_fsdp(trainer: Trainer) -> None:
+    """Refuse a Trainer that Accelerate runs with FSDP; say so when it asked for FSDP and did not get it.
+
+    Refused: resuming an FSDP Trainer goes through Accelerate's ``load_fsdp_model``/``load_fsdp_optimizer``,
+    which read Accelerate's own FSDP layout (``pytorch_model_fsdp*``, ``optimizer_*``), and the state is
+    sharded before the first step only, after ``train()`` starts; the wrapper stages neither yet, and it
+    could not be tested here: Accelerate 1.15 enables FSDP only on accelerator devices (CPU, gloo: never).
+    """
+    if getattr(trainer, "is_fsdp_enabled", False):
+        version = getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "fsdp_version", "?")
+        raise NotImplementedError(
+            f"TrainerWrapper supports one process, DDP and DeepSpeed ZeRO stages 1 and 2; this Trainer uses FSDP "
+            f"(fsdp_version {version}, through Accelerate), whose resume and checkpoint-N layout the wrapper does "
+            "not write yet. Drop TrainingArguments(fsdp=...) or the wrapper; or train FSDP2 in your own loop with "
+            "easyckpt.Checkpointer, which snapshots fully_shard's DTensors and resumes them on any world size "
+            "(examples/fsdp2_train.py)")
+    if getattr(trainer.args, "fsdp_plugin_args", None) is not None:
+        # Accelerate keeps the FSDP plugin only for accelerator devices (AcceleratorState: MULTI_GPU, ...),
+        # so on CPU the Trainer silently runs DDP: say what is snapshotted, since the user asked for FSDP.
+        logger.warning(
+            "TrainingArguments(fsdp=%r) asks for FSDP, but Accelerate did not enable it (distributed type %s: "
+            "Accelerate enables FSDP only on accelerator devices, never with use_cpu=True); the Trainer trains "
+            "unsharded, as DDP, and TrainerWrapper snapshots whole model and optimizer states as for DDP",
+            trainer.args.fsdp, getattr(trainer.accelerator.state.distributed_type, "value",
+                                       trainer.accelerator.state.distributed_type))
+
+
 class TrainerWrapper:
     """Wraps a ``transformers.Trainer``: easyckpt snapshots, persistence, Trainer-native exports, resume.
 
@@ -86,10 +113,7 @@ class TrainerWrapper:
         # Before anything is created or written: a misconfigured job must not touch output_dir or save_dir.
         check_world_size(trainer)
         self.zero_stage = zero.check_config(trainer) if getattr(trainer, "is_deepspeed_enabled", False) else None
-        if getattr(trainer, "is_fsdp_enabled", False):
-            raise NotImplementedError(
-                "TrainerWrapper supports one process, DDP and DeepSpeed ZeRO stages 1 and 2; this Trainer uses "
-                "FSDP, whose sharded states it does not snapshot yet: drop the wrapper or use DDP or DeepSpeed")
+        check_fsdp(trainer)
         if trainer.args.save_on_each_node:
             raise NotImplementedError(
                 "TrainerWrapper writes checkpoint-N folders from the process with rank 0 only; "
