@@ -12,6 +12,14 @@ Each rank appends ``{"step", "loss"}`` per step to ``--out/losses-rank<r>.jsonl`
 persisted step and ``--out/resume-<n>.json`` after a load, which is what tests/test_fsdp.py compares.
 ``--dcp-check DIR`` first loads that iteration with plain ``dcp.load`` into a fresh model and writes its
 digests to ``--out/dcp.json``.
+
+``--tp 2`` adds DTensor tensor parallelism: a 2-D mesh (dp, tp) of world/2 x 2 ranks, the MLP's ``up``
+``ColwiseParallel`` and ``down`` ``RowwiseParallel`` on the tp dim, FSDP2 on the dp dim. Its saves resume on
+a 1-D FSDP-only mesh (``--tp 1``, the default) of any size: the state dict's keys are the same, and each
+tensor's global shape too; only the placements differ, which the resharded load handles::
+
+    torchrun --nproc-per-node=4 examples/fsdp2_train.py --save-dir /tmp/ckpt2d --out /tmp/run2d --tp 2
+    torchrun --nproc-per-node=2 examples/fsdp2_train.py --save-dir /tmp/ckpt2d --out /tmp/run1d --steps 10
 """
 from __future__ import annotations
 
@@ -28,8 +36,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import xxhash
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import easyckpt
 import easyckpt.dcp
@@ -42,19 +52,46 @@ class TinyLM(torch.nn.Module):
         # 3 rows: on 4 ranks the last shard is empty, on 2 the shards are uneven (2 and 1)
         self.gate = torch.nn.Linear(dim, 3)
         self.block = torch.nn.TransformerEncoderLayer(dim, nhead=4, dim_feedforward=48, dropout=0.1, batch_first=True)
+        # tensor-parallel under --tp (up: column-wise, down: row-wise); 40 columns split evenly on tp 2
+        self.mlp = MLP(dim, 40)
         self.head = torch.nn.Linear(dim, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         x = x * (1 + self.gate(x).mean(-1, keepdim=True))
-        return self.head(self.block(x))
+        x = self.block(x)
+        return self.head(x + self.mlp(x))
 
 
-def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+class MLP(torch.nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(dim, hidden)
+        self.down = torch.nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))  # type: ignore[no-any-return]
+
+
+def dp_mesh(tp: int) -> DeviceMesh | None:
+    """FSDP's mesh: None (the whole world) without tensor parallelism, else the dp dim of a (dp, tp) mesh."""
+    if tp == 1:
+        return None
+    world = dist.get_world_size()
+    if world % tp:
+        raise SystemExit(f"--tp {tp} does not divide the world size {world}")
+    return init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))["dp"]
+
+
+def build(tp: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)   # the same full weights on every rank before fully_shard splits them
     model = TinyLM()
-    fully_shard(model.block)
-    fully_shard(model)
+    mesh = dp_mesh(tp)
+    if mesh is not None:
+        root = mesh._get_root_mesh()
+        parallelize_module(model.mlp, root["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fully_shard(model.block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     init_optimizer_state(optimizer)
     return model, optimizer
@@ -109,6 +146,7 @@ def main() -> None:
     parser.add_argument("--digest-every", type=int, default=None,
                         help="write full-<step>.json every this many steps (default: --save-storage-interval)")
     parser.add_argument("--dcp-check", default=None, help="an iteration_N directory to load with dcp.load first")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (2-D mesh dp x tp when > 1)")
     args = parser.parse_args()
     logging.basicConfig(level=os.environ.get("EASYCKPT_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s rank%(process)d %(name)s: %(message)s")
@@ -120,7 +158,7 @@ def main() -> None:
 
     if args.dcp_check:
         # Plain torch.distributed.checkpoint, easyckpt's layout through its StorageReader.
-        model, optimizer = build()
+        model, optimizer = build(args.tp)
         state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
         dcp.load(state, storage_reader=easyckpt.dcp.StorageReader(args.dcp_check))
         model.load_state_dict(state["model"])
@@ -129,7 +167,8 @@ def main() -> None:
         if rank == 0:
             (out / "dcp.json").write_text(json.dumps(digests))
 
-    model, optimizer = build()
+    model, optimizer = build(args.tp)
+    data_rank = rank // args.tp    # the ranks of one tensor-parallel group read the same batch
     torch.manual_seed(1 + rank)   # each rank its own dropout stream: rank-private state
     ckpt = easyckpt.Checkpointer(args.save_dir, 1, args.save_storage_interval, 3)
     result = ckpt.load(training_state(model, optimizer, -1))
@@ -141,13 +180,13 @@ def main() -> None:
         start = result.state["data_position"]
     digests = full_digests(model, optimizer) if result.step is not None else {}
     if rank == 0:
-        report = {"step": result.step, "source": result.source, "world_size": dist.get_world_size(),
+        report = {"step": result.step, "source": result.source, "world_size": dist.get_world_size(), "tp": args.tp,
                   "digests": digests}
         (out / f"resume-{len(list(out.glob('resume-*.json')))}.json").write_text(json.dumps(report))
 
     with open(out / f"losses-rank{rank}.jsonl", "a", encoding="utf-8") as log:
         for step in range(start, args.steps):
-            inputs, targets = batch(step, rank)
+            inputs, targets = batch(step, data_rank)
             logits = model(inputs)
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
             optimizer.zero_grad()

@@ -2,7 +2,8 @@
 job resumes on 4 from memory with the uninterrupted run's losses bit for bit; the same persisted iteration
 resumes on 2 and on 3 ranks from disk (resharded through torch.distributed.checkpoint's planning), and plain
 ``dcp.load`` with ``easyckpt.dcp.StorageReader`` loads it too: every ``full_tensor()`` of model and
-optimizer state equals the saved one bitwise. Then bad input, in this process on a 1-rank mesh: a
+optimizer state equals the saved one bitwise; a 2-D (tensor x FSDP) save of 4 ranks resumes on a 1-D mesh of
+2. Then bad input, in this process on a 1-rank mesh: a
 template of other global shapes, a missing shard file, a checkpoint without sharding metadata."""
 from __future__ import annotations
 
@@ -92,6 +93,38 @@ def test_resume_on_fewer_ranks_reshards_from_disk(env: Env, reference: tuple[Pat
     assert report["digests"] == saved, "the resharded state is not the saved one"
     assert f"saved by 4 ranks, this job has {nproc}" in job.log()
     for rank in range(nproc):
+        ours = losses(out, rank)
+        assert sorted(ours) == list(range(INTERVAL + 1, STEPS)) and all(math.isfinite(v) for v in ours.values())
+
+
+def test_2d_tensor_and_fsdp_parallel_resumes_on_a_1d_mesh_of_2(env: Env) -> None:
+    """DTensor tensor parallelism (ColwiseParallel/RowwiseParallel, 2-way) plus FSDP2 (2-way) on a 2-D mesh of
+    4 ranks: FSDP2 then shards the column-parallel weight with ``_StridedShard``. Its save resumes from disk on
+    a 1-D mesh of 2 (FSDP only): every full tensor of model and optimizer state equals the saved one bitwise,
+    plain dcp.load agrees, and training goes on."""
+    first = Job(env, env.save_dir, env.tmp_path / "2d", steps=INTERVAL + 1, nproc=4, step_seconds=0.0,
+                save_storage_interval=INTERVAL, script=SCRIPT, extra_args=["--tp", "2", "--digest-every", "1"])
+    assert first.wait(240) == 0, first.log()[-3000:]
+    wait_for(lambda: env.agent_pid() is None, 30, "the 2-D job's agent to exit after a clean finish")
+    meta = read_json(env.save_dir / layout.iteration_dirname(INTERVAL) / layout.METADATA)
+    placements = {t["name"]: t.get("placements") for t in meta["ranks"]["2"]["tensors"]}
+    assert placements["model/mlp.up.weight"] == ["_S(0, 2)", "S(0)"], placements
+    assert placements["model/mlp.down.weight"] == ["S(0)", "S(1)"], placements
+
+    save_dir = env.tmp_path / "1d"    # the iteration alone: nothing in memory for the new world to find
+    iteration = save_dir / layout.iteration_dirname(INTERVAL)
+    shutil.copytree(env.save_dir / layout.iteration_dirname(INTERVAL), iteration)
+    (save_dir / layout.TRACKER).write_text(f"{INTERVAL}\n")
+    out = env.tmp_path / "resumed"
+    job = fsdp_job(env, out, 2, "--dcp-check", str(iteration), save_dir=save_dir)
+    assert job.wait(240) == 0, job.log()[-3000:]
+    saved = read_json(env.tmp_path / "2d" / f"full-{INTERVAL}.json")
+    report = read_json(out / "resume-0.json")
+    assert (report["step"], report["source"], report["world_size"], report["tp"]) == (INTERVAL, "disk", 2, 1), report
+    assert report["digests"] == saved, "the state resharded from the 2-D mesh is not the saved one"
+    assert read_json(out / "dcp.json") == saved, "dcp.load with easyckpt.dcp.StorageReader changed a tensor"
+    assert "saved by 4 ranks, this job has 2" in job.log()
+    for rank in range(2):
         ours = losses(out, rank)
         assert sorted(ours) == list(range(INTERVAL + 1, STEPS)) and all(math.isfinite(v) for v in ours.values())
 
