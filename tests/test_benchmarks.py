@@ -135,3 +135,23 @@ def test_freshness_benchmark_smoke(env: Env, tmp_path: Path) -> None:
     assert row["slots"] == 3 and row["lag_samples"] > 0 and row["lag_max"] >= row["lag_median"] >= 0
     kill = row["kills"][0]
     assert kill["source"] == "memory" and kill["lost"] == kill["kill_at"] - kill["resumed_at"] >= 0
+
+
+def test_reshard_benchmark_smoke(env: Env, tmp_path: Path) -> None:
+    """4 ranks save (easyckpt and dcp.save), then 4 -> 4 and 4 -> 2 loads are timed against dcp.load; the
+    benchmark itself checks that its resharded load equals dcp.load's, tensor by tensor."""
+    import importlib
+
+    out = tmp_path / "reshard.json"
+    # imported by name (benchmarks/ is on sys.path), not from a file spec: its spawned workers unpickle
+    # reshard.worker by module name
+    result = importlib.import_module("reshard").main(["--dim", "32", "--layers", "2", "--repeats", "1",
+                                                      "--dir", str(tmp_path), "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert (result["saved_world"], result["resharded_world"]) == (4, 2) and result["state_bytes"] > 0
+    for key in ("easyckpt_same_world_s", "dcp_same_world_s", "easyckpt_resharded_s", "dcp_resharded_s"):
+        assert result[key] > 0 and len(result["runs"][key]) == 1, key
+    assert result["ratio_resharded_over_same_world"] == result["easyckpt_resharded_s"] / result["easyckpt_same_world_s"]
+    from conftest import wait_for
+
+    wait_for(lambda: not env.shm_files(), 60, "no slot files left in the test's shm dir (the agent exits after BYE)")
