@@ -34,6 +34,10 @@ for the sharded optimizer); ``tests/test_megatron.py`` runs that path where CUDA
 ``--tp 2`` splits every layer over two tensor-parallel ranks (megatron-core's parallel layers run on gloo
 too); the remaining ranks are data-parallel, and gradients are averaged over the data-parallel group.
 
+``--concat`` resumes with ``load_checkpoint(..., concat=True)``: a save of another ``--tp`` or number of ranks
+(``tests/test_megatron_concat.py``); ``--dump-full`` writes the state gathered over the tensor-parallel group
+and a fixed batch's loss after the load and at the end, to compare them.
+
 ``--native-save-at N --native-save-dir D`` additionally writes, at iteration N, a native Megatron legacy
 checkpoint the way megatron.training.checkpointing does (``D/iter_000000N/mp_rank_00/model_optim_rng.pt``
 + tracker): the tests migrate from it with ``--load-dir D``.

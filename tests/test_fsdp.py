@@ -228,7 +228,8 @@ def test_ranks_needed_plans_fsdp_dim0_shards_from_the_saved_files(env: Env, refe
                 rows = saved.global_shape[0] if saved.global_shape else 1
                 ours = -(-rows // world)
                 lo, hi = rank * ours, min(rows, (rank + 1) * ours)
-                expected |= {c.rank for c in saved.chunks if lo < hi and c.offsets[0] < hi and lo < c.offsets[0] + c.shape[0]}
+                expected |= {c.rank for c in saved.chunks
+                             if lo < hi and c.offsets[0] < hi and lo < c.offsets[0] + c.shape[0]}
             expected.add(rank if rank < 4 else 0)   # the rank whose private values it takes
             read = {int(name.split("-")[2]) for name in plans[rank]}
             assert read == expected, f"world {world} rank {rank}: reads ranks {sorted(read)}, expected {sorted(expected)}"

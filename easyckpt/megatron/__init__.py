@@ -272,6 +272,10 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
 
     Collective: every rank calls it. This job's memory, replicas and save_dir come first (all ranks agree
     on one iteration); then the load directory (``--load``, ``getattr(args, load_arg)``, or load_dir=).
+
+    ``concat=True``: the checkpoint may come from another tensor-parallel or data-parallel size; its
+    tensor-parallel shards and their optimizer moments are resharded from disk (``easyckpt.megatron.tp``).
+    Without it such a checkpoint raises ``LayoutChangedError`` naming ``concat=True``.
     """
     ctx = _require()
     args = _args(ctx)
