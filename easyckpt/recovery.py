@@ -344,10 +344,9 @@ def _read_resharded(iteration_dir: Path, rank: int, world_size: int,
         values[record.index] = _place(records[record.index], tensor, template, owned=True)
         nbytes += record.nbytes
     replicated = sum(1 for r in entry.records if r.shard is not None and r.shard.replicated)
-    logger.info("rank %d: step %d was saved by %d ranks (this job has %d) in another layout: %d sharded tensors "
-                "resharded through "
+    logger.info("rank %d: step %d was saved by %d ranks, this job has %d%s: %d sharded tensors resharded through "
                 "torch.distributed.checkpoint's load planning%s; private values from rank %d (%s)", rank, index.step,
-                index.world_size, world_size, len(into),
+                index.world_size, world_size, " (split otherwise)" if index.world_size == world_size else "", len(into),
                 f" ({replicated} replicated: the lowest saved rank's copy)" if replicated else "", source,
                 sharding.private_rule(world_size, index.world_size))
     return entry.skeleton, values, str(iteration_dir), nbytes
