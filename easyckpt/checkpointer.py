@@ -121,7 +121,7 @@ class Checkpointer:
                     config.save_mem_interval, config.save_storage_interval, config.max_ckpt_num)
 
     def load(self, state_dict: Any = None, *, load_dir: str | os.PathLike[str] | None = None,
-             allow_unhealthy: bool = False) -> LoadResult:
+             allow_unhealthy: bool = False, reshard: bool = True) -> LoadResult:
         """Resume: the newest step every rank can get: from this node's memory, else (multi-node) from
         replicas on other nodes, else from disk.
 
@@ -132,12 +132,16 @@ class Checkpointer:
         Health: a step whose snapshot some rank judged unhealthy (``save_if_needed(metrics=)``) is passed
         over for the newest healthy one, in every tier; when nothing healthy is left LoadError says so
         (``allow_unhealthy=True`` loads the newest anyway).
+
+        Sharded state (DTensors) saved by another world size, or split otherwise on as many ranks, is read
+        from disk through ``torch.distributed.checkpoint``'s planning (``easyckpt.dcp``); ``reshard=False``
+        refuses it instead with ``LayoutChangedError`` (a StateMismatchError).
         """
         self.stager.wait()
         result = load(slots=self.slots, save_dir=self.config.save_dir, rank=self.rank, world_size=self.world_size,
                       template=state_dict, load_dir=Path(load_dir).resolve() if load_dir is not None else None,
                       timeout=self.config.load_timeout, peers=self.peers, peer_timeout=self.config.peer_timeout,
-                      allow_unhealthy=allow_unhealthy)
+                      allow_unhealthy=allow_unhealthy, reshard=reshard)
         # In this rank's slot (memory, or pulled from a replica): a process that ends without a snapshot of its
         # own must still make it durable. A step read from disk is durable already.
         self._resumed = result.step if result.source in ("memory", "replica") else None

@@ -1,5 +1,6 @@
-"""``easyckpt ls DIR | verify DIR | status [SAVE_DIR] | clean SAVE_DIR | convert``: look at checkpoints and at
-the node agent, and free what a job left in memory.
+"""``easyckpt ls DIR | verify DIR | status [SAVE_DIR] | clean SAVE_DIR | convert | ranks-needed``: look at
+checkpoints and at the node agent, and free what a job left in memory (``convert`` and ``ranks-needed``:
+``easyckpt.convert``).
 
 Only ``verify`` and ``convert`` import torch (through ``easyckpt.storage``): ``--help``, ``ls`` and
 ``status`` must answer at once, so nothing imported at module level may pull it in.
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from easyckpt import convert
 from easyckpt.agent_client import AgentTimeout, query_status
 from easyckpt_wire import health, layout, owner, protocol, runtime, timeline
 from easyckpt_wire.control import control_path
@@ -447,39 +449,6 @@ def _print_coverage(coverage: dict | None) -> int:
     return 2 if warned else 0
 
 
-def cmd_convert(args: argparse.Namespace) -> int:
-    """easyckpt -> Megatron's native legacy format (iter_N/mp_rank_XX/model_optim_rng.pt + tracker), or the
-    model's consolidated full weights as one safetensors file (``--to hf``: for inference on any world size)."""
-    from easyckpt.megatron.legacy import LegacyCheckpointError, convert_to_megatron
-
-    src, dst = Path(args.src), Path(args.dst)
-    if not src.is_dir():
-        print(f"{src}: no such directory", file=sys.stderr)
-        return 2
-    if args.to == "hf":
-        from easyckpt.dcp import consolidate_model
-
-        out = dst / "model.safetensors" if dst.is_dir() or not dst.suffix else dst
-        try:
-            step, shapes = consolidate_model(src, out)
-        except (layout.CheckpointFormatError, OSError) as exc:
-            print(f"convert: {exc}", file=sys.stderr)
-            return 1
-        print(f"wrote the full model weights of step {step} ({len(shapes)} tensors) to {out}; load them with "
-              "safetensors.torch.load_file into an unsharded model's load_state_dict")
-        return 0
-    try:
-        step, files = convert_to_megatron(src, dst, no_optim=args.no_optim)
-    except (LegacyCheckpointError, layout.CheckpointFormatError, OSError) as exc:
-        print(f"convert: {exc}", file=sys.stderr)
-        return 1
-    for path in files:
-        print(path)
-    print(f"wrote iteration {step} of {src} as a Megatron checkpoint in {dst} ({len(files)} file(s)); "
-          f"load it with Megatron's --load {dst} --ckpt-format torch")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="easyckpt", description="Inspect easyckpt checkpoints and agents.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -509,15 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     clean.add_argument("--save-dir", help="the same as SAVE_DIR")
     clean.add_argument("--job-id", help="the job id (EASYCKPT_JOB_ID), instead of SAVE_DIR")
     clean.set_defaults(func=cmd_clean)
-    convert = sub.add_parser("convert", help="write a checkpoint in another framework's native format")
-    convert.add_argument("--to", required=True, choices=["megatron", "hf"],
-                         help="target format (hf: the model's full weights as one safetensors file)")
-    convert.add_argument("src", help="an easyckpt save_dir (its newest complete iteration) or one iteration_N directory")
-    convert.add_argument("dst", help="the Megatron checkpoint directory to write (its --load); for hf a .safetensors "
-                         "file, or a directory to hold model.safetensors")
-    convert.add_argument("--no-optim", action="store_true",
-                         help="leave optimizer and scheduler out (resume Megatron with --no-load-optim)")
-    convert.set_defaults(func=cmd_convert)
+    convert.add_parsers(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     return int(args.func(args))

@@ -324,3 +324,72 @@ def consolidate_model(src: Path, out: Path) -> tuple[int, dict[str, tuple[int, .
     os.replace(tmp, out)
     layout.fsync_dir(out.parent)
     return index.step, {names[key]: tuple(value.shape) for key, value in full.items()}
+
+
+# planning: which saved files a rank of another world reads ------------------------------------------------
+def files_needed(state_dict: dict[str, Any], iteration_dir: Path) -> dict[str, list[str]]:
+    """{file name in ``iteration_dir``: the DCP keys read from it} for loading ``state_dict`` (any template:
+    DTensors of the new layout, plain tensors for whole copies) by this process's rank in its meshes, planned
+    by DCP's own ``DefaultLoadPlanner`` over the easyckpt ``StorageReader``; no tensor byte is read. Values
+    that are not tensors come from ``common.json``."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    reader = StorageReader(iteration_dir)
+    metadata = reader.read_metadata()
+    planner = DefaultLoadPlanner(allow_partial_load=True)
+    planner.set_up_planner(state_dict, metadata, True)
+    files: dict[str, list[str]] = {}
+    for item in planner.create_local_plan().items:
+        info = metadata.storage_data[item.storage_index]
+        name = layout.COMMON if isinstance(info, _Value) else info.file
+        keys = files.setdefault(name, [])
+        if item.dest_index.fqn not in keys:
+            keys.append(item.dest_index.fqn)
+    return files
+
+
+def fsdp_template(index: CheckpointIndex, rank: int, world_size: int) -> dict[str, Any]:
+    """Rank ``rank``'s template when every saved sharded tensor is split on dim 0 over ``world_size`` ranks
+    (FSDP2's ``fully_shard`` layout; 0-dim tensors whole), as DTensors on a mesh of that rank built without
+    process groups: a plan for a world that does not exist yet."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    mesh = DeviceMesh("cpu", torch.arange(world_size), _init_backend=False, _rank=rank)
+    template: dict[str, Any] = {}
+    for key, saved in index.tensors.items():
+        if not saved.sharded:
+            continue
+        shape = torch.Size(saved.global_shape)
+        placements = [Shard(0)] if shape else [Replicate()]
+        local, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+        # An expanded scalar: the shape without memory (DCP's planner materialises meta tensors on a device)
+        empty = torch.empty((), dtype=torch_dtype(saved.dtype)).expand(local)
+        template[key] = DTensor.from_local(empty, mesh, placements, run_check=False, shape=shape,
+                                           stride=torch.empty(shape, device="meta").stride())
+    return template
+
+
+def ranks_needed(src: Path, world_size: int) -> tuple[CheckpointIndex, dict[int, dict[str, list[str]]]]:
+    """The seed's ``rank_list_for_transform``: for each rank of a ``world_size``-rank job that shards every
+    tensor on dim 0 (FSDP2), {file: DCP keys} it reads from ``src`` (a save_dir's newest iteration or one
+    iteration): its shards' ranges as DCP plans them, plus the files of the saved rank whose private values
+    (plain tensors: RNG states, step counters) it takes by ``sharding.source_rank``."""
+    from easyckpt import sharding
+
+    if world_size < 1:
+        raise ValueError(f"--world-size {world_size}: needs at least one rank")
+    iteration_dir = iteration_of(src)
+    index = checkpoint_index(iteration_dir)
+    plans: dict[int, dict[str, list[str]]] = {}
+    for rank in range(world_size):
+        files = files_needed(fsdp_template(index, rank, world_size), iteration_dir)
+        source = sharding.source_rank(rank, index.world_size)
+        entry = storage.rank_entry(iteration_dir, source, None)
+        for record in entry.records:
+            if record.shard is None:
+                keys = files.setdefault(record.file, [])
+                keys.append(index.keys[source].get(record.name, record.name))
+        plans[rank] = files
+    return index, plans

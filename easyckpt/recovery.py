@@ -49,6 +49,11 @@ class StateMismatchError(ValueError):
     """The caller's state does not fit the checkpoint (shapes or dtypes differ)."""
 
 
+class LayoutChangedError(StateMismatchError):
+    """The state is split differently from the checkpoint (another mesh, tensor-parallel or world size) while
+    the global shapes agree: the resharded load from disk can fill it (``load(reshard=True)``)."""
+
+
 class LoadError(RuntimeError):
     """No candidate step could be loaded by every rank."""
 
@@ -146,11 +151,27 @@ def _outcomes(code: int, world_size: int) -> list[int]:
     return [row[0] for row in all_gather_ints([code], world_size)]
 
 
+def layout_changed(record: _Record, target: Target | None) -> bool:
+    """True when the caller holds ``record``'s tensor split differently (other offsets, placements or mesh, or
+    whole where a shard was saved) with the same global shape: only a resharded load can fill it."""
+    saved = record.shard
+    if saved is None or target is None or not isinstance(target.into, torch.Tensor) or record.kind != "torch":
+        return False
+    ours = target.shard
+    if ours is not None:
+        return ours.global_shape == saved.global_shape and ours != saved
+    return tuple(target.into.shape) == saved.global_shape != record.shape
+
+
 def _check_template(records: list[_Record], template: dict[str, Target], step: int, source: str) -> None:
-    problems, fixes = [], set()
+    problems, fixes, moved = [], set(), []
     for record in records:
         target = template.get(record.name)
         if target is None or not isinstance(target.into, torch.Tensor) or record.kind != "torch":
+            continue
+        if layout_changed(record, target):
+            moved.append(f"{record.name}: checkpoint {sharding.describe(record.shard, record.shape)}, your state "
+                         f"{sharding.describe(target.shard, target.into.shape)}")
             continue
         want = torch_dtype(record.dtype)
         saved, ours = record.shard, target.shard
@@ -183,6 +204,10 @@ def _check_template(records: list[_Record], template: dict[str, Target], step: i
             f"the state passed to load() does not match the checkpoint of step {step} ({source}): {shown}. "
             f"{fix}; or call load() without a state to inspect what was saved"
         )
+    if moved:
+        raise LayoutChangedError(
+            f"step {step} ({source}) is split differently from the state passed to load() ({len(moved)} tensors, "
+            f"e.g. {moved[0]}): only a resharded load from disk fills it (load(reshard=True))")
 
 
 def _place(record: _Record, source: torch.Tensor, template: dict[str, Target], *, owned: bool) -> Any:
@@ -221,12 +246,35 @@ def _read_memory(slots: RankSlots, step: int, template: dict[str, Target], timeo
         return meta.skeleton, values, str(read.path), nbytes
 
 
-def _read_disk(iteration_dir: Path, rank: int, world_size: int,
-               template: dict[str, Target]) -> tuple[Any, list[Any], str, int]:
+def _read_disk(iteration_dir: Path, rank: int, world_size: int, template: dict[str, Target],
+               reshard: bool = True) -> tuple[Any, list[Any], str, int]:
+    """Collective: every rank calls it for the same iteration."""
     saved_world = layout.read_metadata(iteration_dir).get("world_size")
-    if saved_world != world_size and type(saved_world) is int:
+    changed, entry, failure = saved_world != world_size and type(saved_world) is int, None, None
+    if not changed:
+        # The same world may hold the tensors split otherwise (Megatron: another tensor-parallel size on as
+        # many ranks): every rank votes, since the resharded read is collective.
+        mine = False
+        try:
+            entry = storage.rank_entry(iteration_dir, rank, world_size)
+            mine = any(layout_changed(_Record(r.index, r.name, r.kind, r.dtype, r.shape, r.shard),
+                                      template.get(r.name)) for r in entry.records)
+        except Exception as exc:  # raised after the vote: no rank may be left waiting in it
+            failure = exc
+        votes = all_gather_ints([int(mine), int(failure is not None)], world_size)
+        if failure is not None:
+            raise failure
+        if any(v[1] for v in votes):
+            raise storage.CheckpointCorruptError(f"{iteration_dir}: another rank could not read its files; see its log")
+        changed = any(v[0] for v in votes)
+    if changed:
+        if not reshard:
+            what = (f"was saved by {saved_world} ranks, this job has {world_size}" if saved_world != world_size
+                    else "holds tensors split differently from this job's (ranks "
+                    f"{[r for r, v in enumerate(votes) if v[0]]})")
+            raise LayoutChangedError(f"{iteration_dir} {what}: load it with a resharded load (reshard=True)")
         return _read_resharded(iteration_dir, rank, world_size, template)
-    entry = storage.rank_entry(iteration_dir, rank, world_size)
+    entry = entry or storage.rank_entry(iteration_dir, rank, world_size)
     records = [_Record(r.index, r.name, r.kind, r.dtype, r.shape, r.shard) for r in entry.records]
     if [r.index for r in records] != list(range(len(records))):
         raise storage.CheckpointCorruptError(f"{iteration_dir}: tensor index of rank {rank} has gaps")
@@ -296,9 +344,9 @@ def _read_resharded(iteration_dir: Path, rank: int, world_size: int,
         values[record.index] = _place(records[record.index], tensor, template, owned=True)
         nbytes += record.nbytes
     replicated = sum(1 for r in entry.records if r.shard is not None and r.shard.replicated)
-    logger.info("rank %d: step %d was saved by %d ranks, this job has %d: %d sharded tensors resharded through "
+    logger.info("rank %d: step %d was saved by %d ranks, this job has %d%s: %d sharded tensors resharded through "
                 "torch.distributed.checkpoint's load planning%s; private values from rank %d (%s)", rank, index.step,
-                index.world_size, world_size, len(into),
+                index.world_size, world_size, " (split otherwise)" if index.world_size == world_size else "", len(into),
                 f" ({replicated} replicated: the lowest saved rank's copy)" if replicated else "", source,
                 sharding.private_rule(world_size, index.world_size))
     return entry.skeleton, values, str(iteration_dir), nbytes
@@ -320,7 +368,7 @@ def _replica_plans(peers: PeerTable | None, rank: int, mem_steps: list[int],
 
 def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, template: Any = None,
          load_dir: Path | None = None, timeout: float = 120.0, peers: PeerTable | None = None,
-         peer_timeout: float = 10.0, allow_unhealthy: bool = False) -> LoadResult:
+         peer_timeout: float = 10.0, allow_unhealthy: bool = False, reshard: bool = True) -> LoadResult:
     started = time.perf_counter()
     template_map = template_targets(template)
     unreadable = ""
@@ -374,6 +422,7 @@ def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, templa
                        "backed up): resuming from disk", rank, sorted(mem_steps, reverse=True))
     for step, source in ordered:
         code, problem, result = _OK, "", None
+        fatal: type[StateMismatchError] = StateMismatchError
         try:
             if source != "disk" and step not in slots.committed():
                 if step not in plans:
@@ -389,8 +438,12 @@ def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, templa
                 expected = replica.own_checksums(peers, rank, step, peer_timeout) if source == "memory" and peers else None
                 skeleton, values, path, nbytes = _read_memory(slots, step, template_map, timeout, expected)
             else:
-                skeleton, values, path, nbytes = _read_disk(base / f"iteration_{step:07d}", rank, world_size, template_map)
+                skeleton, values, path, nbytes = _read_disk(base / f"iteration_{step:07d}", rank, world_size, template_map,
+                                                             reshard)
             result = (unflatten(skeleton, values), path, nbytes)
+        except LayoutChangedError as exc:   # memory holds only this rank's own split: disk can reshard
+            code, problem = (_RETRY if reshard and source != "disk" else _FATAL), str(exc)
+            fatal = LayoutChangedError
         except StateMismatchError as exc:
             code, problem = _FATAL, str(exc)
         except (SlotFormatError, CheckpointFormatError, TimeoutError, ValueError, KeyError, TypeError,
@@ -403,7 +456,7 @@ def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, templa
         if code != _OK:
             logger.warning("rank %d could not load step %d from %s: %s", rank, step, source, problem)
         if max(codes) == _FATAL:
-            raise StateMismatchError(problem or f"rank(s) {[r for r, c in enumerate(codes) if c == _FATAL]} "
+            raise fatal(problem or f"rank(s) {[r for r, c in enumerate(codes) if c == _FATAL]} "
                                      f"could not fit step {step} into their state; see their logs")
         if max(codes) == _OK and result is not None:
             state, path, nbytes = result

@@ -34,6 +34,10 @@ for the sharded optimizer); ``tests/test_megatron.py`` runs that path where CUDA
 ``--tp 2`` splits every layer over two tensor-parallel ranks (megatron-core's parallel layers run on gloo
 too); the remaining ranks are data-parallel, and gradients are averaged over the data-parallel group.
 
+``--concat`` resumes with ``load_checkpoint(..., concat=True)``: a save of another ``--tp`` or number of ranks
+(``tests/test_megatron_concat.py``); ``--dump-full`` writes the state gathered over the tensor-parallel group
+and a fixed batch's loss after the load and at the end, to compare them.
+
 ``--native-save-at N --native-save-dir D`` additionally writes, at iteration N, a native Megatron legacy
 checkpoint the way megatron.training.checkpointing does (``D/iter_000000N/mp_rank_00/model_optim_rng.pt``
 + tracker): the tests migrate from it with ``--load-dir D``.
@@ -203,6 +207,33 @@ def trace(model: list[torch.nn.Module], optimizer: object) -> dict[str, float]:
     return sums
 
 
+def dump_full(out: Path, tag: str, model: list[torch.nn.Module], optimizer: object) -> None:
+    """``full-<tag>.safetensors``: every parameter and its AdamW moments gathered whole over the tensor-parallel
+    group (Megatron's own collectives, not easyckpt's), and ``eval-<tag>.json``: the loss on a fixed batch
+    without dropout (``--dump-full``: what a resume on another tensor-parallel size is checked against)."""
+    from safetensors.torch import save_file
+    group, tp = parallel_state.get_tensor_model_parallel_group(), parallel_state.get_tensor_model_parallel_world_size()
+    inner = optimizer.optimizer
+    full: dict[str, torch.Tensor] = {}
+    for name, param in model[0].named_parameters():
+        tensors = {name: param.detach(), **{f"{name}.{key}": value for key, value in inner.state.get(param, {}).items()
+                                            if isinstance(value, torch.Tensor) and value.shape == param.shape}}
+        for key, tensor in tensors.items():
+            if getattr(param, "tensor_model_parallel", False) and tp > 1:
+                parts = [torch.empty_like(tensor) for _ in range(tp)]
+                dist.all_gather(parts, tensor.contiguous(), group=group)
+                tensor = torch.cat(parts, dim=param.partition_dim)
+            full[key] = tensor.contiguous().clone()
+    model[0].eval()
+    with torch.no_grad():
+        inputs, positions, mask, labels = batch(0, 0, next(model[0].parameters()).device)
+        loss = model[0](inputs, positions, mask, labels=labels).float().mean().item()
+    model[0].train()
+    if dist.get_rank() == 0:
+        save_file(full, str(out / f"full-{tag}.safetensors"))
+        (out / f"eval-{tag}.json").write_text(json.dumps({"loss": loss, "tp": tp}))
+
+
 def save_native_megatron(directory: Path, iteration: int, model, optimizer, scheduler, args, flops) -> None:
     """What megatron.training.checkpointing.save_checkpoint writes with --ckpt-format torch (legacy)."""
     if parallel_state.get_data_parallel_rank() == 0:
@@ -240,6 +271,10 @@ def main() -> None:
     parser.add_argument("--cuda", action="store_true", help="megatron-core DDP and optimizer on CUDA (NCCL)")
     parser.add_argument("--use-distributed-optimizer", action="store_true")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the rest is data-parallel)")
+    parser.add_argument("--concat", action="store_true", help="load_checkpoint(..., concat=True): resume a save of "
+                        "another tensor/data-parallel size")
+    parser.add_argument("--dump-full", action="store_true", help="write the gathered full state and a fixed batch's "
+                        "loss after the load and at the end (full-load/full-end.safetensors, eval-*.json)")
     parser.add_argument("--spike-steps", default="", help="comma-separated iterations whose loss is scaled by 1e4 "
                         "(a gradient spike)")
     parser.add_argument("--embedding-local-norm-threshold", type=float, default=None,
@@ -315,7 +350,9 @@ def main() -> None:
                                max_ckpt_num=cli.max_ckpt_num, log_file_path=str(out / "persist.log"),
                                save_dir=args.save, load_dir=args.load, args=args, **options)
     # -- easyckpt, line 2 of 3 --
-    iteration, flops = load_checkpoint(model, optimizer, scheduler)
+    iteration, flops = load_checkpoint(model, optimizer, scheduler, concat=cli.concat)
+    if cli.dump_full:
+        dump_full(out, "load", model, optimizer)
 
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     info = last_load()
@@ -370,6 +407,8 @@ def main() -> None:
             if cli.raise_at == iteration and rank == 0:
                 raise RuntimeError(f"injected failure after iteration {iteration}")
             time.sleep(cli.step_idle)  # stands in for GPU work, not a synchronisation
+    if cli.dump_full:
+        dump_full(out, "end", model, optimizer)
     (out / f"final-rank{rank}.json").write_text(json.dumps({"iteration": iteration, "flops": flops,
                                                              "digest": digest(model, optimizer)}))
     finalize_easyckpt()

@@ -38,6 +38,7 @@ from easyckpt.collectives import all_ok
 from easyckpt.health import DataSkipper, configure
 from easyckpt.megatron import legacy, skipping, snapshot
 from easyckpt.megatron.legacy import LegacyCheckpointError
+from easyckpt.recovery import LayoutChangedError
 from easyckpt_wire import layout
 
 logger = logging.getLogger(__name__)
@@ -211,15 +212,40 @@ def save_checkpoint_if_needed(iteration: int, model: Any, optimizer: Any, opt_pa
     return ctx.ckpt.save_if_needed(iteration, state, metrics=health)
 
 
-def _load_elsewhere(ctx: _Context, load_dir: Path, template: dict[str, Any]) -> tuple[dict[str, Any] | None, LoadInfo, bool]:
+def _check_concat(state: dict[str, Any], where: Path) -> None:
+    """What a resharded resume cannot change: the pipeline layout (layers would move between stages) and a
+    distributed optimizer's shards (laid out by data-parallel rank in Megatron's own buffers)."""
+    saved = (state.get(snapshot.META_KEY) or {}).get("parallel") or {}
+    here = snapshot.parallel_info()
+    changed = [k for k in ("tp_size", "dp_size", "pp_size", "vp_size", "ep_size") if k in saved and saved[k] != here[k]]
+    refused = [k for k in changed if k in ("pp_size", "vp_size", "ep_size")]
+    if refused:
+        raise ValueError(f"load_checkpoint(concat=True): the checkpoint in {where} was saved with "
+                         f"{', '.join(f'{k} {saved[k]}' for k in refused)}, this job has "
+                         f"{', '.join(f'{k} {here[k]}' for k in refused)}: concat=True changes the tensor- and "
+                         "data-parallel sizes only; keep the pipeline and expert-parallel sizes of the saving run")
+    if changed and "optimizer_param_state" in state:
+        raise NotImplementedError(
+            f"load_checkpoint(concat=True): the checkpoint in {where} holds distributed-optimizer shards and the "
+            f"layout changed ({', '.join(f'{k} {saved[k]} -> {here[k]}' for k in changed)}): they cannot be "
+            "resharded yet; resume with the same layout, or with --no-load-optim")
+    if changed and here["rank"] == 0:
+        logger.info("easyckpt megatron: concat=True: resumed a checkpoint of %s on %s: tensor-parallel shards and "
+                    "their optimizer moments were resharded; RNG states and other rank-private values come from the "
+                    "saved rank of the same number (rank 0's for new ranks)",
+                    {k: saved[k] for k in changed}, {k: here[k] for k in changed})
+
+
+def _load_elsewhere(ctx: _Context, load_dir: Path, template: dict[str, Any],
+                    concat: bool = False) -> tuple[dict[str, Any] | None, LoadInfo, bool]:
     """Nothing of this job's own: load ``load_dir`` (easyckpt iteration / save_dir, or Megatron legacy)."""
     if layout.ITERATION_RE.match(load_dir.name):
-        result = ctx.ckpt.load(template, load_dir=load_dir)
+        result = ctx.ckpt.load(template, load_dir=load_dir, reshard=concat)
         return result.state, LoadInfo(result.step or 0, result.source, result.path, result.seconds), False
     found = legacy.find(load_dir)
     complete = layout.complete_iterations(load_dir) if load_dir.resolve() != ctx.save_dir else []
     if complete and found is None:
-        result = ctx.ckpt.load(template, load_dir=complete[-1][1])
+        result = ctx.ckpt.load(template, load_dir=complete[-1][1], reshard=concat)
         return result.state, LoadInfo(result.step or 0, result.source, result.path, result.seconds), False
     if found is None:
         other = legacy.other_format(load_dir)
@@ -246,11 +272,12 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
 
     Collective: every rank calls it. This job's memory, replicas and save_dir come first (all ranks agree
     on one iteration); then the load directory (``--load``, ``getattr(args, load_arg)``, or load_dir=).
+
+    ``concat=True``: the checkpoint may come from another tensor-parallel or data-parallel size; its
+    tensor-parallel shards and their optimizer moments are resharded from disk (``easyckpt.megatron.tp``).
+    Without it such a checkpoint raises ``LayoutChangedError`` naming ``concat=True``.
     """
     ctx = _require()
-    if concat:
-        raise NotImplementedError("load_checkpoint(concat=True) (merging tensor-parallel shards into fewer "
-                                  "ranks) is not supported: resume with the same tensor and pipeline sizes")
     args = _args(ctx)
     load_dir = ctx.load_dir
     if ctx.megatron_args and args is not None:
@@ -260,11 +287,23 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     _guard(ctx, chunks, optimizer)
     template = snapshot.model_template(chunks)
-    result = ctx.ckpt.load(template)
-    state, release = result.state, False
-    info = LoadInfo(result.step or 0, result.source, result.path, result.seconds)
-    if result.step is None and load_dir is not None and load_dir.exists():
-        state, info, release = _load_elsewhere(ctx, load_dir, template)
+    try:
+        result = ctx.ckpt.load(template, reshard=concat)
+        state, release = result.state, False
+        info = LoadInfo(result.step or 0, result.source, result.path, result.seconds)
+        if result.step is None and load_dir is not None and load_dir.exists():
+            state, info, release = _load_elsewhere(ctx, load_dir, template, concat)
+    except LayoutChangedError as exc:
+        if concat:
+            raise
+        here = snapshot.parallel_info()
+        raise LayoutChangedError(
+            f"the checkpoint was saved with another parallel layout than this job's (tensor-parallel {here['tp_size']}, "
+            f"data-parallel {here['dp_size']}, {here['world_size']} ranks): {exc}. To resume it on this layout, call "
+            "load_checkpoint(model, optimizer, opt_param_scheduler, concat=True); or restart with the layout that "
+            "saved it") from None
+    if concat and state is not None:
+        _check_concat(state, ctx.save_dir)
     if ctx.skipper is not None:
         saved = (state or {}).get(snapshot.META_KEY, {}).get("data_skipper")
         ctx.skipper.load_state_dict(saved or {"consecutive": 0, "skipped_total": 0})

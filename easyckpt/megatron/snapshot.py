@@ -30,6 +30,8 @@ import numpy
 import torch
 import torch.distributed as dist
 
+from easyckpt.megatron import tp
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -87,7 +89,8 @@ def _model_state(chunk: Any) -> Any:
         if hasattr(state, "_metadata"):
             fixed._metadata = state._metadata  # type: ignore[attr-defined]
         state = fixed
-    return state
+    # Tensor-parallel slices as DTensors: saved with their global shape and offsets (see easyckpt.megatron.tp)
+    return tp.wrap_model_state(state, module)
 
 
 def _restore_bytesio(state: Any) -> Any:
@@ -241,7 +244,7 @@ def build(iteration: int, model: list[Any], optimizer: Any, opt_param_scheduler:
     state.update(model_template(list(chunks)))
     if not get_arg(args, "no_save_optim", False):
         if optimizer is not None and not getattr(optimizer, "is_stub_optimizer", False):
-            state["optimizer"] = optimizer.state_dict()
+            state["optimizer"] = tp.wrap_optimizer_state(optimizer.state_dict(), optimizer)
             shards = distributed_optimizers(optimizer)
             if shards:
                 state["optimizer_param_state"] = [_param_state(o) for o in shards]
@@ -261,6 +264,7 @@ def apply(state: dict[str, Any], model: list[Any], optimizer: Any, opt_param_sch
     """Load ``state`` into model, optimizer, scheduler, RNGs and args as Megatron's load_checkpoint does;
     returns (iteration, num_floating_point_operations_so_far)."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
+    state = tp.localize(state, optimizer)
     finetune = bool(get_arg(args, "finetune", False))
     keys = model_keys(list(chunks))
     if len(chunks) == 1 and "model" not in state and "model0" in state:
