@@ -764,3 +764,37 @@ def test_megatron_example_consecutive_spikes_abort_durably_and_the_count_resumes
     for rank in (0, 1):
         assert third.resumes(rank)[0]["iteration"] == 12
         assert sorted(third.losses(rank)) == list(range(13, ITERS + 1))
+
+
+def test_concat_refuses_a_gated_mlp_before_loading_anything(env: Env, megatron_world: None) -> None:
+    """SwiGLU's fc1 shards hold parts of both halves: resharding them as slices would load wrong weights
+    silently, so concat=True refuses such a model up front, naming the setting."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import easyckpt.megatron as em
+
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                               gated_linear_unit=True)
+    gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=64,
+                   max_sequence_length=16)
+    optimizer = torch.optim.AdamW(gpt.parameters(), lr=1e-3)
+    em.initialize_easyckpt(1, 5, 2, save_dir=env.save_dir)
+    try:
+        with pytest.raises(NotImplementedError, match=r"gated MLPs yet \(gated_linear_unit=True"):
+            em.load_checkpoint([gpt], optimizer, None, concat=True)
+        assert em.load_checkpoint([gpt], optimizer, None) == (0, 0)   # without concat=True: as before
+        assert em.save_checkpoint_if_needed(1, [gpt], optimizer, None)    # strided shards save as they are
+    finally:
+        em.finalize_easyckpt()
+    saved = {k: v.clone() for k, v in gpt.state_dict().items() if isinstance(v, torch.Tensor)}
+    with torch.no_grad():
+        for param in gpt.parameters():
+            param.zero_()
+    em.initialize_easyckpt(1, 5, 2, save_dir=env.save_dir)
+    try:
+        assert em.load_checkpoint([gpt], optimizer, None)[0] == 1
+        assert_same({k: v for k, v in gpt.state_dict().items() if k in saved}, saved)
+    finally:
+        em.finalize_easyckpt()

@@ -212,6 +212,22 @@ def save_checkpoint_if_needed(iteration: int, model: Any, optimizer: Any, opt_pa
     return ctx.ckpt.save_if_needed(iteration, state, metrics=health)
 
 
+def _refuse_gated(chunks: list[Any]) -> None:
+    """Megatron keeps a gated MLP's two halves (SwiGLU's gate and up projections) side by side inside each
+    tensor-parallel shard of ``linear_fc1``, so the shards are not contiguous slices of one global tensor:
+    joining or splitting them as such would load wrong weights without any error. Refused up front."""
+    from easyckpt.megatron.snapshot import unwrap
+
+    for chunk in chunks:
+        config = getattr(unwrap(chunk), "config", None)
+        if getattr(config, "gated_linear_unit", False):
+            raise NotImplementedError(
+                "load_checkpoint(concat=True) does not support gated MLPs yet (gated_linear_unit=True, e.g. SwiGLU): "
+                "each tensor-parallel shard of linear_fc1 holds its own part of both halves, so the shards cannot be "
+                "resharded as contiguous slices. Resume with the tensor-parallel size of the saving run and without "
+                "concat=True")
+
+
 def _check_concat(state: dict[str, Any], where: Path) -> None:
     """What a resharded resume cannot change: the pipeline layout (layers would move between stages) and a
     distributed optimizer's shards (laid out by data-parallel rank in Megatron's own buffers)."""
@@ -285,6 +301,8 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
     elif load_arg != "load" and args is not None and snapshot.get_arg(args, load_arg):
         load_dir = Path(snapshot.get_arg(args, load_arg))
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if concat:
+        _refuse_gated(chunks)
     _guard(ctx, chunks, optimizer)
     template = snapshot.model_template(chunks)
     try:

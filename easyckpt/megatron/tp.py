@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 class TensorParallelError(ValueError):
-    """A tensor-parallel layout that a resharded resume cannot handle (a strided partition)."""
+    """Loaded optimizer state that does not fit this rank's tensor-parallel slice."""
 
 
 def _groups() -> tuple[list[int], list[int], int]:
@@ -69,8 +69,10 @@ def _partition(param: Any) -> int | None:
     if dim < 0:
         return None
     if stride != 1:
-        raise TensorParallelError(f"a tensor-parallel parameter {tuple(param.shape)} has partition_stride {stride}: "
-                                  "its shards interleave, so they cannot be saved as contiguous slices")
+        # Its shards interleave (a gated MLP's fc1: both halves in every shard), so they are not contiguous
+        # slices: saved as this rank's own tensor, which loads on the same layout; a change of layout then
+        # fails on its shape (and concat=True refuses gated MLPs up front).
+        return None
     return dim
 
 
