@@ -88,7 +88,7 @@ class TrainerWrapper:
         self.zero_stage = zero.check_config(trainer) if getattr(trainer, "is_deepspeed_enabled", False) else None
         if getattr(trainer, "is_fsdp_enabled", False):
             raise NotImplementedError(
-                "TrainerWrapper supports one process, DDP and DeepSpeed ZeRO stages 1 and 2; this Trainer uses "
+                "TrainerWrapper supports one process, DDP and DeepSpeed ZeRO stages 1 to 3; this Trainer uses "
                 "FSDP, whose sharded states it does not snapshot yet: drop the wrapper or use DDP or DeepSpeed")
         if trainer.args.save_on_each_node:
             raise NotImplementedError(
@@ -356,6 +356,8 @@ class TrainerWrapper:
         world_size = args.world_size
         verdict = self._job_verdict(metrics)
         state = self._capture()
+        partitioned = "deepspeed" in state and zero.is_partitioned(state["deepspeed"])
+        weights = zero.gathered_weights(self.trainer) if partitioned else None   # ZeRO-3: a collective
         tmp = self.folders.tmp_path(step)
         problem = ""
         if args.should_save:
@@ -368,12 +370,14 @@ class TrainerWrapper:
             raise RuntimeError(f"cannot create {tmp} for checkpoint-{step}: {problem or 'see rank 0'}")
         try:
             if args.should_save:
-                self.folders.write_files(tmp, state, {}, world_size, native=True)
+                self.folders.write_files(tmp, state, {}, world_size, native=True, weights=weights)
                 mark_health(tmp, verdict.to_wire())
             if not args.save_only_model:
                 torch.save(state["rng"], tmp / rng_file_name(args.process_index, world_size))
             if "deepspeed" in state:   # each rank its own ZeRO partition
                 zero.write_optim_states(tmp, step, state["optim"], state["deepspeed"])
+                if partitioned and not args.should_save:   # ZeRO-3: each rank its own model state file too
+                    zero.write_model_states(tmp, step, state["model"], state["deepspeed"], latest=False)
         except OSError as exc:
             problem = str(exc)
         if not all_ok(not problem):
