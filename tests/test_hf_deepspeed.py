@@ -152,19 +152,23 @@ def test_plain_deepspeed_trainer_resumes_from_a_wrapper_checkpoint_and_zero_to_f
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("case", ["no-use-cpu", "offload"])
+@pytest.mark.parametrize("case", ["no-use-cpu", "offload", "skip-data"])
 def test_misconfigured_launch_is_refused_before_anything_is_written(env: Env, case: str) -> None:
     """torchrun on a CPU-only machine without use_cpu=True (transformers then runs each process as its own
-    single-process job) and ZeRO offload: the wrapper refuses at construction, naming the setting and the
-    fix; no checkpoint, no easyckpt iteration, no temporary folder is written."""
+    single-process job), ZeRO offload and data skipping under DeepSpeed: the wrapper refuses at construction,
+    naming the setting and the fix; no checkpoint, no easyckpt iteration, no temporary folder is written."""
     output_dir = env.tmp_path / "hf"
     if case == "no-use-cpu":
         job = HFJob(env, output_dir, env.tmp_path / "out", extra_args=["--steps", "4", "--no-use-cpu"])
         expected = r"args\.world_size is 1 .* of a job of 2 processes.*TrainingArguments\(use_cpu=True\) \(--use_cpu"
-    else:
+    elif case == "offload":
         config = ds_config(env.tmp_path, 2, offload_optimizer={"device": "cpu"})
         job = ds_job(env, output_dir, env.tmp_path / "out", config)
         expected = r"zero_optimization\.offload_optimizer\.device='cpu'"
+    else:   # the grad-norm hook sees DeepSpeed's norm only after engine.step() ran inside backward()
+        job = ds_job(env, output_dir, env.tmp_path / "out", ds_config(env.tmp_path, 2),
+                     extra_args=["--global-norm-spike-threshold", "1.0"])
+        expected = r"use_skip_data_by_global_norm=True .* does not work with DeepSpeed.*after the step changed"
     try:
         assert job.wait(90) != 0
     finally:

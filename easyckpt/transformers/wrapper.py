@@ -86,6 +86,14 @@ class TrainerWrapper:
         # Before anything is created or written: a misconfigured job must not touch output_dir or save_dir.
         check_world_size(trainer)
         self.zero_stage = zero.check_config(trainer) if getattr(trainer, "is_deepspeed_enabled", False) else None
+        if self.zero_stage is not None and (use_skip_data_by_global_norm or use_checkpoint_health_monitor):
+            raise NotImplementedError(
+                "TrainerWrapper(use_skip_data_by_global_norm=True or use_checkpoint_health_monitor=True) does not work "
+                "with DeepSpeed: accelerate runs DeepSpeed's engine.step() inside accelerator.backward(), so the "
+                "Trainer gets the global gradient norm (engine.get_global_grad_norm()) only after the step changed the "
+                "weights, and a spiky step cannot be skipped; and ZeRO keeps the gradients as reduced partitions, not "
+                "in param.grad, so the embedding's local gradient norm is not there to read. Drop those keywords "
+                "(DeepSpeed's gradient_clipping bounds a spike's step), or train with DDP")
         if getattr(trainer, "is_fsdp_enabled", False):
             raise NotImplementedError(
                 "TrainerWrapper supports one process, DDP and DeepSpeed ZeRO stages 1 to 3; this Trainer uses "
