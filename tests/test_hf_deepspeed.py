@@ -1,4 +1,4 @@
-"""TrainerWrapper with DeepSpeed ZeRO 1 and 2 under a real torchrun (2 ranks, gloo, DS_ACCELERATOR=cpu), the
+"""TrainerWrapper with DeepSpeed ZeRO 1, 2 and 3 under a real torchrun (2 ranks, gloo, DS_ACCELERATOR=cpu), the
 tiny GPT-2 of examples/hf_trainer.py; and the launches it refuses before anything is written.
 
 The reference is the same wrapped job run uninterrupted: a resumed run must log the same losses, grad norms
@@ -76,7 +76,7 @@ def reference(references: dict[int, tuple[HFJob, Path]], tmp_path_factory: pytes
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("stage,tier", [(1, "memory"), (2, "memory"), (2, "disk")])
+@pytest.mark.parametrize("stage,tier", [(1, "memory"), (2, "memory"), (2, "disk"), (3, "memory"), (3, "disk")])
 def test_zero_kill9_resumes_with_equal_losses(env: Env, stage: int, tier: str,
                                               references: dict[int, tuple[HFJob, Path]],
                                               tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -118,28 +118,33 @@ def test_zero_kill9_resumes_with_equal_losses(env: Env, stage: int, tier: str,
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("stage", [2, 3])
 def test_plain_deepspeed_trainer_resumes_from_a_wrapper_checkpoint_and_zero_to_fp32_reads_it(
-        env: Env, references: dict[int, tuple[HFJob, Path]], tmp_path_factory: pytest.TempPathFactory) -> None:
+        env: Env, stage: int, references: dict[int, tuple[HFJob, Path]],
+        tmp_path_factory: pytest.TempPathFactory) -> None:
     """The wrapper's checkpoint-N is DeepSpeed's own layout (``latest``, ``global_stepN/``, one optimizer file
-    per rank): a plain Trainer + DeepSpeed resumes from it exactly, and zero_to_fp32 consolidates its fp32
-    partitions to the model's weights."""
+    per rank; under ZeRO-3 one model state file per rank too): a plain Trainer + DeepSpeed resumes from it
+    exactly, and zero_to_fp32 consolidates its fp32 partitions to the model's weights (under ZeRO-3 the
+    wrapper's model.safetensors is consolidated from the snapshotted parameter partitions: equal as well)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
 
-    ref, ref_dir = reference(references, tmp_path_factory, 2)
+    ref, ref_dir = reference(references, tmp_path_factory, stage)
     checkpoint = env.tmp_path / "checkpoint-10"
     shutil.copytree(ref_dir / "checkpoint-10", checkpoint)
     assert (checkpoint / "latest").read_text() == "global_step10"
-    assert {p.name for p in (checkpoint / "global_step10").iterdir()} == {
-        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-        "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
+    optim_files = {"zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
+    model_files = {"zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt"} \
+        if stage == 3 else {"mp_rank_00_model_states.pt"}
+    assert {p.name for p in (checkpoint / "global_step10").iterdir()} == optim_files | model_files
 
     weights = load_file(str(checkpoint / "model.safetensors"))
     consolidated = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint))
+    assert set(weights) <= set(consolidated) and len(weights) >= len(consolidated) - 1   # lm_head tied to wte
     for name, tensor in weights.items():
         assert torch.equal(consolidated[name], tensor), f"zero_to_fp32's {name} differs from model.safetensors"
 
-    config = ds_config(env.tmp_path, 2)
+    config = ds_config(env.tmp_path, stage)
     plain = run_to_end(ds_job(env, env.tmp_path / "hf", env.tmp_path / "plain", config, plain=True,
                               resume=str(checkpoint)))
     assert all(r["global_step"] == 10 for r in resumed_at(plain))
@@ -147,19 +152,23 @@ def test_plain_deepspeed_trainer_resumes_from_a_wrapper_checkpoint_and_zero_to_f
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("case", ["no-use-cpu", "offload"])
+@pytest.mark.parametrize("case", ["no-use-cpu", "offload", "skip-data"])
 def test_misconfigured_launch_is_refused_before_anything_is_written(env: Env, case: str) -> None:
     """torchrun on a CPU-only machine without use_cpu=True (transformers then runs each process as its own
-    single-process job) and ZeRO offload: the wrapper refuses at construction, naming the setting and the
-    fix; no checkpoint, no easyckpt iteration, no temporary folder is written."""
+    single-process job), ZeRO offload and data skipping under DeepSpeed: the wrapper refuses at construction,
+    naming the setting and the fix; no checkpoint, no easyckpt iteration, no temporary folder is written."""
     output_dir = env.tmp_path / "hf"
     if case == "no-use-cpu":
         job = HFJob(env, output_dir, env.tmp_path / "out", extra_args=["--steps", "4", "--no-use-cpu"])
         expected = r"args\.world_size is 1 .* of a job of 2 processes.*TrainingArguments\(use_cpu=True\) \(--use_cpu"
-    else:
+    elif case == "offload":
         config = ds_config(env.tmp_path, 2, offload_optimizer={"device": "cpu"})
         job = ds_job(env, output_dir, env.tmp_path / "out", config)
         expected = r"zero_optimization\.offload_optimizer\.device='cpu'"
+    else:   # the grad-norm hook sees DeepSpeed's norm only after engine.step() ran inside backward()
+        job = ds_job(env, output_dir, env.tmp_path / "out", ds_config(env.tmp_path, 2),
+                     extra_args=["--global-norm-spike-threshold", "1.0"])
+        expected = r"use_skip_data_by_global_norm=True .* does not work with DeepSpeed.*after the step changed"
     try:
         assert job.wait(90) != 0
     finally:

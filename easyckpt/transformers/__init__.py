@@ -55,8 +55,9 @@ What it does, and why this way:
   with the reason.
 
 Supported: one process, DDP (each rank holds the whole model and optimizer, as the Trainer saves
-them) and DeepSpeed ZeRO stages 1 and 2 (``zero``: each rank snapshots its own partition; resume and the
-checkpoint-N exports use DeepSpeed's own layout). ZeRO-3, ZeRO offload, FSDP (when Accelerate enables it;
+them) and DeepSpeed ZeRO stages 1 to 3 (``zero``: each rank snapshots its own partition; resume and the
+checkpoint-N exports use DeepSpeed's own layout). ZeRO offload, data skipping and the health monitor with
+DeepSpeed, FSDP (when Accelerate enables it;
 on CPU Accelerate drops the FSDP plugin and the Trainer runs DDP, which the wrapper logs), ``save_on_each_node``,
 hyperparameter search and a Trainer whose ``args.world_size`` is not the job's are refused with a clear error;
 with ``push_to_hub`` the checkpoints are not pushed at each save. A ``checkpoint-N`` appears when the

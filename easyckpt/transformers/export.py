@@ -128,11 +128,17 @@ class Exporter:
             deepspeed = "deepspeed" in common
             # Under DeepSpeed ZeRO every rank's optimizer partition goes into the checkpoint too.
             zero_optims = {0: (common["optim"], common["deepspeed"])} if deepspeed else {}
+            # Under ZeRO-3 every rank's parameter partitions too: its model state file and the whole weights.
+            partitioned = deepspeed and bool(common["deepspeed"].get("partitioned"))
+            zero_models = {0: common["model"]} if partitioned else {}
+            parts = ("rng", "optim", "model") if partitioned else ("rng", "optim") if deepspeed else ("rng",)
             for rank in range(1, world_size):
-                part = read_rank_state(path, rank, world_size, only=("rng", "optim") if deepspeed else ("rng",))
+                part = read_rank_state(path, rank, world_size, only=parts)
                 rngs[rank] = part["rng"]
                 if deepspeed:
                     zero_optims[rank] = (part["optim"], part["deepspeed"])
+                if partitioned:
+                    zero_models[rank] = part["model"]
         except (FileNotFoundError, layout.CheckpointFormatError):
             if not path.exists():
                 logger.warning("iteration %s was rotated away before it could be exported: no checkpoint-%d "
@@ -140,6 +146,7 @@ class Exporter:
                 self.failed[step] = "rotated away"
                 return
             raise
-        self.folders.write_checkpoint(step, common, rngs, world_size, health=meta.get("health"), zero_optims=zero_optims)
+        self.folders.write_checkpoint(step, common, rngs, world_size, health=meta.get("health"), zero_optims=zero_optims,
+                                     zero_models=zero_models)
         self.exported.append(step)
         logger.info("exported %s to checkpoint-%d in %.2fs", path, step, time.perf_counter() - started)

@@ -213,25 +213,29 @@ class CheckpointFolders:
 
     def write_checkpoint(self, step: int, common: dict[str, Any], rngs: dict[int, Any], world_size: int,
                          health: dict[str, Any] | None = None,
-                         zero_optims: dict[int, tuple[Any, dict[str, Any]]] | None = None) -> Path:
+                         zero_optims: dict[int, tuple[Any, dict[str, Any]]] | None = None,
+                         zero_models: dict[int, Any] | None = None) -> Path:
         """Export a saved state (all ranks' RNGs) as checkpoint-N, atomically. Runs on the saving process.
         ``health``: the iteration's verdict (metadata.json); an unhealthy one is recorded in the folder."""
         tmp = self.tmp_path(step)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        self.write_files(tmp, common, rngs, world_size, native=True, zero_optims=zero_optims)
+        self.write_files(tmp, common, rngs, world_size, native=True, zero_optims=zero_optims, zero_models=zero_models)
         mark_health(tmp, health)
         return self.publish(tmp, step)
 
     def write_files(self, directory: Path, common: dict[str, Any], rngs: dict[int, Any], world_size: int,
-                    *, native: bool, zero_optims: dict[int, tuple[Any, dict[str, Any]]] | None = None) -> None:
+                    *, native: bool, zero_optims: dict[int, tuple[Any, dict[str, Any]]] | None = None,
+                    zero_models: dict[int, Any] | None = None, weights: dict[str, Any] | None = None) -> None:
         """The Trainer's files for ``common`` (rank 0's state) and the given ranks' RNG states.
 
         ``native``: a checkpoint-N folder (model through ``save_pretrained``, config, processing class,
         training args, ``save_only_model`` honoured); else a directory only the Trainer's resume reads.
         Under DeepSpeed (``common`` has ``zero.STATE_KEY``) the optimizer goes into DeepSpeed's layout:
         the model states and ``latest`` from ``common``, one optimizer file per rank of ``zero_optims``
-        (rank -> (its optimizer state, its engine info)).
+        (rank -> (its optimizer state, its engine info)). Under ZeRO-3 ``common["model"]`` holds partitions:
+        ``zero_models`` (rank -> its model state) adds those ranks' model state files, and the weights
+        (``native``) are ``weights`` or else consolidated from ``zero_models``, which must then hold every rank.
         """
         trainer = self.trainer
         args = trainer.args
@@ -245,13 +249,24 @@ class CheckpointFolders:
             zero.write_model_states(directory, step, model_state, deepspeed_info)
             for optim, info in (zero_optims or {}).values():
                 zero.write_optim_states(directory, step, optim, info)
-        if deepspeed_info is not None and not native:
+            if zero.is_partitioned(deepspeed_info):
+                for rank, rank_model in (zero_models or {}).items():
+                    if rank_model is not model_state:
+                        zero.write_model_states(directory, step, rank_model, (zero_optims or {})[rank][1], latest=False)
+                if native:
+                    weights = weights if weights is not None else zero.consolidate(zero_models or {}, deepspeed_info)
+        if weights is not None and native and isinstance(model, PreTrainedModel):
+            # whole weights of a ZeRO-3 model, tied names already sharing one tensor (the live model's
+            # parameters are empty placeholders, so _retie cannot find its ties)
+            model.save_pretrained(str(directory), state_dict=weights, is_main_process=True)
+        elif deepspeed_info is not None and not native:
             pass  # the Trainer's DeepSpeed resume reads the weights from mp_rank_00_model_states.pt
         elif native and isinstance(model, PreTrainedModel):
             model.save_pretrained(str(directory), state_dict=_retie(model, model_state), is_main_process=True)
         else:
             import safetensors.torch
-            safetensors.torch.save_file(_distinct_storage(model_state), str(directory / SAFE_WEIGHTS_NAME),
+            safetensors.torch.save_file(_distinct_storage(weights if weights is not None else model_state),
+                                        str(directory / SAFE_WEIGHTS_NAME),
                                         metadata={"format": "pt"})
         if native:
             fault_point("hf.export.mid_write", step=step, rank=args.process_index)

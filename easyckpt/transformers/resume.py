@@ -206,6 +206,8 @@ class Resumer:
             if "deepspeed" in state:   # each rank its own ZeRO partition, as DeepSpeed's save_checkpoint does
                 from easyckpt.transformers import zero
                 zero.write_optim_states(directory, result.step, state["optim"], state["deepspeed"])
+                if zero.is_partitioned(state["deepspeed"]) and self.ckpt.local_rank != 0:   # ZeRO-3: its own model file
+                    zero.write_model_states(directory, result.step, state["model"], state["deepspeed"], latest=False)
         except OSError as exc:
             problem = f"{directory}: {exc}"
         if not all_ok(not problem):

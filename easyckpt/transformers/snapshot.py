@@ -1,7 +1,7 @@
 """The state TrainerWrapper snapshots, taken from the live Trainer in the layout its own checkpoints use.
 
-Model, optimizer (under DeepSpeed ZeRO: this rank's partition, see ``zero``), LR scheduler, grad scaler
-(when there is one), ``trainer_state.json`` as the Trainer
+Model (under ZeRO-3: this rank's parameter partitions), optimizer (under DeepSpeed ZeRO: this rank's
+partition, see ``zero``), LR scheduler, grad scaler (when there is one), ``trainer_state.json`` as the Trainer
 would write it now (callbacks' states included) and every RNG as in its ``rng_state`` files. The data
 position needs nothing more: the Trainer derives it from the global step and the seeds.
 """
@@ -69,12 +69,14 @@ def capture(trainer: Trainer, extra_callback_states: dict[str, Any] | None = Non
     if getattr(trainer, "is_deepspeed_enabled", False):
         from easyckpt.transformers import zero  # only here: deepspeed is an optional extra
         optim, engine_info = zero.capture(trainer)
+        model = zero.module_state(trainer)   # under ZeRO-3 this rank's partitions, not empty placeholders
     else:
         optim, engine_info = trainer.optimizer.state_dict(), None
+        model = unwrapped_model(trainer).state_dict()
     state: dict[str, Any] = {
         "format": STATE_FORMAT,
         "step": trainer.state.global_step,
-        "model": unwrapped_model(trainer).state_dict(),
+        "model": model,
         "optim": optim,
         "sched": trainer.lr_scheduler.state_dict(),
         "rng": rng_state(trainer),

@@ -67,7 +67,7 @@ def check_fsdp(trainer: Trainer) -> None:
     if getattr(trainer, "is_fsdp_enabled", False):
         version = getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "fsdp_version", "?")
         raise NotImplementedError(
-            f"TrainerWrapper supports one process, DDP and DeepSpeed ZeRO stages 1 and 2; this Trainer uses FSDP "
+            f"TrainerWrapper supports one process, DDP and DeepSpeed ZeRO stages 1 to 3; this Trainer uses FSDP "
             f"(fsdp_version {version}, through Accelerate), whose resume and checkpoint-N layout the wrapper does "
             "not write yet. Drop TrainingArguments(fsdp=...) or the wrapper; or train FSDP2 in your own loop with "
             "easyckpt.Checkpointer, which snapshots fully_shard's DTensors and resumes them on any world size "
@@ -113,6 +113,14 @@ class TrainerWrapper:
         # Before anything is created or written: a misconfigured job must not touch output_dir or save_dir.
         check_world_size(trainer)
         self.zero_stage = zero.check_config(trainer) if getattr(trainer, "is_deepspeed_enabled", False) else None
+        if self.zero_stage is not None and (use_skip_data_by_global_norm or use_checkpoint_health_monitor):
+            raise NotImplementedError(
+                "TrainerWrapper(use_skip_data_by_global_norm=True or use_checkpoint_health_monitor=True) does not work "
+                "with DeepSpeed: accelerate runs DeepSpeed's engine.step() inside accelerator.backward(), so the "
+                "Trainer gets the global gradient norm (engine.get_global_grad_norm()) only after the step changed the "
+                "weights, and a spiky step cannot be skipped; and ZeRO keeps the gradients as reduced partitions, not "
+                "in param.grad, so the embedding's local gradient norm is not there to read. Drop those keywords "
+                "(DeepSpeed's gradient_clipping bounds a spike's step), or train with DDP")
         check_fsdp(trainer)
         if trainer.args.save_on_each_node:
             raise NotImplementedError(
@@ -380,6 +388,8 @@ class TrainerWrapper:
         world_size = args.world_size
         verdict = self._job_verdict(metrics)
         state = self._capture()
+        partitioned = "deepspeed" in state and zero.is_partitioned(state["deepspeed"])
+        weights = zero.gathered_weights(self.trainer) if partitioned else None   # ZeRO-3: a collective
         tmp = self.folders.tmp_path(step)
         problem = ""
         if args.should_save:
@@ -392,12 +402,14 @@ class TrainerWrapper:
             raise RuntimeError(f"cannot create {tmp} for checkpoint-{step}: {problem or 'see rank 0'}")
         try:
             if args.should_save:
-                self.folders.write_files(tmp, state, {}, world_size, native=True)
+                self.folders.write_files(tmp, state, {}, world_size, native=True, weights=weights)
                 mark_health(tmp, verdict.to_wire())
             if not args.save_only_model:
                 torch.save(state["rng"], tmp / rng_file_name(args.process_index, world_size))
             if "deepspeed" in state:   # each rank its own ZeRO partition
                 zero.write_optim_states(tmp, step, state["optim"], state["deepspeed"])
+                if partitioned and not args.should_save:   # ZeRO-3: each rank its own model state file too
+                    zero.write_model_states(tmp, step, state["model"], state["deepspeed"], latest=False)
         except OSError as exc:
             problem = str(exc)
         if not all_ok(not problem):

@@ -1,9 +1,11 @@
-"""DeepSpeed ZeRO (stages 1 and 2) under TrainerWrapper: what is checked, snapshotted and laid out.
+"""DeepSpeed ZeRO (stages 1, 2 and 3) under TrainerWrapper: what is checked, snapshotted and laid out.
 
 The snapshot takes each rank's state from the DeepSpeed engine: the module's weights (whole on every
-rank under ZeRO 1-2), that rank's ``engine.optimizer.state_dict()`` (its partition of the optimizer state,
+rank under ZeRO 1-2; under ZeRO-3 this rank's partition of each parameter, its ``ds_tensor``, never
+gathered), that rank's ``engine.optimizer.state_dict()`` (its partition of the optimizer state,
 its fp32 master partitions, the loss scaler), the engine's counters and its LR scheduler. On resume the
-state is laid out in DeepSpeed's own checkpoint layout (``latest``, ``global_stepN/mp_rank_00_model_states.pt``,
+state is laid out in DeepSpeed's own checkpoint layout (``latest``, ``global_stepN/mp_rank_00_model_states.pt``
+or, under ZeRO-3, one ``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank,
 ``global_stepN/zero_pp_rank_R_mp_rank_00_optim_states.pt``) and handed to the Trainer, whose
 ``deepspeed_load_checkpoint`` calls ``engine.load_checkpoint``: DeepSpeed restores its engine itself, as after
 its own save, with nothing of its loading logic re-implemented here. The same writer makes the
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib
+import math
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -28,7 +31,7 @@ from transformers import Trainer
 
 STATE_KEY = "deepspeed"       # the engine's counters and file names in the snapshot; "optim" holds its optimizer
 OBJECT_TAG = "__easyckpt_object__"
-SUPPORTED_STAGES = (1, 2)
+SUPPORTED_STAGES = (1, 2, 3)
 
 
 def ds_config(trainer: Trainer) -> dict[str, Any]:
@@ -43,9 +46,9 @@ def check_config(trainer: Trainer) -> int:
     stage = int(zero_cfg.get("stage", 0) or 0)
     if stage not in SUPPORTED_STAGES:
         raise NotImplementedError(
-            f"TrainerWrapper supports DeepSpeed ZeRO stages 1 and 2; this Trainer's DeepSpeed config has "
-            f"zero_optimization.stage={stage}. Set \"stage\": 1 or 2 in the DeepSpeed config (under stage 3 "
-            "the parameters themselves are partitioned, which the wrapper does not snapshot yet), or drop the wrapper")
+            f"TrainerWrapper supports DeepSpeed ZeRO stages 1, 2 and 3; this Trainer's DeepSpeed config has "
+            f"zero_optimization.stage={stage} (stage 0 keeps no ZeRO optimizer state, whose layout the wrapper "
+            "snapshots and writes). Set \"stage\": 1, 2 or 3 in the DeepSpeed config, or drop the wrapper")
     for key in ("offload_optimizer", "offload_param"):
         device = str((zero_cfg.get(key) or {}).get("device", "none") or "none").lower()
         if device not in ("none", ""):
@@ -116,6 +119,63 @@ def rebuild(value: Any) -> Any:
     return value
 
 
+def module_state(trainer: Trainer) -> dict[str, Any]:
+    """The module's state as this rank holds it: whole under ZeRO 1-2; under ZeRO-3 each partitioned
+    parameter's ``ds_tensor`` (this rank's flat slice, padded at the end) instead of the empty placeholder
+    ``state_dict()`` gives for it, and buffers whole."""
+    module = engine_of(trainer).module
+    state = module.state_dict()
+    params = dict(module.named_parameters(remove_duplicate=False))
+    for name in state:
+        param = params.get(name)
+        if param is not None and hasattr(param, "ds_tensor"):
+            state[name] = param.ds_tensor.detach()
+    return state
+
+
+def partitioned_shapes(trainer: Trainer) -> dict[str, list[int]]:
+    """The full shape of every ZeRO-3 partitioned parameter of ``module_state`` (empty under ZeRO 1-2)."""
+    module = engine_of(trainer).module
+    return {name: list(param.ds_shape) for name, param in module.named_parameters(remove_duplicate=False)
+            if hasattr(param, "ds_tensor")}
+
+
+def consolidate(models: dict[int, dict[str, Any]], info: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Whole weights from every rank's ``module_state`` under ZeRO-3 (rank -> state): each parameter's
+    partitions in rank order, cut to its size. Names DeepSpeed records as shared (tied embeddings) get the
+    same tensor, so that ``save_pretrained`` writes them once, as for the live model."""
+    shapes = info.get("partitioned") or {}
+    ranks = sorted(models)
+    if ranks != list(range(int(info["dp_world_size"]))):
+        raise ValueError(f"consolidating ZeRO-3 weights needs every rank's partitions: have ranks {ranks} of "
+                         f"{info['dp_world_size']}")
+    full: dict[str, torch.Tensor] = {}
+    for name, value in models[0].items():
+        if name not in shapes:
+            full[name] = value
+            continue
+        shape = shapes[name]
+        flat = torch.cat([models[rank][name].reshape(-1) for rank in ranks])
+        full[name] = flat[:math.prod(shape)].reshape(shape).clone()
+    for name, source in (rebuild(info["shared_params"]) or {}).items():
+        if name in full and source in full:
+            full[name] = full[source]
+    return full
+
+
+def gathered_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """Whole weights of a ZeRO-3 module, gathered from every rank (a collective: every rank calls it).
+    Only for the synchronous fallback save; snapshots never gather."""
+    import deepspeed
+
+    module = engine_of(trainer).module
+    copies: dict[int, torch.Tensor] = {}
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        # one copy per tensor: tied names keep sharing it
+        return {name: copies.setdefault(id(value), value.detach().clone())
+                for name, value in module.state_dict(keep_vars=True).items()}
+
+
 def capture(trainer: Trainer) -> tuple[dict[str, Any], dict[str, Any]]:
     """(this rank's ZeRO optimizer state, the engine's counters and layout) from the live engine."""
     import deepspeed
@@ -135,6 +195,9 @@ def capture(trainer: Trainer) -> tuple[dict[str, Any], dict[str, Any]]:
         "frozen_param_shapes": portable(engine._get_zero_frozen_param_attributes(engine._get_param_shape_func))
         if engine.zero_optimization_partition_gradients() else None,
         "ds_config": portable(engine.config), "ds_version": deepspeed.__version__,
+        "stage": int(engine.zero_optimization_stage()),
+        # ZeRO-3: which entries of the snapshot's "model" are partitions, and their full shapes
+        "partitioned": partitioned_shapes(trainer),
     }
     return portable(engine.optimizer.state_dict()), info
 
@@ -143,15 +206,27 @@ def tag(step: int) -> str:
     return f"global_step{step}"
 
 
-def write_model_states(directory: Path, step: int, model_state: dict[str, Any], info: dict[str, Any]) -> None:
-    """``global_stepN/mp_rank_00_model_states.pt`` and ``latest`` as ``engine.save_checkpoint`` writes them."""
+def is_partitioned(info: dict[str, Any]) -> bool:
+    """Whether the snapshot with engine info ``info`` holds ZeRO-3 partitions (one model file per rank)."""
+    return bool(info.get("partitioned"))
+
+
+def write_model_states(directory: Path, step: int, model_state: dict[str, Any], info: dict[str, Any], *,
+                       latest: bool = True) -> None:
+    """``global_stepN/mp_rank_00_model_states.pt`` (ZeRO-3: this rank's ``zero_pp_rank_R_mp_rank_00_model_states.pt``)
+    and ``latest`` as ``engine.save_checkpoint`` writes them."""
     folder = directory / tag(step)
     folder.mkdir(parents=True, exist_ok=True)
     frozen = info.get("frozen_param_shapes")
+    partitioned = info.get("partitioned") or {}
+    # Under ZeRO-3 DeepSpeed saves the empty placeholder of each partitioned parameter (its data lives in the
+    # optimizer file's fp32 partitions, from which load_checkpoint restores it), and buffers whole.
+    module = OrderedDict((name, torch.empty(0, dtype=value.dtype) if name in partitioned else value)
+                         for name, value in model_state.items())
     state = {
-        "module": OrderedDict(model_state), "buffer_names": info["buffer_names"], "optimizer": None,
-        "param_shapes": rebuild(info["param_shapes"]),
-        "frozen_param_shapes": rebuild(frozen) if frozen is not None else None,
+        "module": module, "buffer_names": info["buffer_names"], "optimizer": None,
+        "param_shapes": [_sizes(group) for group in rebuild(info["param_shapes"])],
+        "frozen_param_shapes": _sizes(rebuild(frozen)) if frozen is not None else None,
         "shared_params": rebuild(info["shared_params"]),
         "frozen_param_fragments": OrderedDict() if frozen is not None else None,
         "lr_scheduler": rebuild(info["lr_scheduler"]), "data_sampler": None, "random_ltd": None,
@@ -161,7 +236,13 @@ def write_model_states(directory: Path, step: int, model_state: dict[str, Any], 
         "ds_version": info["ds_version"],
     }
     torch.save(state, folder / info["model_file"])
-    (directory / "latest").write_text(tag(step), encoding="utf-8")
+    if latest:
+        (directory / "latest").write_text(tag(step), encoding="utf-8")
+
+
+def _sizes(shapes: dict[str, Any]) -> OrderedDict[str, torch.Size]:
+    """Shapes back as torch.Size (stored as lists): zero_to_fp32 calls ``.numel()`` on them under ZeRO-3."""
+    return OrderedDict((name, torch.Size(shape)) for name, shape in shapes.items())
 
 
 def write_optim_states(directory: Path, step: int, optim_state: Any, info: dict[str, Any]) -> None:
