@@ -125,6 +125,10 @@ class DiskTimeline:
             tracked = layout.read_tracker(self.save_dir)
             keep_steps = policy.rotation_keep({keep} | ({tracked} if tracked is not None else set()),
                                               current, self._unhealthy(current))
+            owed = layout.export_holds(self.save_dir) & set(current)
+            if owed:   # TrainerWrapper still owes their checkpoint-N (it may have died exporting them)
+                logger.debug("rotation spares iterations %s: their export is still owed", sorted(owed))
+                keep_steps |= owed
             gone_abandoned, gone_current = policy.rotation_victims(sorted(current), sorted(abandoned),
                                                                    max_ckpt_num=max_ckpt_num, keep=keep_steps)
             trash: list[Path] = []

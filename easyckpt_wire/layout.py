@@ -42,6 +42,9 @@ TRACKER = "latest_checkpointed_iteration.txt"
 AUDIT_LOG = "easyckpt-audit.log"
 TMP_PREFIX = ".tmp-iteration_"
 TRASH_PREFIX = ".trash-iteration_"
+# An export of iteration N still owed (TrainerWrapper's checkpoint-N): rotation spares the iteration while
+# the hold file exists, so a crash between the persist and the export cannot lose checkpoint-N for good.
+EXPORT_HOLD_PREFIX = ".export-hold-"
 ASIDE_PREFIX = ".aside-iteration_"
 STAGE_PREFIX = ".stage-iteration_"
 STAGE_RE = re.compile(r"^\.stage-iteration_(\d{7,})$")
@@ -213,6 +216,20 @@ def list_iterations(save_dir: Path) -> list[tuple[int, Path, bool]]:
             complete = (Path(entry.path) / METADATA).is_file()
             found.append((int(match.group(1)), Path(entry.path), complete))
     return sorted(found)
+
+
+def export_hold(save_dir: Path, step: int) -> Path:
+    return save_dir / f"{EXPORT_HOLD_PREFIX}{step:07d}"
+
+
+def export_holds(save_dir: Path) -> set[int]:
+    """Steps whose export is still owed (``export_hold`` files in ``save_dir``)."""
+    try:
+        names = [entry.name for entry in save_dir.iterdir()]
+    except (FileNotFoundError, NotADirectoryError):
+        return set()
+    return {int(name[len(EXPORT_HOLD_PREFIX):]) for name in names
+            if name.startswith(EXPORT_HOLD_PREFIX) and name[len(EXPORT_HOLD_PREFIX):].isdigit()}
 
 
 def complete_iterations(save_dir: Path) -> list[tuple[int, Path]]:

@@ -194,8 +194,10 @@ def test_kill9_then_resume_from_memory_continues_the_loss_curve(env: Env, refere
     assert_continues_exactly(second, reference[0], newest)
     assert "resumed at step" in second.log()
     assert not list(env.shm_dir.glob("easyckpt-hf-resume-*")), "the staging directory is removed after resume"
+    # every checkpoint-N, even one whose export the kill interrupted (its iteration was held from rotation)
     complete = {p.name for p in output_dir.iterdir() if p.name.startswith("checkpoint-")}
     assert complete == {f"checkpoint-{s}" for s in range(SAVE_STEPS, STEPS + 1, SAVE_STEPS)}
+    assert not layout.export_holds(output_dir / "easyckpt"), "every export hold is released"
 
 
 def test_memory_wiped_resumes_from_newest_complete_on_disk(env: Env, reference: tuple[HFJob, Path]) -> None:

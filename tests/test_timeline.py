@@ -190,6 +190,23 @@ def test_rotation_on_disk_removes_abandoned_first_and_never_the_tracked_one(tmp_
     assert not list(save_dir.glob(".trash-*"))
 
 
+def test_rotation_spares_an_iteration_whose_export_is_owed(tmp_path: Path) -> None:
+    """TrainerWrapper holds iteration 5 until checkpoint-5 is exported: a crash in between (a flush then
+    persists 11) must not let rotation delete it; once the hold goes, rotation catches up."""
+    save_dir = tmp_path / "ckpt"
+    audit = AuditLog((save_dir.mkdir(), save_dir)[1])
+    for step in (5, 10, 11):
+        make_iteration(save_dir, step)
+    layout.export_hold(save_dir, 5).touch()
+    assert layout.export_holds(save_dir) == {5}
+    disk = DiskTimeline(save_dir, audit)
+    assert disk.rotate(2, 11) == [("", 10)]
+    assert [s for s, _ in layout.complete_iterations(save_dir)] == [5, 11]
+    layout.export_hold(save_dir, 5).unlink()
+    make_iteration(save_dir, 15)
+    assert disk.rotate(2, 15) == [("", 5)]
+
+
 def test_a_persist_that_finishes_after_the_resume_publishes_nothing(tmp_path: Path) -> None:
     save_dir = tmp_path / "ckpt"
     audit = AuditLog((save_dir.mkdir(), save_dir)[1])

@@ -52,9 +52,21 @@ class Exporter:
         self.thread.start()
 
     def request(self, step: int) -> None:
+        # The hold first: rotation must not delete the iteration before its export is done, even if this
+        # process dies in between (the next run's catch-up exports it and lets the hold go).
+        self.hold(step)
         with self.idle:
             self.outstanding += 1
         self.requests.put(step)
+
+    def hold(self, step: int) -> None:
+        try:
+            layout.export_hold(self.save_dir, step).touch()
+        except OSError as exc:   # rotation may then delete the iteration first: the export says so if it does
+            logger.warning("cannot hold iteration %d for its export (%s): rotation may delete it first", step, exc)
+
+    def release(self, step: int) -> None:
+        layout.export_hold(self.save_dir, step).unlink(missing_ok=True)
 
     def cancel(self, step: int) -> None:
         """A requested step some rank could not snapshot: the agent will never persist it, so the export stops
@@ -88,6 +100,7 @@ class Exporter:
                 logger.exception("export of step %d to checkpoint-%d failed; the easyckpt iteration stays usable",
                                  step, step)
             finally:
+                self.release(step)
                 with self.idle:
                     self.outstanding -= 1
                     self.idle.notify_all()

@@ -256,15 +256,22 @@ class TrainerWrapper:
     def _catch_up(self, resumed: int | None) -> None:
         """Export persisted due iterations up to the resumed step that have no checkpoint-N yet (a job died
         before or while exporting them). Now, before training: the agent's rotation would soon delete them."""
-        if self._exporter is None or resumed is None or not self.save_steps:
+        if self._exporter is None:
             return
-        for step, _ in layout.complete_iterations(self.save_dir):
-            if step <= resumed and step % self.save_steps == 0 and not self.folders.path(step).exists():
-                logger.info("exporting iteration %d, which has no checkpoint-%d yet", step, step)
-                try:
-                    self._exporter.export(step)
-                except Exception:
-                    logger.exception("export of iteration %d to checkpoint-%d failed; training goes on", step, step)
+        owed = layout.export_holds(self.save_dir)
+        if resumed is not None and self.save_steps:
+            for step, _ in layout.complete_iterations(self.save_dir):
+                if step <= resumed and step % self.save_steps == 0 and not self.folders.path(step).exists():
+                    logger.info("exporting iteration %d, which has no checkpoint-%d yet", step, step)
+                    try:
+                        self._exporter.export(step)
+                    except Exception:
+                        logger.exception("export of iteration %d to checkpoint-%d failed; training goes on", step,
+                                         step)
+        # Every hold a dead run left is settled now (exported above, on disk already, or of an abandoned
+        # timeline): none may keep rotation from deleting its iteration for ever.
+        for step in owed:
+            self._exporter.release(step)
 
     # hooks on the Trainer ---------------------------------------------------------------------------
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
