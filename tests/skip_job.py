@@ -58,6 +58,8 @@ def main() -> None:
     parser.add_argument("--spike-from", type=int, default=None)
     parser.add_argument("--health-threshold", type=float, default=None)
     parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--durable-due", action="store_true",
+                        help="wait (flush) until each due step is on disk, so that none is passed over")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -117,6 +119,8 @@ def main() -> None:
             if embedding is not None:
                 metrics["embedding_local_norm"] = embedding
             ckpt.save_if_needed(step, state, metrics=metrics)
+            if args.durable_due and step > 0 and step % args.save_storage_interval == 0:
+                ckpt.flush()
             log.write(json.dumps({"step": step, "norm": float(norm), "skipped": skipped, "embedding": embedding,
                                   "digest": state_digest(state)}) + "\n")
             log.flush()
