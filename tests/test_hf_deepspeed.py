@@ -22,7 +22,7 @@ pytest.importorskip("deepspeed", reason="needs DeepSpeed: DS_BUILD_OPS=0 pip ins
 import torch  # noqa: E402
 from conftest import Env, seeded_random, wait_for  # noqa: E402
 from ddp_job import newest_common_committed, slot_states  # noqa: E402
-from test_hf import HFJob, resumed_at, run_to_end, wipe_memory  # noqa: E402
+from test_hf import HFJob, assert_continues_exactly, resumed_at, run_to_end, wipe_memory  # noqa: E402
 
 from easyckpt_wire import layout  # noqa: E402
 
@@ -45,16 +45,6 @@ def ds_job(env: Env, output_dir: Path, out: Path, config: Path, *, step_seconds:
            resume: str | None = None, plain: bool = False, extra_args: list[str] | None = None) -> HFJob:
     return HFJob(env, output_dir, out, resume=resume, plain=plain, step_seconds=step_seconds, extra_env=DS_ENV,
                  extra_args=["--steps", str(STEPS), "--deepspeed", str(config), *(extra_args or [])])
-
-
-def assert_continues_exactly(resumed: HFJob, reference: HFJob, from_step: int) -> None:
-    for rank in range(2):
-        ours, theirs = resumed.losses(rank), reference.losses(rank)
-        assert sorted(ours) == list(range(from_step + 1, STEPS + 1)), f"rank {rank} ran steps {sorted(ours)}"
-        for step, row in ours.items():
-            for key in ("loss", "digest", "py_rand", "np_rand", "learning_rate", "grad_norm", "epoch"):
-                assert row[key] == theirs[step][key], \
-                    f"rank {rank} step {step}: {key} {row[key]!r} != {theirs[step][key]!r}"
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +99,7 @@ def test_zero_kill9_resumes_with_equal_losses(env: Env, stage: int, tier: str,
     second = run_to_end(ds_job(env, output_dir, env.tmp_path / "second", config, resume="newest"))
     for report in resumed_at(second):
         assert (report["step"], report["source"], report["global_step"]) == (newest, tier, newest), report
-    assert_continues_exactly(second, ref, newest)
+    assert_continues_exactly(second, ref, newest, STEPS)
     size = r"[\d.]+ [KM]iB"
     where = "memory" if tier == "memory" else f"disk \\({re.escape(str(save_dir))}/iteration_\\d+, "
     assert re.search(rf"easyckpt: resumed at step {newest} from {where}", second.log()), \
@@ -148,7 +138,7 @@ def test_plain_deepspeed_trainer_resumes_from_a_wrapper_checkpoint_and_zero_to_f
     plain = run_to_end(ds_job(env, env.tmp_path / "hf", env.tmp_path / "plain", config, plain=True,
                               resume=str(checkpoint)))
     assert all(r["global_step"] == 10 for r in resumed_at(plain))
-    assert_continues_exactly(plain, ref, 10)
+    assert_continues_exactly(plain, ref, 10, STEPS)
 
 
 @pytest.mark.timeout(120)
