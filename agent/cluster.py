@@ -16,6 +16,7 @@ from typing import Any
 import zmq
 
 from agent.persister import AuditLog, commit_stage, describe, drop_stage, lower_priority, stage_steps
+from agent.policy import PeerPersister
 from agent.replica import (
     BuddyPuller,
     Holdings,
@@ -24,6 +25,7 @@ from agent.replica import (
     build_manifest,
     push_manifests,
     survey_coverage,
+    tell_persister,
 )
 from agent.watcher import Watcher
 from easyckpt_wire.episode import Episode
@@ -34,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 STAGE_WAIT = 120.0  # how long a leader whose ranks finished waits for other nodes' shards
 COVERAGE_EVERY = 2.0
+TELL_EVERY = 2.0    # the persister's news is repeated this often: a node that missed it (restarted) hears it
+PASSED_KEPT = 16    # due steps passed over that are told to the others (the newest ones)
 
 
 def _logged(function: Callable[..., Any], *args: Any) -> None:
@@ -74,6 +78,15 @@ class NodeReplication:
         self._commit_failing = Episode(logger)   # retried every 0.2 s: said once, not five times a second
         self._stage_wait_since: float | None = None
         self.safe_step: int | None = None   # the agent's, shown by status
+        # What every other node's persister does (policy.cluster_due), written by the server thread, and
+        # what this node's does: due steps passed over are passed over by every node.
+        self.peer_persisters: dict[str, PeerPersister] = {}
+        self.passed: set[int] = set()
+        self.took: int | None = None
+        self.teller = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tell", initializer=lower_priority)
+        self._told: tuple[int | None, int | None, int | None, frozenset[int]] | None = None
+        self._told_at = 0.0
+        self._telling: concurrent.futures.Future[None] | None = None
 
     def tick(self) -> None:
         if self.peers is not None:
@@ -93,6 +106,7 @@ class NodeReplication:
     def close(self) -> None:
         self.hasher.shutdown(wait=True, cancel_futures=True)
         self.surveyor.shutdown(wait=True, cancel_futures=True)
+        self.teller.shutdown(wait=True, cancel_futures=True)
         self.puller.close()
         if self.replica is not None:
             self.replica.stop()
@@ -117,7 +131,7 @@ class NodeReplication:
     def start_server(self) -> None:
         if self.replica is None:
             self.replica = ReplicaServer(self.holdings, self.ctx, self.bind_host, self.port, self.on_push,
-                                         port_file=self.port_file)
+                                         self.on_persister, port_file=self.port_file)
             self.replica.start()
             logger.info("replica server of node %s listening on %s", self.node, self.replica.endpoint)
 
@@ -133,10 +147,44 @@ class NodeReplication:
         self.start_server()
         if not peers.same_job(self.peers):
             logger.info("job spans nodes %s; leader %s; buddy %s", sorted(peers.nodes), peers.leader, peers.buddy())
+            self.peer_persisters = {}   # another incarnation of the job: its agents say anew
+            self._told = None
         self.peers = peers
         assert self.replica is not None
         self.replica.token = peers.token
         return None
+
+    def on_persister(self, message: dict[str, Any]) -> None:
+        """Server thread: another node's persister news (replaces what it said before: one sender thread
+        per agent, one request at a time, so its news arrive in order)."""
+        peers = self.peers
+        if peers is None or message["node"] not in peers.nodes or message["node"] == peers.node:
+            raise ValueError(f"PERSISTER from node {message['node']!r}, which is not another node of this job")
+        passed = message["passed"]
+        if not all(type(step) is int for step in passed):
+            raise ValueError(f"PERSISTER from node {message['node']!r}: passed steps {passed!r:.80} are not ints")
+        busy, ready, took = message["busy_with"], message["ready"], message["took"]
+        self.peer_persisters = {**self.peer_persisters, message["node"]: PeerPersister(
+            None if busy < 0 else busy, None if ready < 0 else ready, frozenset(passed), None if took < 0 else took)}
+
+    def tell(self, busy_with: int | None, ready: int | None, *, floor: int) -> None:
+        """Tell the other nodes what this node's persister does, when it changed and every TELL_EVERY s."""
+        if self.peers is None or len(self.peers.nodes) < 2:
+            return
+        self.passed = set(sorted(s for s in self.passed if s > floor)[-PASSED_KEPT:])
+        news = (busy_with, ready, self.took, frozenset(self.passed))
+        now = time.monotonic()
+        if news == self._told and now - self._told_at < TELL_EVERY:
+            return
+        self._told, self._told_at = news, now
+        if self._telling is None or self._telling.done():   # a peer that does not answer delays only the newest
+            self._telling = self.teller.submit(_logged, self._tell_newest)
+
+    def _tell_newest(self) -> None:
+        sent = None
+        while self._told is not None and self._told != sent and self.peers is not None:
+            sent = self._told
+            tell_persister(self.peers, sent[0], sent[1], sent[2], sorted(sent[3]))
 
     def on_push(self, message: dict[str, Any]) -> None:
         """Server thread: a peer handed us its ranks' manifests of one step."""

@@ -11,11 +11,14 @@ except when the ranks themselves dropped it (a resume invalidated the slots of a
 The persister takes at most one due step at a time and only one that every local rank holds: with three
 slots a rank then always has one to write (the agent keeps the safe step and the step it persists), so a
 due step that arrives while a persist runs is passed over rather than held, and the next due step after
-the persist is taken instead.
+the persist is taken instead. Across nodes the same holds: the nodes tell each other what their
+persisters do (``cluster_verdict``) instead of holding a due step until a busy node catches up, and the step
+held for a backup costs a slot only when one is left over (``may_hold_pending``).
 """
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 
 def common_steps(committed: Mapping[int, Iterable[int]], expected_ranks: int) -> frozenset[int]:
@@ -64,6 +67,47 @@ def due_to_claim(common: Collection[int], *, floor: int, interval: int, busy: bo
     if busy or interval <= 0:
         return None
     return max((s for s in common if s % interval == 0 and s > floor), default=None)
+
+
+class PeerPersister(NamedTuple):
+    """What another node's agent last said of its persister (multi-node)."""
+
+    busy_with: int | None       # the step it persists; None when free
+    ready: int | None           # the due step it holds, free to persist it once every node is
+    passed: frozenset[int]      # due steps it passed over (its recent ones)
+    took: int | None = None     # the newest due step it took (its persist may be over before the news is)
+
+
+def cluster_verdict(step: int, *, peers: Mapping[str, PeerPersister], waited: float, limit: float) -> str:
+    """Multi-node: what a node whose persister is free does with due step ``step``, which it holds: "take"
+    (persist it), "pass" (let it go, for good) or "wait" (keep holding it and ask again).
+
+    Every node must persist the same steps (the leader commits an iteration only once every node wrote
+    it), and no node may hold a due step for a busy node to catch up: that slot is the ranks' (invariant
+    9). So a node takes a due step only once every other node said it holds that step and is free too (or
+    already persists it); it passes the step over as soon as any node passed it over, a node busy with
+    another persist passes it over at once, and a node that never answers is given up on after ``limit``
+    seconds. The wait is that of one message: the nodes' ranks commit a step together.
+    """
+    if any(step in peer.passed for peer in peers.values()):
+        return "pass"
+    if all(step in (peer.ready, peer.busy_with, peer.took) for peer in peers.values()):
+        return "take"
+    return "pass" if waited > limit else "wait"
+
+
+def may_hold_pending(target: int, held: Collection[int], *, slots: int, lag: int) -> bool:
+    """Multi-node: whether the agent may hold ``target`` while the predecessor's backup of it completes.
+
+    ``held``: the steps it keeps anyway (the safe step, claimed ones, the persist in flight); ``lag``: the
+    newest common step minus the safe step. With a slot left over for the ranks' next snapshot, always.
+    Without one, the ranks race the backup instead (a backup that finishes within a step makes the step
+    safe before the next snapshot needs its slot, and nothing is skipped); once the safe step trails by two
+    steps the race was lost and the step is held anyway, at the price of skipped snapshots until it is
+    safe: the safe step must move, whatever the backup takes.
+    """
+    extra = 0 if target in held else 1
+    return len(set(held)) + extra + 1 <= slots or lag >= 2
 
 
 def passed_over(common: Collection[int], *, floor: int, interval: int, busy: bool) -> int | None:

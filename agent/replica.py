@@ -9,7 +9,7 @@
   in a ring). The buddy keeps it and pulls every tensor its own ranks do not hold at that step (RNG
   states, data positions; large unique ones too unless ``replicate_unique`` is off): so a rank whose
   whole node is gone can still be rebuilt.
-* **Server.** A ROUTER socket on tcp answers LIST, MANIFEST, FETCH and PUSH from holders of the job
+* **Server.** A ROUTER socket on tcp answers LIST, MANIFEST, FETCH, PUSH and PERSISTER from holders of the job
   token, in its own thread. FETCH sends tensor bytes zero-copy from the slot's mmap (or the backup
   store) with an xxh3-64 per chunk computed at send time; a slot rewritten since it was hashed is
   refused rather than served.
@@ -201,11 +201,13 @@ class ReplicaServer(threading.Thread):
     """Serves this agent's holdings to token holders over tcp."""
 
     def __init__(self, holdings: Holdings, ctx: zmq.Context, bind_host: str, port: int,
-                 on_push: Callable[[dict[str, Any]], None], port_file: Path | None = None) -> None:
+                 on_push: Callable[[dict[str, Any]], None], on_persister: Callable[[dict[str, Any]], None],
+                 port_file: Path | None = None) -> None:
         super().__init__(name="replica-server", daemon=True)
         self.holdings = holdings
         self.token: str | None = None
         self.on_push = on_push
+        self.on_persister = on_persister
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_PEER_MESSAGE_BYTES)
@@ -308,6 +310,9 @@ class ReplicaServer(threading.Thread):
                 self._fetch(identity, request_id, message)
             elif kind == Kind.PUSH:
                 self.on_push(message)
+                self._reply(identity, True, request_id)
+            elif kind == Kind.PERSISTER:
+                self.on_persister(message)
                 self._reply(identity, True, request_id)
         except (KeyError, TypeError, ValueError, SlotFormatError, OSError) as exc:
             self.dropped += 1
@@ -428,6 +433,23 @@ def push_manifests(peers: PeerTable, step: int, manifests: list[Manifest]) -> No
         logger.warning("could not hand step %d's manifests to buddy node %s: %s", step, buddy, exc)
     finally:
         client.close()
+
+
+def tell_persister(peers: PeerTable, busy_with: int | None, ready: int | None, took: int | None,
+                   passed: list[int], timeout: float = 2.0) -> None:
+    """Tell every other node what this node's persister does (``policy.cluster_verdict``); a node that does not
+    answer is logged, never raised: its agent hears the next message or the periodic repeat."""
+    for node in sorted(peers.nodes):
+        if node == peers.node:
+            continue
+        client = PeerClient(peers.endpoint(node), peers.token, timeout=timeout)
+        try:
+            client.call(Kind.PERSISTER, node=peers.node, busy_with=-1 if busy_with is None else busy_with,
+                        ready=-1 if ready is None else ready, took=-1 if took is None else took, passed=passed)
+        except (PeerError, ProtocolError) as exc:
+            logger.debug("could not tell node %s about this node's persister: %s", node, exc)
+        finally:
+            client.close()
 
 
 def survey_coverage(peers: PeerTable, holdings: Holdings, timeout: float = 2.0) -> dict[str, Any]:

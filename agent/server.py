@@ -57,6 +57,9 @@ logger = logging.getLogger(__name__)
 # Multi-node: how long the agent holds a pending step for its backup to complete. Past it the ranks get the
 # slot back (a broken or starved backup must not stop their snapshots); a later step is tried instead.
 PENDING_LIMIT = 5.0
+# Multi-node: how long a due step is held for the other nodes to say they are free to persist it too (they
+# commit it within a step of this node; one that says nothing for this long is not coming).
+CONSENT_LIMIT = 5.0
 LOOP_STALL_WARN = 1.0   # seconds one loop step may take before the log says so
 ABORT_TIMEOUT = 10.0    # an abandoned persist must stop within this long after its writers are told to
 
@@ -139,6 +142,8 @@ class Agent:
         self.pending_holds: list[SlotInfo] = []
         self.pending_since = 0.0
         self.pending_floor = -1
+        # Multi-node: the due step claimed while the other nodes' consent is awaited, and since when.
+        self.consent: tuple[int, float] | None = None
         self.slow_backups = Episode(logger, logging.INFO)
         self.passed = Episode(logger, logging.INFO)   # due steps passed over while a persist ran
         self.last_passed = -1
@@ -497,6 +502,12 @@ class Agent:
                                     self.audit)
         if self.last_passed > step:
             self.last_passed = -1
+        # Step numbers of the abandoned timeline come again on the new one: nothing of theirs is passed over.
+        self.cluster.passed = {s for s in self.cluster.passed if s <= step}
+        if self.cluster.took is not None and self.cluster.took > step:
+            self.cluster.took = None
+        if self.consent is not None and self.consent[0] > step:
+            self.consent = None
         # Not the persist in flight: it reads its slots until it finishes (and then publishes nothing).
         self._release_claims(lambda s: s > step and s != inflight)
         for wanted in [s for s in self.flush_wanted if s > step]:
@@ -575,25 +586,22 @@ class Agent:
         self.cluster.holdings.keep = frozenset(step for steps in held.values() for step in steps)
         self.cluster.tick()
         self._advance_safe(ranks, held, common)
-        self._advance_pending(ranks, held, common)
         for step in self.flush_wanted:   # asked for by the ranks: claimed rank by rank as each commits it
             if step > self._durable():
                 for rank in ranks:
                     if step in held[rank]:
                         self._claim(step, rank, held[rank][step])
         busy = self.inflight is not None or bool(self.claims)
-        if self.cluster.peers is not None:
-            # Across nodes every node must persist the same steps, or no iteration is ever complete: one due
-            # step waits (held) behind the persist in flight, at the price of a slot while it waits.
-            busy = any(step != self._inflight_step() for step in self.claims)
         floor, interval = self._floor(), self.config.save_storage_interval
-        due = policy.due_to_claim(common, floor=floor, interval=interval, busy=busy)
-        if due is not None and self._claim_all(due, ranks, held):
-            if not self.passed_since_claim:   # the persister keeps up again: the episode is over
-                self.passed.end("persists keep up with save_storage_interval again at step %d; due steps were "
-                                "passed over meanwhile", due)
-            self.passed_since_claim = False
-        skipped = policy.passed_over(common, floor=floor, interval=interval, busy=busy)
+        if self.cluster.peers is not None:
+            # Across nodes every node must persist the same steps, or no iteration is ever complete.
+            self._cluster_persist(common, floor, interval, ranks, held)
+        else:
+            due = policy.due_to_claim(common, floor=floor, interval=interval, busy=busy)
+            if due is not None and self._claim_all(due, ranks, held):
+                self._keeping_up(due)
+        skipped = None if self.cluster.peers is not None else \
+            policy.passed_over(common, floor=floor, interval=interval, busy=busy)
         if skipped is not None and skipped not in self.claims and skipped != self._inflight_step() \
                 and skipped != self.last_passed:
             self.last_passed = skipped   # counted once per step, not per loop turn
@@ -601,6 +609,8 @@ class Agent:
             self.passed.hit("due step %d passed over: the persist of step %s is still running (a persist takes "
                             "longer than save_storage_interval=%d steps); the next due step after it is persisted",
                             skipped, self._inflight_step(), interval)
+        self._advance_pending(ranks, held, common)   # after the claims: what they hold is known
+        self.cluster.tell(self._busy_with(), None if self.consent is None else self.consent[0], floor=floor)
         if self.failed_ranks:
             self._flush_on_failure()
         if self.cluster.peers is None and self.watcher.all_said_bye():
@@ -611,6 +621,61 @@ class Agent:
         self._publish()
         self._answer_waiters()
         self._answer_flush_waiters()
+
+    def _keeping_up(self, due: int) -> None:
+        if not self.passed_since_claim:   # the persister keeps up again: the episode is over
+            self.passed.end("persists keep up with save_storage_interval again at step %d; due steps were "
+                            "passed over meanwhile", due)
+        self.passed_since_claim = False
+
+    def _busy_with(self) -> int | None:
+        """The step the persister works on or has claimed (the newest), None when it is free; a due step held
+        until the other nodes consent is not one."""
+        steps = set(self.claims) | ({self.inflight[0]} if self.inflight is not None else set())
+        steps.discard(None if self.consent is None else self.consent[0])
+        return max(steps, default=None)
+
+    def _cluster_persist(self, common: frozenset[int], floor: int, interval: int, ranks: set[int],
+                         held: dict[int, dict[int, SlotInfo]]) -> None:
+        """Multi-node: a due step this node's persister is free for is held (claimed) and persisted once
+        every other node said it is free for it too (``policy.cluster_verdict``); one that any node cannot
+        take is passed over on every node, and the others hear it (``NodeReplication.tell``)."""
+        passed, peers = self.cluster.passed, self.cluster.peer_persisters
+        newest = policy.due_to_claim(common, floor=floor, interval=interval, busy=False)
+        if self.consent is not None and (newest is not None and newest > self.consent[0]
+                                         or self.consent[0] not in self.claims):
+            self._pass_due(self.consent[0], "a newer due step came before every node consented")
+        if newest is not None and newest not in passed and newest not in self.claims \
+                and newest != self._inflight_step() and self.consent is None:
+            if self._busy_with() is not None:
+                self._pass_due(newest, f"this node persists step {self._busy_with()}")
+            elif self._claim_all(newest, ranks, held):
+                self.consent = (newest, time.monotonic())
+        if self.consent is None:
+            return
+        step, since = self.consent
+        if step in self.flush_wanted:   # a rank asked for it: persisted whatever the others do
+            self.consent = None
+            return
+        verdict = policy.cluster_verdict(step, peers=peers, waited=time.monotonic() - since, limit=CONSENT_LIMIT)
+        if verdict == "take":
+            self.consent, self.cluster.took = None, step
+            self._keeping_up(step)
+        elif verdict == "pass":
+            by = sorted(node for node, p in peers.items() if step in p.passed)
+            busy = {node: p.busy_with for node, p in sorted(peers.items()) if p.busy_with not in (None, step)}
+            self._pass_due(step, f"node(s) {by} passed it over" if by else f"other nodes persist {busy}" if busy
+                           else f"no word from every node within {CONSENT_LIMIT:.0f} s")
+
+    def _pass_due(self, step: int, reason: str) -> None:
+        if self.consent is not None and self.consent[0] == step:
+            self.consent = None
+            self._release_claims(lambda s: s == step and s not in self.flush_wanted)
+        self.cluster.passed.add(step)
+        self.passed_since_claim = True
+        self.passed.hit("due step %d passed over on every node: %s (persists take longer than "
+                        "save_storage_interval=%d steps); the next due step every node's persister is free for is "
+                        "persisted", step, reason, self.config.save_storage_interval)
 
     def _invalidate_abandoned(self) -> None:
         """Snapshots of an abandoned timeline that their rank could not invalidate (this agent held them):
@@ -667,6 +732,11 @@ class Agent:
                                   "stays %s meanwhile)", self.pending, PENDING_LIMIT, self.safe)
         above = max(-1 if self.safe is None else self.safe, self.pending_floor)
         target = policy.next_pending(common, above=above, current=self.pending, expired=expired) if gated else None
+        if target is not None:
+            kept = set(self.claims) | {s for s in (self.safe, self._inflight_step()) if s is not None}
+            lag = max(common) - (-1 if self.safe is None else self.safe)
+            if not policy.may_hold_pending(target, kept, slots=self.watcher.slots_per_rank(), lag=lag):
+                target = None   # no slot to spare: the ranks race the backup (policy.may_hold_pending)
         if target == self.pending and not expired:
             return
         taken = [] if target is None else self._hold_all(ranks, held, target, ("pending",))
@@ -861,6 +931,8 @@ class Agent:
             return
         ranks = self.watcher.local_ranks()
         for step in sorted(self.claims, reverse=True):
+            if self.consent is not None and step == self.consent[0]:
+                continue   # not before every node consented (_cluster_persist)
             if len(ranks) >= self.watcher.local_world_size and set(self.claims[step]) >= ranks:
                 metas = {rank: claim.info.meta for rank, claim in self.claims[step].items()}
                 if any(meta is None or meta.step != step for meta in metas.values()):

@@ -125,6 +125,14 @@ class Watcher:
     def local_ranks(self) -> set[int]:
         return {rank for (rank, _), info in self.slots.items() if self._current(info)} | set(self.ranks)
 
+    def slots_per_rank(self) -> int:
+        """The fewest slots any local rank has (what the agent may hold without starving it); 0 before any."""
+        counts: dict[int, int] = {}
+        for (rank, _), info in self.slots.items():
+            if self._current(info):
+                counts[rank] = counts.get(rank, 0) + 1
+        return min(counts.values(), default=0)
+
     def committed(self, rank: int) -> dict[int, SlotInfo]:
         """{step: slot} of the rank's committed slots; of two copies of one step, the newer generation."""
         found: dict[int, SlotInfo] = {}

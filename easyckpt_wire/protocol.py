@@ -26,7 +26,8 @@ Session of a rank (``easyckpt.agent_client.AgentClient``), in order:
 5. ``BYE`` at ``close()`` (wait=True), or wait=False when the process leaves without it.
 
 Tools send ``STATUS``, ``PING`` and ``PEERS`` without a ``HELLO`` (:func:`request_agent`). Recovering
-ranks and agents send the tcp kinds (``LIST``, ``MANIFEST``, ``FETCH``, ``PUSH``) with the job token.
+ranks and agents send the tcp kinds (``LIST``, ``MANIFEST``, ``FETCH``, ``PUSH``, ``PERSISTER``) with the
+job token.
 
 Every reply is a ``REPLY`` with ``ok`` and the request's ``id``, plus (typed in ``easyckpt_wire.records``):
 
@@ -46,6 +47,9 @@ MANIFEST  ``manifest`` (:class:`~easyckpt_wire.records.Manifest`), or ``ok=False
 FETCH     ``xxh64`` of the chunk plus one raw data frame; ``ok=False`` with ``error``, and ``code``
           :data:`NO_COPY` when the agent holds no such copy of the tensor
 PUSH      nothing
+PERSISTER nothing (``busy_with``: the step it persists, ``ready``: the due step it holds and is free to
+          persist, ``took``: the newest due step it took, each -1 for none; ``passed``: the due steps it
+          passed over)
 ========  =====================================================================================
 
 A peer request with a wrong or missing token gets ``ok=False`` and a fixed ``error``, nothing else.
@@ -95,6 +99,8 @@ class Kind(enum.IntEnum):
     MANIFEST = 11  # one rank's manifest at one step (tensor index with checksums, plain values)
     FETCH = 12     # a byte range of the tensor with this checksum at this step
     PUSH = 13      # an agent hands its buddy the manifests of its ranks' newest snapshot
+    PERSISTER = 14  # an agent tells every other node what its persister does, so that all persist the same
+                    # steps without holding one for later (agent.policy.cluster_verdict)
     REPLY = 100  # agent -> requester
 
 
@@ -123,9 +129,10 @@ _SCHEMA: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.MANIFEST: {"rank": _INT, "step": _INT},
     Kind.FETCH: {"step": _INT, "checksum": _BYTES, "offset": _INT, "length": _INT},
     Kind.PUSH: {"node": _STR, "step": _INT, "manifests": _LIST},
+    Kind.PERSISTER: {"node": _STR, "busy_with": _INT, "ready": _INT, "took": _INT, "passed": _LIST},
     Kind.REPLY: {"ok": _BOOL},
 }
-PEER_KINDS = frozenset({Kind.LIST, Kind.MANIFEST, Kind.FETCH, Kind.PUSH})
+PEER_KINDS = frozenset({Kind.LIST, Kind.MANIFEST, Kind.FETCH, Kind.PUSH, Kind.PERSISTER})
 
 
 class ProtocolError(ValueError):

@@ -293,3 +293,97 @@ def test_three_slots_lose_at_most_two_intervals_however_slow_the_persist(ranks: 
     model.kill_all()
     assert model.lost[-1] <= 2, f"resumed {model.lost[-1]} steps behind the kill"
     assert model.skips == 0
+
+
+# across nodes ------------------------------------------------------------------------------------------
+def peer(busy_with: int | None = None, ready: int | None = None, passed: tuple[int, ...] = ()) -> policy.PeerPersister:
+    return policy.PeerPersister(busy_with, ready, frozenset(passed))
+
+
+def test_cluster_verdict_takes_only_with_every_node_free_for_the_step() -> None:
+    both_ready = {"a": peer(ready=10), "b": peer(busy_with=10)}   # b already took it on a's word
+    assert policy.cluster_verdict(10, peers=both_ready, waited=0.0, limit=5.0) == "take"
+    assert policy.cluster_verdict(10, peers={"a": peer(busy_with=5)}, waited=0.0, limit=5.0) == "wait"
+    assert policy.cluster_verdict(10, peers={"a": peer(passed=(10,))}, waited=0.0, limit=5.0) == "pass"
+    assert policy.cluster_verdict(10, peers={"a": peer(ready=5)}, waited=6.0, limit=5.0) == "pass"
+    assert policy.cluster_verdict(10, peers={}, waited=0.0, limit=5.0) == "take"   # one node
+
+
+def test_pending_step_costs_a_slot_only_when_one_is_left_for_the_ranks() -> None:
+    assert policy.may_hold_pending(12, {11}, slots=3, lag=1)              # safe + pending + the rank's
+    assert not policy.may_hold_pending(12, {11, 10}, slots=3, lag=1)      # a persist holds the third
+    assert policy.may_hold_pending(10, {11, 10}, slots=3, lag=1)          # the persisted step: no extra slot
+    assert policy.may_hold_pending(13, {11, 10}, slots=3, lag=2)          # the race was lost: hold anyway
+    assert not policy.may_hold_pending(12, {11}, slots=2, lag=1)
+
+
+@dataclasses.dataclass
+class Node:
+    persist_ticks: int
+    jitter: int
+    busy_with: int | None = None
+    busy_until: int = 0
+    consent: tuple[int, int] | None = None
+    passed: set[int] = dataclasses.field(default_factory=set)
+    taken: list[int] = dataclasses.field(default_factory=list)
+    decided: int = -1
+    peers: dict[str, policy.PeerPersister] = dataclasses.field(default_factory=dict)
+    told: tuple[int | None, int | None, frozenset[int], int | None] | None = None
+
+
+@settings(max_examples=300, deadline=None)
+@given(nodes=st.integers(2, 4), interval=st.integers(1, 6), data=st.data())
+def test_nodes_persist_the_same_steps_without_holding_one_for_a_busy_node(nodes: int, interval: int,
+                                                                          data: st.DataObject) -> None:
+    """The agents' exchange (``NodeReplication.tell`` and ``Agent._cluster_persist``) with persists of
+    any length per node, commits a few ticks apart and news delayed up to a third of a step: every node
+    persists exactly the same due steps, and a due step is held only while the persister is free."""
+    step_ticks, limit = 12, 10_000   # no timeouts: the property is about the news, not about lost nodes
+    names = [f"n{i}" for i in range(nodes)]
+    state = {name: Node(data.draw(st.integers(1, 60), label=f"{name} persist ticks"),
+                        data.draw(st.integers(0, 3), label=f"{name} commit jitter")) for name in names}
+    inbox: list[tuple[int, int, str, str, policy.PeerPersister]] = []   # (arrival, seq, to, from, news)
+    last_arrival: dict[tuple[str, str], int] = {}
+    seq = 0
+    for t in range(step_ticks * 40):
+        for item in sorted(i for i in inbox if i[0] <= t):
+            inbox.remove(item)
+            state[item[2]].peers[item[3]] = item[4]
+        for name, node in state.items():
+            if node.busy_with is not None and t >= node.busy_until:
+                node.busy_with = None
+            committed = (t - node.jitter) // step_ticks   # the newest step this node's ranks committed
+            newest = committed // interval * interval
+            if committed >= 0 and newest > node.decided and newest not in node.passed:
+                node.decided = newest
+                if node.consent is not None:
+                    node.passed.add(node.consent[0])
+                    node.consent = None
+                if node.busy_with is not None:
+                    node.passed.add(newest)
+                else:
+                    node.consent = (newest, t)
+            if node.consent is not None:
+                step, since = node.consent
+                verdict = policy.cluster_verdict(step, peers=node.peers, waited=t - since, limit=limit)
+                if verdict == "take":
+                    assert node.busy_with is None, "a due step was held while the persister was busy"
+                    node.consent, node.busy_with, node.busy_until = None, step, t + node.persist_ticks
+                    node.taken.append(step)
+                elif verdict == "pass":
+                    node.passed.add(step)
+                    node.consent = None
+            news = (node.busy_with, None if node.consent is None else node.consent[0], frozenset(node.passed),
+                    node.taken[-1] if node.taken else None)
+            if news != node.told:
+                node.told = news
+                for other in names:
+                    if other != name:
+                        delay = data.draw(st.integers(0, step_ticks // 3), label="delay")
+                        arrival = max(t + delay, last_arrival.get((name, other), 0))   # one sender, in order
+                        last_arrival[(name, other)] = arrival
+                        seq += 1
+                        inbox.append((arrival, seq, other, name, policy.PeerPersister(*news)))
+    settled = [[s for s in node.taken if s < 35] for node in state.values()]   # the last ones may be undecided
+    assert all(taken == settled[0] for taken in settled), {n: node.taken for n, node in state.items()}
+    assert settled[0], "no step was ever persisted"
