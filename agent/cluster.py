@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -70,6 +71,10 @@ class NodeReplication:
         self.surveyor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="survey", initializer=lower_priority)
         self.hashing: set[tuple[int, int, int]] = set()     # (rank, slot, generation) queued or hashed
         self.pushed: set[int] = set()
+        self.pusher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="push", initializer=lower_priority)
+        self._push_queue: list[int] = []
+        self._push_lock = threading.Lock()
+        self._pushing: concurrent.futures.Future[None] | None = None
         self.puller = BuddyPuller(self.holdings, lambda: self.peers)
         self._hash_maps = MapCache()
         self.coverage: dict[str, Any] | None = None
@@ -107,6 +112,7 @@ class NodeReplication:
         self.hasher.shutdown(wait=True, cancel_futures=True)
         self.surveyor.shutdown(wait=True, cancel_futures=True)
         self.teller.shutdown(wait=True, cancel_futures=True)
+        self.pusher.shutdown(wait=True, cancel_futures=True)
         self.puller.close()
         if self.replica is not None:
             self.replica.stop()
@@ -219,11 +225,25 @@ class NodeReplication:
         self.holdings.forget_local(live)
         for step in sorted(self.holdings.hashed_steps() - self.pushed):
             self.pushed = {s for s in self.pushed if s > step - 8} | {step}
-            self.hasher.submit(_logged, push_manifests, self.peers, step, self.holdings.local_at(step))
+            with self._push_lock:
+                self._push_queue = [*self._push_queue, step][-2:]
+        if self._push_queue and (self._pushing is None or self._pushing.done()):
+            # In their own thread, the newest two steps only (the pending one and the next): a buddy that
+            # does not answer (it died) must neither delay the hashing of this node's next snapshots nor
+            # leave a queue of pushes to wait out.
+            self._pushing = self.pusher.submit(_logged, self._push_newest)
         now = time.monotonic()
         if now - self._coverage_at > COVERAGE_EVERY:
             self._coverage_at = now
             self.surveyor.submit(_logged, self._refresh_coverage)
+
+    def _push_newest(self) -> None:
+        while self.peers is not None:
+            with self._push_lock:
+                if not self._push_queue:
+                    return
+                step, self._push_queue = self._push_queue[0], self._push_queue[1:]
+            push_manifests(self.peers, step, self.holdings.local_at(step))
 
     def _hash(self, rank: int, slot: int, path: Path, meta: SlotMeta, generation: int) -> None:
         maps = self._hash_maps

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 KEEP_STEPS = 2                # backups kept per rank: the newest two, and those of steps local ranks hold
 SMALL_TENSOR = 1 << 20        # with replicate_unique=False only unique tensors up to this size are pulled
 BUDDY_WAIT = 5.0              # seconds a buddy waits for its own ranks' snapshot of a step before pulling
+PULL_TIMEOUT = 10.0           # seconds a buddy waits for one chunk of a backup (a dead predecessor's pull fails)
 
 
 @dataclasses.dataclass(slots=True)
@@ -373,25 +374,34 @@ class BuddyPuller:
         self.peers = peers_getter
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="buddy", initializer=lower_priority)
         self.pulled_bytes = 0
+        self._submitted = 0
+        # origin -> the submission count when a pull from it last failed: the pulls queued before it would wait
+        # out their timeouts one by one on a dead node, while its restarted incarnation's steps queue behind.
+        self._failed: dict[str, int] = {}
 
     def submit(self, origin: str, step: int, manifests: list[Manifest]) -> None:
-        self.pool.submit(self._pull, origin, step, manifests)
+        self._submitted += 1
+        self.pool.submit(self._pull, origin, step, manifests, self._submitted)
 
-    def _pull(self, origin: str, step: int, manifests: list[Manifest]) -> None:
+    def _pull(self, origin: str, step: int, manifests: list[Manifest], number: int) -> None:
+        if number < self._failed.get(origin, 0):
+            return
         try:
-            self._pull_missing(origin, step, manifests)
+            if not self._pull_missing(origin, step, manifests):
+                self._failed[origin] = self._submitted
         except Exception:  # a thread pool would swallow it
             logger.exception("backup of node %s's step %d failed", origin, step)
 
-    def _pull_missing(self, origin: str, step: int, manifests: list[Manifest]) -> None:
+    def _pull_missing(self, origin: str, step: int, manifests: list[Manifest]) -> bool:
+        """False when the origin did not answer (the pulls queued behind this one are dropped)."""
         deadline = time.monotonic() + BUDDY_WAIT
         while step not in self.holdings.hashed_steps() and time.monotonic() < deadline:
             time.sleep(0.05)  # bounded wait for our own ranks' snapshot of the same step (polling)
         peers: PeerTable | None = self.peers()
         if peers is None or origin not in peers.nodes:
-            return
+            return True
         held = self.holdings.checksums_at(step)
-        client = PeerClient(peers.endpoint(origin), peers.token, timeout=30.0)
+        client = PeerClient(peers.endpoint(origin), peers.token, timeout=PULL_TIMEOUT)
         started, nbytes = time.monotonic(), 0
         try:
             for manifest in manifests:
@@ -402,20 +412,23 @@ class BuddyPuller:
                     if size * 2 > psutil.virtual_memory().available:
                         logger.warning("not backing up %s of node %s's step %d: %d bytes, and only %d are free",
                                        entry.name, origin, step, size, psutil.virtual_memory().available)
-                        return
+                        return True
                     buffer = bytearray(size)
                     client.fetch_into(step, checksum, memoryview(buffer))
                     self.holdings.add_blob(checksum, buffer)
                     held.add(checksum)
                     nbytes += size
         except PeerError as exc:
-            logger.warning("backup of node %s's step %d incomplete: %s", origin, step, exc)
+            logger.warning("backup of node %s's step %d incomplete: %s (the pulls queued from it are dropped; its "
+                           "next manifests are pulled)", origin, step, exc)
+            return False
         finally:
             client.close()
         self.pulled_bytes += nbytes
         if nbytes:
             logger.info("backed up %d bytes of node %s's step %d (tensors no local rank holds) in %.3fs",
                         nbytes, origin, step, time.monotonic() - started)
+        return True
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
