@@ -6,8 +6,10 @@ offsets; a plain tensor as a whole), so DCP's own load planning decides which sa
 of the new world reads; nothing here reshards by hand. Keys are DCP's: the dotted path of the state
 (``model.0.weight``, ``optim.state.0.exp_avg``), so a natural ``{"model": model.state_dict()}`` loads.
 
-Where several ranks saved the same range (a replicated DTensor, or a plain tensor every rank holds) the
-lowest rank's copy is served. Non-tensor values (ints, lists) are served from rank 0's state.
+Where several ranks hold the same range (a replicated DTensor, or a plain tensor every rank holds) one copy
+is served: the lowest rank's, which for a replicated DTensor is in its replica group's writer's file
+(``stored_by`` in metadata.json: the other ranks of the group did not write theirs). Non-tensor values
+(ints, lists) are served from rank 0's state.
 
 ``read_resharded`` is the disk tier of ``Checkpointer.load(state_dict)`` when the saved world size differs
 from this job's: DTensors through ``dcp.load``, every other value of the state (plain tensors, RNG states,
@@ -148,7 +150,9 @@ def checkpoint_index(iteration_dir: Path) -> CheckpointIndex:
                 continue
             if 0 in record.shape or any(c.offsets == offsets and c.shape == record.shape for c in saved.chunks):
                 continue   # empty, or a copy of a range a lower rank saved (replicated)
-            saved.chunks.append(Chunk(rank, record.file, record.name, offsets, record.shape, record.checksum))
+            # A replicated shard stored by its group's writer: the writer's file, so the chunk names that rank.
+            owner = record.stored_by if record.stored_by is not None else rank
+            saved.chunks.append(Chunk(owner, record.file, record.name, offsets, record.shape, record.checksum))
     return CheckpointIndex(iteration_dir, int(meta["step"]), world_size, tensors, values, keys)
 
 

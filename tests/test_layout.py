@@ -100,3 +100,44 @@ def test_a_crash_inside_replace_dir_leaves_a_whole_iteration(tmp_path: Path, poi
     clean_leftovers(save_dir, AuditLog(save_dir))
     assert (final / "which").read_text() == survivor
     assert names(save_dir) == {final.name, layout.TRACKER, layout.AUDIT_LOG}
+
+
+# replicated shards written once per replica group: the records of the ranks that did not write theirs ----------
+def _record(name: str, file: str, *, stored_by: int | None = None, checksum: str | None = None) -> dict:
+    record = {"name": name, "index": 0, "kind": "torch", "dtype": "F32", "shape": [4], "nbytes": 16, "file": file,
+              "placements": ["S(0)", "R"], "mesh_shape": [2, 2]}
+    if stored_by is not None:
+        record["stored_by"] = stored_by
+    if checksum is not None:
+        record[layout.CHECKSUM_ALGO] = checksum
+    return record
+
+
+def test_link_replicas_gives_the_writers_checksum() -> None:
+    writer_file = layout.rank_file_name("model", 0, 2)
+    ranks = {"0": {"files": [writer_file], "tensors": [_record("model/b", writer_file, checksum="ab" * 16)]},
+             "1": {"files": [], "tensors": [_record("model/b", writer_file, stored_by=0)]}}
+    layout.link_replicas(ranks, "here")
+    assert ranks["1"]["tensors"][0][layout.CHECKSUM_ALGO] == "ab" * 16
+    assert ranks["1"]["tensors"][0]["file"] == writer_file and ranks["1"]["tensors"][0]["stored_by"] == 0
+
+
+@pytest.mark.parametrize("writer_tensors, problem", [
+    ([], "rank 0's state lacks it"),
+    ([_record("model/b", layout.rank_file_name("opt", 0, 2), checksum="ab" * 16)], "has it as F32 [4] in easyckpt-opt"),
+])
+def test_link_replicas_refuses_a_writer_without_the_tensor(writer_tensors: list, problem: str) -> None:
+    writer_file = layout.rank_file_name("model", 0, 2)
+    ranks = {"0": {"files": [writer_file], "tensors": writer_tensors},
+             "1": {"files": [], "tensors": [_record("model/b", writer_file, stored_by=0)]}}
+    with pytest.raises(layout.CheckpointFormatError) as caught:
+        layout.link_replicas(ranks, "step 4 in /x")
+    message = str(caught.value)
+    assert "step 4 in /x" in message and "rank 1's tensor 'model/b'" in message and problem in message, message
+    assert f"stored by rank 0 in {writer_file}" in message, message
+
+
+def test_link_replicas_refuses_a_writer_that_was_not_saved() -> None:
+    ranks = {"1": {"files": [], "tensors": [_record("model/b", layout.rank_file_name("model", 0, 2), stored_by=0)]}}
+    with pytest.raises(layout.CheckpointFormatError, match=r"stored by rank 0, which is not among the saved ranks \['1'\]"):
+        layout.link_replicas(ranks, "here")
