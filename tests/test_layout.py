@@ -10,7 +10,9 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -105,7 +107,7 @@ def test_a_crash_inside_replace_dir_leaves_a_whole_iteration(tmp_path: Path, poi
 
 
 # replicated shards written once per replica group: the records of the ranks that did not write theirs ----------
-def _record(name: str, file: str, *, stored_by: int | None = None, checksum: str | None = None) -> dict:
+def _record(name: str, file: str, *, stored_by: int | None = None, checksum: str | None = None) -> dict[str, Any]:
     record = {"name": name, "index": 0, "kind": "torch", "dtype": "F32", "shape": [4], "nbytes": 16, "file": file,
               "placements": ["S(0)", "R"], "mesh_shape": [2, 2]}
     if stored_by is not None:
@@ -117,11 +119,12 @@ def _record(name: str, file: str, *, stored_by: int | None = None, checksum: str
 
 def test_link_replicas_gives_the_writers_checksum() -> None:
     writer_file = layout.rank_file_name("model", 0, 2)
-    ranks = {"0": {"files": [writer_file], "tensors": [_record("model/b", writer_file, checksum="ab" * 16)]},
-             "1": {"files": [], "tensors": [_record("model/b", writer_file, stored_by=0)]}}
+    linked = _record("model/b", writer_file, stored_by=0)
+    ranks: dict[str, Any] = {"0": {"files": [writer_file], "tensors": [_record("model/b", writer_file, checksum="ab" * 16)]},
+                             "1": {"files": [], "tensors": [linked]}}
     layout.link_replicas(ranks, "here")
-    assert ranks["1"]["tensors"][0][layout.CHECKSUM_ALGO] == "ab" * 16
-    assert ranks["1"]["tensors"][0]["file"] == writer_file and ranks["1"]["tensors"][0]["stored_by"] == 0
+    assert linked[layout.CHECKSUM_ALGO] == "ab" * 16
+    assert linked["file"] == writer_file and linked["stored_by"] == 0
 
 
 @pytest.mark.parametrize("writer_tensors, problem", [
@@ -146,7 +149,7 @@ def test_link_replicas_refuses_a_writer_that_was_not_saved() -> None:
 
 
 # the persister: a replicated shard from its writer only, single-node and multi-node ------------------------------
-def _snapshot(tmp: Path, rank: int, tensors: list[tuple[str, bytes, object]]) -> persister.RankSnapshot:
+def _snapshot(tmp: Path, rank: int, tensors: Sequence[tuple[str, bytes, Any]]) -> persister.RankSnapshot:
     """Rank ``rank``'s committed slot (a (2, 2) mesh of 4 ranks, rank r at (r // 2, r % 2)) holding ``tensors``
     (name, bytes, ShardSpec), written as the stager lays a slot out; only what the persister reads."""
     from easyckpt_wire import shm
