@@ -406,3 +406,46 @@ def test_convert_to_dcp_and_back_round_trips_bitwise(env: Env, reference: tuple[
     assert model_keys
     differ = [k for k in model_keys if not torch.equal(full[k], loaded[k])]
     assert not differ, f"{len(differ)} model tensors differ after convert --from dcp: {differ[:3]}"
+
+
+def test_dcp_reader_verifies_each_range_and_reads_boxes_from_the_mapped_file(env: Env,
+                                                                           reference: tuple[Path, Path]) -> None:
+    """The StorageReader maps each file: a flipped byte in a saved range fails its checksum (naming the file and
+    the tensor) unless verify=False, which then reads that byte as it is; a truncated file is refused."""
+    import torch
+
+    from easyckpt import dcp as edcp
+    from easyckpt import storage
+    from easyckpt.state import torch_dtype
+
+    iteration = copy_iteration(env, reference)
+    index = edcp.checkpoint_index(iteration)
+    key = "model.embed.weight"
+    chunk = next(c for c in index.tensors[key].chunks if c.rank == 1)
+
+    def fresh() -> dict[str, Any]:
+        saved = index.tensors[key]
+        return {key: torch.empty(saved.global_shape, dtype=torch_dtype(saved.dtype))}
+
+    good = fresh()
+    edcp.load_into(good, iteration)
+    path = iteration / chunk.file
+    blob = bytearray(path.read_bytes())
+    header = json.loads(blob[8:8 + int.from_bytes(blob[:8], "little")])
+    at = 8 + int.from_bytes(blob[:8], "little") + header[chunk.name]["data_offsets"][0]
+    blob[at] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    with pytest.raises(storage.CheckpointCorruptError) as caught:
+        edcp.load_into(fresh(), iteration)
+    message = str(caught.value)
+    assert chunk.file in message and repr(chunk.name) in message and "fails its xxh3_128 checksum" in message, message
+    unverified = fresh()
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(unverified, storage_reader=edcp.StorageReader(iteration, verify=False), no_dist=True)
+    differ = (unverified[key] != good[key]).nonzero()
+    assert len(differ) == 1 and int(differ[0][0]) == chunk.offsets[0], differ   # the flipped byte's element
+
+    path.write_bytes(bytes(blob[:at]))
+    with pytest.raises(storage.CheckpointCorruptError, match="truncated or damaged"):
+        edcp.load_into(fresh(), iteration)
