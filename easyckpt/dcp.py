@@ -24,6 +24,7 @@ import logging
 import mmap
 import os
 import uuid
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -259,9 +260,10 @@ class StorageReader(dcp.StorageReader):
 
 
 class _FileView:
-    """One saved safetensors file, mapped (copy-on-write, so that torch may view it without a warning) for the
-    reads of one ``read_data``: a saved range is hashed where it lies (no copy) and a requested box is
-    copied straight from the mapping into its target, so a part of a range reads only its own pages."""
+    """One saved safetensors file, mapped read-only for the reads of one ``read_data``: a saved range is
+    hashed where it lies (no copy) and a requested box is copied straight from the mapping into its target,
+    so a part of a range reads only its own pages. (Read-only: a private writable map would be charged to
+    the commit limit for the whole file where the kernel does not overcommit.)"""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -277,7 +279,7 @@ class _FileView:
             except ValueError as exc:
                 raise storage.CheckpointCorruptError(f"{path} is not a readable safetensors file: {exc}") from None
             self.start, self.size = 8 + length, size
-            self.map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY) if size > self.start else None
+            self.map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size > self.start else None
 
     def _range(self, chunk: Chunk) -> tuple[int, int, torch.dtype]:
         info = self.header.get(chunk.name)
@@ -316,8 +318,12 @@ class _FileView:
         begin, end, dtype = self._range(chunk)
         if begin == end or self.map is None:
             return torch.empty(chunk.shape, dtype=dtype)
-        return torch.frombuffer(self.map, dtype=dtype, count=(end - begin) // dtype.itemsize,
-                                offset=begin).view(chunk.shape)
+        with warnings.catch_warnings():
+            # The view is only ever read (copied into the target), so torch's warning that it cannot mark a
+            # tensor read-only says nothing here.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            flat = torch.frombuffer(self.map, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=begin)
+        return flat.view(chunk.shape)
 
 
 def load_into(state: dict[str, Any], iteration_dir: Path) -> None:
