@@ -233,16 +233,38 @@ def test_multinode_commit_waits_for_the_writers_file(tmp_path: Path) -> None:
     _check_linked(save_dir / layout.iteration_dirname(6))
 
 
-def test_a_writer_without_the_replicated_tensor_fails_the_persist(tmp_path: Path) -> None:
+def test_a_writer_without_the_replicated_tensor(tmp_path: Path) -> None:
+    """Ranks 0 and 2 (the writers) lack the bias that ranks 1 and 3 hold: where the writer is persisted on the same
+    node, its group's other ranks write their own copy (logged); where the writer is on another node, the leader
+    refuses to commit the stage and keeps its notes (the iteration never becomes visible)."""
     save_dir = tmp_path / "save"
     save_dir.mkdir()
     snaps = _group_snapshots(tmp_path, writer_has_bias=False)
+    persister.persist(save_dir, 6, snaps, AuditLog(save_dir))
+    assert _held(save_dir / layout.iteration_dirname(6)) == {"model/w": [0, 1, 2, 3], "model/b": [1, 3]}
+
+    other = tmp_path / "other"
+    other.mkdir()
+    audit = AuditLog(other)
+    persister.persist_shards(other, 6, [snaps[1], snaps[3]], "a", audit)
+    persister.persist_shards(other, 6, [snaps[0], snaps[2]], "b", audit)
     with pytest.raises(layout.CheckpointFormatError, match=r"rank 1's tensor 'model/b' .* stored by rank 0 .* lacks it"):
-        persister.persist(save_dir, 6, snaps, AuditLog(save_dir))
-    assert layout.list_iterations(save_dir) == [] and not any(save_dir.glob(".tmp-*"))
-    audit = AuditLog(save_dir)
-    persister.persist_shards(save_dir, 6, snaps, "a", audit)
-    with pytest.raises(layout.CheckpointFormatError, match="lacks it"):
-        persister.commit_stage(save_dir, 6, audit)
-    assert not (save_dir / layout.iteration_dirname(6)).exists()
-    assert list((save_dir / layout.stage_dirname(6)).glob("node-*.json")), "the stage's notes must stay"
+        persister.commit_stage(other, 6, audit)
+    assert not (other / layout.iteration_dirname(6)).exists()
+    assert len(list((other / layout.stage_dirname(6)).glob("node-*.json"))) == 2, "the stage's notes must stay"
+
+
+def test_stored_by_rule() -> None:
+    from easyckpt_wire.records import ShardSpec, TensorEntry
+
+    def entry(writer: int | None, placements: tuple[str, ...] = ("S(0)", "R")) -> TensorEntry:
+        return TensorEntry("b", "torch", "F32", (2,), 0, 8, "model", ShardSpec((4,), (0,), placements, (2, 2), (0, 1),
+                                                                                writer))
+
+    own: persister.Own = {0: {"b": ((2,), "F32", "model")}, 2: {}}
+    assert persister.stored_by(1, entry(0), own) == 0            # the writer is here and holds it
+    assert persister.stored_by(1, entry(5), own) == 5            # the writer is on another node: trusted
+    assert persister.stored_by(3, entry(2), own) is None         # the writer here lacks it: its own copy
+    assert persister.stored_by(0, entry(0), own) is None         # the writer itself
+    assert persister.stored_by(1, entry(None), own) is None      # an older rank: every rank writes its own
+    assert persister.stored_by(1, entry(0)._replace(shard=None), own) is None
