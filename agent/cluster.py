@@ -29,6 +29,7 @@ from agent.replica import (
     tell_persister,
 )
 from agent.watcher import Watcher
+from easyckpt_wire import layout
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.records import Manifest, PeerTable, RecordError, SlotMeta
 from easyckpt_wire.shm import SlotFormatError
@@ -287,7 +288,7 @@ class NodeReplication:
                 continue
             try:
                 stats = commit_stage(self.save_dir, step, self.audit)
-            except OSError as exc:
+            except (OSError, layout.CheckpointFormatError) as exc:
                 self._commit_failing.hit("cannot commit staged step %d: %s (retried until it works)", step, exc)
                 continue
             if stats is not None:

@@ -87,8 +87,9 @@ def bytes_needed(snapshots: list[RankSnapshot]) -> int:
     """What an iteration of these snapshots takes on disk, a little generously: the tensor bytes, each file's
     page-padded header and its last partial block, and the JSON files."""
     total = 0
+    own = own_shards(snapshots)
     for snap in snapshots:
-        tensors = snap.meta.tensors
+        tensors = [entry for entry in snap.meta.tensors if stored_by(snap.rank, entry, own) is None]
         groups = {entry.group for entry in tensors}
         total += sum(entry.nbytes for entry in tensors) + len(groups) * 2 * PAGE + 256 * len(tensors)
         total += len(json.dumps(snap.meta.skeleton, default=str)) + 256 * len(tensors)
@@ -150,12 +151,8 @@ def _write_safetensors(path: Path, snap: RankSnapshot, entries: list[tuple[int, 
         position += entry.nbytes
         with snap.slot.data(entry.offset, entry.nbytes) as view:
             digest = xxhash.xxh3_128_hexdigest(view)
-        record = {"name": entry.name, "index": index, "kind": entry.kind, "dtype": entry.dtype, "shape": shape,
-                  "global_shape": shape, "offsets": [0] * len(shape), "nbytes": entry.nbytes,
-                  "file": path.name, layout.CHECKSUM_ALGO: digest}
-        if entry.shard is not None:   # a DTensor's local shard: what a resharded load plans with
-            record.update(global_shape=list(entry.shard.global_shape), offsets=list(entry.shard.offsets),
-                          placements=list(entry.shard.placements), mesh_shape=list(entry.shard.mesh_shape))
+        record = _record(index, entry, path.name)
+        record[layout.CHECKSUM_ALGO] = digest
         records.append(record)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-(8 + len(blob)) % PAGE)  # JSON allows the padding; safetensors readers skip it
@@ -174,6 +171,53 @@ def _write_safetensors(path: Path, snap: RankSnapshot, entries: list[tuple[int, 
             raise OSError(exc.errno, exc.strerror, str(path)) from None
         raise
     return records
+
+
+def _record(index: int, entry: TensorEntry, file_name: str) -> dict[str, Any]:
+    """A tensor's metadata.json record, without its checksum."""
+    shape = list(entry.shape)
+    record: dict[str, Any] = {"name": entry.name, "index": index, "kind": entry.kind, "dtype": entry.dtype,
+                              "shape": shape, "global_shape": shape, "offsets": [0] * len(shape),
+                              "nbytes": entry.nbytes, "file": file_name}
+    shard = entry.shard
+    if shard is not None:   # a DTensor's local shard: what a resharded load plans with
+        record.update(global_shape=list(shard.global_shape), offsets=list(shard.offsets),
+                      placements=list(shard.placements), mesh_shape=list(shard.mesh_shape))
+        if shard.coordinate is not None:
+            record["coordinate"] = list(shard.coordinate)
+    return record
+
+
+def _stored_elsewhere(index: int, entry: TensorEntry, writer: int, world_size: int) -> dict[str, Any]:
+    """The record of a replicated shard that another rank of its replica group writes (``ShardSpec.writer``):
+    its ``file`` is the writer's, ``stored_by`` names the writer; ``layout.link_replicas`` adds the writer's
+    checksum once every rank's records are known (on another node's agent, the writer's are not yet)."""
+    record = _record(index, entry, layout.rank_file_name(entry.group, writer, world_size))
+    record["stored_by"] = writer
+    return record
+
+
+Own = dict[int, dict[str, tuple[tuple[int, ...], str, str]]]
+
+
+def own_shards(snapshots: list[RankSnapshot]) -> Own:
+    """{rank: {name: (shape, dtype, group)}} of the tensors each of these ranks writes as its own."""
+    return {snap.rank: {e.name: (e.shape, e.dtype, e.group) for e in snap.meta.tensors
+                        if e.shard is None or e.shard.written_by(snap.rank)} for snap in snapshots}
+
+
+def stored_by(rank: int, entry: TensorEntry, own: Own) -> int | None:
+    """The rank whose file holds ``rank``'s ``entry``, None for its own file: the writer of its replica group
+    (``ShardSpec.writer``), unless that writer is persisted here and does not hold the same tensor (a state
+    whose ranks differ), in which case ``rank`` keeps writing its own copy. A writer on another node is
+    trusted here and checked at the leader's commit (``layout.link_replicas``)."""
+    shard = entry.shard
+    if shard is None or shard.writer is None or shard.written_by(rank):
+        return None
+    theirs = own.get(shard.writer)
+    if theirs is not None and theirs.get(entry.name) != (entry.shape, entry.dtype, entry.group):
+        return None
+    return shard.writer
 
 
 def _runs(entries: list[tuple[int, TensorEntry]], data_start: int) -> list[tuple[int, int, int]]:
@@ -448,6 +492,8 @@ def _fill(tmp: Path, step: int, snapshots: list[RankSnapshot], threads: int) -> 
 
 def _write_marker(tmp: Path, step: int, world_size: int, ranks_meta: dict[str, Any], common: dict[str, Any],
                   nbytes: int, verdict: RankHealth = NEUTRAL) -> None:
+    # Before anything of the marker: a replicated shard whose writer's file lacks it fails the persist here.
+    layout.link_replicas(ranks_meta, f"step {step} in {tmp}")
     _write_json(tmp / layout.COMMON, {"format": layout.METADATA_FORMAT, "step": step, "ranks": common})
     fault_point("agent.persist.before_marker", step=step)
     _write_json(tmp / layout.METADATA, {
@@ -466,15 +512,28 @@ def _write_rank_files(tmp: Path, step: int, snapshots: list[RankSnapshot],
     common: dict[str, Any] = {}
     nbytes = 0
     jobs = []
+    own = own_shards(snapshots)
+    kept: list[str] = []
     for snap in sorted(snapshots, key=lambda s: s.rank):
         by_group: dict[str, list[tuple[int, TensorEntry]]] = {}
+        elsewhere = []
         for index, entry in enumerate(snap.meta.tensors):
-            by_group.setdefault(entry.group, []).append((index, entry))
+            writer = stored_by(snap.rank, entry, own)
+            if writer is None:
+                by_group.setdefault(entry.group, []).append((index, entry))
+                if entry.shard is not None and not entry.shard.written_by(snap.rank):
+                    kept.append(f"rank {snap.rank}'s {entry.name!r} (writer rank {entry.shard.writer} lacks it)")
+            else:   # a replica group's copy that its writer rank puts on disk: one file holds it for all
+                elsewhere.append(_stored_elsewhere(index, entry, writer, world_size))
         for group in sorted(by_group):
             jobs.append((snap, layout.rank_file_name(group, snap.rank, world_size), by_group[group]))
             nbytes += sum(entry.nbytes for _, entry in by_group[group])
-        ranks_meta[str(snap.rank)] = {"files": [name for s, name, _ in jobs if s is snap], "tensors": []}
+        ranks_meta[str(snap.rank)] = {"files": [name for s, name, _ in jobs if s is snap], "tensors": elsewhere}
         common[str(snap.rank)] = {"skeleton": snap.meta.skeleton, "skeleton_version": snap.meta.skeleton_version}
+    if kept:
+        logger.warning("step %d: %d replicated shards are written by their own rank, not once per replica group, "
+                       "because the group's writer does not hold the same tensor: %s", step, len(kept),
+                       "; ".join(kept[:3]) + (" ..." if len(kept) > 3 else ""))
     # Files in parallel: while one thread waits on fsync another hashes and writes.
     with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(jobs))), thread_name_prefix="write") as pool:
         futures = [pool.submit(_write_safetensors, tmp / name, snap, entries, step) for snap, name, entries in jobs]
@@ -559,6 +618,9 @@ def commit_stage(save_dir: Path, step: int, audit: AuditLog) -> PersistStats | N
         return None
     nbytes = int(sum(share for _, _, share, _ in ranks.values()))
     verdict = wire_health.combine({int(r): h for r, (_, _, _, h) in ranks.items()})
+    # Every rank's note is in (so every writer's file is durable); a record that names a writer without that
+    # tensor stops the commit before the notes go (CheckpointFormatError: the stage is never published).
+    layout.link_replicas({r: e for r, (e, _, _, _) in ranks.items()}, f"step {step} in {stage}")
     for name in os.listdir(stage):
         if layout.NODE_FILE_RE.match(name):
             os.unlink(stage / name)

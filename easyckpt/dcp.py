@@ -6,8 +6,10 @@ offsets; a plain tensor as a whole), so DCP's own load planning decides which sa
 of the new world reads; nothing here reshards by hand. Keys are DCP's: the dotted path of the state
 (``model.0.weight``, ``optim.state.0.exp_avg``), so a natural ``{"model": model.state_dict()}`` loads.
 
-Where several ranks saved the same range (a replicated DTensor, or a plain tensor every rank holds) the
-lowest rank's copy is served. Non-tensor values (ints, lists) are served from rank 0's state.
+Where several ranks hold the same range (a replicated DTensor, or a plain tensor every rank holds) one copy
+is served: the lowest rank's, which for a replicated DTensor is in its replica group's writer's file
+(``stored_by`` in metadata.json: the other ranks of the group did not write theirs). Non-tensor values
+(ints, lists) are served from rank 0's state.
 
 ``read_resharded`` is the disk tier of ``Checkpointer.load(state_dict)`` when the saved world size differs
 from this job's: DTensors through ``dcp.load``, every other value of the state (plain tensors, RNG states,
@@ -17,9 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import logging
+import mmap
 import os
 import uuid
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,7 +32,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
-from safetensors import safe_open
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
@@ -148,17 +152,20 @@ def checkpoint_index(iteration_dir: Path) -> CheckpointIndex:
                 continue
             if 0 in record.shape or any(c.offsets == offsets and c.shape == record.shape for c in saved.chunks):
                 continue   # empty, or a copy of a range a lower rank saved (replicated)
-            saved.chunks.append(Chunk(rank, record.file, record.name, offsets, record.shape, record.checksum))
+            # A replicated shard stored by its group's writer: the writer's file, so the chunk names that rank.
+            owner = record.stored_by if record.stored_by is not None else rank
+            saved.chunks.append(Chunk(owner, record.file, record.name, offsets, record.shape, record.checksum))
     return CheckpointIndex(iteration_dir, int(meta["step"]), world_size, tensors, values, keys)
 
 
 class StorageReader(dcp.StorageReader):
     """A ``torch.distributed.checkpoint.StorageReader`` of one easyckpt ``iteration_N`` directory.
 
-    ``verify=True`` (the default) checks every saved range it touches against its xxh3-128 before use,
-    which reads a range whole even when only part of it is needed (for FSDP-style dim-0 shards between
-    world sizes that divide each other, the whole ranges are what is needed anyway); ``verify=False``
-    reads only the needed byte ranges (safetensors ``get_slice``), unverified.
+    ``verify=True`` (the default) checks every saved range it touches against its xxh3-128 before use, once
+    per load, which reads that range whole even when only part of it is needed (for FSDP-style dim-0 shards
+    between world sizes that divide each other, the whole ranges are what is needed anyway); ``verify=False``
+    reads only the pages of the needed boxes, unverified. Either way the files are mapped and each box is
+    copied once, from the mapping straight into its target.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
@@ -168,12 +175,14 @@ class StorageReader(dcp.StorageReader):
         self.load_id = str(uuid.uuid4())
         self.index: CheckpointIndex | None = None
         self.storage_data: dict[MetadataIndex, Chunk | _Value] = {}
+        self.verified: set[tuple[str, str]] = set()   # (file, tensor) checked in this load: once per range
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.path = Path(checkpoint_id)
         self.load_id = str(uuid.uuid4())
         self.index = None
+        self.verified = set()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -229,49 +238,92 @@ class StorageReader(dcp.StorageReader):
     def _read_file(self, path: Path, items: list[tuple[ReadItem, Chunk]], planner: LoadPlanner) -> None:
         first = items[0][1]
         try:
-            handle = safe_open(str(path), framework="pt")
+            view = _FileView(path)
         except FileNotFoundError:
             raise storage.CheckpointCorruptError(
                 f"{path} is missing: it holds rank {first.rank}'s shard of {first.name!r} and "
                 f"{len(items) - 1} more saved ranges needed here. Restore the file, or load another iteration "
                 f"(`easyckpt verify {path.parent.parent}` lists the complete ones)") from None
-        except Exception as exc:  # safetensors raises its own error type for a damaged header
-            raise storage.CheckpointCorruptError(f"{path} is not a readable safetensors file: {exc}") from None
-        whole: dict[str, torch.Tensor] = {}
-        with handle:
-            for item, chunk in items:
-                box = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
-                if self.verify:
-                    if chunk.name not in whole:
-                        whole[chunk.name] = _verified(handle, path, chunk)
-                    data = whole[chunk.name][box]
-                elif box:
-                    data = handle.get_slice(chunk.name)[box]
-                else:
-                    data = handle.get_tensor(chunk.name)
-                target = planner.resolve_tensor(item).detach()
-                if target.shape != data.shape:
-                    raise storage.CheckpointCorruptError(
-                        f"{path}: {chunk.name!r} range {tuple(item.storage_offsets)}+{tuple(item.lengths)} gave "
-                        f"{tuple(data.shape)}, the target needs {tuple(target.shape)}")
-                target.copy_(data)
-                planner.commit_tensor(item, target)
+        for item, chunk in items:
+            if self.verify and (path.name, chunk.name) not in self.verified:
+                view.verify(chunk)
+                self.verified.add((path.name, chunk.name))
+            box = tuple(slice(o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
+            data = view.tensor(chunk)[box]   # a view of the mapped file: only the pages of the box are read
+            target = planner.resolve_tensor(item).detach()
+            if target.shape != data.shape:
+                raise storage.CheckpointCorruptError(
+                    f"{path}: {chunk.name!r} range {tuple(item.storage_offsets)}+{tuple(item.lengths)} gave "
+                    f"{tuple(data.shape)}, the target needs {tuple(target.shape)}")
+            target.copy_(data)
+            planner.commit_tensor(item, target)
 
 
-def _verified(handle: Any, path: Path, chunk: Chunk) -> torch.Tensor:
-    try:
-        tensor = handle.get_tensor(chunk.name)
-    except Exception as exc:
-        raise storage.CheckpointCorruptError(f"{path}: tensor {chunk.name!r} is unreadable: {exc}") from None
-    if tuple(tensor.shape) != chunk.shape:
-        raise storage.CheckpointCorruptError(
-            f"{path}: tensor {chunk.name!r} has shape {tuple(tensor.shape)}, metadata says {chunk.shape}")
-    data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data if tensor.numel() else memoryview(b"")
-    if xxhash.xxh3_128_hexdigest(data) != chunk.checksum:
-        raise storage.CheckpointCorruptError(
-            f"{path}: tensor {chunk.name!r} (rank {chunk.rank}) fails its {layout.CHECKSUM_ALGO} checksum: the file "
-            "is corrupted; load another iteration")
-    return tensor
+class _FileView:
+    """One saved safetensors file, mapped read-only for the reads of one ``read_data``: a saved range is
+    hashed where it lies (no copy) and a requested box is copied straight from the mapping into its target,
+    so a part of a range reads only its own pages. (Read-only: a private writable map would be charged to
+    the commit limit for the whole file where the kernel does not overcommit.)"""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            try:
+                length = int.from_bytes(handle.read(8), "little")
+                if not 0 < length <= size - 8:
+                    raise ValueError(f"a header of {length} bytes in a file of {size}")
+                self.header = json.loads(handle.read(length))
+                if not isinstance(self.header, dict):
+                    raise ValueError("the header is not a JSON object")
+            except ValueError as exc:
+                raise storage.CheckpointCorruptError(f"{path} is not a readable safetensors file: {exc}") from None
+            self.start, self.size = 8 + length, size
+            self.map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size > self.start else None
+
+    def _range(self, chunk: Chunk) -> tuple[int, int, torch.dtype]:
+        info = self.header.get(chunk.name)
+        try:
+            begin, end = (int(x) for x in info["data_offsets"])
+            dtype, shape = torch_dtype(info["dtype"]), tuple(int(d) for d in info["shape"])
+        except (TypeError, KeyError, ValueError):
+            raise storage.CheckpointCorruptError(
+                f"{self.path}: tensor {chunk.name!r} (rank {chunk.rank}) is missing from the file or its header "
+                "entry is damaged; load another iteration") from None
+        if shape != chunk.shape:
+            raise storage.CheckpointCorruptError(
+                f"{self.path}: tensor {chunk.name!r} has shape {shape}, metadata says {chunk.shape}")
+        count = 1
+        for d in shape:
+            count *= d
+        if not 0 <= begin <= end <= self.size - self.start or end - begin != count * dtype.itemsize:
+            raise storage.CheckpointCorruptError(
+                f"{self.path}: tensor {chunk.name!r} has data offsets [{begin}, {end}) that do not fit its shape "
+                f"{shape} or the file ({self.size} bytes): the file is truncated or damaged")
+        return self.start + begin, self.start + end, dtype
+
+    def verify(self, chunk: Chunk) -> None:
+        begin, end, _ = self._range(chunk)
+        data = memoryview(self.map)[begin:end] if self.map is not None else memoryview(b"")
+        try:
+            ok = xxhash.xxh3_128_hexdigest(data) == chunk.checksum
+        finally:
+            data.release()
+        if not ok:
+            raise storage.CheckpointCorruptError(
+                f"{self.path}: tensor {chunk.name!r} (rank {chunk.rank}) fails its {layout.CHECKSUM_ALGO} checksum: "
+                "the file is corrupted; load another iteration")
+
+    def tensor(self, chunk: Chunk) -> torch.Tensor:
+        begin, end, dtype = self._range(chunk)
+        if begin == end or self.map is None:
+            return torch.empty(chunk.shape, dtype=dtype)
+        with warnings.catch_warnings():
+            # The view is only ever read (copied into the target), so torch's warning that it cannot mark a
+            # tensor read-only says nothing here.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            flat = torch.frombuffer(self.map, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=begin)
+        return flat.view(chunk.shape)
 
 
 def load_into(state: dict[str, Any], iteration_dir: Path) -> None:

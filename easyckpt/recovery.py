@@ -159,7 +159,7 @@ def layout_changed(record: _Record, target: Target | None) -> bool:
         return False
     ours = target.shard
     if ours is not None:
-        return ours.global_shape == saved.global_shape and ours != saved
+        return ours.global_shape == saved.global_shape and ours.split != saved.split
     return tuple(target.into.shape) == saved.global_shape != record.shape
 
 
@@ -347,7 +347,7 @@ def _read_resharded(iteration_dir: Path, rank: int, world_size: int,
     logger.info("rank %d: step %d was saved by %d ranks, this job has %d%s: %d sharded tensors resharded through "
                 "torch.distributed.checkpoint's load planning%s; private values from rank %d (%s)", rank, index.step,
                 index.world_size, world_size, " (split otherwise)" if index.world_size == world_size else "", len(into),
-                f" ({replicated} replicated: the lowest saved rank's copy)" if replicated else "", source,
+                f" ({replicated} replicated: their writer's copy)" if replicated else "", source,
                 sharding.private_rule(world_size, index.world_size))
     return entry.skeleton, values, str(iteration_dir), nbytes
 

@@ -37,12 +37,15 @@ def local_tensor(value: Any) -> torch.Tensor:
 
 def shard_spec(value: Any) -> ShardSpec:
     """Where ``value``'s (a DTensor's) local shard sits in the global tensor. Cached by the DTensor's spec:
-    it is computed every snapshot for thousands of tensors whose spec does not change."""
-    return _spec_of(value._spec)
+    it is computed every snapshot for thousands of tensors whose spec does not change. The key holds this
+    rank's coordinate: meshes of different ranks compare equal (a plan for another world builds them all in
+    one process)."""
+    coordinate = value._spec.mesh.get_coordinate()
+    return _spec_of(value._spec, None if coordinate is None else tuple(int(c) for c in coordinate))
 
 
 @functools.lru_cache(maxsize=65536)
-def _spec_of(spec: Any) -> ShardSpec:
+def _spec_of(spec: Any, coordinate: tuple[int, ...] | None) -> ShardSpec:
     placements = tuple(str(p) for p in spec.placements)
     for p in spec.placements:
         if p.is_partial():
@@ -50,12 +53,30 @@ def _spec_of(spec: Any) -> ShardSpec:
                 f"placement {p} is a pending reduction: the local values are not this rank's part of the "
                 "tensor. Redistribute it first (dtensor.redistribute(placements=[Replicate()]) or .full_tensor())")
     mesh = spec.mesh
-    if mesh.get_coordinate() is None:
+    if coordinate is None:
         raise ShardingError(f"this rank is not in the DTensor's mesh {tuple(mesh.shape)}: it holds no shard to save")
     _, offsets = compute_local_shape_and_global_offset(spec.shape, mesh, spec.placements)
+    # The mesh's rank layout names the writer as a global rank: the same numbering as the saved files'
+    # (a submesh, say FSDP's dp dim of a 2-D mesh, lists the global ranks of this rank's group).
+    writer = int(mesh.mesh[writer_coordinate(coordinate, placements)].item())
     # An empty shard reports the end of its dim as its offset: still inside the global tensor.
     return ShardSpec(tuple(int(d) for d in spec.shape), tuple(int(o) for o in offsets), placements,
-                     tuple(int(d) for d in mesh.shape))
+                     tuple(int(d) for d in mesh.shape), coordinate, writer)
+
+
+def writer_coordinate(coordinate: Sequence[int], placements: Sequence[str]) -> tuple[int, ...]:
+    """The mesh coordinate of the rank that writes a shard to disk for its replica group.
+
+    The rule: a replica group is the ranks whose coordinates differ only on the mesh dims where the
+    placement is Replicate (``"R"``): they hold the same bytes. Its writer is the one whose coordinate is 0
+    on every such dim (the others keep theirs on the sharded dims). So a tensor replicated on the tp dim of
+    a (dp, tp) mesh is written by the tp-rank-0 of each dp group, a fully replicated one by the mesh's first
+    rank, and a tensor with no ``R`` placement by every rank (each is its own group). The other ranks of a
+    group keep their copy in memory (every tier of memory recovery reads it there) and point to the
+    writer's file on disk (``stored_by`` in ``metadata.json``)."""
+    if len(coordinate) != len(placements):
+        raise ValueError(f"coordinate {tuple(coordinate)} and placements {tuple(placements)} need one entry per mesh dim")
+    return tuple(0 if p == "R" else int(c) for c, p in zip(coordinate, placements))
 
 
 def source_rank(rank: int, saved_world_size: int) -> int:

@@ -39,6 +39,7 @@ class TensorRecord:
     file: str
     checksum: str
     shard: ShardSpec | None = None   # a DTensor's local shard (metadata.json has its placements)
+    stored_by: int | None = None     # a replicated shard written once for its group: the writer's rank
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -127,8 +128,11 @@ def rank_entry(iteration_dir: Path, rank: int, world_size: int | None) -> RankEn
         with open(iteration_dir / layout.COMMON, encoding="utf-8") as handle:
             common = json.load(handle)
         skeleton = common["ranks"][str(rank)]["skeleton"]
+        # A replicated shard that its group's writer saved has the writer's file and checksum in its record
+        # (layout.link_replicas): it reads from there like any other.
         records = [TensorRecord(t["index"], t["name"], t["kind"], t["dtype"], tuple(t["shape"]), t["nbytes"],
-                                t["file"], t[layout.CHECKSUM_ALGO], _shard(t, iteration_dir, rank)) for t in info["tensors"]]
+                                t["file"], t[layout.CHECKSUM_ALGO], _shard(t, iteration_dir, rank), t.get("stored_by"))
+                   for t in info["tensors"]]
     except FileNotFoundError as exc:
         raise CheckpointCorruptError(f"{iteration_dir}: {exc.filename} is missing") from None
     except (KeyError, TypeError, ValueError) as exc:
@@ -143,8 +147,10 @@ def _shard(record: dict[str, Any], iteration_dir: Path, rank: int) -> ShardSpec 
     if "placements" not in record:
         return None
     where = f"{iteration_dir / layout.METADATA} (rank {rank})"
-    return ShardSpec.from_wire([record["global_shape"], record["offsets"], record["placements"], record["mesh_shape"]],
-                               where, f"tensor {record['name']!r}", tuple(record["shape"]))
+    coordinate = record.get("coordinate")
+    writer = None if coordinate is None else record.get("stored_by", rank)
+    return ShardSpec.from_wire([record["global_shape"], record["offsets"], record["placements"], record["mesh_shape"],
+                                coordinate, writer], where, f"tensor {record['name']!r}", tuple(record["shape"]))
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -163,7 +169,8 @@ def read_tensors(entry: RankEntry) -> Iterator[tuple[TensorRecord, torch.Tensor]
         try:
             handle = safe_open(str(path), framework="pt")
         except FileNotFoundError:
-            raise CheckpointCorruptError(f"{path} (step {entry.step}, rank {entry.rank}) is missing") from None
+            raise CheckpointCorruptError(f"{path} (step {entry.step}, rank {entry.rank}) is missing"
+                                         + _stored_by_note(records, entry.rank)) from None
         except Exception as exc:  # safetensors raises its own error type for damaged headers
             raise CheckpointCorruptError(f"{path} (step {entry.step}) is not a readable safetensors file: {exc}") from None
         with handle:
@@ -183,6 +190,16 @@ def read_tensors(entry: RankEntry) -> Iterator[tuple[TensorRecord, torch.Tensor]
                 yield record, tensor
 
 
+def _stored_by_note(records: list[TensorRecord], rank: int) -> str:
+    """For a missing file that another rank wrote: which replicated tensor rank ``rank`` needed from it."""
+    shared = [r for r in records if r.stored_by is not None and r.stored_by != rank]
+    if not shared:
+        return ""
+    more = f" and {len(shared) - 1} more replicated tensors" if len(shared) > 1 else ""
+    return (f": rank {shared[0].stored_by} wrote it, holding tensor {shared[0].name!r}{more} once for its replica "
+            f"group (rank {rank}'s copy was in memory only). Restore the file, or load another iteration")
+
+
 def verify(save_dir: Path) -> list[tuple[int, Path, str | None]]:
     """Re-read every complete iteration; (step, path, problem or None) for each, oldest first."""
     results: list[tuple[int, Path, str | None]] = []
@@ -193,7 +210,10 @@ def verify(save_dir: Path) -> list[tuple[int, Path, str | None]]:
         try:
             meta = layout.read_metadata(path)
             for rank in sorted(meta["ranks"], key=int):
-                for _ in read_tensors(rank_entry(path, int(rank), meta["world_size"])):
+                entry = rank_entry(path, int(rank), meta["world_size"])
+                # A replicated shard stored by its group's writer is checked once, under the writer's rank.
+                own = [r for r in entry.records if r.stored_by is None or r.stored_by == entry.rank]
+                for _ in read_tensors(dataclasses.replace(entry, records=own)):
                     pass
             results.append((step, path, None))
         except (CheckpointFormatError, KeyError, TypeError) as exc:

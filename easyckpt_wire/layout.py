@@ -7,7 +7,9 @@
         metadata.json      # the commit marker: written last; a directory without it is incomplete
         common.json        # per-rank skeletons (non-tensor state), exactly round-trippable
         easyckpt-model-0000000-0000002.safetensors   # rank 0 of 2, model tensors
-        easyckpt-opt-0000000-0000002.safetensors     # rank 0 of 2, optimizer tensors
+        easyckpt-opt-0000000-0000002.safetensors     # rank 0 of 2, optimizer tensors (a replicated
+                                                     #   DTensor shard: only in its replica group's writer's
+                                                     #   file; the others' records say "stored_by")
       latest_checkpointed_iteration.txt
       easyckpt-audit.log
       .tmp-iteration_0000100-<pid>/                  # a persist in progress (or a dead writer's)
@@ -181,6 +183,41 @@ def tensor_group(name: str) -> str:
 
 class CheckpointFormatError(RuntimeError):
     """A checkpoint directory that is damaged or not ours."""
+
+
+def link_replicas(ranks_meta: dict[str, Any], where: str) -> None:
+    """Complete, in place, the metadata.json records of replicated shards that another rank wrote.
+
+    A rank whose copy of a replicated DTensor shard its replica group's writer puts on disk (the rule is
+    ``easyckpt.sharding.writer_coordinate``) has a record with ``stored_by`` (the writer's rank) and the
+    writer's ``file``; this gives it the writer's checksum, so that every reader, older builds included,
+    reads it from there like any other record. Raises CheckpointFormatError naming the tensor and both
+    ranks when the writer did not save that tensor with the same shape and dtype: such an iteration would
+    not load, so it is never committed."""
+    by_rank: dict[str, dict[str, Any]] = {}
+    for rank, info in ranks_meta.items():
+        for record in info["tensors"]:
+            if "stored_by" not in record:
+                by_rank.setdefault(rank, {})[record["name"]] = record
+    for rank, info in ranks_meta.items():
+        for record in info["tensors"]:
+            writer = record.get("stored_by")
+            if writer is None:
+                continue
+            if str(writer) not in ranks_meta:
+                raise CheckpointFormatError(
+                    f"{where}: rank {rank}'s tensor {record['name']!r} is replicated and stored by rank {writer}, "
+                    f"which is not among the saved ranks {sorted(ranks_meta, key=int)}")
+            source = by_rank.get(str(writer), {}).get(record["name"])
+            if source is None or (source["shape"], source["dtype"], source["file"]) != (
+                    record["shape"], record["dtype"], record["file"]):
+                found = "lacks it" if source is None else (f"has it as {source['dtype']} {source['shape']} in "
+                                                           f"{source['file']}")
+                raise CheckpointFormatError(
+                    f"{where}: rank {rank}'s tensor {record['name']!r} ({record['dtype']} {record['shape']}) is "
+                    f"replicated and stored by rank {writer} in {record['file']}, but rank {writer}'s state {found}: "
+                    "the ranks of one replica group must hold the same DTensor")
+            record[CHECKSUM_ALGO] = source[CHECKSUM_ALGO]
 
 
 def read_metadata(iteration_dir: Path) -> dict[str, Any]:

@@ -8,7 +8,9 @@ these types read what older builds wrote and older builds read what these write:
 * :class:`TensorEntry`: one tensor's place in a slot, a msgpack list
   ``[name, kind, dtype, shape, offset, nbytes, group, shard]`` (a list, not a map: a state may hold 10k+
   tensors, and the index is packed once per plan by the stager); ``shard`` (a :class:`ShardSpec`, or nil
-  for a whole tensor) came with sharded state, and readers of 7 fields ignore it;
+  for a whole tensor) came with sharded state, and readers of 7 fields ignore it; the shard's 5th and 6th
+  fields (this rank's mesh coordinate, the rank that writes its replica group) came with replicated-once
+  saves, and readers of 4 ignore them (appended optional fields: no format version bump, as for ``shard``);
 * :class:`SlotMeta`: the msgpack map after a slot's tensor bytes;
 * :class:`Manifest`: a slot's metadata as the agents hand it around (no pid, plus checksums);
 * :class:`PeerTable`: the job's nodes, token and leader (the PEERS fields);
@@ -96,20 +98,39 @@ MAX_MESH_DIMS = 8
 class ShardSpec(NamedTuple):
     """Where a saved local shard sits in its global tensor (a DTensor's): plain ints and strings, so the
     agent and the wire stay torch-free. A tuple, packed as the list ``[global_shape, offsets, placements,
-    mesh_shape]``."""
+    mesh_shape, coordinate, writer]``; the last two are nil from a writer before replicated-once saves (and
+    readers of four fields ignore them).
+
+    ``writer`` is the rank that writes this shard to disk for its whole replica group (the ranks that hold
+    the same copy because a placement is ``R``): the rank at ``coordinate`` with 0 on every replicated mesh
+    dim (``easyckpt.sharding.writer_coordinate``). Every other rank of the group keeps its copy in memory
+    only, and ``metadata.json`` says which rank's file holds it (``stored_by``)."""
 
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]       # of this shard's first element in the global tensor, per dim
     placements: tuple[str, ...]    # one per mesh dim, as torch prints them: "S(0)", "R"
     mesh_shape: tuple[int, ...]
+    coordinate: tuple[int, ...] | None = None   # this rank's place in the mesh (None: an older writer)
+    writer: int | None = None      # the rank whose file holds this shard (None: every rank writes its own)
 
     @property
     def replicated(self) -> bool:
         """Every rank of the mesh holds the whole tensor."""
         return all(p == "R" for p in self.placements)
 
+    @property
+    def split(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...], tuple[int, ...]]:
+        """What the bytes of the shard depend on (not who holds or writes it): two specs with the same split
+        hold the same part of the same global tensor."""
+        return self.global_shape, self.offsets, self.placements, self.mesh_shape
+
+    def written_by(self, rank: int) -> bool:
+        """Whether ``rank``, holding this shard, writes it to disk (else the ``writer``'s file holds it)."""
+        return self.writer is None or self.writer == rank
+
     def to_wire(self) -> list[Any]:
-        return [list(self.global_shape), list(self.offsets), list(self.placements), list(self.mesh_shape)]
+        return [list(self.global_shape), list(self.offsets), list(self.placements), list(self.mesh_shape),
+                None if self.coordinate is None else list(self.coordinate), self.writer]
 
     @classmethod
     def from_wire(cls, obj: Any, where: str, record: str, shape: tuple[int, ...]) -> ShardSpec:
@@ -132,7 +153,12 @@ class ShardSpec(NamedTuple):
         if any(o + n > g for o, n, g in zip(offsets, shape, global_shape)):
             raise RecordError(where, record, "shard", f"local shape {shape} at offsets {offsets} does not "
                               f"fit in the global shape {global_shape}")
-        return cls(global_shape, offsets, placements, mesh_shape)
+        coordinate = None if len(items) < 5 or items[4] is None else _ints(items[4], where, record, "shard.coordinate")
+        if coordinate is not None and (len(coordinate) != len(mesh_shape)
+                                       or any(c >= n for c, n in zip(coordinate, mesh_shape))):
+            raise RecordError(where, record, "shard.coordinate", f"is {coordinate}, not a place in the mesh {mesh_shape}")
+        writer = None if len(items) < 6 or items[5] is None else _int(items[5], where, record, "shard.writer", 0, 1 << 20)
+        return cls(global_shape, offsets, placements, mesh_shape, coordinate, writer)
 
 
 # tensor entry ---------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ optimizer state equals the saved one bitwise; a 2-D (tensor x FSDP) save of 4 ra
 template of other global shapes, a missing shard file, a checkpoint without sharding metadata."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -97,28 +98,87 @@ def test_resume_on_fewer_ranks_reshards_from_disk(env: Env, reference: tuple[Pat
         assert sorted(ours) == list(range(INTERVAL + 1, STEPS)) and all(math.isfinite(v) for v in ours.values())
 
 
-def test_2d_tensor_and_fsdp_parallel_resumes_on_a_1d_mesh_of_2(env: Env) -> None:
-    """DTensor tensor parallelism (ColwiseParallel/RowwiseParallel, 2-way) plus FSDP2 (2-way) on a 2-D mesh of
-    4 ranks: FSDP2 then shards the column-parallel weight with ``_StridedShard``. Its save resumes from disk on
-    a 1-D mesh of 2 (FSDP only): every full tensor of model and optimizer state equals the saved one bitwise,
-    plain dcp.load agrees, and training goes on."""
-    first = Job(env, env.save_dir, env.tmp_path / "2d", steps=INTERVAL + 1, nproc=4, step_seconds=0.0,
-                save_storage_interval=INTERVAL, script=SCRIPT, extra_args=["--tp", "2", "--digest-every", "1"])
-    assert first.wait(240) == 0, first.log()[-3000:]
-    wait_for(lambda: env.agent_pid() is None, 30, "the 2-D job's agent to exit after a clean finish")
-    meta = read_json(env.save_dir / layout.iteration_dirname(INTERVAL) / layout.METADATA)
+@pytest.fixture(scope="module")
+def two_d(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
+    """One 4-rank run with DTensor tensor parallelism (ColwiseParallel/RowwiseParallel, 2-way) plus FSDP2
+    (2-way) on a 2-D (dp, tp) mesh: (its out dir, its iteration of step INTERVAL, alone in a save_dir of its
+    own). FSDP2 then shards the column-parallel weight with ``_StridedShard``, and the row-parallel bias (and
+    its AdamW moments) is replicated on the tp dim: placements (S(0), R)."""
+    env = Env(tmp_path_factory.mktemp("two-d"))
+    try:
+        job = Job(env, env.save_dir, env.tmp_path / "2d", steps=INTERVAL + 1, nproc=4, step_seconds=0.0,
+                  save_storage_interval=INTERVAL, script=SCRIPT, extra_args=["--tp", "2", "--digest-every", "1"])
+        assert job.wait(240) == 0, job.log()[-3000:]
+        wait_for(lambda: env.agent_pid() is None, 30, "the 2-D job's agent to exit after a clean finish")
+        # The iteration alone: nothing in memory for a new job to find (its save_dir names another job).
+        iteration = env.tmp_path / "saved" / layout.iteration_dirname(INTERVAL)
+        shutil.copytree(env.save_dir / layout.iteration_dirname(INTERVAL), iteration)
+        (iteration.parent / layout.TRACKER).write_text(f"{INTERVAL}\n")
+        yield env.tmp_path / "2d", iteration
+    finally:
+        env.cleanup()
+
+
+def test_2d_replicated_tensors_are_written_once_per_replica_group(two_d: tuple[Path, Path]) -> None:
+    """On the (dp, tp) mesh [[0, 1], [2, 3]] a tensor replicated on tp is in the file of tp rank 0 of each dp
+    group (ranks 0 and 2) and in no other; the records of ranks 1 and 3 say which rank stored it, and a tensor
+    without a replicated placement is in every rank's file."""
+    from safetensors import safe_open
+
+    _, iteration = two_d
+    meta = read_json(iteration / layout.METADATA)
     placements = {t["name"]: t.get("placements") for t in meta["ranks"]["2"]["tensors"]}
     assert placements["model/mlp.up.weight"] == ["_S(0, 2)", "S(0)"], placements
     assert placements["model/mlp.down.weight"] == ["S(0)", "S(1)"], placements
+    replicated = sorted(n for n, p in placements.items() if p and "R" in p)
+    assert "model/mlp.down.bias" in replicated and len(replicated) == 3, replicated   # the bias and its 2 moments
+    held: dict[str, list[int]] = {}
+    for path in sorted(iteration.glob("*.safetensors")):
+        rank = int(path.name.split("-")[2])
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                held.setdefault(name, []).append(rank)
+    for name in replicated:
+        assert sorted(held[name]) == [0, 2], f"{name} is in the files of ranks {held[name]}, expected [0, 2]"
+        for rank, writer in ((0, None), (1, 0), (2, None), (3, 2)):
+            record = next(t for t in meta["ranks"][str(rank)]["tensors"] if t["name"] == name)
+            assert record.get("stored_by") == writer, (rank, record)
+            stored = rank if writer is None else writer
+            assert record["file"] == layout.rank_file_name(layout.tensor_group(name), stored, 4), record
+            assert record["coordinate"] == [rank // 2, rank % 2], record
+    assert sorted(held["model/mlp.down.weight"]) == [0, 1, 2, 3]
+    assert sorted(held["model/embed.weight"]) == [0, 1, 2, 3]   # FSDP on the dp submesh: no declared replica
 
-    save_dir = env.tmp_path / "1d"    # the iteration alone: nothing in memory for the new world to find
+
+def test_2d_same_world_resume_from_disk_reads_the_writers_copy(env: Env, two_d: tuple[Path, Path]) -> None:
+    """4 ranks on the same 2-D mesh, memory empty: each rank reads its own files, and ranks 1 and 3 their
+    replicated tensors from the files of ranks 0 and 2; every full tensor equals the saved one bitwise."""
+    ref_out, iteration = two_d
+    save_dir = env.tmp_path / "same"
+    shutil.copytree(iteration.parent, save_dir)
+    out = env.tmp_path / "resumed"
+    job = fsdp_job(env, out, 4, "--tp", "2", save_dir=save_dir)
+    assert job.wait(240) == 0, job.log()[-3000:]
+    report = read_json(out / "resume-0.json")
+    assert (report["step"], report["source"], report["world_size"], report["tp"]) == (INTERVAL, "disk", 4, 2), report
+    assert report["digests"] == read_json(ref_out / f"full-{INTERVAL}.json"), "the state read from disk is not the saved one"
+    assert "saved by 4 ranks" not in job.log()   # the same world: no resharded load
+    for rank in range(4):
+        ours = losses(out, rank)
+        assert sorted(ours) == list(range(INTERVAL + 1, STEPS)) and all(math.isfinite(v) for v in ours.values())
+
+
+def test_2d_tensor_and_fsdp_parallel_resumes_on_a_1d_mesh_of_2(env: Env, two_d: tuple[Path, Path]) -> None:
+    """The 2-D save resumes from disk on a 1-D mesh of 2 (FSDP only): every full tensor of model and optimizer
+    state equals the saved one bitwise, plain dcp.load agrees, and training goes on."""
+    ref_out, saved_iteration = two_d
+    save_dir = env.tmp_path / "1d"
+    shutil.copytree(saved_iteration.parent, save_dir)
     iteration = save_dir / layout.iteration_dirname(INTERVAL)
-    shutil.copytree(env.save_dir / layout.iteration_dirname(INTERVAL), iteration)
-    (save_dir / layout.TRACKER).write_text(f"{INTERVAL}\n")
     out = env.tmp_path / "resumed"
     job = fsdp_job(env, out, 2, "--dcp-check", str(iteration), save_dir=save_dir)
     assert job.wait(240) == 0, job.log()[-3000:]
-    saved = read_json(env.tmp_path / "2d" / f"full-{INTERVAL}.json")
+    saved = read_json(ref_out / f"full-{INTERVAL}.json")
     report = read_json(out / "resume-0.json")
     assert (report["step"], report["source"], report["world_size"], report["tp"]) == (INTERVAL, "disk", 2, 1), report
     assert report["digests"] == saved, "the state resharded from the 2-D mesh is not the saved one"
@@ -127,6 +187,44 @@ def test_2d_tensor_and_fsdp_parallel_resumes_on_a_1d_mesh_of_2(env: Env) -> None
     for rank in range(2):
         ours = losses(out, rank)
         assert sorted(ours) == list(range(INTERVAL + 1, STEPS)) and all(math.isfinite(v) for v in ours.values())
+
+
+def test_2d_missing_writer_file_names_tensor_file_and_writer(env: Env, two_d: tuple[Path, Path]) -> None:
+    """Rank 2's model file gone: rank 3, whose copy of the tp-replicated bias rank 2 wrote, gets an error naming
+    the tensor, the file and rank 2; `easyckpt verify` reports the iteration damaged; the resharded reader
+    (DCP) names the file and rank 2 too."""
+    import torch
+
+    from easyckpt import dcp as edcp
+    from easyckpt import storage
+    from easyckpt.state import torch_dtype
+
+    _, saved_iteration = two_d
+    iteration = env.tmp_path / "broken" / layout.iteration_dirname(INTERVAL)
+    shutil.copytree(saved_iteration, iteration)
+    missing = layout.rank_file_name("model", 2, 4)
+    (iteration / missing).unlink()
+    entry = storage.rank_entry(iteration, 3, 4)
+    shared = [r for r in entry.records if r.stored_by == 2 and r.file == missing]
+    assert shared, [r for r in entry.records if r.stored_by is not None]
+    with pytest.raises(storage.CheckpointCorruptError) as caught:
+        for _ in storage.read_tensors(dataclasses.replace(entry, records=shared)):
+            pass
+    message = str(caught.value)
+    assert missing in message and "is missing" in message and "rank 2 wrote it" in message, message
+    assert "'model/mlp.down.bias'" in message and "replica group" in message, message
+
+    done = run_cli("verify", str(iteration), env=env)
+    assert done.returncode == 1 and missing in done.stdout and "DAMAGED" in done.stdout, done.stdout
+
+    index = edcp.checkpoint_index(iteration)
+    key = "model.mlp.down.bias"
+    assert {c.rank for c in index.tensors[key].chunks} == {0, 2}   # one saved copy per replica group
+    full = {key: torch.empty(index.tensors[key].global_shape, dtype=torch_dtype(index.tensors[key].dtype))}
+    with pytest.raises(storage.CheckpointCorruptError) as dcp_caught:
+        edcp.load_into(full, iteration)
+    message = str(dcp_caught.value)
+    assert missing in message and "rank 2's shard of 'model/mlp.down.bias'" in message, message
 
 
 # bad input: in this process, a 1-rank gloo group and mesh --------------------------------------------------
@@ -308,3 +406,46 @@ def test_convert_to_dcp_and_back_round_trips_bitwise(env: Env, reference: tuple[
     assert model_keys
     differ = [k for k in model_keys if not torch.equal(full[k], loaded[k])]
     assert not differ, f"{len(differ)} model tensors differ after convert --from dcp: {differ[:3]}"
+
+
+def test_dcp_reader_verifies_each_range_and_reads_boxes_from_the_mapped_file(env: Env,
+                                                                           reference: tuple[Path, Path]) -> None:
+    """The StorageReader maps each file: a flipped byte in a saved range fails its checksum (naming the file and
+    the tensor) unless verify=False, which then reads that byte as it is; a truncated file is refused."""
+    import torch
+
+    from easyckpt import dcp as edcp
+    from easyckpt import storage
+    from easyckpt.state import torch_dtype
+
+    iteration = copy_iteration(env, reference)
+    index = edcp.checkpoint_index(iteration)
+    key = "model.embed.weight"
+    chunk = next(c for c in index.tensors[key].chunks if c.rank == 1)
+
+    def fresh() -> dict[str, Any]:
+        saved = index.tensors[key]
+        return {key: torch.empty(saved.global_shape, dtype=torch_dtype(saved.dtype))}
+
+    good = fresh()
+    edcp.load_into(good, iteration)
+    path = iteration / chunk.file
+    blob = bytearray(path.read_bytes())
+    header = json.loads(blob[8:8 + int.from_bytes(blob[:8], "little")])
+    at = 8 + int.from_bytes(blob[:8], "little") + header[chunk.name]["data_offsets"][0]
+    blob[at] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    with pytest.raises(storage.CheckpointCorruptError) as caught:
+        edcp.load_into(fresh(), iteration)
+    message = str(caught.value)
+    assert chunk.file in message and repr(chunk.name) in message and "fails its xxh3_128 checksum" in message, message
+    unverified = fresh()
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(unverified, storage_reader=edcp.StorageReader(iteration, verify=False), no_dist=True)
+    differ = (unverified[key] != good[key]).nonzero()
+    assert len(differ) == 1 and int(differ[0][0]) == chunk.offsets[0], differ   # the flipped byte's element
+
+    path.write_bytes(bytes(blob[:at]))
+    with pytest.raises(storage.CheckpointCorruptError, match="truncated or damaged"):
+        edcp.load_into(fresh(), iteration)

@@ -51,8 +51,10 @@ def sharded_entries(draw: Any) -> TensorEntry:
     shape = tuple(draw(st.integers(0, g - o)) for g, o in zip(global_shape, offsets))
     mesh = tuple(draw(st.lists(st.integers(1, 8), min_size=1, max_size=2)))
     placements = tuple(draw(st.sampled_from(["S(0)", "R", "S(1)"])) for _ in mesh)
+    coordinate = draw(st.none() | st.tuples(*(st.integers(0, n - 1) for n in mesh)))
+    writer = None if coordinate is None else draw(st.integers(0, 1 << 20))
     return TensorEntry(draw(names), "torch", "F32", shape, 0, 4 * math.prod(shape), "model",
-                       ShardSpec(global_shape, offsets, placements, mesh))
+                       ShardSpec(global_shape, offsets, placements, mesh, coordinate, writer))
 checksum = st.binary(min_size=protocol.CHECKSUM_BYTES, max_size=protocol.CHECKSUM_BYTES)
 
 
@@ -79,6 +81,13 @@ def test_sharded_tensor_entry_round_trip(entry: TensorEntry) -> None:
     assert through_msgpack(entry) == wire
     # A reader of the seven fields before sharded state (it ignores what a newer writer appends) still reads it.
     assert TensorEntry.from_wire(wire[:7], WHERE) == entry._replace(shard=None)
+    # A shard of four fields (before replicated-once saves) reads with no coordinate and no writer: its rank
+    # writes it, as every rank did then; and a reader of four fields reads a shard of six.
+    assert entry.shard is not None
+    old = wire[:7] + [wire[7][:4]]
+    assert TensorEntry.from_wire(old, WHERE).shard == entry.shard._replace(coordinate=None, writer=None)
+    assert TensorEntry.from_wire(old, WHERE).shard.written_by(3)   # type: ignore[union-attr]
+    assert TensorEntry.from_wire(wire, WHERE).shard.split == entry.shard.split   # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("shard, problem", [
@@ -88,6 +97,10 @@ def test_sharded_tensor_entry_round_trip(entry: TensorEntry) -> None:
     ([[8], [-1], ["S(0)"], [4]], "outside"),
     ([[8], [0], [0], [4]], "expected a str"),
     ([[8], [0]], "expected [global_shape"),
+    ([[8], [0], ["R"], [4], [4], 0], "not a place in the mesh"),
+    ([[8], [0], ["R"], [4], [0, 0], 0], "not a place in the mesh"),
+    ([[8], [0], ["R"], [4], [1], -1], "outside"),
+    ([[8], [0], ["R"], [4], [1], "0"], "expected an int"),
 ])
 def test_shard_spec_names_the_problem(shard: list[Any], problem: str) -> None:
     wire = TensorEntry("w", "torch", "F32", (4,), 0, 16, "model").to_wire()

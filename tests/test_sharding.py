@@ -39,7 +39,7 @@ def test_dtensor_is_recorded_as_its_local_shard(one_rank: None) -> None:
     replicated = distribute_tensor(torch.ones(2), mesh, [Replicate()])
     skeleton, refs, values = flatten({"model": {"w": sharded, "b": replicated}, "step": 3})
     assert [r.name for r in refs] == ["model/w", "model/b"]
-    assert refs[0].shard == ShardSpec((4, 3), (0, 0), ("S(0)",), (1,)) and refs[0].shape == (4, 3)
+    assert refs[0].shard == ShardSpec((4, 3), (0, 0), ("S(0)",), (1,), (0,), 0) and refs[0].shape == (4, 3)
     assert type(values[0]) is torch.Tensor and values[0] is sharded._local_tensor
     assert refs[1].shard is not None and refs[1].shard.replicated
     _, _, wrappers = flatten_template({"model": {"w": sharded, "b": replicated}})
@@ -58,3 +58,44 @@ def test_dcp_keys_are_dcp_flattened_paths() -> None:
     keys, values = _keys_of(skeleton, len(refs))
     assert keys == {0: "model.0.weight", 1: "optim.state.0.exp_avg"}   # a tensor in a tuple has no DCP key
     assert values == {"optim.param_groups.0.lr": 0.1, "step": 7}
+
+
+@pytest.mark.parametrize("coordinate, placements, writer", [
+    ((1, 1), ("S(0)", "R"), (1, 0)),      # tp-replicated on a (dp, tp) mesh: tp rank 0 of each dp group
+    ((0, 1), ("S(0)", "R"), (0, 0)),
+    ((1, 0), ("S(0)", "R"), (1, 0)),      # the writer itself
+    ((1, 1), ("R", "R"), (0, 0)),         # fully replicated: the mesh's first rank
+    ((1, 1), ("R", "S(1)"), (0, 1)),      # Megatron's tensor-parallel shards: replicated on dp
+    ((1, 1), ("S(0)", "_S(0, 2)"), (1, 1)),   # nothing replicated: every rank writes its own
+    ((3,), ("R",), (0,)),
+])
+def test_writer_coordinate_is_zero_on_replicated_dims(coordinate: tuple[int, ...], placements: tuple[str, ...],
+                                                      writer: tuple[int, ...]) -> None:
+    assert sharding.writer_coordinate(coordinate, placements) == writer
+
+
+def test_writer_coordinate_needs_one_placement_per_dim() -> None:
+    with pytest.raises(ValueError, match="one entry per mesh dim"):
+        sharding.writer_coordinate((0, 1), ("R",))
+
+
+@pytest.mark.parametrize("rank", range(4))
+def test_shard_spec_names_the_writer_as_a_global_rank(rank: int) -> None:
+    """On a (dp, tp) mesh whose rank layout is not row-major, the writer of a tp-replicated tensor is the rank
+    at tp coordinate 0 in this rank's dp row, read from the mesh (no process group: a mesh of that rank)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    layout = torch.tensor([[3, 1], [2, 0]])   # rank 3 is (0, 0), rank 0 is (1, 1)
+    mesh = DeviceMesh("cpu", layout, mesh_dim_names=("dp", "tp"), _init_backend=False, _rank=rank)
+    row = [r for r in layout.tolist() if rank in r][0]
+    bias = DTensor.from_local(torch.zeros(2), mesh, [Shard(0), Replicate()], run_check=False,
+                              shape=torch.Size([4]), stride=(1,))
+    spec = sharding.shard_spec(bias)
+    assert spec.coordinate == (layout.tolist().index(row), row.index(rank))
+    assert spec.writer == row[0] and spec.written_by(rank) == (rank == row[0])
+    full = DTensor.from_local(torch.zeros(3), mesh, [Replicate(), Replicate()], run_check=False)
+    assert sharding.shard_spec(full).writer == 3
+    split = DTensor.from_local(torch.zeros(1), mesh, [Shard(0), Shard(0)], run_check=False,
+                               shape=torch.Size([4]), stride=(1,))
+    assert sharding.shard_spec(split).writer == rank   # no replicated dim: its own
