@@ -143,8 +143,10 @@ class Checkpointer:
                       timeout=self.config.load_timeout, peers=self.peers, peer_timeout=self.config.peer_timeout,
                       allow_unhealthy=allow_unhealthy, reshard=reshard)
         # In this rank's slot (memory, or pulled from a replica): a process that ends without a snapshot of its
-        # own must still make it durable. A step read from disk is durable already.
-        self._resumed = result.step if result.source in ("memory", "replica") else None
+        # own must still make it durable. A step read from disk is durable already; one resharded from another
+        # world's memory is in no slot of this world, so this world's agent has nothing of it to persist.
+        self._resumed = (result.step if result.source in ("memory", "replica") and result.step in self.slots.committed()
+                         else None)
         if result.step is not None:
             # This process's snapshots before the resume belong to the abandoned timeline (or are the resumed
             # step itself): the end of the run must not wait for one of them to become durable.

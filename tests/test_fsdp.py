@@ -97,6 +97,36 @@ def test_resume_on_fewer_ranks_reshards_from_disk(env: Env, reference: tuple[Pat
         assert sorted(ours) == list(range(INTERVAL + 1, STEPS)) and all(math.isfinite(v) for v in ours.values())
 
 
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_kill9_then_resume_on_fewer_ranks_reshards_from_memory(env: Env, reference: tuple[Path, Path],
+                                                               nproc: int) -> None:
+    """4 ranks train, rank 1 is SIGKILLed (the others end with it): the 4 ranks' slots stay in this node's shared
+    memory. A job of 2 (or 3) ranks reshards the newest step every old rank holds straight from those slots
+    (dcp.load's planning over easyckpt.memory_reshard.MemoryReader), not from disk: every full tensor equals
+    the saved one bitwise, and training goes on."""
+    ref_out, _ = reference
+    kill_at = seeded_random().randint(2, STEPS - 3)
+    first = fsdp_job(env, env.tmp_path / "first", 4, "--kill-at", str(kill_at))
+    try:
+        assert first.wait(240) != 0, "rank 1 should have been SIGKILLed"
+    finally:
+        first.kill()
+    out = env.tmp_path / "resumed"
+    job = fsdp_job(env, out, nproc)
+    assert job.wait(240) == 0, job.log()[-3000:]
+    report = read_json(out / "resume-0.json")
+    step = report["step"]
+    assert (report["source"], report["world_size"]) == ("memory", nproc), report
+    assert step is not None and kill_at - 2 <= step <= kill_at, (kill_at, report)
+    assert report["digests"] == read_json(ref_out / f"full-{step}.json"), "the resharded state is not the saved one"
+    log = job.log()
+    assert f"step {step} resharded from memory, 4 -> {nproc} ranks: ranks 0-3 local shm" in log, log[-3000:]
+    assert f"saved by 4 ranks, this job has {nproc}" not in log, "the disk was read"
+    for rank in range(nproc):
+        ours = losses(out, rank)
+        assert sorted(ours) == list(range(step + 1, STEPS)) and all(math.isfinite(v) for v in ours.values())
+
+
 def test_2d_tensor_and_fsdp_parallel_resumes_on_a_1d_mesh_of_2(env: Env) -> None:
     """DTensor tensor parallelism (ColwiseParallel/RowwiseParallel, 2-way) plus FSDP2 (2-way) on a 2-D mesh of
     4 ranks: FSDP2 then shards the column-parallel weight with ``_StridedShard``. Its save resumes from disk on
