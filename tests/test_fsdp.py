@@ -1,6 +1,6 @@
 """FSDP2 (``fully_shard``, gloo, CPU) with AdamW under real torchrun: 4 ranks train, one is SIGKILLed, the
-job resumes on 4 from memory with the uninterrupted run's losses bit for bit; the same persisted iteration
-resumes on 2 and on 3 ranks from disk (resharded through torch.distributed.checkpoint's planning), and plain
+job resumes on 4 from memory with the uninterrupted run's losses bit for bit, and on 2 and on 3 ranks from the
+4 ranks' slots (resharded from memory); the same persisted iteration resumes on 2 and on 3 ranks from disk (resharded through torch.distributed.checkpoint's planning), and plain
 ``dcp.load`` with ``easyckpt.dcp.StorageReader`` loads it too: every ``full_tensor()`` of model and
 optimizer state equals the saved one bitwise; a 2-D (tensor x FSDP) save of 4 ranks resumes on a 1-D mesh of
 2. Then bad input, in this process on a 1-rank mesh: a
@@ -122,6 +122,10 @@ def test_kill9_then_resume_on_fewer_ranks_reshards_from_memory(env: Env, referen
     log = job.log()
     assert f"step {step} resharded from memory, 4 -> {nproc} ranks: ranks 0-3 local shm" in log, log[-3000:]
     assert f"saved by 4 ranks, this job has {nproc}" not in log, "the disk was read"
+    # The old ranks >= nproc have no successor: released once this world has a safe step of its own (at the
+    # latest when close() made the last snapshot durable).
+    released = [line for line in log.splitlines() if "slots of the saved world's ranks" in line]
+    assert len(released) == 1 and f"ranks >= {nproc}" in released[0] and "-r000003-s" in released[0], released
     for rank in range(nproc):
         ours = losses(out, rank)
         assert sorted(ours) == list(range(step + 1, STEPS)) and all(math.isfinite(v) for v in ours.values())
