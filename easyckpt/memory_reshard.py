@@ -180,6 +180,7 @@ class Reachable:
     local: dict[tuple[int, int, int], LocalSlot] = dataclasses.field(default_factory=dict)   # (rank, step, M) ->
     manifests: dict[tuple[int, int, str], Manifest] = dataclasses.field(default_factory=dict)  # (rank, step, node)
     holders: dict[tuple[int, int, str], list[list[str]]] = dataclasses.field(default_factory=dict)
+    peers: PeerTable | None = None   # the agents the replicas above are read from
 
 
 def local_snapshots(directory: Path, job_id: str, world_size: int) -> Reachable:
@@ -213,11 +214,11 @@ def local_snapshots(directory: Path, job_id: str, world_size: int) -> Reachable:
 
 
 def add_replicas(found: Reachable, peers: PeerTable, listings: Mapping[str, Mapping[int, Any]], world_size: int,
-                 timeout: float, steps: int = 2) -> None:
+                 timeout: float, steps: int = 3) -> None:
     """Old ranks' snapshots that agents hold (a survey's listings: node -> {step: ListRow}), for the newest
     ``steps`` steps at which the ranks held here and there could make a whole old world. Each one's manifest is
     read (it says the saved world's size); a tensor is served by the nodes whose listing has its checksum."""
-    from easyckpt.replica import _manifest   # the same MANIFEST request the replica tier sends
+    from easyckpt.replica import _manifest  # the same MANIFEST request the replica tier sends
 
     order = [n for n in peers.ordered() if n in listings]
     all_steps = sorted({s for rows in listings.values() for s in rows}, reverse=True)
@@ -275,14 +276,48 @@ def _read_manifest(peers: PeerTable, node: str, rank: int, step: int, timeout: f
 
 def discover(directory: Path, job_id: str, world_size: int, peers: PeerTable | None, survey: Any,
              timeout: float) -> Reachable:
-    """This node's slots of other worlds, and (multi-node) the replicas agents hold of their ranks."""
-    found = local_snapshots(directory, job_id, world_size)
-    if peers is not None and survey is not None:
-        try:
+    """This node's slots of other worlds, and (multi-node) the replicas agents hold of their ranks. Never
+    raises: every rank goes on to the collective ``agreed`` (what it could not see, it does not offer)."""
+    try:
+        found = local_snapshots(directory, job_id, world_size)
+    except Exception as exc:  # never raised past here: the agreement that follows is a collective
+        logger.warning("slots of another world in %s could not be listed: %s", directory, exc)
+        found = Reachable()
+    try:
+        if peers is None:
+            # A job on one node has no peer table, but this node's agent may still hold replicas of the ranks of
+            # a lost node from when the job spanned nodes (a job that shrank to the surviving node).
+            peers = this_nodes_agent(job_id, timeout)
+            if peers is not None:
+                from easyckpt import replica
+
+                survey = replica.survey(peers, timeout)
+        if peers is not None and survey is not None:
+            found.peers = peers
             add_replicas(found, peers, survey.listings, world_size, timeout)
-        except Exception as exc:  # the replicas are a bonus: this node's memory and the disk still serve
-            logger.warning("replicas of another world's ranks could not be surveyed: %s", exc)
+    except Exception as exc:  # the replicas are a bonus: this node's memory and the disk still serve
+        logger.warning("replicas of another world's ranks could not be surveyed: %s", exc)
     return found
+
+
+def this_nodes_agent(job_id: str, timeout: float) -> PeerTable | None:
+    """A one-node peer table of this node's agent when it runs a replica server that a multi-node run of this
+    job set up (its endpoint and token from PING on the private ipc socket); None otherwise."""
+    from easyckpt_wire import protocol
+    from easyckpt_wire.records import PeerNode, PingReply, RecordError
+
+    job_dir = protocol.runtime_dir(job_id)
+    if not protocol.agent_running(job_dir):
+        return None
+    try:
+        ping = PingReply.from_wire(protocol.request_agent(job_dir, protocol.Kind.PING, min(timeout, 5.0)),
+                                   "the node agent's PING reply")
+    except (protocol.AgentNoReply, RecordError, protocol.ProtocolError) as exc:
+        logger.debug("this node's agent: %s", exc)
+        return None
+    if ping.endpoint is None or ping.token is None or ping.node is None:
+        return None
+    return PeerTable(ping.token, ping.node, ping.node, {ping.node: PeerNode(ping.endpoint, ())})
 
 
 def agreed(found: Reachable, world_size: int) -> list[Candidate]:
@@ -493,9 +528,10 @@ def open_sources(found: Reachable, chosen: Mapping[int, Held], candidate: Candid
                 opened[rank] = _LocalSource(rank, found.local[(rank, candidate.step, candidate.world_size)],
                                             candidate.step, timeout, expected)
             else:
-                assert peers is not None
+                table = found.peers or peers
+                assert table is not None
                 key = (rank, candidate.step, h.where)
-                opened[rank] = _ReplicaSource(rank, h.where, found.manifests[key], found.holders[key], peers,
+                opened[rank] = _ReplicaSource(rank, h.where, found.manifests[key], found.holders[key], table,
                                               peer_timeout)
         return opened
     except BaseException:
@@ -541,7 +577,8 @@ def read(found: Reachable, candidate: Candidate, *, rank: int, world_size: int, 
 
     started = now()
     step, saved = candidate.step, candidate.world_size
-    chosen = choose(found.held, candidate, peers.ordered() if peers is not None else ())
+    table = found.peers or peers
+    chosen = choose(found.held, candidate, table.ordered() if table is not None else ())
     source = sharding.source_rank(rank, saved)
     checksums = None
     if peers is not None:

@@ -1,10 +1,12 @@
 """FSDP2 (``fully_shard``, gloo, CPU) with AdamW under real torchrun: 4 ranks train, one is SIGKILLed, the
 job resumes on 4 from memory with the uninterrupted run's losses bit for bit, and on 2 and on 3 ranks from the
-4 ranks' slots (resharded from memory); the same persisted iteration resumes on 2 and on 3 ranks from disk (resharded through torch.distributed.checkpoint's planning), and plain
-``dcp.load`` with ``easyckpt.dcp.StorageReader`` loads it too: every ``full_tensor()`` of model and
-optimizer state equals the saved one bitwise; a 2-D (tensor x FSDP) save of 4 ranks resumes on a 1-D mesh of
-2. Then bad input, in this process on a 1-rank mesh: a
-template of other global shapes, a missing shard file, a checkpoint without sharding metadata."""
+4 ranks' slots (resharded from memory); two simulated nodes lose one, and the survivor's 2 ranks reshard from
+its slots plus its agent's replicas of the lost node's ranks; the same persisted iteration resumes on 2 and on
+3 ranks from disk (resharded through torch.distributed.checkpoint's planning), and plain ``dcp.load`` with
+``easyckpt.dcp.StorageReader`` loads it too: every ``full_tensor()`` of model and optimizer state equals the
+saved one bitwise; a 2-D (tensor x FSDP) save of 4 ranks resumes on a 1-D mesh of 2. Then bad input, in this
+process on a 1-rank mesh: a template of other global shapes, a missing shard file, a checkpoint without
+sharding metadata."""
 from __future__ import annotations
 
 import json
@@ -129,6 +131,75 @@ def test_kill9_then_resume_on_fewer_ranks_reshards_from_memory(env: Env, referen
     for rank in range(nproc):
         ours = losses(out, rank)
         assert sorted(ours) == list(range(step + 1, STEPS)) and all(math.isfinite(v) for v in ours.values())
+
+
+def test_lost_node_then_the_surviving_nodes_2_ranks_reshard_from_memory_and_replicas(env: Env) -> None:
+    """Two simulated nodes of 2 ranks each train FSDP2 (tests/multinode.py); node 1 is lost whole (ranks, agent,
+    shared memory), node 0's ranks die with the job. The job goes on with node 0's 2 ranks alone: it reshards
+    the 4-rank world's step from node 0's slots of old ranks 0-1 plus the replicas of old ranks 2-3 that node
+    0's agent backed up (read over the replica transfer), not from disk; every full tensor equals the saved
+    one bitwise, and training goes on."""
+    import os
+    import signal
+    import subprocess
+
+    from ddp_job import TORCHRUN
+    from multinode import Cluster
+
+    from easyckpt.agent_client import AgentTimeout, query_status
+
+    steps = 40
+    job = Cluster(env, env.tmp_path / "multi", steps=steps, save_storage_interval=INTERVAL, script=SCRIPT,
+                  extra_args=["--digest-every", "1"])
+    try:
+        job.start(0)
+        job.start(1)
+        at = seeded_random().randint(6, 12)
+        wait_for(lambda: job.reached(at) or job.procs[0].poll() is not None, 240, f"every rank to reach step {at}")
+        assert job.procs[0].poll() is None, job.log(0)[-3000:]
+
+        def pinned() -> int | None:
+            found = [p for p in env.runtime_dir.iterdir() if p.name.endswith("@node0")]
+            try:
+                return query_status(found[0], timeout=5).get("pinned_step") if found else None
+            except (AgentTimeout, OSError):
+                return None
+
+        # The safe step across nodes waits for the buddy's backup: once there is one, node 0 holds node 1's ranks.
+        wait_for(pinned, 60, "node 0's agent to hold a step backed up from node 1")
+        job.kill_node(1)
+        victims = [job.procs[0].pid] + [int((job.out / f"pid-rank{r}").read_text()) for r in (0, 1)]
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        job.procs[0].wait(timeout=30)
+        assert job.agent_pid(0) is not None, "node 0's agent should outlive its ranks"
+
+        out = env.tmp_path / "shrunk"
+        out.mkdir()
+        command = TORCHRUN + ["--standalone", "--nproc-per-node=2", str(SCRIPT), "--save-dir", str(env.save_dir),
+                              "--out", str(out), "--steps", str(steps), "--save-storage-interval", str(INTERVAL)]
+        with open(out / "torchrun.log", "w") as log:
+            done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=job.environ(0), cwd=str(ROOT),
+                                  timeout=300)
+        text = (out / "torchrun.log").read_text()
+        assert done.returncode == 0, text[-4000:]
+        report = read_json(out / "resume-0.json")
+        step = report["step"]
+        assert (report["source"], report["world_size"]) == ("replica", 2), report
+        saved = job.out / f"full-{step}.json"
+        assert saved.exists(), f"the 4-rank run wrote no digests of step {step}"
+        assert report["digests"] == read_json(saved), "the state resharded from memory and replicas is not the saved one"
+        assert (f"step {step} resharded from memory, 4 -> 2 ranks: ranks 0-1 local shm, ranks 2-3 replica from node0"
+                in text), text[-4000:]
+        assert "saved by 4 ranks, this job has 2" not in text, "the disk was read"
+        for rank in range(2):
+            ours = losses(out, rank)
+            assert sorted(ours) == list(range(step + 1, steps)) and all(math.isfinite(v) for v in ours.values())
+    finally:
+        job.cleanup()
 
 
 def test_2d_tensor_and_fsdp_parallel_resumes_on_a_1d_mesh_of_2(env: Env) -> None:

@@ -86,23 +86,18 @@ ROWS, COLS = 7, 3   # 7 rows over 4 ranks: shards of 2, 2, 2, 1
 
 def world_state(rank: int, world: int, step: int) -> dict[str, Any]:
     """Rank ``rank``'s state of a ``world``-rank FSDP-style save: two dim-0 sharded DTensors, a private tensor."""
-    from easyckpt.dcp import fsdp_template
-    from easyckpt.dcp import CheckpointIndex, SavedTensor
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from easyckpt.dcp import CheckpointIndex, SavedTensor, fsdp_template
 
     full = full_tensors(step)
-    index = CheckpointIndex(Path("x"), step, world, {k: SavedTensor(tuple(v.shape), "F32", True, []) for k, v in
-                                                     full.items()}, {}, {})
-    template = fsdp_template(index, rank, world)
+    saved = {k: SavedTensor(tuple(v.shape), "F32", True, []) for k, v in full.items()}
     model = {}
-    for key, dtensor in template.items():
-        from torch.distributed.tensor import DTensor
-
+    for key, dtensor in fsdp_template(CheckpointIndex(Path("-"), step, world, saved, {}, {}), rank, world).items():
         spec = dtensor._spec
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         shape, offsets = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
-        box = tuple(slice(o, o + n) for o, n in zip(offsets, shape))
-        local = full[key][box].clone()
+        local = full[key][tuple(slice(o, o + n) for o, n in zip(offsets, shape))].clone()
         model[key.split(".", 1)[1]] = DTensor.from_local(local, spec.mesh, spec.placements, run_check=False,
                                                          shape=spec.shape, stride=spec.stride)
     return {"model": model, "rng": torch.full((4,), rank, dtype=torch.uint8), "step": step, "who": rank}
@@ -114,11 +109,10 @@ def full_tensors(step: int) -> dict[str, torch.Tensor]:
 
 
 def save_world(shm: Path, job: str, world: int, steps: list[int]) -> None:
+    from easyckpt import sharding
     from easyckpt.config import CheckpointerConfig
     from easyckpt.slots import RankSlots
     from easyckpt.stager import Stager
-
-    from easyckpt import sharding
 
     for rank in range(world):
         # Each rank of a real world is its own process; here the meshes of the 4 ranks differ only in their
