@@ -306,8 +306,8 @@ def this_nodes_agent(job_id: str, timeout: float) -> PeerTable | None:
     from easyckpt_wire import protocol
     from easyckpt_wire.records import PeerNode, PingReply, RecordError
 
-    job_dir = protocol.runtime_dir(job_id)
-    if not protocol.agent_running(job_dir):
+    job_dir = protocol.runtime_base() / protocol.job_dir_name(job_id)   # not created here: no agent, no replicas
+    if not job_dir.is_dir() or not protocol.agent_running(job_dir):
         return None
     try:
         ping = PingReply.from_wire(protocol.request_agent(job_dir, protocol.Kind.PING, min(timeout, 5.0)),

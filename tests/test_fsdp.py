@@ -133,6 +133,33 @@ def test_kill9_then_resume_on_fewer_ranks_reshards_from_memory(env: Env, referen
         assert sorted(ours) == list(range(step + 1, STEPS)) and all(math.isfinite(v) for v in ours.values())
 
 
+def test_kill9_on_2_then_resume_on_4_reshards_from_memory(env: Env) -> None:
+    """The other way: 2 ranks train and one is SIGKILLed; a job of 4 reshards their slots. Old ranks 0-1's slot
+    files are new ranks 0-1's, read before anyone snapshots; new ranks 2-3 take rank 0's private values (said
+    in the log). Compared with an uninterrupted 2-rank run's full tensors."""
+    ref = fsdp_job(env, env.tmp_path / "ref2", 2, save_dir=env.tmp_path / "ref2-ckpt")
+    assert ref.wait(240) == 0, ref.log()[-3000:]
+    kill_at = seeded_random().randint(2, STEPS - 3)
+    first = fsdp_job(env, env.tmp_path / "first", 2, "--kill-at", str(kill_at))
+    try:
+        assert first.wait(240) != 0, "rank 1 should have been SIGKILLed"
+    finally:
+        first.kill()
+    out = env.tmp_path / "resumed"
+    job = fsdp_job(env, out, 4)
+    assert job.wait(240) == 0, job.log()[-3000:]
+    report = read_json(out / "resume-0.json")
+    step = report["step"]
+    assert (report["source"], report["world_size"]) == ("memory", 4) and kill_at - 2 <= step <= kill_at, report
+    assert report["digests"] == read_json(env.tmp_path / "ref2" / f"full-{step}.json"), "not the saved state"
+    log = job.log()
+    assert f"step {step} resharded from memory, 2 -> 4 ranks: ranks 0-1 local shm" in log, log[-3000:]
+    assert "new ranks 2-3 took rank 0's" in log
+    for rank in range(4):
+        ours = losses(out, rank)
+        assert sorted(ours) == list(range(step + 1, STEPS)) and all(math.isfinite(v) for v in ours.values())
+
+
 def test_lost_node_then_the_surviving_nodes_2_ranks_reshard_from_memory_and_replicas(env: Env) -> None:
     """Two simulated nodes of 2 ranks each train FSDP2 (tests/multinode.py); node 1 is lost whole (ranks, agent,
     shared memory), node 0's ranks die with the job. The job goes on with node 0's 2 ranks alone: it reshards

@@ -226,3 +226,24 @@ def test_release_old_world_unlinks_only_ranks_past_the_new_world(shm: Path) -> N
     after = list_slots(shm, "mr-rel")
     assert {k for k in after if k[0] < 2} == {k for k in before if k[0] < 2}
     assert (3, 0) in after and before[(2, 0)] in removed and all(k[0] >= 2 for k, p in before.items() if p in removed)
+
+
+def test_a_slot_rewritten_after_planning_fails_the_read_not_the_state(shm: Path) -> None:
+    """Planned from old rank 1's slot, which is invalidated before the read opens it: the read fails with a
+    MemoryReshardError (a SlotFormatError: recovery moves every rank to the next candidate), never with bytes
+    of another snapshot."""
+    from easyckpt.recovery import template_targets
+    from easyckpt_wire.shm import SlotFormatError, SlotMap
+
+    save_world(shm, "mr-race", 4, [7])
+    found = mr.discover(shm, "mr-race", 1, None, None, 5.0)
+    (candidate,) = mr.agreed(found, 1)
+    slot = SlotMap(found.local[(1, 7, 4)].path, writable=True)
+    try:
+        slot.invalidate()
+    finally:
+        slot.close()
+    template = template_targets({"model": {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(ROWS)}})
+    with pytest.raises(SlotFormatError, match="rank 1's snapshot of step 7 changed"):
+        mr.read(found, candidate, rank=0, world_size=1, template=template, peers=None, timeout=5.0, peer_timeout=5.0)
+    assert torch.equal(template["model/w"].into, torch.zeros(ROWS, COLS))   # nothing was copied in
