@@ -581,9 +581,10 @@ def read(found: Reachable, candidate: Candidate, *, rank: int, world_size: int, 
     chosen = choose(found.held, candidate, table.ordered() if table is not None else ())
     source = sharding.source_rank(rank, saved)
     checksums = None
-    if peers is not None:
+    if table is not None:   # this node's agent hashed its slots (multi-node): verify, as the memory tier does
         def checksums(r: int, s: int) -> tuple[int, list[bytes]] | None:
-            return replica.own_checksums(peers, r, s, peer_timeout)
+            assert table is not None
+            return replica.own_checksums(table, r, s, peer_timeout)
     sources: dict[int, _Source] = {}
     into: dict[str, Any] = {}      # DCP key -> what dcp.load fills
     handed: dict[int, Any] = {}    # tensor index of the source rank -> what the loaded state holds
@@ -653,7 +654,9 @@ def read(found: Reachable, candidate: Candidate, *, rank: int, world_size: int, 
         for opened in sources.values():
             opened.close()
     where = "memory" if all(h.where == LOCAL for h in chosen.values()) else "replica"
-    logger.info("rank %d: %s", rank, summary(step, saved, world_size, chosen, nbytes, now() - started, source))
+    checked = sum(1 for o in sources.values() if getattr(o, "checksums", None) is not None)
+    logger.info("rank %d: %s%s", rank, summary(step, saved, world_size, chosen, nbytes, now() - started, source),
+                f"; the tensors read from {checked} local slots checked against the agent's checksums" if checked else "")
     return where, (meta.skeleton, values, f"memory of the {saved}-rank world ({describe_sources(chosen)})", nbytes)
 
 

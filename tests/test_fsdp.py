@@ -222,6 +222,7 @@ def test_lost_node_then_the_surviving_nodes_2_ranks_reshard_from_memory_and_repl
         assert (f"step {step} resharded from memory, 4 -> 2 ranks: ranks 0-1 local shm, ranks 2-3 replica from node0"
                 in text), text[-4000:]
         assert "saved by 4 ranks, this job has 2" not in text, "the disk was read"
+        assert "local slots checked against the agent's checksums" in text, text[-4000:]
         for rank in range(2):
             ours = losses(out, rank)
             assert sorted(ours) == list(range(step + 1, steps)) and all(math.isfinite(v) for v in ours.values())
