@@ -135,9 +135,11 @@ class Checkpointer:
         over for the newest healthy one, in every tier; when nothing healthy is left LoadError says so
         (``allow_unhealthy=True`` loads the newest anyway).
 
-        Sharded state (DTensors) saved by another world size, or split otherwise on as many ranks, is read
-        from disk through ``torch.distributed.checkpoint``'s planning (``easyckpt.dcp``); ``reshard=False``
-        refuses it instead with ``LayoutChangedError`` (a StateMismatchError).
+        Sharded state (DTensors) saved by another world size is resharded through ``torch.distributed.checkpoint``'s
+        planning: from the saved world's memory when every one of its ranks' snapshots is still reachable (this
+        node's slots, agents' replicas: ``easyckpt.memory_reshard``), else from disk (``easyckpt.dcp``); state
+        split otherwise on as many ranks is read from disk. ``reshard=False`` refuses both with
+        ``LayoutChangedError`` (a StateMismatchError).
         """
         self.stager.wait()
         result = load(slots=self.slots, save_dir=self.config.save_dir, rank=self.rank, world_size=self.world_size,
