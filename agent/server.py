@@ -458,8 +458,9 @@ class Agent:
             self._send(identity, protocol.reply(True, id=request_id, **self.status()))
         elif kind == Kind.PING:
             endpoint = self.cluster.replica.endpoint if self.cluster.replica else None
-            self._send(identity, protocol.reply(True, id=request_id,
-                                                **PingReply(os.getpid(), self.config.node_id, endpoint).to_wire()))
+            token = self.cluster.replica.token if self.cluster.replica else None
+            self._send(identity, protocol.reply(True, id=request_id, **PingReply(
+                os.getpid(), self.config.node_id, endpoint, token).to_wire()))
         elif kind == Kind.PEERS:
             problem = self.cluster.set_peers(message)
             self._send(identity, protocol.reply(problem is None, id=request_id, error=problem))

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from easyckpt.agent_client import AgentClient
 from easyckpt.config import CheckpointerConfig
+from easyckpt.memory_reshard import release_old_world
 from easyckpt.persist_watch import PersistError, PersistWatch, describe_failure
 from easyckpt.recovery import LoadResult, load
 from easyckpt.replica import introduce
@@ -111,6 +112,7 @@ class Checkpointer:
                              committed=self.agent.waker.wake)
         self._closed = False
         self._resumed: int | None = None   # the step load() resumed from memory
+        self._old_world: int | None = None  # the step load() resharded from another world's memory
         self.watch = PersistWatch(rank=self.rank, local_rank=self.local_rank, save_dir=config.save_dir)
         # Nothing the finalizer holds refers back to self, so a dropped Checkpointer is collected, and its
         # sockets and maps are released without blocking; at interpreter exit an unclosed one says goodbye.
@@ -133,9 +135,11 @@ class Checkpointer:
         over for the newest healthy one, in every tier; when nothing healthy is left LoadError says so
         (``allow_unhealthy=True`` loads the newest anyway).
 
-        Sharded state (DTensors) saved by another world size, or split otherwise on as many ranks, is read
-        from disk through ``torch.distributed.checkpoint``'s planning (``easyckpt.dcp``); ``reshard=False``
-        refuses it instead with ``LayoutChangedError`` (a StateMismatchError).
+        Sharded state (DTensors) saved by another world size is resharded through ``torch.distributed.checkpoint``'s
+        planning: from the saved world's memory when every one of its ranks' snapshots is still reachable (this
+        node's slots, agents' replicas: ``easyckpt.memory_reshard``), else from disk (``easyckpt.dcp``); state
+        split otherwise on as many ranks is read from disk. ``reshard=False`` refuses both with
+        ``LayoutChangedError`` (a StateMismatchError).
         """
         self.stager.wait()
         result = load(slots=self.slots, save_dir=self.config.save_dir, rank=self.rank, world_size=self.world_size,
@@ -143,14 +147,36 @@ class Checkpointer:
                       timeout=self.config.load_timeout, peers=self.peers, peer_timeout=self.config.peer_timeout,
                       allow_unhealthy=allow_unhealthy, reshard=reshard)
         # In this rank's slot (memory, or pulled from a replica): a process that ends without a snapshot of its
-        # own must still make it durable. A step read from disk is durable already.
-        self._resumed = result.step if result.source in ("memory", "replica") else None
+        # own must still make it durable. A step read from disk is durable already; one resharded from another
+        # world's memory is in no slot of this world, so this world's agent has nothing of it to persist.
+        own = result.step in self.slots.committed()
+        self._resumed = result.step if result.source in ("memory", "replica") and own else None
+        # Resharded from another world's slots: those of its ranks past this world have no successor to reuse
+        # them; they are released once this world has a safe step of its own (memory_reshard.release_old_world).
+        self._old_world = result.step if result.source in ("memory", "replica") and not own else None
         if result.step is not None:
             # This process's snapshots before the resume belong to the abandoned timeline (or are the resumed
             # step itself): the end of the run must not wait for one of them to become durable.
             self.stager.last_commit_step = None
             self._start_timeline(result.step)
         return result
+
+    def _release_old_world(self) -> None:
+        """Once the agent declares a step of this world safe past the one resharded from another world's memory,
+        that world's slots of ranks this world lacks are dead weight in shared memory: this node's first local
+        rank unlinks them (those still locked are left to the agent's cleanup at the end of the job)."""
+        word = self.slots.agent_word()
+        if word is None or word.safe is None or self._old_world is None or word.safe <= self._old_world:
+            return
+        self._old_world = None
+        if self.local_rank != 0:
+            return
+        config = self.config
+        assert config.shm_dir is not None and config.job_id is not None
+        removed = release_old_world(config.shm_dir, config.job_id, self.world_size)
+        if removed:
+            logger.info("rank %d: step %d is safe in this world: released %d slots of the saved world's ranks >= %d "
+                        "(%s)", self.rank, word.safe, len(removed), self.world_size, ", ".join(p.name for p in removed))
 
     def _start_timeline(self, step: int) -> None:
         """A resume from ``step`` starts a new timeline (invariant 10): the agent moves newer iterations of
@@ -176,6 +202,8 @@ class Checkpointer:
         self.agent.ensure()
         self.watch.observe(self.slots.agent_word())
         self.stager.note_step(step)
+        if self._old_world is not None:
+            self._release_old_world()
         if step % self.config.save_mem_interval:
             return False
         return self.stager.snapshot(step, state_dict, health=self._verdict(metrics))
@@ -262,6 +290,8 @@ class Checkpointer:
         if started is None:
             return
         final = self._final_persist(self.config.close_timeout, started, "close_timeout")
+        if self._old_world is not None:
+            self._release_old_world()
         remaining = max(1.0, self.config.close_timeout - (time.monotonic() - started))
         reply = self.agent.close(wait=True, timeout=remaining)
         self.watch.observe(self.slots.agent_word())

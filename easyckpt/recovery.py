@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from easyckpt import replica, sharding, storage
+from easyckpt import memory_reshard, replica, sharding, storage
 from easyckpt.collectives import all_gather_ints, all_ok
 from easyckpt.slots import RankSlots
 from easyckpt.state import flatten_template, torch_dtype, unflatten
@@ -353,10 +353,10 @@ def _read_resharded(iteration_dir: Path, rank: int, world_size: int,
 
 
 def _replica_plans(peers: PeerTable | None, rank: int, mem_steps: list[int],
-                   timeout: float) -> dict[int, replica.ReplicaPlan]:
+                   timeout: float, found: replica.Survey | None = None) -> dict[int, replica.ReplicaPlan]:
     if peers is None:
         return {}
-    found = replica.survey(peers, timeout)
+    found = found or replica.survey(peers, timeout)
     for node, problem in sorted(found.unreachable.items()):
         logger.warning("rank %d: agent of node %s is unreachable (%s): its replicas are not used", rank, node, problem)
     plans = replica.plan(peers, found, rank, timeout)
@@ -380,7 +380,13 @@ def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, templa
             disk_steps, unreadable = [], str(exc)
     else:
         disk_steps, base, mem_steps = storage.newest_first(save_dir), save_dir, list(slots.committed())
-    plans = _replica_plans(peers, rank, mem_steps, peer_timeout) if load_dir is None else {}
+    found = replica.survey(peers, peer_timeout) if peers is not None and load_dir is None else None
+    plans = _replica_plans(peers, rank, mem_steps, peer_timeout, found) if load_dir is None else {}
+    # Another world's snapshots of this job (a job restarted on another number of ranks): collective.
+    other_worlds = memory_reshard.Reachable()
+    if load_dir is None and reshard:
+        other_worlds = memory_reshard.discover(slots.directory, slots.job_id, world_size, peers, found, peer_timeout)
+    resharding = memory_reshard.agreed(other_worlds, world_size) if load_dir is None and reshard else []
     tried = []
     # Health (invariant 13): every rank's verdicts on its snapshots, and each iteration's on disk.
     mine = _memory_health(slots, mem_steps, timeout)
@@ -416,6 +422,7 @@ def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, templa
                 logger.warning("rank %d: passing over unhealthy snapshots newer than step %d: %s", rank,
                                healthy[0][0], ", ".join(describe(s) for s in passed))
             ordered = healthy
+    ordered = memory_reshard.merge(ordered, resharding, rank=rank, allow_unhealthy=allow_unhealthy)
     if mem_steps and (not ordered or ordered[0][1] == "disk"):
         logger.warning("rank %d holds steps %s in memory, but no step that every rank can get from memory or from "
                        "replicas on other nodes (a rank whose node lost its memory gets only a step another node "
@@ -424,7 +431,12 @@ def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, templa
         code, problem, result = _OK, "", None
         fatal: type[StateMismatchError] = StateMismatchError
         try:
-            if source != "disk" and step not in slots.committed():
+            resharded = None
+            if source == memory_reshard.SOURCE:
+                source, resharded = memory_reshard.read(other_worlds, memory_reshard.pick(resharding, step), rank=rank,
+                                                        world_size=world_size, template=template_map, peers=peers,
+                                                        timeout=timeout, peer_timeout=peer_timeout)
+            elif source != "disk" and step not in slots.committed():
                 if step not in plans:
                     raise replica.ReplicaError(f"rank {rank} holds no plan for step {step}")
                 assert peers is not None
@@ -434,7 +446,9 @@ def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, templa
                 source = "replica"
             elif source == "replica":
                 source = "memory"  # this rank has it; others pull theirs
-            if source != "disk":
+            if resharded is not None:
+                skeleton, values, path, nbytes = resharded
+            elif source != "disk":
                 expected = replica.own_checksums(peers, rank, step, peer_timeout) if source == "memory" and peers else None
                 skeleton, values, path, nbytes = _read_memory(slots, step, template_map, timeout, expected)
             else:

@@ -97,7 +97,9 @@ def private_rule(world_size: int, saved_world_size: int) -> str:
         parts.append(f"new ranks {saved_world_size}-{world_size - 1} took rank 0's (RNG states, data position: "
                      "reseed them if they must differ)")
     if saved_world_size > world_size:
-        parts.append(f"the private values of saved ranks {world_size}-{saved_world_size - 1} were dropped")
+        dropped = (f"rank {world_size}" if saved_world_size - world_size == 1
+                   else f"ranks {world_size}-{saved_world_size - 1}")
+        parts.append(f"the private values of saved {dropped} were dropped")
     return "; ".join(parts)
 
 

@@ -40,7 +40,7 @@ FLUSH     none without wait; with wait ``persisted`` and ``committed``, or ``ok=
 RESUME    ``moved``, ``tracker``, ``persisted``, ``error`` (``ok=False`` when set):
           :class:`~easyckpt_wire.records.ResumeReply`
 STATUS    the agent's status map (``Agent.status``, free-form: it is for people)
-PING      ``pid``, ``node``, ``endpoint``: :class:`~easyckpt_wire.records.PingReply`
+PING      ``pid``, ``node``, ``endpoint``, ``token`` (once set): :class:`~easyckpt_wire.records.PingReply`
 PEERS     ``error`` (None when the table was adopted, with ``ok=False`` otherwise)
 LIST      ``node``, ``steps`` (one :class:`~easyckpt_wire.records.ListRow` each, newest first)
 MANIFEST  ``manifest`` (:class:`~easyckpt_wire.records.Manifest`), or ``ok=False`` with ``error``

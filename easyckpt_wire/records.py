@@ -460,16 +460,25 @@ class PingReply:
     pid: int
     node: str | None = None
     endpoint: str | None = None     # the replica server's tcp endpoint, None while it does not run
+    # The job token the replica server answers to (set by the last PEERS), None before any: PING is answered
+    # only on the agent's ipc socket, in a 0700 runtime directory, so only this user's processes on this node
+    # (who can read the slots anyway) learn it. A job that shrank to this one node uses it to read the
+    # replicas this agent still holds of the lost nodes' ranks (easyckpt.memory_reshard).
+    token: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {"pid": self.pid, "node": self.node, "endpoint": self.endpoint}
+        wire = {"pid": self.pid, "node": self.node, "endpoint": self.endpoint}
+        if self.token is not None:   # older readers ignore extra keys
+            wire["token"] = self.token
+        return wire
 
     @classmethod
     def from_wire(cls, obj: Mapping[str, Any], where: str) -> PingReply:
-        node, endpoint = obj.get("node"), obj.get("endpoint")
+        node, endpoint, token = obj.get("node"), obj.get("endpoint"), obj.get("token")
         return cls(_int(_field(obj, "pid", where, "PING reply"), where, "PING reply", "pid", 1),
                    None if node is None else _str(node, where, "PING reply", "node"),
-                   None if endpoint is None else _str(endpoint, where, "PING reply", "endpoint"))
+                   None if endpoint is None else _str(endpoint, where, "PING reply", "endpoint"),
+                   None if token is None else _str(token, where, "PING reply", "token"))
 
 
 def _refusal(obj: Mapping[str, Any], where: str, record: str) -> str | None:

@@ -141,6 +141,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--save-storage-interval", type=int, default=4)
     parser.add_argument("--step-seconds", type=float, default=0.0, help="extra compute per step (busy loop)")
+    parser.add_argument("--step-idle", type=float, default=0.0,
+                        help="seconds each step waits, as a rank does while its GPU computes (simulated nodes)")
     parser.add_argument("--kill-at", type=int, default=None, help="SIGKILL --kill-rank right after this step's snapshot")
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--digest-every", type=int, default=None,
@@ -195,6 +197,8 @@ def main() -> None:
             deadline = time.perf_counter() + args.step_seconds
             while time.perf_counter() < deadline:
                 pass
+            if args.step_idle:
+                time.sleep(args.step_idle)   # stands in for GPU compute: leaves the CPU to the node agents
             ckpt.save_if_needed(step, training_state(model, optimizer, step))
             if step == args.kill_at and rank == args.kill_rank:
                 ckpt.wait()

@@ -46,13 +46,17 @@ class Cluster:
     """
 
     def __init__(self, env: Env, out: Path, *, steps: int, step_idle: float = 0.15, save_storage_interval: int = 5,
-                 peer_timeout: float = 10.0, node_env: dict[int, dict[str, str]] | None = None) -> None:
+                 peer_timeout: float = 10.0, node_env: dict[int, dict[str, str]] | None = None,
+                 script: Path = SCRIPT, extra_args: list[str] | None = None) -> None:
         self.env = env
         self.out = out
         self.steps = steps
-        self.args = ["--save-dir", str(env.save_dir), "--out", str(out), "--steps", str(steps), "--grad-sync", "flat",
-                     "--step-idle", str(step_idle), "--save-storage-interval", str(save_storage_interval),
-                     "--peer-timeout", str(peer_timeout)]
+        self.script = script
+        self.args = ["--save-dir", str(env.save_dir), "--out", str(out), "--steps", str(steps),
+                     "--step-idle", str(step_idle), "--save-storage-interval", str(save_storage_interval)]
+        # plain_ddp.py's own options; another script (examples/fsdp2_train.py) passes its own in extra_args
+        self.args += ["--grad-sync", "flat", "--peer-timeout", str(peer_timeout)] if script == SCRIPT else []
+        self.args += extra_args or []
         self.port = free_port()
         self.shm = {i: Path(tempfile.mkdtemp(prefix=f"easyckpt-test-node{i}-", dir="/dev/shm")) for i in range(NODES)}
         self.node_env = node_env or {}
@@ -74,7 +78,7 @@ class Cluster:
                    f"--nproc-per-node={RANKS_PER_NODE}", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=multinode",
                    f"--rdzv-conf=is_host={1 if node == 0 else 0}", f"--max-restarts={max_restarts}",
-                   str(SCRIPT), *self.args]
+                   str(self.script), *self.args]
         with open(log, "w") as handle:
             self.procs[node] = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
                                                 env=self.environ(node), cwd=str(ROOT))

@@ -1,10 +1,12 @@
 """FSDP2 (``fully_shard``, gloo, CPU) with AdamW under real torchrun: 4 ranks train, one is SIGKILLed, the
-job resumes on 4 from memory with the uninterrupted run's losses bit for bit; the same persisted iteration
-resumes on 2 and on 3 ranks from disk (resharded through torch.distributed.checkpoint's planning), and plain
-``dcp.load`` with ``easyckpt.dcp.StorageReader`` loads it too: every ``full_tensor()`` of model and
-optimizer state equals the saved one bitwise; a 2-D (tensor x FSDP) save of 4 ranks resumes on a 1-D mesh of
-2. Then bad input, in this process on a 1-rank mesh: a
-template of other global shapes, a missing shard file, a checkpoint without sharding metadata."""
+job resumes on 4 from memory with the uninterrupted run's losses bit for bit, and on 2 and on 3 ranks from the
+4 ranks' slots (resharded from memory); two simulated nodes lose one, and the survivor's 2 ranks reshard from
+its slots plus its agent's replicas of the lost node's ranks; the same persisted iteration resumes on 2 and on
+3 ranks from disk (resharded through torch.distributed.checkpoint's planning), and plain ``dcp.load`` with
+``easyckpt.dcp.StorageReader`` loads it too: every ``full_tensor()`` of model and optimizer state equals the
+saved one bitwise; a 2-D (tensor x FSDP) save of 4 ranks resumes on a 1-D mesh of 2. Then bad input, in this
+process on a 1-rank mesh: a template of other global shapes, a missing shard file, a checkpoint without
+sharding metadata."""
 from __future__ import annotations
 
 import dataclasses
@@ -96,6 +98,137 @@ def test_resume_on_fewer_ranks_reshards_from_disk(env: Env, reference: tuple[Pat
     for rank in range(nproc):
         ours = losses(out, rank)
         assert sorted(ours) == list(range(INTERVAL + 1, STEPS)) and all(math.isfinite(v) for v in ours.values())
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_kill9_then_resume_on_fewer_ranks_reshards_from_memory(env: Env, reference: tuple[Path, Path],
+                                                               nproc: int) -> None:
+    """4 ranks train, rank 1 is SIGKILLed (the others end with it): the 4 ranks' slots stay in this node's shared
+    memory. A job of 2 (or 3) ranks reshards the newest step every old rank holds straight from those slots
+    (dcp.load's planning over easyckpt.memory_reshard.MemoryReader), not from disk: every full tensor equals
+    the saved one bitwise, and training goes on."""
+    ref_out, _ = reference
+    kill_at = seeded_random().randint(2, STEPS - 3)
+    first = fsdp_job(env, env.tmp_path / "first", 4, "--kill-at", str(kill_at))
+    try:
+        assert first.wait(240) != 0, "rank 1 should have been SIGKILLed"
+    finally:
+        first.kill()
+    out = env.tmp_path / "resumed"
+    job = fsdp_job(env, out, nproc)
+    assert job.wait(240) == 0, job.log()[-3000:]
+    report = read_json(out / "resume-0.json")
+    step = report["step"]
+    assert (report["source"], report["world_size"]) == ("memory", nproc), report
+    assert step is not None and kill_at - 2 <= step <= kill_at, (kill_at, report)
+    assert report["digests"] == read_json(ref_out / f"full-{step}.json"), "the resharded state is not the saved one"
+    log = job.log()
+    assert f"step {step} resharded from memory, 4 -> {nproc} ranks: ranks 0-3 local shm" in log, log[-3000:]
+    assert f"saved by 4 ranks, this job has {nproc}" not in log, "the disk was read"
+    # The old ranks >= nproc have no successor: released once this world has a safe step of its own (at the
+    # latest when close() made the last snapshot durable).
+    released = [line for line in log.splitlines() if "slots of the saved world's ranks" in line]
+    assert len(released) == 1 and f"ranks >= {nproc}" in released[0] and "-r000003-s" in released[0], released
+    for rank in range(nproc):
+        ours = losses(out, rank)
+        assert sorted(ours) == list(range(step + 1, STEPS)) and all(math.isfinite(v) for v in ours.values())
+
+
+def test_kill9_on_2_then_resume_on_4_reshards_from_memory(env: Env) -> None:
+    """The other way: 2 ranks train and one is SIGKILLed; a job of 4 reshards their slots. Old ranks 0-1's slot
+    files are new ranks 0-1's, read before anyone snapshots; new ranks 2-3 take rank 0's private values (said
+    in the log). Compared with an uninterrupted 2-rank run's full tensors."""
+    ref = fsdp_job(env, env.tmp_path / "ref2", 2, save_dir=env.tmp_path / "ref2-ckpt")
+    assert ref.wait(240) == 0, ref.log()[-3000:]
+    kill_at = seeded_random().randint(2, STEPS - 3)
+    first = fsdp_job(env, env.tmp_path / "first", 2, "--kill-at", str(kill_at))
+    try:
+        assert first.wait(240) != 0, "rank 1 should have been SIGKILLed"
+    finally:
+        first.kill()
+    out = env.tmp_path / "resumed"
+    job = fsdp_job(env, out, 4)
+    assert job.wait(240) == 0, job.log()[-3000:]
+    report = read_json(out / "resume-0.json")
+    step = report["step"]
+    assert (report["source"], report["world_size"]) == ("memory", 4) and kill_at - 2 <= step <= kill_at, report
+    assert report["digests"] == read_json(env.tmp_path / "ref2" / f"full-{step}.json"), "not the saved state"
+    log = job.log()
+    assert f"step {step} resharded from memory, 2 -> 4 ranks: ranks 0-1 local shm" in log, log[-3000:]
+    assert "new ranks 2-3 took rank 0's" in log
+    for rank in range(4):
+        ours = losses(out, rank)
+        assert sorted(ours) == list(range(step + 1, STEPS)) and all(math.isfinite(v) for v in ours.values())
+
+
+def test_lost_node_then_the_surviving_nodes_2_ranks_reshard_from_memory_and_replicas(env: Env) -> None:
+    """Two simulated nodes of 2 ranks each train FSDP2 (tests/multinode.py); node 1 is lost whole (ranks, agent,
+    shared memory), node 0's ranks die with the job. The job goes on with node 0's 2 ranks alone: it reshards
+    the 4-rank world's step from node 0's slots of old ranks 0-1 plus the replicas of old ranks 2-3 that node
+    0's agent backed up (read over the replica transfer), not from disk; every full tensor equals the saved
+    one bitwise, and training goes on."""
+    import os
+    import signal
+    import subprocess
+
+    from ddp_job import TORCHRUN
+    from multinode import Cluster
+
+    from easyckpt.agent_client import AgentTimeout, query_status
+
+    steps = 40
+    job = Cluster(env, env.tmp_path / "multi", steps=steps, save_storage_interval=INTERVAL, script=SCRIPT,
+                  extra_args=["--digest-every", "1"])
+    try:
+        job.start(0)
+        job.start(1)
+        at = seeded_random().randint(6, 12)
+        wait_for(lambda: job.reached(at) or job.procs[0].poll() is not None, 240, f"every rank to reach step {at}")
+        assert job.procs[0].poll() is None, job.log(0)[-3000:]
+
+        def pinned() -> int | None:
+            found = [p for p in env.runtime_dir.iterdir() if p.name.endswith("@node0")]
+            try:
+                return query_status(found[0], timeout=5).get("pinned_step") if found else None
+            except (AgentTimeout, OSError):
+                return None
+
+        # The safe step across nodes waits for the buddy's backup: once there is one, node 0 holds node 1's ranks.
+        wait_for(pinned, 60, "node 0's agent to hold a step backed up from node 1")
+        job.kill_node(1)
+        victims = [job.procs[0].pid] + [int((job.out / f"pid-rank{r}").read_text()) for r in (0, 1)]
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        job.procs[0].wait(timeout=30)
+        assert job.agent_pid(0) is not None, "node 0's agent should outlive its ranks"
+
+        out = env.tmp_path / "shrunk"
+        out.mkdir()
+        command = TORCHRUN + ["--standalone", "--nproc-per-node=2", str(SCRIPT), "--save-dir", str(env.save_dir),
+                              "--out", str(out), "--steps", str(steps), "--save-storage-interval", str(INTERVAL)]
+        with open(out / "torchrun.log", "w") as log:
+            done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=job.environ(0), cwd=str(ROOT),
+                                  timeout=300)
+        text = (out / "torchrun.log").read_text()
+        assert done.returncode == 0, text[-4000:]
+        report = read_json(out / "resume-0.json")
+        step = report["step"]
+        assert (report["source"], report["world_size"]) == ("replica", 2), report
+        saved = job.out / f"full-{step}.json"
+        assert saved.exists(), f"the 4-rank run wrote no digests of step {step}"
+        assert report["digests"] == read_json(saved), "the state resharded from memory and replicas is not the saved one"
+        assert (f"step {step} resharded from memory, 4 -> 2 ranks: ranks 0-1 local shm, ranks 2-3 replica from node0"
+                in text), text[-4000:]
+        assert "saved by 4 ranks, this job has 2" not in text, "the disk was read"
+        assert "local slots checked against the agent's checksums" in text, text[-4000:]
+        for rank in range(2):
+            ours = losses(out, rank)
+            assert sorted(ours) == list(range(step + 1, steps)) and all(math.isfinite(v) for v in ours.values())
+    finally:
+        job.cleanup()
 
 
 @pytest.fixture(scope="module")

@@ -272,6 +272,9 @@ def test_replies() -> None:
     assert PingReply.from_wire({"pid": 42}, "ipc") == PingReply(42)
     with pytest.raises(RecordError, match="'endpoint'"):
         PingReply.from_wire({"pid": 42, "endpoint": 5}, "ipc")
+    keyed = PingReply(42, "node-a", "tcp://a:1", "f" * 32)   # the job token, once a PEERS set one
+    assert PingReply.from_wire(through_msgpack(keyed.to_wire()), "ipc") == keyed
+    assert "token" not in ping.to_wire()   # absent until set: what older builds sent
     assert ByeReply.from_wire(ByeReply(9, {"step": 3}).to_wire(), "ipc") == ByeReply(9, {"step": 3})
     assert FetchReply.from_wire(FetchReply((1 << 64) - 1).to_wire(), "tcp").xxh64 == (1 << 64) - 1
     with pytest.raises(RecordError, match="'xxh64' is missing"):
