@@ -161,6 +161,15 @@ class NodeReplication:
         self.replica.token = peers.token
         return None
 
+    def run_alone(self) -> None:
+        """The job now runs on this node alone (it shrank after losing nodes): no backup is awaited and no
+        other node's persister consulted, or the safe step would wait for a node that is gone. The replica
+        server stays up: the shrunk job's ranks may still read the backups it holds of the lost ranks."""
+        if self.peers is not None:
+            logger.info("the job now runs on node %s alone (was %s): safe steps no longer wait for backups",
+                        self.node, sorted(self.peers.nodes))
+            self.peers, self.peer_persisters, self._told = None, {}, None
+
     def on_persister(self, message: dict[str, Any]) -> None:
         """Server thread: another node's persister news (replaces what it said before: one sender thread
         per agent, one request at a time, so its news arrive in order)."""

@@ -438,6 +438,8 @@ class Agent:
             self.failed_ranks.discard(message["rank"])
             if message["world_size"] > message["local_world_size"]:
                 self.cluster.start_server()
+            else:
+                self.cluster.run_alone()
             self._send(identity, protocol.reply(True, id=request_id, pid=os.getpid()))
         elif kind == Kind.BYE:
             proc = self.watcher.ranks.get(message["rank"])

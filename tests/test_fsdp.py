@@ -224,6 +224,11 @@ def test_lost_node_then_the_surviving_nodes_2_ranks_reshard_from_memory_and_repl
                 in text), text[-4000:]
         assert "saved by 4 ranks, this job has 2" not in text, "the disk was read"
         assert "local slots checked against the agent's checksums" in text, text[-4000:]
+        # Node 0's agent stops waiting for backups from the lost node: the shrunk job's safe step moves, so its
+        # ranks never skip a snapshot.
+        agent_log = "".join(p.read_text() for p in env.runtime_dir.glob("*@node0/agent.log"))
+        assert "now runs on node node0 alone" in agent_log, agent_log[-3000:]
+        assert "skipped:" not in text, [line for line in text.splitlines() if "skipped:" in line][:3]
         for rank in range(2):
             ours = losses(out, rank)
             assert sorted(ours) == list(range(step + 1, steps)) and all(math.isfinite(v) for v in ours.values())
