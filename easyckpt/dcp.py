@@ -25,7 +25,7 @@ import mmap
 import os
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from torch.futures import Future
 from easyckpt import storage
 from easyckpt.state import torch_dtype
 from easyckpt_wire import layout
+from easyckpt_wire.records import ShardSpec
 
 logger = logging.getLogger(__name__)
 
@@ -122,22 +123,38 @@ def _holds_mark(value: Any, ids: Mapping[int, int]) -> bool:
     return False
 
 
-def checkpoint_index(iteration_dir: Path) -> CheckpointIndex:
-    """Read ``metadata.json`` and ``common.json`` of ``iteration_dir`` (no tensor bytes)."""
-    meta = layout.read_metadata(iteration_dir)
-    world_size = meta.get("world_size")
-    if type(world_size) is not int or world_size < 1:
-        raise storage.CheckpointCorruptError(f"{iteration_dir / layout.METADATA}: world_size is {world_size!r}")
+@dataclasses.dataclass(frozen=True, slots=True)
+class SavedRange:
+    """One tensor of one saved rank as the index needs it: its position in the rank's flat state, what it is,
+    and where its bytes are (``Chunk``'s rank, file and checksum)."""
+
+    index: int
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    shard: ShardSpec | None
+    owner: int
+    file: str
+    checksum: str
+
+
+def build_index(path: Path, step: int, world_size: int,
+                ranks: Callable[[int], tuple[Any, int, Iterable[SavedRange]]]) -> CheckpointIndex:
+    """The saved world as DCP sees it, from each rank's (skeleton, number of tensors, tensors): a DTensor's
+    ShardSpec gives its global shape and offsets; a plain tensor is whole. Used for an iteration on disk
+    (``checkpoint_index``) and for the saved world's snapshots in memory (``easyckpt.memory_reshard``)."""
     tensors: dict[str, SavedTensor] = {}
     values: dict[str, Any] = {}
     keys: dict[int, dict[str, str]] = {}
     for rank in range(world_size):
-        entry = storage.rank_entry(iteration_dir, rank, None)
-        index_keys, rank_values = _keys_of(entry.skeleton, len(entry.records))
+        skeleton, count, saved_ranges = ranks(rank)
+        index_keys, rank_values = _keys_of(skeleton, count)
         if rank == 0:
             values = rank_values
-        keys[rank] = {r.name: index_keys[r.index] for r in entry.records if r.index in index_keys}
-        for record in entry.records:
+        saved_ranges = list(saved_ranges)
+        keys[rank] = {r.name: index_keys[r.index] for r in saved_ranges if r.index in index_keys}
+        for record in saved_ranges:
             key = index_keys.get(record.index)
             if key is None or record.kind != "torch":
                 continue
@@ -147,15 +164,29 @@ def checkpoint_index(iteration_dir: Path) -> CheckpointIndex:
             saved = tensors.setdefault(key, SavedTensor(global_shape, record.dtype, spec is not None, []))
             if (saved.global_shape, saved.dtype) != (global_shape, record.dtype):
                 # A rank-private plain tensor whose shape differs between ranks: DCP sees rank 0's.
-                logger.debug("%s: rank %d's %s differs from rank 0's; DCP serves the lower rank's", iteration_dir,
-                             rank, key)
+                logger.debug("%s: rank %d's %s differs from rank 0's; DCP serves the lower rank's", path, rank, key)
                 continue
             if 0 in record.shape or any(c.offsets == offsets and c.shape == record.shape for c in saved.chunks):
                 continue   # empty, or a copy of a range a lower rank saved (replicated)
-            # A replicated shard stored by its group's writer: the writer's file, so the chunk names that rank.
-            owner = record.stored_by if record.stored_by is not None else rank
-            saved.chunks.append(Chunk(owner, record.file, record.name, offsets, record.shape, record.checksum))
-    return CheckpointIndex(iteration_dir, int(meta["step"]), world_size, tensors, values, keys)
+            saved.chunks.append(Chunk(record.owner, record.file, record.name, offsets, record.shape, record.checksum))
+    return CheckpointIndex(path, step, world_size, tensors, values, keys)
+
+
+def checkpoint_index(iteration_dir: Path) -> CheckpointIndex:
+    """Read ``metadata.json`` and ``common.json`` of ``iteration_dir`` (no tensor bytes)."""
+    meta = layout.read_metadata(iteration_dir)
+    world_size = meta.get("world_size")
+    if type(world_size) is not int or world_size < 1:
+        raise storage.CheckpointCorruptError(f"{iteration_dir / layout.METADATA}: world_size is {world_size!r}")
+
+    def rank_view(rank: int) -> tuple[Any, int, list[SavedRange]]:
+        entry = storage.rank_entry(iteration_dir, rank, None)
+        # A replicated shard stored by its group's writer: the writer's file, so the chunk names that rank.
+        return entry.skeleton, len(entry.records), [
+            SavedRange(r.index, r.name, r.kind, r.dtype, r.shape, r.shard,
+                       r.stored_by if r.stored_by is not None else rank, r.file, r.checksum) for r in entry.records]
+
+    return build_index(iteration_dir, int(meta["step"]), world_size, rank_view)
 
 
 class StorageReader(dcp.StorageReader):

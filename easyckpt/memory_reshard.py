@@ -39,7 +39,7 @@ from torch.futures import Future
 
 from easyckpt import sharding
 from easyckpt.collectives import all_gather_ints
-from easyckpt.dcp import CheckpointIndex, Chunk, SavedTensor, StorageReader, _keys_of, _Value
+from easyckpt.dcp import CheckpointIndex, Chunk, SavedRange, StorageReader, _Value, build_index
 from easyckpt.state import torch_dtype
 from easyckpt_wire.records import Manifest, PeerTable, SlotMeta
 from easyckpt_wire.shm import SlotFormatError, SlotMap, format_bytes, list_slots
@@ -443,32 +443,15 @@ class _ReplicaSource(_Source):
 
 
 def memory_index(sources: Mapping[int, _Source], step: int, world_size: int) -> CheckpointIndex:
-    """The saved world's snapshots as DCP sees them: built as ``dcp.checkpoint_index`` builds an iteration's,
-    from the slot records (a DTensor's ShardSpec gives its global shape and offsets; a plain tensor is whole)."""
-    tensors: dict[str, SavedTensor] = {}
-    values: dict[str, Any] = {}
-    keys: dict[int, dict[str, str]] = {}
-    for rank in range(world_size):
+    """The saved world's snapshots as DCP sees them (``dcp.build_index``, as for an iteration on disk). A
+    chunk's file is the tensor's index in its slot, its checksum where it is read from (for messages)."""
+    def rank_view(rank: int) -> tuple[Any, int, list[SavedRange]]:
         meta = sources[rank].meta
-        index_keys, rank_values = _keys_of(meta.skeleton, len(meta.tensors))
-        if rank == 0:
-            values = rank_values
-        keys[rank] = {e.name: index_keys[i] for i, e in enumerate(meta.tensors) if i in index_keys}
-        for i, entry in enumerate(meta.tensors):
-            key = index_keys.get(i)
-            if key is None or entry.kind != "torch":
-                continue
-            spec = entry.shard
-            global_shape = spec.global_shape if spec is not None else entry.shape
-            offsets = spec.offsets if spec is not None else (0,) * len(entry.shape)
-            saved = tensors.setdefault(key, SavedTensor(global_shape, entry.dtype, spec is not None, []))
-            if (saved.global_shape, saved.dtype) != (global_shape, entry.dtype):
-                continue   # a rank-private plain tensor whose shape differs between ranks: DCP sees rank 0's
-            if 0 in entry.shape or any(c.offsets == offsets and c.shape == entry.shape for c in saved.chunks):
-                continue   # empty, or a copy of a range a lower rank saved (replicated)
-            # Chunk.file: the tensor's index in its slot; Chunk.checksum: where it is read from (for messages).
-            saved.chunks.append(Chunk(rank, str(i), entry.name, offsets, entry.shape, sources[rank].where))
-    return CheckpointIndex(Path(f"memory-step-{step}"), step, world_size, tensors, values, keys)
+        return meta.skeleton, len(meta.tensors), [
+            SavedRange(i, e.name, e.kind, e.dtype, e.shape, e.shard, rank, str(i), sources[rank].where)
+            for i, e in enumerate(meta.tensors)]
+
+    return build_index(Path(f"memory-step-{step}"), step, world_size, rank_view)
 
 
 class MemoryReader(StorageReader):
@@ -573,7 +556,7 @@ def read(found: Reachable, candidate: Candidate, *, rank: int, world_size: int, 
     every other value from one saved rank (``sharding.source_rank``); a template that does not fit fails on
     every rank before any rank reads."""
     from easyckpt import replica
-    from easyckpt.recovery import StateMismatchError, _check_template, _place, _Record
+    from easyckpt.recovery import StateMismatchError, _check_template, _place, _Record, dcp_targets, shown
 
     started = now()
     step, saved = candidate.step, candidate.world_size
@@ -596,22 +579,8 @@ def read(found: Reachable, candidate: Candidate, *, rank: int, world_size: int, 
                                checksums=checksums)
         index = memory_index(sources, step, saved)
         meta, keys = sources[source].meta, index.keys[source]
-        for i, entry in enumerate(meta.tensors):
-            spec = entry.shard
-            if spec is None:
-                continue
-            key, target = keys.get(entry.name), template.get(entry.name)
-            if key is None:
-                raise MemoryReshardError(f"sharded tensor {entry.name!r} of saved rank {source} (step {step}) has no "
-                                         "key that torch.distributed.checkpoint can address")
-            if target is None or not isinstance(target.into, torch.Tensor):
-                into[key] = handed[i] = torch.empty(spec.global_shape, dtype=torch_dtype(entry.dtype))
-                continue
-            ours = target.shard.global_shape if target.shard is not None else tuple(target.into.shape)
-            if ours != spec.global_shape or target.into.dtype != torch_dtype(entry.dtype):
-                problems.append(f"{entry.name}: checkpoint {sharding.describe(spec, entry.shape)} "
-                                f"{torch_dtype(entry.dtype)}, your state global {ours} {target.into.dtype}")
-            into[key] = handed[i] = target.value
+        into, handed, problems = dcp_targets(((i, e.name, e.dtype, e.shape, e.shard) for i, e in enumerate(meta.tensors)),
+                                             keys, template, f"saved rank {source} (step {step})", MemoryReshardError)
     except Exception as exc:  # raised after the vote below: no rank may be left waiting in it
         failure = exc
     try:
@@ -619,10 +588,9 @@ def read(found: Reachable, candidate: Candidate, *, rank: int, world_size: int, 
         if failure is not None:
             raise failure
         if problems:
-            shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
             raise StateMismatchError(
                 f"the state passed to load() does not match the checkpoint of step {step} (memory of the {saved}-rank "
-                f"world that saved it): {shown}. A resharded load changes how tensors are split, not their global "
+                f"world that saved it): {shown(problems)}. A resharded load changes how tensors are split, not their global "
                 "shapes: build the model and optimizer with the configuration of the run that saved it")
         if max(codes) == 2:
             raise StateMismatchError(f"another rank's state does not fit step {step} (memory of the {saved}-rank "

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -287,6 +287,40 @@ def _read_disk(iteration_dir: Path, rank: int, world_size: int, template: dict[s
     return entry.skeleton, values, str(iteration_dir), nbytes
 
 
+def dcp_targets(sharded: Iterable[tuple[int, str, str, tuple[int, ...], ShardSpec | None]], keys: Mapping[str, str],
+                template: Mapping[str, Target], where: str, error: type[Exception]
+                ) -> tuple[dict[str, Any], dict[int, Any], list[str]]:
+    """For a resharded load (from disk or from the saved world's memory): what ``dcp.load`` fills for each
+    sharded tensor of the source rank, given as (position, name, dtype, local shape, shard). Returns ``into``
+    (DCP key -> the template's tensor, or a new plain one holding the whole tensor where the template has
+    none: a DTensor needs a mesh to live on), ``handed`` (position -> what the loaded state holds) and the
+    template's mismatches (global shape, dtype), one line each. A tensor DCP cannot address raises ``error``
+    naming ``where`` (the source rank's snapshot)."""
+    into: dict[str, Any] = {}
+    handed: dict[int, Any] = {}
+    problems: list[str] = []
+    for position, name, dtype, shape, saved in sharded:
+        if saved is None:
+            continue
+        key, target = keys.get(name), template.get(name)
+        if key is None:
+            raise error(f"{where}: sharded tensor {name!r} has no key that torch.distributed.checkpoint can address")
+        if target is None or not isinstance(target.into, torch.Tensor):
+            into[key] = handed[position] = torch.empty(saved.global_shape, dtype=torch_dtype(dtype))
+            continue
+        ours = target.shard.global_shape if target.shard is not None else tuple(target.into.shape)
+        if ours != saved.global_shape or target.into.dtype != torch_dtype(dtype):
+            problems.append(f"{name}: checkpoint {sharding.describe(saved, shape)} {torch_dtype(dtype)}, "
+                            f"your state global {ours} {target.into.dtype}")
+        into[key] = handed[position] = target.value
+    return into, handed, problems
+
+
+def shown(problems: Sequence[str]) -> str:
+    """The first five problems, and how many more."""
+    return "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+
+
 def _read_resharded(iteration_dir: Path, rank: int, world_size: int,
                     template: dict[str, Target]) -> tuple[Any, list[Any], str, int]:
     """A step saved by another number of ranks: its DTensors through ``dcp.load`` (DCP's planning decides which
@@ -300,32 +334,14 @@ def _read_resharded(iteration_dir: Path, rank: int, world_size: int,
     source = sharding.source_rank(rank, index.world_size)
     entry = storage.rank_entry(iteration_dir, source, None)
     keys = index.keys[source]
-    into: dict[str, Any] = {}           # DCP key -> what dcp.load fills
-    handed: dict[int, Any] = {}         # record index -> what the loaded state holds
-    problems = []
-    for record in entry.records:
-        if record.shard is None:
-            continue
-        key, target = keys.get(record.name), template.get(record.name)
-        saved = record.shard
-        if key is None:
-            raise storage.CheckpointCorruptError(f"{iteration_dir}: sharded tensor {record.name!r} of rank {source} "
-                                                 "has no key that torch.distributed.checkpoint can address")
-        if target is None or not isinstance(target.into, torch.Tensor):
-            # No template tensor: the whole tensor, as a plain one (a DTensor needs a mesh to live on).
-            into[key] = handed[record.index] = torch.empty(saved.global_shape, dtype=torch_dtype(record.dtype))
-            continue
-        ours = target.shard.global_shape if target.shard is not None else tuple(target.into.shape)
-        if ours != saved.global_shape or target.into.dtype != torch_dtype(record.dtype):
-            problems.append(f"{record.name}: checkpoint {sharding.describe(saved, record.shape)} "
-                            f"{torch_dtype(record.dtype)}, your state global {ours} {target.into.dtype}")
-        into[key] = handed[record.index] = target.value
+    into, handed, problems = dcp_targets(((r.index, r.name, r.dtype, r.shape, r.shard) for r in entry.records),
+                                         keys, template, f"{iteration_dir} (rank {source})",
+                                         storage.CheckpointCorruptError)
     agreed = all_ok(not problems)   # before any rank raises: the others would wait in dcp.load
     if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise StateMismatchError(
             f"the state passed to load() does not match the checkpoint of step {index.step} ({iteration_dir}, saved "
-            f"by {index.world_size} ranks): {shown}. A resharded load changes how tensors are split, not their "
+            f"by {index.world_size} ranks): {shown(problems)}. A resharded load changes how tensors are split, not their "
             "global shapes: build the model and optimizer with the configuration of the run that saved it")
     if not agreed:
         raise StateMismatchError(f"another rank's state does not fit step {index.step} of {iteration_dir}; see its log")
