@@ -34,6 +34,18 @@ def fsdp_job(env: Env, out: Path, nproc: int, *extra: str, save_dir: Path | None
                save_storage_interval=INTERVAL, script=SCRIPT, extra_args=["--digest-every", "1", *extra])
 
 
+def killed_run(env: Env, nproc: int) -> int:
+    """``nproc`` ranks train until rank 1 SIGKILLs itself at a seeded step (the others end with it), leaving
+    their slots in this node's shared memory; returns that step."""
+    kill_at = seeded_random().randint(2, STEPS - 3)
+    first = fsdp_job(env, env.tmp_path / "first", nproc, "--kill-at", str(kill_at))
+    try:
+        assert first.wait(240) != 0, "rank 1 should have been SIGKILLed"
+    finally:
+        first.kill()
+    return kill_at
+
+
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
 
@@ -59,12 +71,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, 
 
 def test_kill9_resume_on_4_from_memory_is_bit_exact(env: Env, reference: tuple[Path, Path]) -> None:
     ref_out, _ = reference
-    kill_at = seeded_random().randint(2, STEPS - 3)
-    first = fsdp_job(env, env.tmp_path / "first", 4, "--kill-at", str(kill_at))
-    try:
-        assert first.wait(240) != 0, "rank 1 should have been SIGKILLed"
-    finally:
-        first.kill()
+    kill_at = killed_run(env, 4)
     second = fsdp_job(env, env.tmp_path / "second", 4)
     assert second.wait(240) == 0, second.log()[-3000:]
     report = read_json(env.tmp_path / "second" / "resume-0.json")
@@ -108,12 +115,7 @@ def test_kill9_then_resume_on_fewer_ranks_reshards_from_memory(env: Env, referen
     (dcp.load's planning over easyckpt.memory_reshard.MemoryReader), not from disk: every full tensor equals
     the saved one bitwise, and training goes on."""
     ref_out, _ = reference
-    kill_at = seeded_random().randint(2, STEPS - 3)
-    first = fsdp_job(env, env.tmp_path / "first", 4, "--kill-at", str(kill_at))
-    try:
-        assert first.wait(240) != 0, "rank 1 should have been SIGKILLed"
-    finally:
-        first.kill()
+    kill_at = killed_run(env, 4)
     out = env.tmp_path / "resumed"
     job = fsdp_job(env, out, nproc)
     assert job.wait(240) == 0, job.log()[-3000:]
@@ -140,12 +142,7 @@ def test_kill9_on_2_then_resume_on_4_reshards_from_memory(env: Env) -> None:
     in the log). Compared with an uninterrupted 2-rank run's full tensors."""
     ref = fsdp_job(env, env.tmp_path / "ref2", 2, save_dir=env.tmp_path / "ref2-ckpt")
     assert ref.wait(240) == 0, ref.log()[-3000:]
-    kill_at = seeded_random().randint(2, STEPS - 3)
-    first = fsdp_job(env, env.tmp_path / "first", 2, "--kill-at", str(kill_at))
-    try:
-        assert first.wait(240) != 0, "rank 1 should have been SIGKILLed"
-    finally:
-        first.kill()
+    kill_at = killed_run(env, 2)
     out = env.tmp_path / "resumed"
     job = fsdp_job(env, out, 4)
     assert job.wait(240) == 0, job.log()[-3000:]
