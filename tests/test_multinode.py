@@ -150,7 +150,8 @@ def test_lost_node_with_slow_persists_resumes_at_most_two_steps_back(cluster: Cl
     # Every due step that node 1's first agent started persisting, node 0's did too (no iteration is left
     # with one node's shards because the nodes disagreed).
     log1 = agent_log(job, 1)
-    first_agent = re.search(r"\[agent (\d+)\]", log1).group(1)   # type: ignore[union-attr]
+    # The first agent that served (a second one started at the same moment may log first, then exits).
+    first_agent = re.search(r"\[agent (\d+)\] agent.server: agent pid \d+ serving", log1).group(1)  # type: ignore[union-attr]
     node1 = {int(s) for s in re.findall(rf"\[agent {first_agent}\] agent.persister: persisting step (\d+)", log1)}
     node0 = {int(s) for s in re.findall(r"persisting step (\d+)", agent_log(job, 0))}
     print(f"node 1 persisted {sorted(node1)} before the kill; node 0 {sorted(node0)}")
