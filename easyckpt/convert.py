@@ -26,12 +26,12 @@ from easyckpt_wire import layout
 logger = logging.getLogger(__name__)
 
 
-def to_dcp(src: Path, out: Path) -> tuple[int, int]:
-    """Write ``src`` (a save_dir's newest iteration, or one iteration_N) as a DCP checkpoint in ``out``;
-    returns (step, number of tensors)."""
+def full_state(src: Path) -> Any:
+    """``src`` (a save_dir's newest iteration, or one iteration_N) read whole in this process: rank 0's
+    structure with each sharded tensor whole (the shards of every rank assembled by DCP's planning), the
+    state as an unsharded run would have saved it."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
 
     from easyckpt import dcp as edcp
     from easyckpt import storage
@@ -41,7 +41,6 @@ def to_dcp(src: Path, out: Path) -> tuple[int, int]:
     index = edcp.checkpoint_index(iteration_dir)
     full = {key: torch.empty(saved.global_shape, dtype=torch_dtype(saved.dtype)) for key, saved in index.tensors.items()}
     dcp.load(full, storage_reader=edcp.StorageReader(iteration_dir), no_dist=True)
-    # Rank 0's structure with each sharded tensor whole: the state as an unsharded run would have saved it.
     entry = storage.rank_entry(iteration_dir, 0, None)
     keys = index.keys[0]
     values: list[Any] = [None] * len(entry.records)
@@ -53,10 +52,22 @@ def to_dcp(src: Path, out: Path) -> tuple[int, int]:
             values[record.index] = full[key]
         else:
             values[record.index] = tensor
-    state = unflatten(entry.skeleton, values)
+    return unflatten(entry.skeleton, values)
+
+
+def to_dcp(src: Path, out: Path) -> tuple[int, int]:
+    """Write ``src`` (a save_dir's newest iteration, or one iteration_N) as a DCP checkpoint in ``out``;
+    returns (step, number of tensors)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from easyckpt import dcp as edcp
+
+    index = edcp.checkpoint_index(edcp.iteration_of(src))
+    state = full_state(src)
     out.mkdir(parents=True, exist_ok=True)
     dcp.save(state, storage_writer=FileSystemWriter(str(out)), no_dist=True)
-    return index.step, len(full)
+    return index.step, len(index.tensors)
 
 
 def read_dcp(src: Path) -> dict[str, Any]:

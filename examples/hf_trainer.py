@@ -134,7 +134,10 @@ def main() -> None:
     parser.add_argument("--max-ckpt-num", type=int, default=None, help="iterations easyckpt keeps on disk (default 2)")
     parser.add_argument("--deepspeed", default=None, help="a DeepSpeed config file (ZeRO; run with DS_ACCELERATOR=cpu)")
     parser.add_argument("--fsdp", action="store_true", help="TrainingArguments(fsdp='full_shard', fsdp_config="
-                        "{'version': 2}): FSDP2 through Accelerate, which enables it on accelerator devices only")
+                        "{'version': 2}): FSDP2 through Accelerate, which enables it on accelerator devices only "
+                        "(tests/accelerate_fsdp_cpu.py runs this script with it enabled on CPU)")
+    parser.add_argument("--fsdp-state-dict-type", default=None, choices=("FULL_STATE_DICT", "SHARDED_STATE_DICT"),
+                        help="fsdp_config['state_dict_type'] (the Trainer's default: FULL_STATE_DICT)")
     parser.add_argument("--use-cpu", action=argparse.BooleanOptionalAction, default=True,
                         help="TrainingArguments(use_cpu=...): --no-use-cpu under torchrun on a machine without CUDA "
                         "is the misconfiguration TrainerWrapper refuses")
@@ -166,7 +169,9 @@ def run(args: argparse.Namespace) -> None:
         warmup_steps=4, logging_steps=1, save_strategy=args.save_strategy, save_steps=args.save_steps,
         save_total_limit=args.save_total_limit, seed=0, data_seed=1234, report_to="none", use_cpu=args.use_cpu,
         disable_tqdm=True, dataloader_num_workers=0, deepspeed=args.deepspeed,
-        **({"fsdp": "full_shard", "fsdp_config": {"version": 2}} if args.fsdp else {}))
+        **({"fsdp": "full_shard", "fsdp_config": {"version": 2, **({"state_dict_type": args.fsdp_state_dict_type}
+                                                                  if args.fsdp_state_dict_type else {})}}
+           if args.fsdp else {}))
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32))
     step_log = StepLog(out / f"losses-rank{rank}.jsonl", attempt)

@@ -43,12 +43,15 @@ class HFJob(Job):
 
     def __init__(self, env: Env, output_dir: Path, out: Path, *, resume: str | None = None, plain: bool = False,
                  step_seconds: float = 0.0, save_total_limit: int | None = None, save_strategy: str = "steps",
-                 extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None,
+                 via: Path | None = None) -> None:
+        """``via``: a script that runs the example (``accelerate_fsdp_cpu.py``)."""
         self.out = out
         self.nproc = 2
         out.mkdir(parents=True, exist_ok=True)
         self.log_path = out / "torchrun.log"
-        command = TORCHRUN + ["--standalone", "--nproc-per-node=2", "--max-restarts=0", str(SCRIPT),
+        command = TORCHRUN + ["--standalone", "--nproc-per-node=2", "--max-restarts=0"] + \
+            ([str(via)] if via is not None else []) + [str(SCRIPT),
                               "--output-dir", str(output_dir), "--out", str(out), "--steps", str(STEPS),
                               "--save-steps", str(SAVE_STEPS), "--save-strategy", save_strategy,
                               "--step-seconds", str(step_seconds)]
@@ -405,10 +408,12 @@ def test_configuration_errors_name_the_fix(tmp_path: Path) -> None:
     assert wrapper.args.max_steps == 4 and wrapper.save_steps is None  # other attributes are the Trainer's
 
 
-def test_fsdp_trainer_is_refused_with_what_is_supported(tmp_path: Path) -> None:
-    """A Trainer that Accelerate runs with FSDP is refused, naming what is supported, before anything is
-    written. Accelerate never enables FSDP on CPU (see the next test), so the flag the Trainer sets from
-    Accelerate's state is set by hand here, to reach the refusal itself."""
+def test_fsdp1_trainer_is_refused_with_what_is_supported(tmp_path: Path) -> None:
+    """A Trainer that Accelerate runs with FSDP1 (FlatParameters) is refused, naming FSDP2 as the fix, before
+    anything is written. The FSDP state the Trainer reads from Accelerate is set by hand here (Accelerate
+    enables FSDP on accelerators only); FSDP2 itself runs in test_hf_fsdp.py."""
+    import types
+
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from easyckpt.transformers import TrainerWrapper
@@ -417,8 +422,14 @@ def test_fsdp_trainer_is_refused_with_what_is_supported(tmp_path: Path) -> None:
     sharded = Trainer(model=GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=16, n_positions=8)),
                       args=args)
     sharded.is_fsdp_enabled = True
-    with pytest.raises(NotImplementedError, match=r"uses FSDP.*easyckpt.Checkpointer.*examples/fsdp2_train.py"):
-        TrainerWrapper(sharded)
+    state = sharded.accelerator.state
+    kept = state.__dict__.get("fsdp_plugin")
+    state.fsdp_plugin = types.SimpleNamespace(fsdp_version=1, state_dict_type="FULL_STATE_DICT")
+    try:
+        with pytest.raises(NotImplementedError, match=r"uses FSDP1.*fsdp_config=\{'version': 2\}"):
+            TrainerWrapper(sharded)
+    finally:
+        state.fsdp_plugin = kept
     assert not (tmp_path / "easyckpt").exists(), "a refused Trainer must not get a save_dir"
 
 

@@ -55,10 +55,11 @@ What it does, and why this way:
   with the reason.
 
 Supported: one process, DDP (each rank holds the whole model and optimizer, as the Trainer saves
-them) and DeepSpeed ZeRO stages 1 to 3 (``zero``: each rank snapshots its own partition; resume and the
-checkpoint-N exports use DeepSpeed's own layout). ZeRO offload, data skipping and the health monitor with
-DeepSpeed, FSDP (when Accelerate enables it;
-on CPU Accelerate drops the FSDP plugin and the Trainer runs DDP, which the wrapper logs), ``save_on_each_node``,
+them), DeepSpeed ZeRO stages 1 to 3 (``zero``: each rank snapshots its own partition; resume and the
+checkpoint-N exports use DeepSpeed's own layout) and FSDP2 through Accelerate (``fsdp``: each rank
+snapshots its DTensor shards; resume and checkpoint-N use Accelerate's FSDP layouts; on CPU Accelerate
+drops the FSDP plugin and the Trainer runs DDP, which the wrapper logs). ZeRO offload, data skipping and
+the health monitor with DeepSpeed, FSDP1, ``save_on_each_node``,
 hyperparameter search and a Trainer whose ``args.world_size`` is not the job's are refused with a clear error;
 with ``push_to_hub`` the checkpoints are not pushed at each save. A ``checkpoint-N`` appears when the
 agent has persisted the step and the export is done, so a callback's ``on_save`` may run before the
@@ -69,8 +70,8 @@ the pending exports before the Trainer's end-of-training work (``load_best_model
 The package: ``wrapper`` (TrainerWrapper: the hooks, snapshots, saves), ``snapshot`` (the state taken
 from the live Trainer), ``resume`` (choosing and staging the state to resume from), ``folders``
 (checkpoint-N folders: checks, the Trainer's files, atomic publish, ``save_total_limit``), ``export``
-(the thread turning persisted iterations into checkpoint-N folders), ``zero`` (DeepSpeed); its collectives are
-``easyckpt.collectives``.
+(the thread turning persisted iterations into checkpoint-N folders), ``zero`` (DeepSpeed), ``fsdp``
+(FSDP2); its collectives are ``easyckpt.collectives``.
 """
 from __future__ import annotations
 

@@ -160,6 +160,6 @@ class Exporter:
                 return
             raise
         self.folders.write_checkpoint(step, common, rngs, world_size, health=meta.get("health"), zero_optims=zero_optims,
-                                     zero_models=zero_models)
+                                     zero_models=zero_models, iteration_dir=path)
         self.exported.append(step)
         logger.info("exported %s to checkpoint-%d in %.2fs", path, step, time.perf_counter() - started)

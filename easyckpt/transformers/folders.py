@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, Trainer
 
+from easyckpt.transformers import fsdp
 from easyckpt.transformers.snapshot import unwrapped_model
 from easyckpt_wire import layout
 from easyckpt_wire.faults import fault_point
@@ -71,8 +72,10 @@ def checkpoint_problem(path: Path, *, world_size: int, need_optimizer: bool = Tr
     if match is not None and int(match.group(1)) != step:
         return f"{state_path} says global_step {step}, the folder name says {match.group(1)}"
     weights = [name for name in WEIGHTS_FILES if (path / name).is_file()]
-    if not weights:
-        return f"{path} has no model weights (none of {', '.join(WEIGHTS_FILES)})"
+    fsdp_model, fsdp_optim = fsdp.has_layout(path)
+    if not weights and not fsdp_model:
+        return (f"{path} has no model weights (none of {', '.join(WEIGHTS_FILES)}, nor a complete FSDP "
+                f"{fsdp.MODEL_DIR}/)")
     if SAFE_WEIGHTS_NAME in weights:
         try:
             from safetensors import safe_open
@@ -82,8 +85,9 @@ def checkpoint_problem(path: Path, *, world_size: int, need_optimizer: bool = Tr
             return f"{path / SAFE_WEIGHTS_NAME} is not a readable safetensors file ({exc})"
     if need_optimizer:
         # A DeepSpeed checkpoint holds the optimizer in global_stepN/ (named by ``latest``), not optimizer.pt.
-        if not (path / OPTIMIZER_NAME).is_file() and not has_deepspeed_layout(path):
-            return f"{path / OPTIMIZER_NAME} is missing (and there is no DeepSpeed 'latest' naming a global_step folder)"
+        if not (path / OPTIMIZER_NAME).is_file() and not has_deepspeed_layout(path) and not fsdp_optim:
+            return (f"{path / OPTIMIZER_NAME} is missing (and there is no DeepSpeed 'latest' naming a global_step "
+                    f"folder, nor a complete FSDP {fsdp.OPTIM_DIR}/)")
         if not (path / SCHEDULER_NAME).is_file() and not has_deepspeed_layout(path):
             return f"{path / SCHEDULER_NAME} is missing"
     if need_rng:
@@ -214,13 +218,18 @@ class CheckpointFolders:
     def write_checkpoint(self, step: int, common: dict[str, Any], rngs: dict[int, Any], world_size: int,
                          health: dict[str, Any] | None = None,
                          zero_optims: dict[int, tuple[Any, dict[str, Any]]] | None = None,
-                         zero_models: dict[int, Any] | None = None) -> Path:
+                         zero_models: dict[int, Any] | None = None, iteration_dir: Path | None = None) -> Path:
         """Export a saved state (all ranks' RNGs) as checkpoint-N, atomically. Runs on the saving process.
-        ``health``: the iteration's verdict (metadata.json); an unhealthy one is recorded in the folder."""
+        ``health``: the iteration's verdict (metadata.json); an unhealthy one is recorded in the folder.
+        ``iteration_dir``: the persisted iteration, whose every rank's shards an FSDP2 export assembles."""
         tmp = self.tmp_path(step)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         self.write_files(tmp, common, rngs, world_size, native=True, zero_optims=zero_optims, zero_models=zero_models)
+        if fsdp.STATE_KEY in common:
+            if iteration_dir is None:
+                raise ValueError(f"checkpoint-{step} of an FSDP2 state needs the iteration it was persisted as")
+            fsdp.write_full(tmp, iteration_dir, fsdp.state_dict_kind(self.trainer))
         mark_health(tmp, health)
         return self.publish(tmp, step)
 
@@ -231,6 +240,8 @@ class CheckpointFolders:
 
         ``native``: a checkpoint-N folder (model through ``save_pretrained``, config, processing class,
         training args, ``save_only_model`` honoured); else a directory only the Trainer's resume reads.
+        Under FSDP2 (``common`` has ``fsdp.STATE_KEY``) model and optimizer are DCP directories its callers
+        write (``fsdp``); a native folder gets the model's config.
         Under DeepSpeed (``common`` has ``zero.STATE_KEY``) the optimizer goes into DeepSpeed's layout:
         the model states and ``latest`` from ``common``, one optimizer file per rank of ``zero_optims``
         (rank -> (its optimizer state, its engine info)). Under ZeRO-3 ``common["model"]`` holds partitions:
@@ -255,7 +266,13 @@ class CheckpointFolders:
                         zero.write_model_states(directory, step, rank_model, (zero_optims or {})[rank][1], latest=False)
                 if native:
                     weights = weights if weights is not None else zero.consolidate(zero_models or {}, deepspeed_info)
-        if weights is not None and native and isinstance(model, PreTrainedModel):
+        sharded = fsdp.STATE_KEY in common
+        if sharded:
+            if native and isinstance(model, PreTrainedModel):
+                model.config.save_pretrained(str(directory))
+                if getattr(model, "generation_config", None) is not None and model.can_generate():
+                    model.generation_config.save_pretrained(str(directory))
+        elif weights is not None and native and isinstance(model, PreTrainedModel):
             # whole weights of a ZeRO-3 model, tied names already sharing one tensor (the live model's
             # parameters are empty placeholders, so _retie cannot find its ties)
             model.save_pretrained(str(directory), state_dict=weights, is_main_process=True)
@@ -276,7 +293,7 @@ class CheckpointFolders:
                 tokenizer.save_pretrained(str(directory))
             torch.save(args, directory / TRAINING_ARGS_NAME)
         if not (native and args.save_only_model):
-            if deepspeed_info is None:
+            if deepspeed_info is None and not sharded:
                 torch.save(common["optim"], directory / OPTIMIZER_NAME)
             torch.save(common["sched"], directory / SCHEDULER_NAME)
             if "scaler" in common:

@@ -21,6 +21,7 @@ from transformers import Trainer
 from easyckpt.checkpointer import Checkpointer
 from easyckpt.collectives import all_ok, broadcast_int
 from easyckpt.recovery import LoadError, LoadResult
+from easyckpt.transformers import fsdp
 from easyckpt.transformers.folders import (
     TRAINER_STATE_NAME,
     CheckpointFolders,
@@ -53,6 +54,16 @@ class ResumeInfo:
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _saved_world(state: dict[str, Any]) -> int | None:
+    """The number of ranks an FSDP2 snapshot was taken on: the size of its DTensors' mesh."""
+    for _path, _shape, _placements, mesh_shape in state[fsdp.STATE_KEY]["dtensors"]:
+        size = 1
+        for d in mesh_shape:
+            size *= d
+        return size
+    return None
 
 
 class Resumer:
@@ -185,12 +196,31 @@ class Resumer:
                              f"{saved} DeepSpeed, and this Trainer runs {'with' if deepspeed else 'without'} it: run "
                              "with the DeepSpeed setting of the saved run, or give the wrapper a new save_dir "
                              f"(now {self.save_dir}) and output_dir")
-        base = self.staging_dir or self.ckpt.config.shm_dir
-        assert base is not None
-        directory = Path(base) / f"{STAGING_PREFIX}{self.ckpt.config.job_id}"
+        sharded = fsdp.enabled(self.trainer)
+        if (fsdp.STATE_KEY in state) != sharded:
+            saved = "with" if fsdp.STATE_KEY in state else "without"
+            raise ValueError(f"the easyckpt state of step {result.step} ({result.source}, {result.path}) was saved "
+                             f"{saved} FSDP, and this Trainer runs {'with' if sharded else 'without'} it: run with the "
+                             "FSDP setting of the saved run, or resume from a checkpoint-N folder "
+                             "(resume_from_checkpoint=<output_dir>/checkpoint-N)")
         world_size = self.trainer.args.world_size
+        if sharded:
+            saved_world = _saved_world(state)
+            if saved_world is not None and saved_world != world_size:
+                raise ValueError(
+                    f"the easyckpt state of step {result.step} ({result.source}, {result.path}) was saved by "
+                    f"{saved_world} FSDP2 ranks and this job has {world_size}: the Trainer's FSDP resume reshards "
+                    f"its own checkpoint-N folders, so pass resume_from_checkpoint=<output_dir>/checkpoint-N (easyckpt "
+                    f"exports one every save_steps), or run on {saved_world} ranks")
+        # The FSDP directories are written by every rank (each its shards, one DCP save): they go where every
+        # rank sees them, and one process of the whole job creates and removes the directory.
+        across_nodes = sharded and self.ckpt.world_size > self.ckpt.local_world_size
+        base = self.staging_dir or (self.save_dir if across_nodes else self.ckpt.config.shm_dir)
+        assert base is not None
+        creator = self.ckpt.rank == 0 if across_nodes else self.ckpt.local_rank == 0
+        directory = Path(base) / f"{STAGING_PREFIX}{self.ckpt.config.job_id}"
         problem = ""
-        if self.ckpt.local_rank == 0:
+        if creator:
             try:
                 shutil.rmtree(directory, ignore_errors=True)
                 directory.mkdir(parents=True)
@@ -213,7 +243,9 @@ class Resumer:
         if not all_ok(not problem):
             raise RuntimeError(f"could not write the RNG state of step {result.step} for the Trainer "
                                f"({problem or 'on another rank, see its log'})")
-        self.staged = directory if self.ckpt.local_rank == 0 else None
+        if sharded:   # collective; a rank that fails raises, and the others' DCP save fails with it
+            fsdp.stage(directory, state)
+        self.staged = directory if creator else None
         return str(directory)
 
     def _drop_old_snapshots(self) -> None:

@@ -1,9 +1,10 @@
 """The state TrainerWrapper snapshots, taken from the live Trainer in the layout its own checkpoints use.
 
-Model (under ZeRO-3: this rank's parameter partitions), optimizer (under DeepSpeed ZeRO: this rank's
-partition, see ``zero``), LR scheduler, grad scaler (when there is one), ``trainer_state.json`` as the Trainer
-would write it now (callbacks' states included) and every RNG as in its ``rng_state`` files. The data
-position needs nothing more: the Trainer derives it from the global step and the seeds.
+Model (under ZeRO-3: this rank's parameter partitions; under FSDP2 this rank's shards, see ``fsdp``),
+optimizer (under DeepSpeed ZeRO: this rank's partition, see ``zero``; under FSDP2 keyed by parameter
+name), LR scheduler, grad scaler (when there is one), ``trainer_state.json`` as the Trainer would write
+it now (callbacks' states included) and every RNG as in its ``rng_state`` files. The data position needs
+nothing more: the Trainer derives it from the global step and the seeds.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import numpy as np
 import torch
 from transformers import Trainer
 from transformers.trainer_callback import ExportableState
+
+from easyckpt.transformers import fsdp
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +69,14 @@ def capture(trainer: Trainer, extra_callback_states: dict[str, Any] | None = Non
     if trainer.optimizer is None or trainer.lr_scheduler is None:
         raise RuntimeError("easyckpt snapshots the Trainer's state during training: its optimizer and scheduler "
                            "are not created yet (call TrainerWrapper.train(), not a snapshot before it)")
+    fsdp_info = None
     if getattr(trainer, "is_deepspeed_enabled", False):
         from easyckpt.transformers import zero  # only here: deepspeed is an optional extra
         optim, engine_info = zero.capture(trainer)
         model = zero.module_state(trainer)   # under ZeRO-3 this rank's partitions, not empty placeholders
+    elif fsdp.enabled(trainer):
+        model, optim, fsdp_info = fsdp.capture(trainer)
+        engine_info = None
     else:
         optim, engine_info = trainer.optimizer.state_dict(), None
         model = unwrapped_model(trainer).state_dict()
@@ -84,6 +91,8 @@ def capture(trainer: Trainer, extra_callback_states: dict[str, Any] | None = Non
     }
     if engine_info is not None:
         state["deepspeed"] = engine_info
+    if fsdp_info is not None:
+        state[fsdp.STATE_KEY] = fsdp_info
     scaler = getattr(trainer.accelerator, "scaler", None)
     if scaler is not None:
         state["scaler"] = scaler.state_dict()

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from easyckpt.checkpointer import Checkpointer
 from easyckpt.collectives import all_gather_text, all_ok
 from easyckpt.health import configure
-from easyckpt.transformers import snapshot, zero
+from easyckpt.transformers import fsdp, snapshot, zero
 from easyckpt.transformers.export import POLL, Exporter
 from easyckpt.transformers.folders import CheckpointFolders, mark_health, rng_file_name
 from easyckpt.transformers.health import STATE_KEY, StepGuard
@@ -57,21 +57,11 @@ def check_world_size(trainer: Trainer) -> None:
 
 
 def check_fsdp(trainer: Trainer) -> None:
-    """Refuse a Trainer that Accelerate runs with FSDP; say so when it asked for FSDP and did not get it.
-
-    Refused: resuming an FSDP Trainer goes through Accelerate's ``load_fsdp_model``/``load_fsdp_optimizer``,
-    which read Accelerate's own FSDP layout (``pytorch_model_fsdp*``, ``optimizer_*``), and the state is
-    sharded before the first step only, after ``train()`` starts; the wrapper stages neither yet, and it
-    could not be tested here: Accelerate 1.15 enables FSDP only on accelerator devices (CPU, gloo: never).
-    """
-    if getattr(trainer, "is_fsdp_enabled", False):
-        version = getattr(getattr(trainer.accelerator.state, "fsdp_plugin", None), "fsdp_version", "?")
-        raise NotImplementedError(
-            f"TrainerWrapper supports one process, DDP and DeepSpeed ZeRO stages 1 to 3; this Trainer uses FSDP "
-            f"(fsdp_version {version}, through Accelerate), whose resume and checkpoint-N layout the wrapper does "
-            "not write yet. Drop TrainingArguments(fsdp=...) or the wrapper; or train FSDP2 in your own loop with "
-            "easyckpt.Checkpointer, which snapshots fully_shard's DTensors and resumes them on any world size "
-            "(examples/fsdp2_train.py)")
+    """Refuse the FSDP setups the wrapper does not write (``fsdp.check``: FSDP1, a full state dict); say so
+    when the Trainer asked for FSDP and did not get it."""
+    if fsdp.enabled(trainer):
+        fsdp.check(trainer)
+        return
     if getattr(trainer.args, "fsdp_plugin_args", None) is not None:
         # Accelerate keeps the FSDP plugin only for accelerator devices (AcceleratorState: MULTI_GPU, ...),
         # so on CPU the Trainer silently runs DDP: say what is snapshotted, since the user asked for FSDP.
@@ -81,6 +71,16 @@ def check_fsdp(trainer: Trainer) -> None:
             "unsharded, as DDP, and TrainerWrapper snapshots whole model and optimizer states as for DDP",
             trainer.args.fsdp, getattr(trainer.accelerator.state.distributed_type, "value",
                                        trainer.accelerator.state.distributed_type))
+
+
+class _OnTrainBegin(TrainerCallback):
+    """Calls ``action`` when training begins: after the Trainer has loaded the checkpoint it resumes from."""
+
+    def __init__(self, action: Callable[[], None]) -> None:
+        self.action = action
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.action()
 
 
 class TrainerWrapper:
@@ -219,6 +219,8 @@ class TrainerWrapper:
         self._resumer = Resumer(self.ckpt, self.trainer, self.folders, save_dir=self.save_dir,
                                 staging_dir=self.staging_dir)
         finished = False
+        undo: fsdp.sharded_resume | None = None
+        loaded: _OnTrainBegin | None = None
         try:
             if self.trainer.args.should_save:
                 self.folders.clean_stale()
@@ -227,10 +229,19 @@ class TrainerWrapper:
             self._last_step = self.resumed.step
             self._checkpoint_steps.clear()
             self._catch_up(self.resumed.step)
+            if fsdp.enabled(self.trainer) and self.resumed.source in ("memory", "replica", "disk"):
+                # staged sharded: the Trainer reads it so, and saves as the user chose from its first step on
+                undo = fsdp.sharded_resume(self.trainer)
+                loaded = _OnTrainBegin(undo.undo)
+                self.trainer.add_callback(loaded)
             output = self.trainer.train(resume_from_checkpoint=path, **kwargs)
             finished = True
             return output
         finally:
+            if undo is not None:
+                undo.undo()
+            if loaded is not None:
+                self.trainer.remove_callback(loaded)
             # The end of training: close() makes the newest snapshot durable (final_persist) and raises
             # PersistError when the disk refused it, unless training itself failed (that error goes on).
             self._finish(raise_errors=finished)
@@ -421,6 +432,9 @@ class TrainerWrapper:
             problem = str(exc)
         if not all_ok(not problem):
             raise RuntimeError(f"writing checkpoint-{step} into {tmp} failed: {problem or 'on another rank'}")
+        if fsdp.STATE_KEY in state:   # collective, from the live DTensors
+            fsdp.write_live(tmp, {"model": state["model"], "optim": state["optim"]}, fsdp.state_dict_kind(self.trainer),
+                            args.process_index)
         if args.should_save:
             self.folders.publish(tmp, step)
 

@@ -1,0 +1,98 @@
+"""TrainerWrapper with FSDP2 through Accelerate (``fsdp="full_shard"``, ``fsdp_config={"version": 2}``)
+under a real torchrun (2 ranks, gloo, CPU), the tiny GPT-2 of examples/hf_trainer.py.
+
+Accelerate enables FSDP on accelerator devices only; ``accelerate_fsdp_cpu.py`` lifts that one check and
+runs the example unchanged, so that FSDP2 itself (``fully_shard``, DTensor parameters and AdamW state,
+the Trainer's and Accelerate's FSDP save and load code) runs here on CPU. The reference is a plain
+Trainer with FSDP2, uninterrupted, without saves (on CPU the plain Trainer's own FSDP save of the tied
+GPT-2 fails in ``save_pretrained``, a transformers matter): every resumed run must log the same losses,
+RNG draws and model/optimizer digests (DTensor local shards) at every step after the resumed one.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="the HF integration needs transformers: pip install -e '.[hf]'")
+pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate: pip install -e '.[hf]'")
+
+import torch  # noqa: E402
+from conftest import ROOT, Env, seeded_random  # noqa: E402
+from test_hf import STEPS, HFJob, assert_continues_exactly, resumed_at, run_to_end, wipe_memory  # noqa: E402
+
+from easyckpt_wire import layout  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+VIA = ROOT / "tests" / "accelerate_fsdp_cpu.py"
+FSDP = ["--fsdp"]
+SHARDED = FSDP + ["--fsdp-state-dict-type", "SHARDED_STATE_DICT"]
+COMMON = {"scheduler.pt", "rng_state_0.pth", "rng_state_1.pth", "trainer_state.json", "training_args.bin",
+          "config.json", "generation_config.json"}
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory: pytest.TempPathFactory) -> HFJob:
+    env = Env(tmp_path_factory.mktemp("fsdp-reference"))
+    try:
+        return run_to_end(HFJob(env, env.tmp_path / "hf", env.tmp_path / "out", plain=True, save_strategy="no",
+                                extra_args=FSDP, via=VIA))
+    finally:
+        env.cleanup()
+
+
+def killed_at(env: Env, output_dir: Path, out: Path, step: int, args: list[str]) -> None:
+    job = HFJob(env, output_dir, out, extra_args=args + ["--kill-at", str(step)], via=VIA)
+    try:
+        assert job.wait(120) != 0, "rank 1 was to kill itself"
+    finally:
+        job.kill()
+
+
+def test_fsdp2_trainer_killed_resumes_from_memory_exactly(env: Env, fsdp_reference: HFJob) -> None:
+    """The Trainer's default FULL_STATE_DICT: rank 1 SIGKILLs itself after a seeded random step; the rerun
+    resumes at that very step from memory (each rank's DTensor shards staged as the Trainer's sharded FSDP
+    layout, read by the Trainer's own resume) and goes on bit-exactly. checkpoint-N is Accelerate's
+    FULL_STATE_DICT layout: whole model and optimizer states that an unsharded GPT-2 loads strictly."""
+    step = seeded_random().randint(6, 14)
+    output_dir = env.tmp_path / "hf"
+    killed_at(env, output_dir, env.tmp_path / "killed", step, FSDP)
+    job = run_to_end(HFJob(env, output_dir, env.tmp_path / "resumed", resume="newest", extra_args=FSDP, via=VIA))
+    assert [(r["step"], r["source"]) for r in resumed_at(job)] == [(step, "memory")] * 2, resumed_at(job)
+    assert_continues_exactly(job, fsdp_reference, step)
+    assert not list(env.shm_dir.glob("easyckpt-hf-resume-*")), "the staged resume directory is removed"
+
+    folder = output_dir / f"checkpoint-{STEPS}"
+    assert {p.name for p in folder.iterdir()} == COMMON | {"pytorch_model_fsdp.bin", "optimizer.bin"}
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    weights = torch.load(folder / "pytorch_model_fsdp.bin", weights_only=True)
+    model = GPT2LMHeadModel(GPT2Config.from_pretrained(str(folder)))
+    model.load_state_dict(weights, strict=True)
+    optim = torch.load(folder / "optimizer.bin", weights_only=True)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    assert {name: tuple(s["exp_avg"].shape) for name, s in optim["state"].items()} == shapes
+
+
+def test_fsdp2_sharded_resume_from_disk_and_a_plain_trainer_resumes_our_checkpoint(env: Env,
+                                                                                    fsdp_reference: HFJob) -> None:
+    """SHARDED_STATE_DICT: killed after step 12, whose snapshot the agent persists when rank 1 dies
+    (flush on failure); then the node's memory is wiped (agent and slots gone): the rerun resumes from disk
+    at step 12 and goes on exactly; its checkpoint-15 is two DCP directories
+    (pytorch_model_fsdp_0/, optimizer_0/) holding whole tensors, from which a plain FSDP2 Trainer resumes
+    and goes on exactly (DCP's load planning takes each rank's shard)."""
+    output_dir = env.tmp_path / "hf"
+    killed_at(env, output_dir, env.tmp_path / "killed", 12, SHARDED)
+    wipe_memory(env)
+    job = run_to_end(HFJob(env, output_dir, env.tmp_path / "resumed", resume="newest", extra_args=SHARDED, via=VIA))
+    assert [(r["step"], r["source"]) for r in resumed_at(job)] == [(12, "disk")] * 2, resumed_at(job)
+    assert_continues_exactly(job, fsdp_reference, 12)
+    assert (output_dir / "easyckpt" / layout.iteration_dirname(15) / layout.METADATA).is_file()
+
+    folder = output_dir / "checkpoint-15"
+    assert {p.name for p in folder.iterdir()} == COMMON | {"pytorch_model_fsdp_0", "optimizer_0"}
+    plain = run_to_end(HFJob(env, env.tmp_path / "plain-hf", env.tmp_path / "plain", plain=True, save_strategy="no",
+                             resume=str(folder), extra_args=SHARDED, via=VIA))
+    assert all(r["global_step"] == 15 for r in resumed_at(plain))
+    assert_continues_exactly(plain, fsdp_reference, 15)
