@@ -91,15 +91,16 @@ def source_rank(rank: int, saved_world_size: int) -> int:
 
 def private_rule(world_size: int, saved_world_size: int) -> str:
     """One line for the log: what every rank of the new world took."""
+    def ranks(first: int, last: int) -> str:
+        return f"rank {first}" if first == last else f"ranks {first}-{last}"
+
     own = min(world_size, saved_world_size)
-    parts = [f"ranks 0-{own - 1} took their own rank's private values"]
+    parts = [f"{ranks(0, own - 1)} took their own rank's private values"]
     if world_size > saved_world_size:
-        parts.append(f"new ranks {saved_world_size}-{world_size - 1} took rank 0's (RNG states, data position: "
+        parts.append(f"new {ranks(saved_world_size, world_size - 1)} took rank 0's (RNG states, data position: "
                      "reseed them if they must differ)")
     if saved_world_size > world_size:
-        dropped = (f"rank {world_size}" if saved_world_size - world_size == 1
-                   else f"ranks {world_size}-{saved_world_size - 1}")
-        parts.append(f"the private values of saved {dropped} were dropped")
+        parts.append(f"the private values of saved {ranks(world_size, saved_world_size - 1)} were dropped")
     return "; ".join(parts)
 
 

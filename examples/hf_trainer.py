@@ -138,6 +138,8 @@ def main() -> None:
                         "(tests/accelerate_fsdp_cpu.py runs this script with it enabled on CPU)")
     parser.add_argument("--fsdp-state-dict-type", default=None, choices=("FULL_STATE_DICT", "SHARDED_STATE_DICT"),
                         help="fsdp_config['state_dict_type'] (the Trainer's default: FULL_STATE_DICT)")
+    parser.add_argument("--save-full-at-begin", action="store_true", help="rank 0 saves the whole model and "
+                        "optimizer state training starts from as --out/begin-full-<attempt>-<step>.pt")
     parser.add_argument("--use-cpu", action=argparse.BooleanOptionalAction, default=True,
                         help="TrainingArguments(use_cpu=...): --no-use-cpu under torchrun on a machine without CUDA "
                         "is the misconfiguration TrainerWrapper refuses")
@@ -224,6 +226,24 @@ def run(args: argparse.Namespace) -> None:
                 print(f"resumed at step {info['step']} from {info['source']} ({info['path']})", flush=True)
 
     trainer.add_callback(ResumeReport())
+    if args.save_full_at_begin:
+        class SaveFullAtBegin(TrainerCallback):
+            """The whole model and optimizer state the run starts from (after any resume), gathered from every
+            rank's shards: what a test compares with the saved state when the world size changed."""
+
+            def on_train_begin(self, args_: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                from torch.distributed.checkpoint.state_dict import (
+                    StateDictOptions,
+                    get_model_state_dict,
+                    get_optimizer_state_dict,
+                )
+                whole = StateDictOptions(full_state_dict=True)
+                full = {"model": get_model_state_dict(kwargs["model"], options=whole),
+                        "optim": get_optimizer_state_dict(kwargs["model"], kwargs["optimizer"], options=whole)}
+                if rank == 0:
+                    torch.save(full, out / f"begin-full-{attempt}-{state.global_step}.pt")
+
+        trainer.add_callback(SaveFullAtBegin())
     if args.kill_at is not None and rank == 1 and wrapper is not None:
         class KillAfterSnapshot(TrainerCallback):
             """At the start of the step after ``--kill-at``: the snapshot of that step was taken at its save

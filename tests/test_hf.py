@@ -44,13 +44,13 @@ class HFJob(Job):
     def __init__(self, env: Env, output_dir: Path, out: Path, *, resume: str | None = None, plain: bool = False,
                  step_seconds: float = 0.0, save_total_limit: int | None = None, save_strategy: str = "steps",
                  extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None,
-                 via: Path | None = None) -> None:
+                 via: Path | None = None, nproc: int = 2) -> None:
         """``via``: a script that runs the example (``accelerate_fsdp_cpu.py``)."""
         self.out = out
-        self.nproc = 2
+        self.nproc = nproc
         out.mkdir(parents=True, exist_ok=True)
         self.log_path = out / "torchrun.log"
-        command = TORCHRUN + ["--standalone", "--nproc-per-node=2", "--max-restarts=0"] + \
+        command = TORCHRUN + ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0"] + \
             ([str(via)] if via is not None else []) + [str(SCRIPT),
                               "--output-dir", str(output_dir), "--out", str(out), "--steps", str(STEPS),
                               "--save-steps", str(SAVE_STEPS), "--save-strategy", save_strategy,

@@ -6,7 +6,8 @@ runs the example unchanged, so that FSDP2 itself (``fully_shard``, DTensor param
 the Trainer's and Accelerate's FSDP save and load code) runs here on CPU. The reference is a plain
 Trainer with FSDP2, uninterrupted, without saves (on CPU the plain Trainer's own FSDP save of the tied
 GPT-2 fails in ``save_pretrained``, a transformers matter): every resumed run must log the same losses,
-RNG draws and model/optimizer digests (DTensor local shards) at every step after the resumed one.
+RNG draws and model/optimizer digests (DTensor local shards) at every step after the resumed one. A run
+on another number of ranks is checked against the saved state itself (whole tensors, bitwise).
 """
 from __future__ import annotations
 
@@ -96,3 +97,30 @@ def test_fsdp2_sharded_resume_from_disk_and_a_plain_trainer_resumes_our_checkpoi
                              resume=str(folder), extra_args=SHARDED, via=VIA))
     assert all(r["global_step"] == 15 for r in resumed_at(plain))
     assert_continues_exactly(plain, fsdp_reference, 15)
+
+
+def test_fsdp2_trainer_resumes_on_another_number_of_ranks(env: Env) -> None:
+    """Saved by 2 FSDP2 ranks (SHARDED_STATE_DICT), resumed with resume_from_checkpoint=True by 3: the newest
+    state (step 20, resharded by ``Checkpointer.load`` from the old world's memory or from disk, staged whole
+    by rank 0) is what the Trainer's FSDP resume loads: the whole model and AdamW state the 3-rank run starts
+    from, gathered from its shards, equals iteration 20 read whole from disk, bitwise; training goes on to
+    step 24."""
+    from easyckpt.convert import full_state
+
+    output_dir = env.tmp_path / "hf"
+    run_to_end(HFJob(env, output_dir, env.tmp_path / "two", extra_args=SHARDED, via=VIA))
+    three = run_to_end(HFJob(env, output_dir, env.tmp_path / "three", resume="newest", nproc=3, via=VIA,
+                             extra_args=SHARDED + ["--steps", "24", "--save-full-at-begin"]), timeout=180)
+    resumes = [three.resumes(rank)[-1] for rank in range(3)]
+    assert {(r["step"], r["source"] in ("memory", "disk")) for r in resumes} == {(STEPS, True)}, resumes
+    assert sorted(three.losses(0)) == list(range(STEPS + 1, 25))
+
+    saved = full_state(output_dir / "easyckpt" / layout.iteration_dirname(STEPS))
+    began = torch.load(three.out / f"begin-full-0-{STEPS}.pt", weights_only=True)
+    assert began["model"].keys() == saved["model"].keys()
+    for name, tensor in saved["model"].items():
+        assert torch.equal(began["model"][name], tensor), f"model {name} differs from the saved step {STEPS}"
+    assert began["optim"]["state"].keys() == saved["optim"]["state"].keys()
+    for name, entry in saved["optim"]["state"].items():
+        for key, tensor in entry.items():
+            assert torch.equal(began["optim"]["state"][name][key], tensor), f"optimizer {name}.{key} differs"

@@ -28,7 +28,7 @@ def test_private_rule_says_what_every_rank_took() -> None:
     assert sharding.private_rule(2, 4) == ("ranks 0-1 took their own rank's private values; "
                                            "the private values of saved ranks 2-3 were dropped")
     grow = sharding.private_rule(3, 2)
-    assert "ranks 0-1 took their own" in grow and "new ranks 2-2 took rank 0's" in grow and "reseed" in grow
+    assert "ranks 0-1 took their own" in grow and "new rank 2 took rank 0's" in grow and "reseed" in grow
 
 
 def test_dtensor_is_recorded_as_its_local_shard(one_rank: None) -> None:

@@ -15,7 +15,8 @@ the whole ``pytorch_model_fsdp.bin`` and ``optimizer.bin`` and broadcasts them. 
 
 * for a resume (``stage``): sharded whatever the Trainer saves, by every rank, each its own shards, one
   ``dcp.save`` (so into one directory that every rank sees: the node's shm directory on one node, the
-  save_dir's file system across nodes), and the Trainer reads it as sharded (``sharded_resume``);
+  save_dir's file system across nodes), and the Trainer reads it as sharded (``sharded_resume``); a state
+  saved on another number of ranks comes back whole from ``Checkpointer.load`` and rank 0 writes it;
 * for a save from the live state (``write_live``): in the Trainer's layout; a full one gathered on rank 0;
 * for an exported ``checkpoint-N`` (``write_full``): by the saving process alone, every tensor whole,
   assembled from all ranks' files of the persisted iteration (``easyckpt.dcp``). DCP's load planning reads
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from transformers import Trainer
 
 from easyckpt import sharding
+from easyckpt.collectives import all_ok
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +77,7 @@ def state_dict_kind(trainer: Trainer) -> str:
 def _layouts(tree: Any, path: tuple[Any, ...], world_size: int, found: list[Any]) -> None:
     if sharding.is_dtensor(tree):
         spec = sharding.shard_spec(tree)
-        size = 1
-        for d in spec.mesh_shape:
-            size *= d
+        size = math.prod(spec.mesh_shape)
         if size != world_size:
             raise NotImplementedError(
                 f"{'.'.join(map(str, path))}: a DTensor on a mesh of {spec.mesh_shape} ({size} ranks) in a job of "
@@ -148,12 +149,37 @@ def _gathered(tree: Any) -> Any:
     return tree
 
 
-def stage(directory: Path, state: dict[str, Any]) -> None:
-    """Write a loaded snapshot into the Trainer's sharded FSDP resume layout under ``directory``, each rank
-    its shards (one DCP save). Collective: every rank calls it with the same ``directory``, which every
-    rank must see. The Trainer reads it as sharded whatever its own saves use (``sharded_resume``)."""
-    tree = rebuild(state)
-    save_dirs(directory, tree["model"], tree["optim"])
+def saved_world(state: dict[str, Any]) -> int | None:
+    """The number of ranks a snapshot's DTensors were sharded over (None: it holds none)."""
+    for _path, _shape, _placements, mesh_shape in state[STATE_KEY]["dtensors"]:
+        return math.prod(mesh_shape)
+    return None
+
+
+def stage(directory: Path, state: dict[str, Any], world_size: int, rank: int) -> None:
+    """Write a loaded snapshot into the Trainer's sharded FSDP resume layout under ``directory``, which every
+    rank must see. Collective: every rank calls it. Saved on as many ranks, each rank holds its own shards and
+    writes them (one DCP save). Saved on another number, ``Checkpointer.load`` resharded it and each rank holds
+    every tensor whole (a load without a template has no mesh to shard onto): rank 0 writes them, and DCP's
+    load planning in the Trainer's resume takes each rank's part. The Trainer reads the layout as sharded
+    whatever its own saves use (``sharded_resume``)."""
+    saved = saved_world(state)
+    if saved is None or saved == world_size:
+        tree = rebuild(state)
+        save_dirs(directory, tree["model"], tree["optim"])
+        return
+    logger.info("rank %d: the state was saved by %d FSDP ranks and resharded whole for %d: rank 0 stages it",
+                rank, saved, world_size)
+    failure: BaseException | None = None
+    if rank == 0:
+        try:
+            save_dirs(directory, state["model"], state["optim"], no_dist=True)
+        except BaseException as exc:   # raised below, after every rank heard of it
+            failure = exc
+    if not all_ok(failure is None):
+        if failure is not None:
+            raise failure
+        raise RuntimeError(f"rank 0 could not stage the resharded FSDP state in {directory}; see its log")
 
 
 class sharded_resume:   # noqa: N801 (used as a function that returns its undo)

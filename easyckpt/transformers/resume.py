@@ -56,16 +56,6 @@ class ResumeInfo:
         return dataclasses.asdict(self)
 
 
-def _saved_world(state: dict[str, Any]) -> int | None:
-    """The number of ranks an FSDP2 snapshot was taken on: the size of its DTensors' mesh."""
-    for _path, _shape, _placements, mesh_shape in state[fsdp.STATE_KEY]["dtensors"]:
-        size = 1
-        for d in mesh_shape:
-            size *= d
-        return size
-    return None
-
-
 class Resumer:
     """Resolves ``resume_from_checkpoint`` for one ``train()`` call, on every rank."""
 
@@ -204,14 +194,6 @@ class Resumer:
                              "FSDP setting of the saved run, or resume from a checkpoint-N folder "
                              "(resume_from_checkpoint=<output_dir>/checkpoint-N)")
         world_size = self.trainer.args.world_size
-        if sharded:
-            saved_world = _saved_world(state)
-            if saved_world is not None and saved_world != world_size:
-                raise ValueError(
-                    f"the easyckpt state of step {result.step} ({result.source}, {result.path}) was saved by "
-                    f"{saved_world} FSDP2 ranks and this job has {world_size}: the Trainer's FSDP resume reshards "
-                    f"its own checkpoint-N folders, so pass resume_from_checkpoint=<output_dir>/checkpoint-N (easyckpt "
-                    f"exports one every save_steps), or run on {saved_world} ranks")
         # The FSDP directories are written by every rank (each its shards, one DCP save): they go where every
         # rank sees them, and one process of the whole job creates and removes the directory.
         across_nodes = sharded and self.ckpt.world_size > self.ckpt.local_world_size
@@ -244,7 +226,7 @@ class Resumer:
             raise RuntimeError(f"could not write the RNG state of step {result.step} for the Trainer "
                                f"({problem or 'on another rank, see its log'})")
         if sharded:   # collective; a rank that fails raises, and the others' DCP save fails with it
-            fsdp.stage(directory, state)
+            fsdp.stage(directory, state, world_size, self.ckpt.rank)
         self.staged = directory if creator else None
         return str(directory)
 
