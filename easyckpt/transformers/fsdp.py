@@ -15,7 +15,7 @@ the whole ``pytorch_model_fsdp.bin`` and ``optimizer.bin`` and broadcasts them. 
 
 * for a resume (``stage``): sharded whatever the Trainer saves, by every rank, each its own shards, one
   ``dcp.save`` (so into one directory that every rank sees: the node's shm directory on one node, the
-  save_dir's file system across nodes), and the Trainer reads it as sharded (``sharded_resume``); a state
+  save_dir's file system across nodes), and the Trainer reads it as sharded (``ShardedResume``); a state
   saved on another number of ranks comes back whole from ``Checkpointer.load`` and rank 0 writes it;
 * for a save from the live state (``write_live``): in the Trainer's layout; a full one gathered on rank 0;
 * for an exported ``checkpoint-N`` (``write_full``): by the saving process alone, every tensor whole,
@@ -162,7 +162,7 @@ def stage(directory: Path, state: dict[str, Any], world_size: int, rank: int) ->
     writes them (one DCP save). Saved on another number, ``Checkpointer.load`` resharded it and each rank holds
     every tensor whole (a load without a template has no mesh to shard onto): rank 0 writes them, and DCP's
     load planning in the Trainer's resume takes each rank's part. The Trainer reads the layout as sharded
-    whatever its own saves use (``sharded_resume``)."""
+    whatever its own saves use (``ShardedResume``)."""
     saved = saved_world(state)
     if saved is None or saved == world_size:
         tree = rebuild(state)
@@ -182,7 +182,7 @@ def stage(directory: Path, state: dict[str, Any], world_size: int, rank: int) ->
         raise RuntimeError(f"rank 0 could not stage the resharded FSDP state in {directory}; see its log")
 
 
-class sharded_resume:   # noqa: N801 (used as a function that returns its undo)
+class ShardedResume:
     """Let the Trainer's resume read the sharded layout ``stage`` wrote while its saves keep the state dict
     type the user chose (the Trainer's default is FULL_STATE_DICT, whose resume reads a whole state on
     rank 0 and broadcasts it). ``undo()`` puts the plugin back; it runs once the Trainer has loaded (at

@@ -219,7 +219,7 @@ class TrainerWrapper:
         self._resumer = Resumer(self.ckpt, self.trainer, self.folders, save_dir=self.save_dir,
                                 staging_dir=self.staging_dir)
         finished = False
-        undo: fsdp.sharded_resume | None = None
+        undo: fsdp.ShardedResume | None = None
         loaded: _OnTrainBegin | None = None
         try:
             if self.trainer.args.should_save:
@@ -231,7 +231,7 @@ class TrainerWrapper:
             self._catch_up(self.resumed.step)
             if fsdp.enabled(self.trainer) and self.resumed.source in ("memory", "replica", "disk"):
                 # staged sharded: the Trainer reads it so, and saves as the user chose from its first step on
-                undo = fsdp.sharded_resume(self.trainer)
+                undo = fsdp.ShardedResume(self.trainer)
                 loaded = _OnTrainBegin(undo.undo)
                 self.trainer.add_callback(loaded)
             output = self.trainer.train(resume_from_checkpoint=path, **kwargs)
