@@ -26,10 +26,11 @@ from easyckpt_wire import layout
 logger = logging.getLogger(__name__)
 
 
-def full_state(src: Path) -> Any:
+def full_state(src: Path, index: Any = None) -> Any:
     """``src`` (a save_dir's newest iteration, or one iteration_N) read whole in this process: rank 0's
     structure with each sharded tensor whole (the shards of every rank assembled by DCP's planning), the
-    state as an unsharded run would have saved it."""
+    state as an unsharded run would have saved it. ``index``: its ``easyckpt.dcp.checkpoint_index``, when the
+    caller has it already."""
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -38,7 +39,7 @@ def full_state(src: Path) -> Any:
     from easyckpt.state import torch_dtype, unflatten
 
     iteration_dir = edcp.iteration_of(src)
-    index = edcp.checkpoint_index(iteration_dir)
+    index = index if index is not None else edcp.checkpoint_index(iteration_dir)
     full = {key: torch.empty(saved.global_shape, dtype=torch_dtype(saved.dtype)) for key, saved in index.tensors.items()}
     dcp.load(full, storage_reader=edcp.StorageReader(iteration_dir), no_dist=True)
     entry = storage.rank_entry(iteration_dir, 0, None)
@@ -64,7 +65,7 @@ def to_dcp(src: Path, out: Path) -> tuple[int, int]:
     from easyckpt import dcp as edcp
 
     index = edcp.checkpoint_index(edcp.iteration_of(src))
-    state = full_state(src)
+    state = full_state(src, index)
     out.mkdir(parents=True, exist_ok=True)
     dcp.save(state, storage_writer=FileSystemWriter(str(out)), no_dist=True)
     return index.step, len(index.tensors)

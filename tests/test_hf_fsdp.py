@@ -78,17 +78,18 @@ def test_fsdp2_trainer_killed_resumes_from_memory_exactly(env: Env, fsdp_referen
 
 def test_fsdp2_sharded_resume_from_disk_and_a_plain_trainer_resumes_our_checkpoint(env: Env,
                                                                                     fsdp_reference: HFJob) -> None:
-    """SHARDED_STATE_DICT: killed after step 12, whose snapshot the agent persists when rank 1 dies
-    (flush on failure); then the node's memory is wiped (agent and slots gone): the rerun resumes from disk
-    at step 12 and goes on exactly; its checkpoint-15 is two DCP directories
+    """SHARDED_STATE_DICT: killed after a seeded random step in 11-14, whose snapshot the agent persists when
+    rank 1 dies (flush on failure); then the node's memory is wiped (agent and slots gone): the rerun resumes
+    from disk at that step and goes on exactly; its checkpoint-15 is two DCP directories
     (pytorch_model_fsdp_0/, optimizer_0/) holding whole tensors, from which a plain FSDP2 Trainer resumes
     and goes on exactly (DCP's load planning takes each rank's shard)."""
+    step = seeded_random().randint(11, 14)
     output_dir = env.tmp_path / "hf"
-    killed_at(env, output_dir, env.tmp_path / "killed", 12, SHARDED)
+    killed_at(env, output_dir, env.tmp_path / "killed", step, SHARDED)
     wipe_memory(env)
     job = run_to_end(HFJob(env, output_dir, env.tmp_path / "resumed", resume="newest", extra_args=SHARDED, via=VIA))
-    assert [(r["step"], r["source"]) for r in resumed_at(job)] == [(12, "disk")] * 2, resumed_at(job)
-    assert_continues_exactly(job, fsdp_reference, 12)
+    assert [(r["step"], r["source"]) for r in resumed_at(job)] == [(step, "disk")] * 2, resumed_at(job)
+    assert_continues_exactly(job, fsdp_reference, step)
     assert (output_dir / "easyckpt" / layout.iteration_dirname(15) / layout.METADATA).is_file()
 
     folder = output_dir / "checkpoint-15"
