@@ -16,6 +16,7 @@ torch is imported inside the commands: ``easyckpt --help`` must answer at once.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -45,14 +46,16 @@ def full_state(src: Path, index: Any = None) -> Any:
     entry = storage.rank_entry(iteration_dir, 0, None)
     keys = index.keys[0]
     values: list[Any] = [None] * len(entry.records)
-    for record, tensor in storage.read_tensors(entry):
+    rest = []   # rank 0's values DCP did not just load whole (numpy arrays, its own private tensors): read once
+    for record in entry.records:
         key = keys.get(record.name)
-        if record.kind == "numpy":
-            values[record.index] = tensor.numpy()
-        elif key in full and (record.shard is not None or tuple(full[key].shape) == tuple(tensor.shape)):
+        if record.kind != "numpy" and key in full and (record.shard is not None
+                                                       or tuple(full[key].shape) == tuple(record.shape)):
             values[record.index] = full[key]
         else:
-            values[record.index] = tensor
+            rest.append(record)
+    for record, tensor in storage.read_tensors(dataclasses.replace(entry, records=rest)):
+        values[record.index] = tensor.numpy() if record.kind == "numpy" else tensor
     return unflatten(entry.skeleton, values)
 
 

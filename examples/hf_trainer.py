@@ -138,8 +138,11 @@ def main() -> None:
                         "(tests/accelerate_fsdp_cpu.py runs this script with it enabled on CPU)")
     parser.add_argument("--fsdp-state-dict-type", default=None, choices=("FULL_STATE_DICT", "SHARDED_STATE_DICT"),
                         help="fsdp_config['state_dict_type'] (the Trainer's default: FULL_STATE_DICT)")
-    parser.add_argument("--save-full-at-begin", action="store_true", help="rank 0 saves the whole model and "
-                        "optimizer state training starts from as --out/begin-full-<attempt>-<step>.pt")
+    parser.add_argument("--save-full-at", action="append", choices=("begin", "end"), default=[],
+                        help="rank 0 saves the whole model and optimizer state training starts from (begin) or ends "
+                        "with (end) as --out/<begin|end>-full-<attempt>-<step>.pt; repeatable")
+    parser.add_argument("--pin-timeout", type=float, default=None,
+                        help="TrainerWrapper(pin_timeout=...): how long a due snapshot waits for a free slot")
     parser.add_argument("--use-cpu", action=argparse.BooleanOptionalAction, default=True,
                         help="TrainingArguments(use_cpu=...): --no-use-cpu under torchrun on a machine without CUDA "
                         "is the misconfiguration TrainerWrapper refuses")
@@ -205,6 +208,8 @@ def run(args: argparse.Namespace) -> None:
                       embedding_local_norm_threshold=args.embedding_local_norm_threshold)
     if args.max_ckpt_num is not None:
         health["max_ckpt_num"] = args.max_ckpt_num
+    if args.pin_timeout is not None:
+        health["pin_timeout"] = args.pin_timeout
     wrapper = None if args.plain else TrainerWrapper(trainer, save_mem_interval=args.save_mem_interval,
                                                      log_file_path=str(out / "persist.log"), **health)
 
@@ -226,24 +231,32 @@ def run(args: argparse.Namespace) -> None:
                 print(f"resumed at step {info['step']} from {info['source']} ({info['path']})", flush=True)
 
     trainer.add_callback(ResumeReport())
-    if args.save_full_at_begin:
-        class SaveFullAtBegin(TrainerCallback):
-            """The whole model and optimizer state the run starts from (after any resume), gathered from every
-            rank's shards: what a test compares with the saved state when the world size changed."""
+    if args.save_full_at:
+        class SaveFull(TrainerCallback):
+            """The whole model and optimizer state the run starts from (after any resume) or ends with, gathered
+            from every rank's shards: what a test compares with a saved state."""
 
-            def on_train_begin(self, args_: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            def save(self, when: str, state: Any, kwargs: dict[str, Any]) -> None:
                 from torch.distributed.checkpoint.state_dict import (
                     StateDictOptions,
                     get_model_state_dict,
                     get_optimizer_state_dict,
                 )
+                if when not in args.save_full_at:
+                    return
                 whole = StateDictOptions(full_state_dict=True)
                 full = {"model": get_model_state_dict(kwargs["model"], options=whole),
                         "optim": get_optimizer_state_dict(kwargs["model"], kwargs["optimizer"], options=whole)}
                 if rank == 0:
-                    torch.save(full, out / f"begin-full-{attempt}-{state.global_step}.pt")
+                    torch.save(full, out / f"{when}-full-{attempt}-{state.global_step}.pt")
 
-        trainer.add_callback(SaveFullAtBegin())
+            def on_train_begin(self, args_: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                self.save("begin", state, kwargs)
+
+            def on_train_end(self, args_: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                self.save("end", state, kwargs)
+
+        trainer.add_callback(SaveFull())
     if args.kill_at is not None and rank == 1 and wrapper is not None:
         class KillAfterSnapshot(TrainerCallback):
             """At the start of the step after ``--kill-at``: the snapshot of that step was taken at its save

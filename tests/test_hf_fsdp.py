@@ -111,7 +111,7 @@ def test_fsdp2_trainer_resumes_on_another_number_of_ranks(env: Env) -> None:
     output_dir = env.tmp_path / "hf"
     run_to_end(HFJob(env, output_dir, env.tmp_path / "two", extra_args=SHARDED, via=VIA))
     three = run_to_end(HFJob(env, output_dir, env.tmp_path / "three", resume="newest", nproc=3, via=VIA,
-                             extra_args=SHARDED + ["--steps", "24", "--save-full-at-begin"]), timeout=180)
+                             extra_args=SHARDED + ["--steps", "24", "--save-full-at", "begin"]), timeout=180)
     resumes = [three.resumes(rank)[-1] for rank in range(3)]
     assert {(r["step"], r["source"] in ("memory", "disk")) for r in resumes} == {(STEPS, True)}, resumes
     assert sorted(three.losses(0)) == list(range(STEPS + 1, 25))
@@ -125,3 +125,46 @@ def test_fsdp2_trainer_resumes_on_another_number_of_ranks(env: Env) -> None:
     for name, entry in saved["optim"]["state"].items():
         for key, tensor in entry.items():
             assert torch.equal(began["optim"]["state"][name][key], tensor), f"optimizer {name}.{key} differs"
+
+
+def test_fsdp2_trainer_skips_a_spike_on_both_ranks(env: Env) -> None:
+    """Data skipping under FSDP2: the spike at step 3 (every rank's loss scaled) is seen in the global norm
+    the Trainer clips by (whole, from every rank's DTensor shards) and skipped on both ranks alike: each
+    rank's shard after step 3 is its shard after step 2, and training goes on from there."""
+    skip = ["--global-norm-spike-threshold", "50", "--global-norm-spike-count-threshold", "2"]
+    job = run_to_end(HFJob(env, env.tmp_path / "hf", env.tmp_path / "out", save_strategy="no", via=VIA,
+                           extra_args=FSDP + skip + ["--spike-steps", "3"]))
+    for rank in range(2):
+        rows = job.losses(rank)
+        assert sorted(rows) == list(range(1, STEPS + 1))
+        assert rows[3]["grad_norm"] > 50 > max(r["grad_norm"] for s, r in rows.items() if s != 3)
+        assert rows[3]["digest"] == rows[2]["digest"] != rows[1]["digest"], f"rank {rank} applied step 3"
+        assert rows[4]["digest"] != rows[3]["digest"]
+    assert job.losses(0)[3]["grad_norm"] == job.losses(1)[3]["grad_norm"], "both ranks must judge the same norm"
+    assert job.log().count("step 3: global norm") == 2, job.log()[-3000:]
+
+
+def test_fsdp2_synchronous_save_writes_the_live_state(env: Env) -> None:
+    """The fallback when no slot is free (two slots, a persist capped to take seconds, pin_timeout 1 s): the
+    final save (step 7, which save_steps=3 does not cover) is written synchronously from the live DTensors
+    in the Trainer's FULL_STATE_DICT layout: its model and optimizer files equal the state the run ended
+    with, gathered from every rank's shards, bitwise."""
+    output_dir = env.tmp_path / "hf"
+    job = run_to_end(HFJob(env, output_dir, env.tmp_path / "out", via=VIA,
+                           extra_env={"EASYCKPT_SLOTS": "2", "EASYCKPT_PERSIST_MBPS": "0.1"},
+                           extra_args=FSDP + ["--steps", "7", "--save-steps", "3", "--pin-timeout", "1",
+                                              "--save-full-at", "end"]), timeout=180)
+    assert "writing checkpoint-7 synchronously" in job.log(), job.log()[-4000:]
+    folder = output_dir / "checkpoint-7"
+    assert {p.name for p in folder.iterdir()} >= {"pytorch_model_fsdp.bin", "optimizer.bin", "trainer_state.json",
+                                                 "rng_state_0.pth", "rng_state_1.pth", "scheduler.pt"}
+    ended = torch.load(job.out / "end-full-0-7.pt", weights_only=True)
+    weights = torch.load(folder / "pytorch_model_fsdp.bin", weights_only=True)
+    assert weights.keys() == ended["model"].keys()
+    for name, tensor in ended["model"].items():
+        assert torch.equal(weights[name], tensor), f"model {name} differs from the live state"
+    optim = torch.load(folder / "optimizer.bin", weights_only=True)
+    assert optim["state"].keys() == ended["optim"]["state"].keys()
+    for name, entry in ended["optim"]["state"].items():
+        for key, tensor in entry.items():
+            assert torch.equal(optim["state"][name][key], tensor), f"optimizer {name}.{key} differs"
