@@ -45,6 +45,13 @@ from easyckpt.transformers import TrainerWrapper
 VOCAB, SEQ = 64, 16
 
 
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    """Whole or not at all: tests poll for these files while the job runs (a half-written one was read)."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(report))
+    os.replace(partial, path)
+
+
 class SyntheticTokens(torch.utils.data.Dataset):
     """Fixed random token sequences; labels are the inputs (GPT-2 shifts them itself)."""
 
@@ -226,7 +233,7 @@ def run(args: argparse.Namespace) -> None:
             report = {"rank": rank, "attempt": attempt, "pid": os.getpid(), "plain": args.plain,
                       "global_step": state.global_step, **info}
             index = len(list(out.glob(f"resume-rank{rank}-*.json")))
-            (out / f"resume-rank{rank}-{index}.json").write_text(json.dumps(report))
+            write_report(out / f"resume-rank{rank}-{index}.json", report)
             if rank == 0 and info["step"] is not None:
                 print(f"resumed at step {info['step']} from {info['source']} ({info['path']})", flush=True)
 

@@ -87,6 +87,13 @@ from easyckpt.megatron import finalize_easyckpt, initialize_easyckpt, last_load,
 VOCAB, SEQ, MICRO_BATCH = 64, 16, 4
 
 
+def write_report(path: Path, report: dict[str, object]) -> None:
+    """Whole or not at all: tests poll for these files while the job runs (a half-written one was read)."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(report))
+    os.replace(partial, path)
+
+
 class CpuRNGStatesTracker(tp_random.CudaRNGStatesTracker):
     """Megatron's tensor-parallel RNG tracker on the CPU generator (the CUDA one does not exist here)."""
 
@@ -359,7 +366,7 @@ def main() -> None:
     report = {"rank": rank, "iteration": iteration, "source": info.source if info else None,
               "path": info.path if info else None, "seconds": info.seconds if info else 0.0, "attempt": attempt,
               "consumed_train_samples": args.consumed_train_samples, "pid": os.getpid()}
-    (out / f"resume-rank{rank}-{len(list(out.glob(f'resume-rank{rank}-*.json')))}.json").write_text(json.dumps(report))
+    write_report(out / f"resume-rank{rank}-{len(list(out.glob(f'resume-rank{rank}-*.json')))}.json", report)
     if rank == 0 and info is not None and info.source is not None:
         print(f"resumed at iteration {iteration} from {info.source} in {info.seconds * 1000:.1f} ms", flush=True)
 

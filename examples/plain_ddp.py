@@ -38,6 +38,13 @@ from torch.nn.parallel import DistributedDataParallel
 import easyckpt
 
 
+def write_report(path: Path, report: dict[str, object]) -> None:
+    """Whole or not at all: tests poll for these files while the job runs (a half-written one was read)."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(report))
+    os.replace(partial, path)
+
+
 class TinyLM(torch.nn.Module):
     def __init__(self, vocab: int = 64, dim: int = 32) -> None:
         super().__init__()
@@ -146,7 +153,7 @@ def main() -> None:
     report = {"rank": rank, "step": result.step, "source": result.source, "seconds": result.seconds,
               "bytes": result.nbytes, "attempt": attempt, "pid": os.getpid(),
               "digest": state_digest(result.state) if result.step is not None else None}
-    (out / f"resume-rank{rank}-{len(list(out.glob(f'resume-rank{rank}-*.json')))}.json").write_text(json.dumps(report))
+    write_report(out / f"resume-rank{rank}-{len(list(out.glob(f'resume-rank{rank}-*.json')))}.json", report)
     if rank == 0 and result.step is not None:
         print(f"resumed at step {result.step} from {result.source} in {result.seconds * 1000:.1f} ms "
               f"({result.nbytes / 1e6:.1f} MB)", flush=True)
