@@ -5,6 +5,7 @@ with a message naming what it waited for.
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import random
@@ -139,6 +140,9 @@ class Env:
             except ProcessLookupError:
                 pass
         shutil.rmtree(self.shm_dir, ignore_errors=True)
+        for log in self.runtime_dir.glob("*/agent.log"):   # kept next to the test's files for post-mortems
+            with contextlib.suppress(OSError):
+                shutil.copy(log, self.tmp_path / f"agent-{log.parent.name}.log")
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
 

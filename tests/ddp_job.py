@@ -39,6 +39,12 @@ class Job:
     def wait(self, timeout: float = 120) -> int:
         try:
             return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # What CI prints is all a post-mortem gets: the job's and the agent's last lines
+            agents = "".join(f"\n--- {log}:\n" + log.read_text()[-3000:]
+                             for log in Path(os.environ.get("EASYCKPT_RUNTIME_DIR", "/nonexistent")).glob("*/agent.log"))
+            raise AssertionError(f"{self.log_path.parent.name}: the job did not end within {timeout:.0f}s\n"
+                                 f"{self.log()[-3000:]}{agents}") from None
         finally:
             self._log.close()
 
