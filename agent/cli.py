@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                         default=float(os.environ.get(SHUTDOWN_TIMEOUT_ENV, "") or "20"),
                         help="on SIGTERM/SIGINT, persist for at most this many seconds before exiting "
                              f"(default: {SHUTDOWN_TIMEOUT_ENV}, else 20)")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default=os.environ.get("EASYCKPT_AGENT_LOG_LEVEL") or "INFO",
+                        help="the agent log's level (default: EASYCKPT_AGENT_LOG_LEVEL, else INFO)")
     return parser
 
 

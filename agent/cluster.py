@@ -1,4 +1,5 @@
-"""Multi-node coordination of one agent: peers, hashing, buddy backups, backed-up steps, staged commits.
+"""Multi-node coordination of one agent: peers, hashing, buddy backups, backed-up steps, staged commits,
+and the transport of the job-wide agreement (``agent.jobwide``).
 
 The agent's main loop calls :meth:`NodeReplication.tick` every round once the ranks have told it the
 job's other nodes (PEERS). Hashing, pushes to the buddy and coverage surveys run in their own threads,
@@ -16,30 +17,21 @@ from typing import Any
 
 import zmq
 
+from agent.jobwide import JobWide
 from agent.persister import AuditLog, commit_stage, describe, drop_stage, lower_priority, stage_steps
-from agent.policy import PeerPersister
-from agent.replica import (
-    BuddyPuller,
-    Holdings,
-    MapCache,
-    ReplicaServer,
-    build_manifest,
-    push_manifests,
-    survey_coverage,
-    tell_persister,
-)
+from agent.replica import BuddyPuller, Holdings, MapCache, ReplicaServer, build_manifest, push_manifests, survey_coverage
 from agent.watcher import Watcher
-from easyckpt_wire import layout
+from easyckpt_wire import layout, protocol
 from easyckpt_wire.episode import Episode
+from easyckpt_wire.protocol import Kind
 from easyckpt_wire.records import Manifest, PeerTable, RecordError, SlotMeta
 from easyckpt_wire.shm import SlotFormatError
+from easyckpt_wire.transfer import tensor_checksum
 
 logger = logging.getLogger(__name__)
 
 STAGE_WAIT = 120.0  # how long a leader whose ranks finished waits for other nodes' shards
 COVERAGE_EVERY = 2.0
-TELL_EVERY = 2.0    # the persister's news is repeated this often: a node that missed it (restarted) hears it
-PASSED_KEPT = 16    # due steps passed over that are told to the others (the newest ones)
 
 
 def _logged(function: Callable[..., Any], *args: Any) -> None:
@@ -53,7 +45,8 @@ def _logged(function: Callable[..., Any], *args: Any) -> None:
 class NodeReplication:
     def __init__(self, *, node: str, bind_host: str, port: int, save_dir: Path, audit: AuditLog, watcher: Watcher,
                  ctx: zmq.Context, max_ckpt_num: Callable[[], int], complete: int | None,
-                 port_file: Path | None = None, rotate: Callable[[int], Any] | None = None) -> None:
+                 port_file: Path | None = None, rotate: Callable[[int], Any] | None = None,
+                 wake: Callable[[], None] = lambda: None, floor: Callable[[], int] = lambda: -1) -> None:
         self.node = node
         self.rotate = rotate   # the agent's timeline-aware rotation (abandoned iterations first)
         self.port_file = port_file
@@ -84,15 +77,8 @@ class NodeReplication:
         self._commit_failing = Episode(logger)   # retried every 0.2 s: said once, not five times a second
         self._stage_wait_since: float | None = None
         self.safe_step: int | None = None   # the agent's, shown by status
-        # What every other node's persister does (policy.cluster_due), written by the server thread, and
-        # what this node's does: due steps passed over are passed over by every node.
-        self.peer_persisters: dict[str, PeerPersister] = {}
-        self.passed: set[int] = set()
-        self.took: int | None = None
-        self.teller = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tell", initializer=lower_priority)
-        self._told: tuple[int | None, int | None, int | None, frozenset[int]] | None = None
-        self._told_at = 0.0
-        self._telling: concurrent.futures.Future[None] | None = None
+        self.floor = floor                  # the agent's newest step on disk or given up (a new agreement starts there)
+        self.jobwide = JobWide(node=node, ctx=ctx, wake=wake)
 
     def tick(self) -> None:
         if self.peers is not None:
@@ -112,8 +98,8 @@ class NodeReplication:
     def close(self) -> None:
         self.hasher.shutdown(wait=True, cancel_futures=True)
         self.surveyor.shutdown(wait=True, cancel_futures=True)
-        self.teller.shutdown(wait=True, cancel_futures=True)
         self.pusher.shutdown(wait=True, cancel_futures=True)
+        self.jobwide.close()
         self.puller.close()
         if self.replica is not None:
             self.replica.stop()
@@ -138,7 +124,7 @@ class NodeReplication:
     def start_server(self) -> None:
         if self.replica is None:
             self.replica = ReplicaServer(self.holdings, self.ctx, self.bind_host, self.port, self.on_push,
-                                         self.on_persister, port_file=self.port_file)
+                                         self.on_news, port_file=self.port_file)
             self.replica.start()
             logger.info("replica server of node %s listening on %s", self.node, self.replica.endpoint)
 
@@ -154,8 +140,8 @@ class NodeReplication:
         self.start_server()
         if not peers.same_job(self.peers):
             logger.info("job spans nodes %s; leader %s; buddy %s", sorted(peers.nodes), peers.leader, peers.buddy())
-            self.peer_persisters = {}   # another incarnation of the job: its agents say anew
-            self._told = None
+            self.jobwide.reset(decided=self.floor())   # another incarnation of the job: its agents say anew
+            self.jobwide.courier.forget({p.endpoint for p in peers.nodes.values()})
         self.peers = peers
         assert self.replica is not None
         self.replica.token = peers.token
@@ -166,41 +152,17 @@ class NodeReplication:
         other node's persister consulted, or the safe step would wait for a node that is gone. The replica
         server stays up: the shrunk job's ranks may still read the backups it holds of the lost ranks."""
         if self.peers is not None:
-            logger.info("the job now runs on node %s alone (was %s): safe steps no longer wait for backups",
+            logger.info("the job now runs on node %s alone (was %s): safe steps no longer wait for other nodes",
                         self.node, sorted(self.peers.nodes))
-            self.peers, self.peer_persisters, self._told = None, {}, None
+            self.peers = None
+            self.jobwide.reset(decided=self.floor())
 
-    def on_persister(self, message: dict[str, Any]) -> None:
-        """Server thread: another node's persister news (replaces what it said before: one sender thread
-        per agent, one request at a time, so its news arrive in order)."""
-        peers = self.peers
-        if peers is None or message["node"] not in peers.nodes or message["node"] == peers.node:
-            raise ValueError(f"PERSISTER from node {message['node']!r}, which is not another node of this job")
-        passed = message["passed"]
-        if not all(type(step) is int for step in passed):
-            raise ValueError(f"PERSISTER from node {message['node']!r}: passed steps {passed!r:.80} are not ints")
-        busy, ready, took = message["busy_with"], message["ready"], message["took"]
-        self.peer_persisters = {**self.peer_persisters, message["node"]: PeerPersister(
-            None if busy < 0 else busy, None if ready < 0 else ready, frozenset(passed), None if took < 0 else took)}
-
-    def tell(self, busy_with: int | None, ready: int | None, *, floor: int) -> None:
-        """Tell the other nodes what this node's persister does, when it changed and every TELL_EVERY s."""
-        if self.peers is None or len(self.peers.nodes) < 2:
-            return
-        self.passed = set(sorted(s for s in self.passed if s > floor)[-PASSED_KEPT:])
-        news = (busy_with, ready, self.took, frozenset(self.passed))
-        now = time.monotonic()
-        if news == self._told and now - self._told_at < TELL_EVERY:
-            return
-        self._told, self._told_at = news, now
-        if self._telling is None or self._telling.done():   # a peer that does not answer delays only the newest
-            self._telling = self.teller.submit(_logged, self._tell_newest)
-
-    def _tell_newest(self) -> None:
-        sent = None
-        while self._told is not None and self._told != sent and self.peers is not None:
-            sent = self._told
-            tell_persister(self.peers, sent[0], sent[1], sent[2], sorted(sent[3]))
+    def on_news(self, kind: Kind, message: dict[str, Any]) -> None:
+        """Server thread: a node's STATE (this node leads) or the leader's VERDICT."""
+        if kind == Kind.STATE:
+            self.jobwide.on_state(message, self.peers)
+        elif kind == Kind.VERDICT:
+            self.jobwide.on_verdict(message, self.peers)
 
     def on_push(self, message: dict[str, Any]) -> None:
         """Server thread: a peer handed us its ranks' manifests of one step."""
@@ -213,8 +175,18 @@ class NodeReplication:
         for manifest in manifests:
             if manifest.step != message["step"]:
                 raise RecordError(where, "manifest", "step", f"is {manifest.step}, the PUSH is of step {message['step']}")
+        blobs = message.get("blobs", [])
+        if not isinstance(blobs, list) or not all(
+                isinstance(b, list) and len(b) == 2 and isinstance(b[0], bytes) and len(b[0]) == protocol.CHECKSUM_BYTES
+                and isinstance(b[1], bytes) for b in blobs):
+            raise RecordError(where, "PUSH", "blobs", "must list [checksum, bytes] pairs")
         for manifest in manifests:
             self.holdings.add_backup(manifest)
+        for checksum, data in blobs:
+            if tensor_checksum(data) != checksum:   # damaged on the way or in the sender's memory: pulled instead
+                logger.warning("%s: a tensor's bytes do not match their checksum %s: not kept", where, checksum.hex())
+                continue
+            self.holdings.add_blob(checksum, bytearray(data))
         self.puller.submit(message["node"], message["step"], manifests)
 
     def _hash_and_push(self) -> None:
@@ -253,11 +225,13 @@ class NodeReplication:
                 if not self._push_queue:
                     return
                 step, self._push_queue = self._push_queue[0], self._push_queue[1:]
-            push_manifests(self.peers, step, self.holdings.local_at(step))
+            push_manifests(self.peers, step, self.holdings.local_at(step), self.holdings.inline_at(step))
 
     def _hash(self, rank: int, slot: int, path: Path, meta: SlotMeta, generation: int) -> None:
         maps = self._hash_maps
         try:
+            if maps.get(path).generation() != generation:
+                return   # rewritten while it waited in the queue: hashing it would be wasted
             entry = build_manifest(maps.get(path), meta, generation, self.node)
         except (OSError, SlotFormatError) as exc:
             logger.warning("cannot hash %s: %s", path, exc)

@@ -4,21 +4,18 @@ The agent's loop (``server``) feeds them what the watcher sees in the slot heade
 they return (flocks, the control block, a persist); nothing here does I/O, so the rules are tested in one
 process, alone and in randomized interleavings (``tests/test_policy.py``).
 
-Invariant 9: the safe step is the newest step every local rank has committed (multi-node: and whose
-backup from the predecessor node is complete here, so that losing that node leaves a step it can get).
-The agent holds the safe step's slots and publishes it; ranks never overwrite it. It moves forward only,
-except when the ranks themselves dropped it (a resume invalidated the slots of an abandoned timeline).
-The persister takes at most one due step at a time and only one that every local rank holds: with three
+Invariant 9 on one node: the safe step is the newest step every local rank has committed. The agent
+holds the safe step's slots and publishes it; ranks never overwrite it. It moves forward only, except
+when the ranks themselves dropped it (a resume invalidated the slots of an abandoned timeline). The
+persister takes at most one due step at a time and only one that every local rank holds: with three
 slots a rank then always has one to write (the agent keeps the safe step and the step it persists), so a
 due step that arrives while a persist runs is passed over rather than held, and the next due step after
-the persist is taken instead. Across nodes the same holds: the nodes tell each other what their
-persisters do (``cluster_verdict``) instead of holding a due step until a busy node catches up, and the step
-held for a backup costs a slot only when one is left over (``may_hold_pending``).
+the persist is taken instead. Across nodes the same rules hold job-wide, decided by the leader: see
+``agent.agreement``.
 """
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import NamedTuple
 
 
 def common_steps(committed: Mapping[int, Iterable[int]], expected_ranks: int) -> frozenset[int]:
@@ -29,36 +26,17 @@ def common_steps(committed: Mapping[int, Iterable[int]], expected_ranks: int) ->
     return frozenset.intersection(*sets)
 
 
-def next_safe(common: Collection[int], current: int | None, backed_up: Collection[int] | None = None) -> int | None:
-    """The safe step after this round.
+def next_safe(common: Collection[int], current: int | None) -> int | None:
+    """The safe step after this round (one node).
 
-    ``backed_up``: multi-node only, the steps whose backup from the predecessor node is complete here
-    (None in a single-node job). The current safe step stays while every rank holds it and nothing newer
-    qualifies; a safe step the ranks no longer hold (their resume dropped it) is replaced by the newest
-    one that qualifies, older or not.
+    The current safe step stays while every rank holds it and nothing newer qualifies; a safe step the
+    ranks no longer hold (their resume dropped it) is replaced by the newest one that qualifies, older or
+    not.
     """
-    eligible = set(common) if backed_up is None else set(common) & set(backed_up)
-    newest = max(eligible, default=None)
+    newest = max(common, default=None)
     if current is not None and current in common and (newest is None or newest <= current):
         return current
     return newest
-
-
-def next_pending(common: Collection[int], *, above: int, current: int | None, expired: bool) -> int | None:
-    """Multi-node only: the step the agent holds while the predecessor's backup of it completes, so that
-    it can become the safe step (the ranks would otherwise overwrite it with their next snapshot whenever
-    a persist holds the third slot, and the safe step would trail by a whole persist).
-
-    ``above``: the safe step, or a pending step given up on (``expired``: its backup did not complete in
-    time); only newer steps qualify. The current one stays until it is safe, gone or expired; the agent does
-    not chase newer steps meanwhile, which is what kept the safe step from ever moving.
-    """
-    newer = {step for step in common if step > above}
-    if current is not None and current in newer and not expired:
-        return current
-    if expired and current is not None:
-        newer = {step for step in newer if step > current}
-    return max(newer, default=None)
 
 
 def due_to_claim(common: Collection[int], *, floor: int, interval: int, busy: bool) -> int | None:
@@ -67,47 +45,6 @@ def due_to_claim(common: Collection[int], *, floor: int, interval: int, busy: bo
     if busy or interval <= 0:
         return None
     return max((s for s in common if s % interval == 0 and s > floor), default=None)
-
-
-class PeerPersister(NamedTuple):
-    """What another node's agent last said of its persister (multi-node)."""
-
-    busy_with: int | None       # the step it persists; None when free
-    ready: int | None           # the due step it holds, free to persist it once every node is
-    passed: frozenset[int]      # due steps it passed over (its recent ones)
-    took: int | None = None     # the newest due step it took (its persist may be over before the news is)
-
-
-def cluster_verdict(step: int, *, peers: Mapping[str, PeerPersister], waited: float, limit: float) -> str:
-    """Multi-node: what a node whose persister is free does with due step ``step``, which it holds: "take"
-    (persist it), "pass" (let it go, for good) or "wait" (keep holding it and ask again).
-
-    Every node must persist the same steps (the leader commits an iteration only once every node wrote
-    it), and no node may hold a due step for a busy node to catch up: that slot is the ranks' (invariant
-    9). So a node takes a due step only once every other node said it holds that step and is free too (or
-    already persists it); it passes the step over as soon as any node passed it over, a node busy with
-    another persist passes it over at once, and a node that never answers is given up on after ``limit``
-    seconds. The wait is that of one message: the nodes' ranks commit a step together.
-    """
-    if any(step in peer.passed for peer in peers.values()):
-        return "pass"
-    if all(step in (peer.ready, peer.busy_with, peer.took) for peer in peers.values()):
-        return "take"
-    return "pass" if waited > limit else "wait"
-
-
-def may_hold_pending(target: int, held: Collection[int], *, slots: int, lag: int) -> bool:
-    """Multi-node: whether the agent may hold ``target`` while the predecessor's backup of it completes.
-
-    ``held``: the steps it keeps anyway (the safe step, claimed ones, the persist in flight); ``lag``: the
-    newest common step minus the safe step. With a slot left over for the ranks' next snapshot, always.
-    Without one, the ranks race the backup instead (a backup that finishes within a step makes the step
-    safe before the next snapshot needs its slot, and nothing is skipped); once the safe step trails by two
-    steps the race was lost and the step is held anyway, at the price of skipped snapshots until it is
-    safe: the safe step must move, whatever the backup takes.
-    """
-    extra = 0 if target in held else 1
-    return len(set(held)) + extra + 1 <= slots or lag >= 2
 
 
 def passed_over(common: Collection[int], *, floor: int, interval: int, busy: bool) -> int | None:

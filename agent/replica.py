@@ -6,17 +6,19 @@
   plain values) plus those checksums. Two tensors with the same checksum at the same step are
   interchangeable, so data-parallel replicas are found without any configuration.
 * **Buddy backups.** Each manifest is pushed to the next node's agent (the node list sorted by id,
-  in a ring). The buddy keeps it and pulls every tensor its own ranks do not hold at that step (RNG
-  states, data positions; large unique ones too unless ``replicate_unique`` is off): so a rank whose
-  whole node is gone can still be rebuilt.
-* **Server.** A ROUTER socket on tcp answers LIST, MANIFEST, FETCH, PUSH and PERSISTER from holders of the job
-  token, in its own thread. FETCH sends tensor bytes zero-copy from the slot's mmap (or the backup
-  store) with an xxh3-64 per chunk computed at send time; a slot rewritten since it was hashed is
-  refused rather than served.
+  in a ring) with the bytes of its small tensors (RNG states, data positions, counters: the
+  rank-private part of a data-parallel state), read while hashing. The buddy keeps both, and pulls
+  only the large tensors its own ranks do not hold at that step (unique shards, unless
+  ``replicate_unique`` is off) once its own ranks' snapshot of that step is hashed: so a rank whose
+  whole node is gone can still be rebuilt, and a data-parallel backup never reads the sender's slots
+  after they may have been rewritten.
+* **Server.** A ROUTER socket on tcp answers LIST, MANIFEST, FETCH and PUSH from holders of the job
+  token, and takes STATE and VERDICT news (``agent.jobwide``) without a reply, in its own thread.
+  FETCH sends tensor bytes zero-copy from the slot's mmap (or the backup store) with an xxh3-64 per
+  chunk computed at send time; a slot rewritten since it was hashed is refused rather than served.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import threading
@@ -41,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 KEEP_STEPS = 2                # backups kept per rank: the newest two, and those of steps local ranks hold
 SMALL_TENSOR = 1 << 20        # with replicate_unique=False only unique tensors up to this size are pulled
-BUDDY_WAIT = 5.0              # seconds a buddy waits for its own ranks' snapshot of a step before pulling
+INLINE_BYTES = 256 << 10      # tensors up to this size travel with their manifest's PUSH
+INLINE_TOTAL = 16 << 20       # ... up to this much per PUSH (the rest is pulled)
 PULL_TIMEOUT = 10.0           # seconds a buddy waits for one chunk of a backup (a dead predecessor's pull fails)
 
 
@@ -52,6 +55,7 @@ class LocalManifest:
     step: int
     manifest: Manifest
     where: dict[bytes, tuple[int, int]]   # checksum -> (offset, nbytes) in the slot
+    inline: dict[bytes, bytes] = dataclasses.field(default_factory=dict)   # small tensors' bytes, read when hashed
 
 
 class Holdings:
@@ -60,6 +64,7 @@ class Holdings:
     def __init__(self, node: str) -> None:
         self.node = node
         self.lock = threading.Lock()
+        self.hashed = threading.Condition(self.lock)   # notified when a local manifest is added
         self.local: dict[tuple[int, int], LocalManifest] = {}          # (rank, slot) ->
         self.backups: dict[tuple[int, int], Manifest] = {}             # (rank, step) ->
         self.blobs: dict[bytes, bytearray] = {}                        # checksum -> bytes
@@ -72,6 +77,13 @@ class Holdings:
     def set_local(self, rank: int, slot: int, entry: LocalManifest) -> None:
         with self.lock:
             self.local[(rank, slot)] = entry
+            self.hashed.notify_all()
+
+    def inline_at(self, step: int) -> list[list[bytes]]:
+        """[checksum, bytes] of the small tensors of this node's snapshots of ``step`` (for the PUSH)."""
+        with self.lock:
+            blobs = {c: b for e in self.local.values() if e.step == step for c, b in e.inline.items()}
+        return [[checksum, data] for checksum, data in blobs.items()]
 
     def forget_local(self, keep: set[tuple[int, int]]) -> None:
         with self.lock:
@@ -160,19 +172,25 @@ class Holdings:
 
 
 def build_manifest(slot: SlotMap, meta: SlotMeta, generation: int, node: str) -> LocalManifest | None:
-    """Hash every tensor of a committed slot; None if the slot was rewritten meanwhile."""
+    """Hash every tensor of a committed slot, keeping a copy of the small ones (up to ``INLINE_TOTAL`` in all);
+    None if the slot was rewritten meanwhile."""
     checksums: list[bytes] = []
     where: dict[bytes, tuple[int, int]] = {}
+    inline: dict[bytes, bytes] = {}
+    budget = INLINE_TOTAL
     for entry in meta.tensors:
         with slot.data(entry.offset, entry.nbytes) as view:
             checksum = tensor_checksum(view)
+            if entry.nbytes <= min(INLINE_BYTES, budget) and checksum not in inline:
+                inline[checksum] = bytes(view)
+                budget -= entry.nbytes
         checksums.append(checksum)
         where.setdefault(checksum, (entry.offset, entry.nbytes))
     if slot.generation() != generation:
-        return None
+        return None   # the copies too may be of the next snapshot
     manifest = Manifest.of(meta, checksums, node, generation)
     manifest.to_wire()   # encoded here, in the hash thread, not by the server thread at each request
-    return LocalManifest(slot.path, generation, meta.step, manifest, where)
+    return LocalManifest(slot.path, generation, meta.step, manifest, where, inline)
 
 
 class MapCache:
@@ -202,13 +220,13 @@ class ReplicaServer(threading.Thread):
     """Serves this agent's holdings to token holders over tcp."""
 
     def __init__(self, holdings: Holdings, ctx: zmq.Context, bind_host: str, port: int,
-                 on_push: Callable[[dict[str, Any]], None], on_persister: Callable[[dict[str, Any]], None],
+                 on_push: Callable[[dict[str, Any]], None], on_news: Callable[[Kind, dict[str, Any]], None],
                  port_file: Path | None = None) -> None:
         super().__init__(name="replica-server", daemon=True)
         self.holdings = holdings
         self.token: str | None = None
         self.on_push = on_push
-        self.on_persister = on_persister
+        self.on_news = on_news
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_PEER_MESSAGE_BYTES)
@@ -294,7 +312,15 @@ class ReplicaServer(threading.Thread):
         if not protocol.token_ok(message, self.token):
             self.refused += 1
             self._warn("replica server refused a %s request without the job token", kind.name)
-            self._reply(identity, False, request_id, error="not a member of this job (wrong or missing token)")
+            if kind not in protocol.NO_REPLY_KINDS:
+                self._reply(identity, False, request_id, error="not a member of this job (wrong or missing token)")
+            return
+        if kind in protocol.NO_REPLY_KINDS:
+            try:
+                self.on_news(kind, message)
+            except (KeyError, TypeError, ValueError) as exc:
+                self.dropped += 1
+                self._warn("replica server dropped %s news: %s", kind.name, exc)
             return
         try:
             if kind == Kind.LIST:
@@ -311,9 +337,6 @@ class ReplicaServer(threading.Thread):
                 self._fetch(identity, request_id, message)
             elif kind == Kind.PUSH:
                 self.on_push(message)
-                self._reply(identity, True, request_id)
-            elif kind == Kind.PERSISTER:
-                self.on_persister(message)
                 self._reply(identity, True, request_id)
         except (KeyError, TypeError, ValueError, SlotFormatError, OSError) as exc:
             self.dropped += 1
@@ -367,102 +390,109 @@ class ReplicaServer(threading.Thread):
 
 
 class BuddyPuller:
-    """Pulls, in its own thread, the tensors of a peer's manifests that this node does not hold."""
+    """Pulls, in its own thread, the large tensors of a peer's manifests that no local rank holds.
+
+    Only the newest push counts: a backup that falls behind moves straight to the newest step. A pull waits
+    for this node's own ranks' snapshot of that step to be hashed (what they hold need not travel), or for a
+    newer push, whichever comes first: an event, not a timeout."""
 
     def __init__(self, holdings: Holdings, peers_getter: Callable[[], PeerTable | None]) -> None:
         self.holdings = holdings
         self.peers = peers_getter
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="buddy", initializer=lower_priority)
         self.pulled_bytes = 0
-        self._submitted = 0
-        # origin -> the submission count when a pull from it last failed: the pulls queued before it would wait
-        # out their timeouts one by one on a dead node, while its restarted incarnation's steps queue behind.
-        self._failed: dict[str, int] = {}
+        self._queued: tuple[str, int, list[Manifest]] | None = None
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="buddy", daemon=True)
+        self._thread.start()
 
     def submit(self, origin: str, step: int, manifests: list[Manifest]) -> None:
-        self._submitted += 1
-        self.pool.submit(self._pull, origin, step, manifests, self._submitted)
+        with self.holdings.hashed:
+            if self._queued is None or self._queued[1] <= step:
+                self._queued = (origin, step, manifests)
+            self.holdings.hashed.notify_all()
 
-    def _pull(self, origin: str, step: int, manifests: list[Manifest], number: int) -> None:
-        if number < self._failed.get(origin, 0):
-            return
-        try:
-            if not self._pull_missing(origin, step, manifests):
-                self._failed[origin] = self._submitted
-        except Exception:  # a thread pool would swallow it
-            logger.exception("backup of node %s's step %d failed", origin, step)
+    def _next(self) -> tuple[str, int, list[Manifest]] | None:
+        """The newest queued pull once this node's own snapshot of its step is hashed (None: closing)."""
+        with self.holdings.hashed:
+            while not self._closing:
+                queued = self._queued
+                if queued is not None and queued[1] in self._hashed_locked():
+                    self._queued = None
+                    return queued
+                self.holdings.hashed.wait()
+        return None
 
-    def _pull_missing(self, origin: str, step: int, manifests: list[Manifest]) -> bool:
-        """False when the origin did not answer (the pulls queued behind this one are dropped)."""
-        deadline = time.monotonic() + BUDDY_WAIT
-        while step not in self.holdings.hashed_steps() and time.monotonic() < deadline:
-            time.sleep(0.05)  # bounded wait for our own ranks' snapshot of the same step (polling)
+    def _hashed_locked(self) -> set[int]:
+        ranks = self.holdings.local_ranks
+        steps: dict[int, set[int]] = {}
+        for entry in self.holdings.local.values():
+            steps.setdefault(entry.step, set()).add(entry.manifest.rank)
+        return {step for step, held in steps.items() if ranks and held >= ranks}
+
+    def _run(self) -> None:
+        lower_priority()
+        while (job := self._next()) is not None:
+            try:
+                self._pull_missing(*job)
+            except Exception:  # the thread must outlive one bad pull
+                logger.exception("backup of node %s's step %d failed", job[0], job[1])
+
+    def _pull_missing(self, origin: str, step: int, manifests: list[Manifest]) -> None:
         peers: PeerTable | None = self.peers()
         if peers is None or origin not in peers.nodes:
-            return True
+            return
         held = self.holdings.checksums_at(step)
+        missing = [(entry, checksum) for manifest in manifests for entry, checksum in zip(manifest.tensors,
+                                                                                           manifest.checksums)
+                   if checksum not in held and (peers.replicate_unique or entry.nbytes <= SMALL_TENSOR)]
+        if not missing:
+            return
         client = PeerClient(peers.endpoint(origin), peers.token, timeout=PULL_TIMEOUT)
         started, nbytes = time.monotonic(), 0
         try:
-            for manifest in manifests:
-                for entry, checksum in zip(manifest.tensors, manifest.checksums):
-                    size = entry.nbytes
-                    if checksum in held or (not peers.replicate_unique and size > SMALL_TENSOR):
-                        continue
-                    if size * 2 > psutil.virtual_memory().available:
-                        logger.warning("not backing up %s of node %s's step %d: %d bytes, and only %d are free",
-                                       entry.name, origin, step, size, psutil.virtual_memory().available)
-                        return True
-                    buffer = bytearray(size)
-                    client.fetch_into(step, checksum, memoryview(buffer))
-                    self.holdings.add_blob(checksum, buffer)
-                    held.add(checksum)
-                    nbytes += size
+            for entry, checksum in missing:
+                if checksum in held:
+                    continue
+                if entry.nbytes * 2 > psutil.virtual_memory().available:
+                    logger.warning("not backing up %s of node %s's step %d: %d bytes, and only %d are free",
+                                   entry.name, origin, step, entry.nbytes, psutil.virtual_memory().available)
+                    return
+                buffer = bytearray(entry.nbytes)
+                client.fetch_into(step, checksum, memoryview(buffer))
+                self.holdings.add_blob(checksum, buffer)
+                held.add(checksum)
+                nbytes += entry.nbytes
         except PeerError as exc:
-            logger.warning("backup of node %s's step %d incomplete: %s (the pulls queued from it are dropped; its "
-                           "next manifests are pulled)", origin, step, exc)
-            return False
+            # The sender rewrote that slot meanwhile (its agent no longer holds the step), or is gone: the next
+            # push names a newer step.
+            logger.info("backup of node %s's step %d incomplete: %s; the next step's is pulled", origin, step, exc)
+            return
         finally:
             client.close()
         self.pulled_bytes += nbytes
-        if nbytes:
-            logger.info("backed up %d bytes of node %s's step %d (tensors no local rank holds) in %.3fs",
-                        nbytes, origin, step, time.monotonic() - started)
-        return True
+        logger.info("backed up %d bytes of node %s's step %d (tensors no local rank holds) in %.3fs",
+                    nbytes, origin, step, time.monotonic() - started)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        with self.holdings.hashed:
+            self._closing = True
+            self.holdings.hashed.notify_all()
+        self._thread.join(timeout=PULL_TIMEOUT + 1)
 
 
-def push_manifests(peers: PeerTable, step: int, manifests: list[Manifest]) -> None:
-    """Hand the buddy this node's manifests of ``step``; a failure is logged, never raised."""
+def push_manifests(peers: PeerTable, step: int, manifests: list[Manifest], blobs: list[list[bytes]]) -> None:
+    """Hand the buddy this node's manifests of ``step`` and the bytes of their small tensors; a failure is
+    logged, never raised."""
     buddy = peers.buddy()
     if buddy is None:
         return
     client = PeerClient(peers.endpoint(buddy), peers.token, timeout=10.0)
     try:
-        client.call(Kind.PUSH, node=peers.node, step=step, manifests=[m.to_wire() for m in manifests])
+        client.call(Kind.PUSH, node=peers.node, step=step, manifests=[m.to_wire() for m in manifests], blobs=blobs)
     except (PeerError, ProtocolError) as exc:
         logger.warning("could not hand step %d's manifests to buddy node %s: %s", step, buddy, exc)
     finally:
         client.close()
-
-
-def tell_persister(peers: PeerTable, busy_with: int | None, ready: int | None, took: int | None,
-                   passed: list[int], timeout: float = 2.0) -> None:
-    """Tell every other node what this node's persister does (``policy.cluster_verdict``); a node that does not
-    answer is logged, never raised: its agent hears the next message or the periodic repeat."""
-    for node in sorted(peers.nodes):
-        if node == peers.node:
-            continue
-        client = PeerClient(peers.endpoint(node), peers.token, timeout=timeout)
-        try:
-            client.call(Kind.PERSISTER, node=peers.node, busy_with=-1 if busy_with is None else busy_with,
-                        ready=-1 if ready is None else ready, took=-1 if took is None else took, passed=passed)
-        except (PeerError, ProtocolError) as exc:
-            logger.debug("could not tell node %s about this node's persister: %s", node, exc)
-        finally:
-            client.close()
 
 
 def survey_coverage(peers: PeerTable, holdings: Holdings, timeout: float = 2.0) -> dict[str, Any]:

@@ -27,7 +27,8 @@ from typing import Any
 
 import zmq
 
-from agent import persister, policy
+from agent import agreement, persister, policy
+from agent.agreement import NodeState, Verdict
 from agent.cluster import NodeReplication
 from agent.persister import (
     AuditLog,
@@ -43,6 +44,7 @@ from agent.persister import (
     persist_shards,
     stage_steps,
 )
+from agent.roles import Announcements, RoleHolds
 from agent.timeline import DiskTimeline
 from agent.watcher import SlotHolds, SlotInfo, Watcher
 from easyckpt_wire import layout, protocol, timeline
@@ -54,12 +56,6 @@ from easyckpt_wire.shm import list_slots
 
 logger = logging.getLogger(__name__)
 
-# Multi-node: how long the agent holds a pending step for its backup to complete. Past it the ranks get the
-# slot back (a broken or starved backup must not stop their snapshots); a later step is tried instead.
-PENDING_LIMIT = 5.0
-# Multi-node: how long a due step is held for the other nodes to say they are free to persist it too (they
-# commit it within a step of this node; one that says nothing for this long is not coming).
-CONSENT_LIMIT = 5.0
 LOOP_STALL_WARN = 1.0   # seconds one loop step may take before the log says so
 ABORT_TIMEOUT = 10.0    # an abandoned persist must stop within this long after its writers are told to
 
@@ -136,15 +132,16 @@ class Agent:
         # The predecessor's word stands until this agent holds the step itself: ranks keep it meanwhile.
         self.safe: int | None = adopted.safe if adopted is not None else None
         self.safe_holds: list[SlotInfo] = []
-        # Multi-node: the step held while its backup completes (policy.next_pending); steps at or below
-        # pending_floor were given up on.
-        self.pending: int | None = None
-        self.pending_holds: list[SlotInfo] = []
-        self.pending_since = 0.0
-        self.pending_floor = -1
-        # Multi-node: the due step claimed while the other nodes' consent is awaited, and since when.
-        self.consent: tuple[int, float] | None = None
-        self.slow_backups = Episode(logger, logging.INFO)
+        self.holds = SlotHolds()
+        # Multi-node (agent.agreement): the steps held for the job (job-safe, candidate, node-safe), the newest
+        # verdict's node-safe step, the newest due step the leader said to take (acted on once) and those this
+        # node could not take, and the due steps passed over job-wide.
+        self.roles = RoleHolds(self.holds)
+        self.node_safe: int | None = None
+        self.took = -1
+        self.lost: set[int] = set()
+        self.announced = Announcements()
+        self.wake_fd = -1
         self.passed = Episode(logger, logging.INFO)   # due steps passed over while a persist ran
         self.last_passed = -1
         self.passed_since_claim = False
@@ -157,13 +154,13 @@ class Agent:
         self.given_up_on_stop = False   # _stop() abandoned a persist or saw one fail
         self.hung_writer = False     # an abandoned persist's thread did not stop: the process must not join it
         self.ended_cleanly = False   # the job is over and nothing of it is left in memory: its runtime dir can go
-        self.holds = SlotHolds()
         # Multi-node only: started by the first HELLO of a job spanning nodes, active once PEERS arrives.
         self.cluster = NodeReplication(node=config.node_id, bind_host=config.bind_host, port=config.port,
                                        save_dir=self.save_dir, audit=self.audit, watcher=self.watcher,
                                        ctx=self.ctx, max_ckpt_num=lambda: self.config.max_ckpt_num,
                                        complete=self.persisted, port_file=config.job_dir / "agent.port",
-                                       rotate=lambda keep: self.timeline.rotate(self.config.max_ckpt_num, keep))
+                                       rotate=lambda keep: self.timeline.rotate(self.config.max_ckpt_num, keep),
+                                       wake=self._wake, floor=self._floor)
 
     # lifecycle --------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -178,7 +175,7 @@ class Agent:
             logger.info("removed leftover %s", path)
         logger.info("agent pid %d serving job %s: save_dir=%s shm_dir=%s", os.getpid(), self.config.job_id,
                     self.save_dir, self.config.shm_dir)
-        wake = self._open_wake()
+        wake = self.wake_fd = self._open_wake()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
@@ -201,8 +198,9 @@ class Agent:
                 if self._should_exit():
                     break
         finally:
-            os.close(wake)
             self._shutdown()
+            self.wake_fd = -1
+            os.close(wake)
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
         return 0
@@ -324,6 +322,15 @@ class Agent:
         # O_RDWR: a FIFO read end with no writer would poll as hung up, over and over.
         return os.open(path, os.O_RDWR | os.O_NONBLOCK)
 
+    def _wake(self) -> None:
+        """Another thread (the replica server, with news from other nodes) wakes the loop at once."""
+        fd = self.wake_fd
+        if fd >= 0:
+            try:
+                os.write(fd, b"n")
+            except (BlockingIOError, OSError):   # full of wake-ups already, or closing
+                pass
+
     @staticmethod
     def _drain_wake(fd: int) -> None:
         try:
@@ -391,9 +398,7 @@ class Agent:
         for info in self.safe_holds:
             self.holds.release(info, ("safe",))
         self.safe_holds = []
-        for info in self.pending_holds:
-            self.holds.release(info, ("pending",))
-        self.pending, self.pending_holds = None, []
+        self.roles.release()
 
     def _shutdown(self) -> None:
         self._release_claims(lambda step: True)
@@ -505,23 +510,22 @@ class Agent:
                                     self.audit)
         if self.last_passed > step:
             self.last_passed = -1
-        # Step numbers of the abandoned timeline come again on the new one: nothing of theirs is passed over.
-        self.cluster.passed = {s for s in self.cluster.passed if s <= step}
-        if self.cluster.took is not None and self.cluster.took > step:
-            self.cluster.took = None
-        if self.consent is not None and self.consent[0] > step:
-            self.consent = None
+        # Step numbers of the abandoned timeline come again on the new one: nothing of theirs is taken, lost
+        # or passed over, and the job-wide agreement starts again from what every node holds now.
+        self.took = min(self.took, step)
+        self.lost = {s for s in self.lost if s <= step}
+        self.announced.forget_after(step)
+        self.cluster.jobwide.rewind(step, decided=self._floor())
         # Not the persist in flight: it reads its slots until it finishes (and then publishes nothing).
         self._release_claims(lambda s: s > step and s != inflight)
         for wanted in [s for s in self.flush_wanted if s > step]:
             self.flush_wanted.discard(wanted)
             self.flush_failed[wanted] = f"the job resumed at step {step}: step {wanted} was abandoned"
-        # The safe step stays when it is at or below the resumed one: other nodes' ranks may be pulling the
-        # resumed step from these very slots right now (multi-node recovery).
-        if self.pending is not None and (self.pending > step or self._holds_abandoned(self.pending_holds)):
-            for info in self.pending_holds:
-                self.holds.release(info, ("pending",))
-            self.pending, self.pending_holds = None, []
+        # Steps at or below the resumed one stay held: other nodes' ranks may be pulling the resumed step from
+        # these very slots right now (multi-node recovery).
+        self.roles.release(lambda s: s > step or self._holds_abandoned(self.roles.held[s]))
+        if self.node_safe is not None and self.node_safe > step:
+            self.node_safe = None
         if self.safe is not None and (self.safe > step or self._holds_abandoned(self.safe_holds)):
             for info in self.safe_holds:
                 self.holds.release(info, ("safe",))
@@ -568,9 +572,22 @@ class Agent:
                 "persisted_step": self.persisted, "persisting": self.inflight[0] if self.inflight else None,
                 "persist_failure": self._failure_dict(), "persist_failures": self.failures,
                 "flush_requested": sorted(self.flush_wanted), "safe_step": self.safe,
+                **self._protection(),
                 "held_steps": sorted(set(self.claims) | ({self.inflight[0]} if self.inflight else set())),
                 "last_persist": None if last is None else {"step": last.step, "bytes": last.nbytes,
                                                            "seconds": last.seconds, "path": str(last.path)}}
+
+    def _protection(self) -> dict[str, Any]:
+        """What a failure now would cost: the newest step a local rank committed, and how far the job-safe
+        step (a rank kill) and, across nodes, the node-safe step (a node loss) trail it."""
+        newest = self._newest_in_memory()
+        multi = self.cluster.peers is not None
+        verdict = self.cluster.jobwide.verdict if multi else None
+        return {"newest_step": newest, "job_safe_lag": agreement.lag(newest, self.safe),
+                "node_safe_step": self.node_safe if multi else None,
+                "node_safe_lag": agreement.lag(newest, self.node_safe) if multi else None,
+                "passed_over": list(self.announced.recent), "took": self.took if multi else None,
+                "verdict_age": time.monotonic() - self.cluster.jobwide.verdict_at if verdict is not None else None}
 
     # persisting -------------------------------------------------------------------------------------
     def _tick(self) -> None:
@@ -588,32 +605,21 @@ class Agent:
         # share with the peer's ranks are served from these slots): the safe step's among them.
         self.cluster.holdings.keep = frozenset(step for steps in held.values() for step in steps)
         self.cluster.tick()
-        self._advance_safe(ranks, held, common)
+        multi = self.cluster.peers is not None
+        if multi:
+            self._agree(ranks, held, common)
+        else:
+            if self.roles.steps:   # the job shrank to this node: its safe step is this node's again
+                self.roles.release()
+                self.node_safe = None
+            self._advance_safe(ranks, held, common)
         for step in self.flush_wanted:   # asked for by the ranks: claimed rank by rank as each commits it
             if step > self._durable():
                 for rank in ranks:
                     if step in held[rank]:
                         self._claim(step, rank, held[rank][step])
-        busy = self.inflight is not None or bool(self.claims)
-        floor, interval = self._floor(), self.config.save_storage_interval
-        if self.cluster.peers is not None:
-            # Across nodes every node must persist the same steps, or no iteration is ever complete.
-            self._cluster_persist(common, floor, interval, ranks, held)
-        else:
-            due = policy.due_to_claim(common, floor=floor, interval=interval, busy=busy)
-            if due is not None and self._claim_all(due, ranks, held):
-                self._keeping_up(due)
-        skipped = None if self.cluster.peers is not None else \
-            policy.passed_over(common, floor=floor, interval=interval, busy=busy)
-        if skipped is not None and skipped not in self.claims and skipped != self._inflight_step() \
-                and skipped != self.last_passed:
-            self.last_passed = skipped   # counted once per step, not per loop turn
-            self.passed_since_claim = True
-            self.passed.hit("due step %d passed over: the persist of step %s is still running (a persist takes "
-                            "longer than save_storage_interval=%d steps); the next due step after it is persisted",
-                            skipped, self._inflight_step(), interval)
-        self._advance_pending(ranks, held, common)   # after the claims: what they hold is known
-        self.cluster.tell(self._busy_with(), None if self.consent is None else self.consent[0], floor=floor)
+        if not multi:   # across nodes the leader decides which due steps are persisted (_agree)
+            self._persist_due(ranks, held, common)
         if self.failed_ranks:
             self._flush_on_failure()
         if self.cluster.peers is None and self.watcher.all_said_bye():
@@ -625,60 +631,91 @@ class Agent:
         self._answer_waiters()
         self._answer_flush_waiters()
 
-    def _keeping_up(self, due: int) -> None:
-        if not self.passed_since_claim:   # the persister keeps up again: the episode is over
-            self.passed.end("persists keep up with save_storage_interval again at step %d; due steps were "
-                            "passed over meanwhile", due)
-        self.passed_since_claim = False
+    def _persist_due(self, ranks: set[int], held: dict[int, dict[int, SlotInfo]], common: frozenset[int]) -> None:
+        """Single node: claim the newest due step every local rank holds when the persister is free; one that
+        arrives while it is busy is passed over (logged once per episode)."""
+        busy = self.inflight is not None or bool(self.claims)
+        floor, interval = self._floor(), self.config.save_storage_interval
+        due = policy.due_to_claim(common, floor=floor, interval=interval, busy=busy)
+        if due is not None and self._claim_all(due, ranks, held):
+            if not self.passed_since_claim:   # the persister keeps up again: the episode is over
+                self.passed.end("persists keep up with save_storage_interval again at step %d; due steps were "
+                                "passed over meanwhile", due)
+            self.passed_since_claim = False
+        skipped = policy.passed_over(common, floor=floor, interval=interval, busy=busy)
+        if skipped is not None and skipped not in self.claims and skipped != self._inflight_step() \
+                and skipped != self.last_passed:
+            self.last_passed = skipped   # counted once per step, not per loop turn
+            self.passed_since_claim = True
+            self.announced.recent = sorted({*self.announced.recent, skipped})[-agreement.PASSED_KEPT:]
+            self.passed.hit("due step %d passed over: the persist of step %s is still running (a persist takes "
+                            "longer than save_storage_interval=%d steps); the next due step after it is persisted",
+                            skipped, self._inflight_step(), interval)
 
-    def _busy_with(self) -> int | None:
-        """The step the persister works on or has claimed (the newest), None when it is free; a due step held
-        until the other nodes consent is not one."""
-        steps = set(self.claims) | ({self.inflight[0]} if self.inflight is not None else set())
-        steps.discard(None if self.consent is None else self.consent[0])
-        return max(steps, default=None)
-
-    def _cluster_persist(self, common: frozenset[int], floor: int, interval: int, ranks: set[int],
-                         held: dict[int, dict[int, SlotInfo]]) -> None:
-        """Multi-node: a due step this node's persister is free for is held (claimed) and persisted once
-        every other node said it is free for it too (``policy.cluster_verdict``); one that any node cannot
-        take is passed over on every node, and the others hear it (``NodeReplication.tell``)."""
-        passed, peers = self.cluster.passed, self.cluster.peer_persisters
-        newest = policy.due_to_claim(common, floor=floor, interval=interval, busy=False)
-        if self.consent is not None and (newest is not None and newest > self.consent[0]
-                                         or self.consent[0] not in self.claims):
-            self._pass_due(self.consent[0], "a newer due step came before every node consented")
-        if newest is not None and newest not in passed and newest not in self.claims \
-                and newest != self._inflight_step() and self.consent is None:
-            if self._busy_with() is not None:
-                self._pass_due(newest, f"this node persists step {self._busy_with()}")
-            elif self._claim_all(newest, ranks, held):
-                self.consent = (newest, time.monotonic())
-        if self.consent is None:
+    def _agree(self, ranks: set[int], held: dict[int, dict[int, SlotInfo]], common: frozenset[int]) -> None:
+        """Multi-node (``agent.agreement``): tell the leader this node's state, and carry out the newest verdict:
+        persist the due step it takes, hold the steps it protects, hear the due steps it passed over."""
+        peers = self.cluster.peers
+        assert peers is not None
+        if self.safe_holds:   # the job became multi-node: the single-node safe step gives way to the job's
+            for info in self.safe_holds:
+                self.holds.release(info, ("safe",))
+            self.safe_holds = []
+        interval = self.config.save_storage_interval
+        state = NodeState(self.config.node_id, local=agreement.newest(common),
+                          held=agreement.newest(self._held_everywhere(ranks)),
+                          backed=agreement.newest(self.cluster.backed_up() or ()), busy=self._inflight_step(),
+                          took=self.took, lost=agreement.newest(self.lost))
+        verdict = self.cluster.jobwide.exchange(state, peers, interval=interval,
+                                                committed=self.cluster.complete if peers.is_leader else None)
+        persisting = set(self.claims) | {s for s in (self._inflight_step(),) if s is not None}
+        present = set(common) | self.roles.steps
+        decided = max(self._floor(), verdict.decided if verdict is not None else -1)
+        due = agreement.due_to_hold(present, interval=interval, decided=decided)
+        if verdict is None:
+            # Nothing heard from the leader yet (or since a resume): what is held stays held, and a due step
+            # is held for the leader to decide.
+            plan = sorted(self.roles.steps, reverse=True)
+            plan += [due] if due is not None and due not in plan else []
+            self.roles.apply(plan[:max(0, self.watcher.slots_per_rank() - 1 - len(persisting))], ranks, held,
+                             skip=persisting)
             return
-        step, since = self.consent
-        if step in self.flush_wanted:   # a rank asked for it: persisted whatever the others do
-            self.consent = None
-            return
-        verdict = policy.cluster_verdict(step, peers=peers, waited=time.monotonic() - since, limit=CONSENT_LIMIT)
-        if verdict == "take":
-            self.consent, self.cluster.took = None, step
-            self._keeping_up(step)
-        elif verdict == "pass":
-            by = sorted(node for node, p in peers.items() if step in p.passed)
-            busy = {node: p.busy_with for node, p in sorted(peers.items()) if p.busy_with not in (None, step)}
-            self._pass_due(step, f"node(s) {by} passed it over" if by else f"other nodes persist {busy}" if busy
-                           else f"no word from every node within {CONSENT_LIMIT:.0f} s")
+        self._take(verdict, ranks, held)
+        self.announced.hear(verdict, interval)
+        floor = agreement.persist_floor(verdict, present)
+        persisting |= {floor} if floor is not None else set()
+        plan = agreement.plan_holds(slots=self.watcher.slots_per_rank(), persisting=persisting, due=due,
+                                    job_safe=verdict.job_safe, candidate=verdict.candidate,
+                                    node_safe=verdict.node_safe, present=present)
+        self.control.begin_move()   # ranks that find no free slot meanwhile wait for the move, not skip
+        if self.roles.apply(plan, ranks, held, skip=persisting):
+            logger.debug("holding %s for the job (plan %s, persisting %s; verdict %s)", sorted(self.roles.steps), plan,
+                         sorted(persisting), verdict)
+        everywhere = self._held_everywhere(ranks)
+        self.safe = max((s for s in everywhere if verdict.job_safe is not None and s <= verdict.job_safe), default=None)
+        self.node_safe = verdict.node_safe if verdict.node_safe in everywhere else None
+        self.cluster.safe_step = self.safe
 
-    def _pass_due(self, step: int, reason: str) -> None:
-        if self.consent is not None and self.consent[0] == step:
-            self.consent = None
-            self._release_claims(lambda s: s == step and s not in self.flush_wanted)
-        self.cluster.passed.add(step)
-        self.passed_since_claim = True
-        self.passed.hit("due step %d passed over on every node: %s (persists take longer than "
-                        "save_storage_interval=%d steps); the next due step every node's persister is free for is "
-                        "persisted", step, reason, self.config.save_storage_interval)
+    def _take(self, verdict: Verdict, ranks: set[int], held: dict[int, dict[int, SlotInfo]]) -> None:
+        """The leader said to persist due step ``verdict.take`` on every node (acted on once)."""
+        step = verdict.take
+        if step is None or step <= self.took:
+            return
+        self.took = step
+        if step <= self._floor() or step in self.claims or step == self._inflight_step():
+            return
+        if self.inflight is not None:
+            why = f"its persister is busy with step {self._inflight_step()}"
+        else:
+            why = "" if self._claim_all(step, ranks, held) else "a local rank no longer holds it"
+        if why:
+            self.lost.add(step)
+            logger.warning("the leader said to persist due step %d on every node, but this node cannot: %s", step, why)
+
+    def _held_everywhere(self, ranks: set[int]) -> set[int]:
+        """Steps whose slots this agent holds on every local rank (for the job, a persist or a claim)."""
+        claimed = {step for step, by in self.claims.items() if ranks and set(by) >= ranks}
+        return set(self.roles.steps) | claimed | ({self.inflight[0]} if self.inflight is not None else set())
 
     def _invalidate_abandoned(self) -> None:
         """Snapshots of an abandoned timeline that their rank could not invalidate (this agent held them):
@@ -706,11 +743,11 @@ class Agent:
         first (all or none: a rank already rewriting one makes the step unsafe), publish it, then let go
         of the old one. The control block's odd generation tells a rank that finds no free slot meanwhile
         to wait for the move instead of skipping."""
-        target = policy.next_safe(common, self.safe, self.cluster.backed_up())
+        target = policy.next_safe(common, self.safe)
         if target == self.safe and (target is None or self.safe_holds and not self._safe_superseded(ranks, held)):
             return
         self.control.begin_move()
-        taken = [] if target is None else self._hold_all(ranks, held, target, ("safe",))
+        taken = [] if target is None else self.holds.hold_all(ranks, held, target, ("safe",))
         if taken is None:
             self._publish()   # the move failed: the old safe step stands
             return
@@ -722,49 +759,6 @@ class Agent:
         self.cluster.safe_step = target
         self._publish()
 
-    def _advance_pending(self, ranks: set[int], held: dict[int, dict[int, SlotInfo]], common: frozenset[int]) -> None:
-        """Multi-node: hold the step after the safe one until the predecessor's backup of it completes."""
-        gated = self.cluster.backed_up() is not None
-        now = time.monotonic()
-        expired = self.pending is not None and now - self.pending_since > PENDING_LIMIT
-        if expired:
-            assert self.pending is not None
-            self.pending_floor = self.pending
-            self.slow_backups.hit("the backup of step %d from the predecessor node is not complete after %.0f s; "
-                                  "its slots go back to the ranks and a later step is held instead (the safe step "
-                                  "stays %s meanwhile)", self.pending, PENDING_LIMIT, self.safe)
-        above = max(-1 if self.safe is None else self.safe, self.pending_floor)
-        target = policy.next_pending(common, above=above, current=self.pending, expired=expired) if gated else None
-        if target is not None:
-            kept = set(self.claims) | {s for s in (self.safe, self._inflight_step()) if s is not None}
-            lag = max(common) - (-1 if self.safe is None else self.safe)
-            if not policy.may_hold_pending(target, kept, slots=self.watcher.slots_per_rank(), lag=lag):
-                target = None   # no slot to spare: the ranks race the backup (policy.may_hold_pending)
-        if target == self.pending and not expired:
-            return
-        taken = [] if target is None else self._hold_all(ranks, held, target, ("pending",))
-        if taken is None:
-            return   # a rank is rewriting that step's slot: try again next turn
-        for info in self.pending_holds:
-            self.holds.release(info, ("pending",))
-        if self.pending is not None and self.safe is not None and self.pending <= self.safe:
-            self.slow_backups.end("backups complete in time again (step %d is safe)", self.safe)
-        self.pending, self.pending_holds, self.pending_since = target, taken, now
-        self._publish()
-
-    def _hold_all(self, ranks: set[int], held: dict[int, dict[int, SlotInfo]], step: int,
-                  reason: tuple[Any, ...]) -> list[SlotInfo] | None:
-        """Hold every local rank's slot of ``step`` for ``reason``, or none of them."""
-        taken: list[SlotInfo] = []
-        for rank in sorted(ranks):
-            info = held[rank][step]
-            if not self._hold_if_current(info, step, reason):
-                for other in taken:
-                    self.holds.release(other, reason)
-                return None
-            taken.append(info)
-        return taken
-
     def _safe_superseded(self, ranks: set[int], held: dict[int, dict[int, SlotInfo]]) -> bool:
         """A rank snapshotted the safe step again (a save point after the step's own snapshot): the hold
         moves to the newer copy, so that the rank can drop the stale one and reuse its slot."""
@@ -775,22 +769,18 @@ class Agent:
                    if info.header is not None}
         return bool(newest) and newest != holding
 
-    def _hold_if_current(self, info: SlotInfo, step: int, reason: tuple[Any, ...]) -> bool:
-        """Hold ``info``'s slot for ``reason`` if it still holds ``step`` at the generation the watcher saw."""
-        header = info.header
-        if header is None or not self.holds.hold(info, reason):
-            return False
-        current = info.map.header()
-        if not current.committed or current.generation != header.generation or current.step != step:
-            self.holds.release(info, reason)
-            return False
-        return True
-
     def _publish(self) -> None:
         self.control.set_persist(self.persisted, self.failure, self.failures)
-        held = frozenset(self.claims) | ({self.inflight[0]} if self.inflight else set()) \
-            | ({self.pending} if self.pending is not None else set())
-        self.control.publish(self.safe, held, gated=self.cluster.backed_up() is not None)
+        self.control.set_job(self.node_safe, self.announced.recent, self._decided())
+        held = frozenset(self.claims) | ({self.inflight[0]} if self.inflight else set()) | self.roles.steps
+        self.control.publish(self.safe, held, gated=self.cluster.peers is not None)
+
+    def _decided(self) -> int:
+        """Due steps at or below this are decided (on disk, persisting, claimed or passed over): ranks spare
+        their newest due step above it (``easyckpt.slot_choice``)."""
+        verdict = self.cluster.jobwide.verdict if self.cluster.peers is not None else None
+        return max(self._floor(), self.last_passed, max(self.claims, default=-1), self._inflight_step() or -1,
+                   verdict.decided if verdict is not None else -1)
 
     def _floor(self) -> int:
         """Steps at or below this are on disk, or were given up on: never persisted again unless a rank asks."""
@@ -808,7 +798,7 @@ class Agent:
         held = self.claims.setdefault(step, {})
         if rank in held:
             return True
-        if not self._hold_if_current(info, step, ("persist", step)):
+        if not self.holds.hold_if_current(info, step, ("persist", step)):
             if not held:
                 del self.claims[step]
             return False
@@ -934,8 +924,6 @@ class Agent:
             return
         ranks = self.watcher.local_ranks()
         for step in sorted(self.claims, reverse=True):
-            if self.consent is not None and step == self.consent[0]:
-                continue   # not before every node consented (_cluster_persist)
             if len(ranks) >= self.watcher.local_world_size and set(self.claims[step]) >= ranks:
                 metas = {rank: claim.info.meta for rank, claim in self.claims[step].items()}
                 if any(meta is None or meta.step != step for meta in metas.values()):

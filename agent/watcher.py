@@ -211,6 +211,30 @@ class SlotHolds:
         reasons.add(reason)
         return True
 
+    def hold_if_current(self, info: SlotInfo, step: int, reason: tuple[Any, ...]) -> bool:
+        """Hold ``info``'s slot for ``reason`` if it still holds ``step`` at the generation the watcher saw."""
+        header = info.header
+        if header is None or not self.hold(info, reason):
+            return False
+        current = info.map.header()
+        if not current.committed or current.generation != header.generation or current.step != step:
+            self.release(info, reason)
+            return False
+        return True
+
+    def hold_all(self, ranks: set[int], committed: dict[int, dict[int, SlotInfo]], step: int,
+                 reason: tuple[Any, ...]) -> list[SlotInfo] | None:
+        """Hold every local rank's slot of ``step`` for ``reason``, or none of them."""
+        taken: list[SlotInfo] = []
+        for rank in sorted(ranks):
+            info = committed[rank].get(step)
+            if info is None or not self.hold_if_current(info, step, reason):
+                for other in taken:
+                    self.release(other, reason)
+                return None
+            taken.append(info)
+        return taken
+
     def release(self, info: SlotInfo, reason: tuple[Any, ...]) -> None:
         reasons = self.reasons.get(id(info.map), set())
         reasons.discard(reason)

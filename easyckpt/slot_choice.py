@@ -7,6 +7,11 @@ another slot is free. The rank never holds a slot on its own judgement: with thr
 one left (the agent keeps at most the safe step and the step it persists), with two a persist that is
 not of the safe step leaves none and the snapshot is skipped.
 
+Among the free slots, the rank's newest due step (a multiple of ``save_storage_interval``) that the agent has
+not decided yet (persist it, or pass it over) goes last: a starved agent that holds it a few steps late still
+finds it, and the disk keeps its cadence (invariant 12). That is a preference, never a hold: when it is the only
+free slot, it is overwritten.
+
 The caller turns the order into a choice by trying each slot's exclusive flock: the agent also holds
 shared flocks on the slots it keeps, so a choice made from a stale view of the control block still never
 takes a kept slot.
@@ -26,7 +31,17 @@ class SlotView:
     generation: int
 
 
-def write_order(slots: Sequence[SlotView], keeps: Callable[[int], bool]) -> list[int]:
-    """Indices a new snapshot may be written to, best first; ``keeps(step)`` says the agent keeps ``step``."""
+def write_order(slots: Sequence[SlotView], keeps: Callable[[int], bool], *, spare: int | None = None) -> list[int]:
+    """Indices a new snapshot may be written to, best first; ``keeps(step)`` says the agent keeps ``step``;
+    the slot holding step ``spare`` (an undecided due step) is offered last."""
     free = [s for s in slots if not (s.committed and keeps(s.step))]
-    return [s.index for s in sorted(free, key=lambda s: (s.allocated, s.committed, s.generation, s.index))]
+    return [s.index for s in sorted(free, key=lambda s: (s.allocated, s.committed, s.committed and s.step == spare,
+                                                         s.generation, s.index))]
+
+
+def undecided_due(slots: Sequence[SlotView], *, every: int, decided: int) -> int | None:
+    """The newest committed step of ``slots`` that is due (``every``: save_storage_interval) and above
+    ``decided`` (the agent's newest decided due step): the one to spare."""
+    if every <= 0:
+        return None
+    return max((s.step for s in slots if s.committed and s.step % every == 0 and s.step > decided), default=None)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from easyckpt.config import MIN_SLOTS
-from easyckpt.slot_choice import SlotView, write_order
+from easyckpt.slot_choice import SlotView, undecided_due, write_order
 from easyckpt_wire.control import ControlReader, ControlView, control_path
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.records import SlotMeta, TensorEntry
@@ -32,6 +32,10 @@ from easyckpt_wire.transfer import tensor_checksum
 logger = logging.getLogger(__name__)
 
 DEFAULT_SLOTS = 3
+# Across nodes the agent may keep three steps at once (the job-safe step for a rank kill, the node-safe step for
+# a node loss, and a due step being decided or persisted) and the ranks need one to write: four when shared
+# memory has room (agent.agreement.plan_holds uses what there is).
+MULTI_NODE_SLOTS = 4
 MOVE_WAIT = 0.05   # longest a rank waits for the agent to finish moving the safe step (a few flock calls)
 SAFE_WAIT = 0.02   # longest a rank waits for the agent to declare a step every local rank holds safe
 
@@ -107,18 +111,21 @@ class SlotRead:
 
 class RankSlots:
     def __init__(self, directory: Path, job_id: str, rank: int, world_size: int, local_world_size: int,
-                 count: int | None = None) -> None:
+                 count: int | None = None, *, persist_every: int = 0) -> None:
         """``count`` slots, or None: 3 when shared memory has room for three, else 2 (decided at the first
-        snapshot, when the size is known)."""
+        snapshot, when the size is known). ``persist_every``: save_storage_interval (a due step the agent
+        has not decided yet is the last free slot to overwrite)."""
+        self.persist_every = persist_every
         self.directory = directory
         self.job_id = job_id
         self.rank = rank
         self.world_size = world_size
         self.local_world_size = local_world_size
         self.wanted = count
+        self.default = MULTI_NODE_SLOTS if world_size > local_world_size else DEFAULT_SLOTS
         existing = sorted(s for (r, s) in list_slots(directory, job_id) if r == rank)
         # A restarted rank keeps every slot its predecessor left: they may hold the step to resume from.
-        self.count = max([count or DEFAULT_SLOTS, *(s + 1 for s in existing)])
+        self.count = max([count or self.default, *(s + 1 for s in existing)])
         self.sized = False   # the count is final once the first snapshot allocated its slots
         self.maps: list[SlotMap | None] = [None] * self.count
         self.control = ControlReader(control_path(directory, job_id))
@@ -235,28 +242,31 @@ class RankSlots:
         return stats.f_bavail * stats.f_frsize
 
     def _decide_count(self, slot_bytes: int) -> None:
-        """Three slots when every local rank's three fit in shared memory, else two, said once and loudly:
-        two slots cannot keep the safe step, a persist and a new snapshot at once."""
-        if self.wanted is not None or any(m is not None for m in self.maps[MIN_SLOTS:]):
+        """The default count (4 across nodes, else 3) when every local rank's slots fit in shared memory, else
+        fewer, down to two, said once and loudly: fewer slots keep fewer steps at once."""
+        if self.wanted is not None or any(m is not None for m in self.maps[self.default:]):
             return
         # Bytes this job already has there count as room: they are re-used, not added.
         ours = sum(p.stat().st_size for p in list_slots(self.directory, self.job_id).values() if p.exists())
         free = self._free()
         local = max(1, self.local_world_size)
-        three = DEFAULT_SLOTS * slot_bytes * local
-        if free + ours >= three:
+        wanted = self.default * slot_bytes * local
+        fits = next((n for n in range(self.default, MIN_SLOTS, -1) if free + ours >= n * slot_bytes * local), MIN_SLOTS)
+        if fits == self.default:
             logger.info("rank %d: %d slots of %s each (%s for %d local ranks; %s free in %s)", self.rank,
-                        DEFAULT_SLOTS, format_bytes(slot_bytes), format_bytes(three), local, format_bytes(free),
+                        self.default, format_bytes(slot_bytes), format_bytes(wanted), local, format_bytes(free),
                         self.directory)
             return
-        self.count = MIN_SLOTS
-        del self.maps[MIN_SLOTS:]
-        suggest = math.ceil(three * 1.25 / (1 << 30))
+        self.count = fits
+        del self.maps[fits:]
+        suggest = math.ceil(wanted * 1.25 / (1 << 30))
+        cost = ("a kill may then cost the time of a persist plus two snapshot intervals instead of two intervals"
+                if fits == MIN_SLOTS else "a node loss may then resume further back while a backup or a persist runs")
         (logger.warning if self.rank % local == 0 or local == 1 else logger.info)(
-            "rank %d: %s has %s free, 3 slots per rank need %s (%d local ranks x 3 x %s): using 2 slots. A kill "
-            "may then cost the time of a persist plus two snapshot intervals instead of two intervals; run the "
-            "container with --shm-size=%dg (or set EASYCKPT_SLOTS=2 to choose this)", self.rank, self.directory,
-            format_bytes(free + ours), format_bytes(three), local, format_bytes(slot_bytes), suggest)
+            "rank %d: %s has %s free, %d slots per rank need %s (%d local ranks x %d x %s): using %d slots. %s; run "
+            "the container with --shm-size=%dg (or set EASYCKPT_SLOTS=%d to choose this)", self.rank, self.directory,
+            format_bytes(free + ours), self.default, format_bytes(wanted), local, self.default,
+            format_bytes(slot_bytes), fits, cost[0].upper() + cost[1:], suggest, fits)
 
     def check_space(self, needed: int, slot_bytes: int) -> None:
         free = self._free()
@@ -268,7 +278,7 @@ class RankSlots:
                 f"{format_bytes(needed)} more ({self.count} slots of {format_bytes(slot_bytes)}; "
                 f"{format_bytes(total)} for all {self.local_world_size} local ranks): run the container with "
                 f"--shm-size={suggest}g, or set EASYCKPT_SHM_DIR to a larger tmpfs"
-                + (" or EASYCKPT_SLOTS=2" if self.count > MIN_SLOTS else "")
+                + (f" or EASYCKPT_SLOTS={MIN_SLOTS}" if self.count > MIN_SLOTS else "")
             )
 
     def _grow(self, index: int, size: int) -> None:
@@ -324,7 +334,9 @@ class RankSlots:
         if word is not None:
             word = self._let_newest_become_safe(word)
         for attempt in range(2):
-            order = write_order(self.views(), word.keeps if word is not None else (lambda step: False))
+            views = self.views()
+            spare = undecided_due(views, every=self.persist_every, decided=word.decided) if word is not None else None
+            order = write_order(views, word.keeps if word is not None else (lambda step: False), spare=spare)
             for index in order:
                 slot = self.maps[index]
                 if slot is None or slot.try_lock(exclusive=True):

@@ -26,6 +26,17 @@ life; ``failing_step`` >= 0 while a failure episode lasts (the newest persist fa
 succeeds again. ``needed``/``free`` are bytes (-1: unknown). A version 1 block (an agent of the previous
 build) still reads, as one with no persist report.
 
+Version 3 adds, at offset 768, what a multi-node job protects and passes over::
+
+    node_safe q | decided q | n_passed I | passed q * MAX_PASSED
+
+``safe_step`` is then the job-safe step (every rank of the job committed it, every node holds it: what a
+rank kill resumes from) and ``node_safe`` the newest job-safe step every node's rank-private bytes are backed
+up for on another node (what a node loss resumes from; -1: none yet). ``passed`` lists the newest due steps
+that were passed over (never persisted), so that a rank waiting for one of them stops waiting. ``decided``:
+due steps at or below it are decided (persisted, being persisted or passed over); a rank spares its newest
+due step above it when it chooses a slot (``easyckpt.slot_choice``).
+
 ``generation`` is a seqlock: odd while the agent moves the safe step (it takes the flocks of the new
 safe step, publishes it, then drops the old one's flocks), even when the fields are consistent. A rank
 that finds no free slot while the generation is odd waits for the move (microseconds) instead of
@@ -43,12 +54,15 @@ from pathlib import Path
 from easyckpt_wire.shm import format_bytes
 
 MAGIC = b"EZCKCTRL"
-VERSION = 2
+VERSION = 3
 SIZE = 4096
 MAX_HELD = 64
+MAX_PASSED = 16
 _HEAD = struct.Struct("<8sIIQqqdI")
 _GENERATION_OFFSET = 16
 GATED = 1
+_JOB_OFFSET = 768
+_JOB = struct.Struct("<qqI")
 _PERSIST_OFFSET = 1024
 _PERSIST = struct.Struct("<qQqiqqddH")
 MAX_TEXT = SIZE - _PERSIST_OFFSET - _PERSIST.size
@@ -95,6 +109,9 @@ class ControlView:
     persisted: int | None = None  # the newest step on disk (this node's files, multi-node)
     failure: PersistFailure | None = None   # set while the newest persist failed
     failures: int = 0             # failed persists over the agent's life
+    node_safe: int | None = None  # multi-node: the newest job-safe step backed up off every node
+    passed: frozenset[int] = frozenset()   # the newest due steps passed over (never persisted)
+    decided: int = -1             # due steps at or below are decided (persisted, persisting or passed over)
 
     def keeps(self, step: int) -> bool:
         return step == self.safe or step in self.held
@@ -149,9 +166,11 @@ def _read(mm: mmap.mmap) -> ControlView | None:
     for _ in range(1000):
         before = struct.unpack_from("<Q", mm, _GENERATION_OFFSET)[0]
         magic, version, flags, generation, safe, pid, updated, count = _HEAD.unpack_from(mm, 0)
-        if magic != MAGIC or version not in (1, VERSION):   # version 1 has no persist report: read as none
+        if magic != MAGIC or version not in (1, 2, VERSION):   # older versions read as having no newer fields
             return None
         held = struct.unpack_from(f"<{min(count, MAX_HELD)}q", mm, _HEAD.size)
+        node_safe, decided, n_passed = _JOB.unpack_from(mm, _JOB_OFFSET) if version >= 3 else (-1, -1, 0)
+        passed = struct.unpack_from(f"<{min(n_passed, MAX_PASSED)}q", mm, _JOB_OFFSET + _JOB.size)
         persisted, failures, step, code, needed, free, since, at, length = (
             _PERSIST.unpack_from(mm, _PERSIST_OFFSET) if version >= 2 else (-1, 0, -1, 0, -1, -1, 0.0, 0.0, 0))
         text = bytes(mm[_PERSIST_OFFSET + _PERSIST.size:_PERSIST_OFFSET + _PERSIST.size + min(length, MAX_TEXT)]) \
@@ -163,7 +182,9 @@ def _read(mm: mmap.mmap) -> ControlView | None:
             since, at, failures)
         return ControlView(None if safe < 0 else safe, frozenset(held), generation, pid, updated,
                            gated=bool(flags & GATED), changing=generation % 2 == 1,
-                           persisted=None if persisted < 0 else persisted, failure=failure, failures=failures)
+                           persisted=None if persisted < 0 else persisted, failure=failure, failures=failures,
+                           node_safe=None if node_safe < 0 else node_safe, passed=frozenset(passed),
+                           decided=decided)
     return None
 
 
@@ -188,6 +209,9 @@ class ControlWriter:
         self.persisted: int | None = None
         self.failure: PersistFailure | None = None
         self.failures = 0
+        self.node_safe: int | None = None
+        self.passed: list[int] = []
+        self.decided = -1
         if previous is None:
             self._write(None, frozenset(), False, self.generation)
         else:   # the predecessor's persist report is not this agent's: ranks must not warn about it again
@@ -207,12 +231,19 @@ class ControlWriter:
         """How persisting goes; written with the next ``publish``."""
         self.persisted, self.failure, self.failures = persisted, failure, failures
 
+    def set_job(self, node_safe: int | None, passed: list[int], decided: int) -> None:
+        """Multi-node protection, the due steps passed over and decided; written with the next ``publish``."""
+        self.node_safe, self.passed, self.decided = node_safe, sorted(passed)[-MAX_PASSED:], decided
+
     def _write(self, safe: int | None, held: frozenset[int], gated: bool, generation: int) -> None:
         steps = sorted(held, reverse=True)[:MAX_HELD]
         struct.pack_into("<Q", self._mm, _GENERATION_OFFSET, generation | 1)   # readers retry meanwhile
         _HEAD.pack_into(self._mm, 0, MAGIC, VERSION, GATED if gated else 0, generation | 1, -1 if safe is None else safe,
                         os.getpid(), time.time(), len(steps))
         struct.pack_into(f"<{len(steps)}q", self._mm, _HEAD.size, *steps)
+        _JOB.pack_into(self._mm, _JOB_OFFSET, -1 if self.node_safe is None else self.node_safe, self.decided,
+                       len(self.passed))
+        struct.pack_into(f"<{len(self.passed)}q", self._mm, _JOB_OFFSET + _JOB.size, *self.passed)
         failure = self.failure
         text = failure.text.encode("utf-8", "replace")[:MAX_TEXT] if failure is not None else b""
         _PERSIST.pack_into(self._mm, _PERSIST_OFFSET, -1 if self.persisted is None else self.persisted, self.failures,

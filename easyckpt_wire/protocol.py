@@ -26,7 +26,7 @@ Session of a rank (``easyckpt.agent_client.AgentClient``), in order:
 5. ``BYE`` at ``close()`` (wait=True), or wait=False when the process leaves without it.
 
 Tools send ``STATUS``, ``PING`` and ``PEERS`` without a ``HELLO`` (:func:`request_agent`). Recovering
-ranks and agents send the tcp kinds (``LIST``, ``MANIFEST``, ``FETCH``, ``PUSH``, ``PERSISTER``) with the
+ranks and agents send the tcp kinds (``LIST``, ``MANIFEST``, ``FETCH``, ``PUSH``, ``STATE``, ``VERDICT``) with the
 job token.
 
 Every reply is a ``REPLY`` with ``ok`` and the request's ``id``, plus (typed in ``easyckpt_wire.records``):
@@ -46,10 +46,12 @@ LIST      ``node``, ``steps`` (one :class:`~easyckpt_wire.records.ListRow` each,
 MANIFEST  ``manifest`` (:class:`~easyckpt_wire.records.Manifest`), or ``ok=False`` with ``error``
 FETCH     ``xxh64`` of the chunk plus one raw data frame; ``ok=False`` with ``error``, and ``code``
           :data:`NO_COPY` when the agent holds no such copy of the tensor
-PUSH      nothing
-PERSISTER nothing (``busy_with``: the step it persists, ``ready``: the due step it holds and is free to
-          persist, ``took``: the newest due step it took, each -1 for none; ``passed``: the due steps it
-          passed over)
+PUSH      nothing (optional ``blobs``: [[checksum, bytes], ...], the small tensors of the manifests, so that
+          the buddy's backup never reads the sender's slots after they may have been rewritten)
+STATE     no reply (a node's state for the leader: ``local``, ``held``, ``backed`` steps, ``busy``, ``took``,
+          ``lost``; -1 for none)
+VERDICT   no reply (the leader's word: ``job_safe``, ``node_safe``, ``candidate``, ``take``, ``committed``,
+          ``newest``, ``decided``, each -1 for none; ``passed``: [[step, why], ...])
 ========  =====================================================================================
 
 A peer request with a wrong or missing token gets ``ok=False`` and a fixed ``error``, nothing else.
@@ -99,8 +101,8 @@ class Kind(enum.IntEnum):
     MANIFEST = 11  # one rank's manifest at one step (tensor index with checksums, plain values)
     FETCH = 12     # a byte range of the tensor with this checksum at this step
     PUSH = 13      # an agent hands its buddy the manifests of its ranks' newest snapshot
-    PERSISTER = 14  # an agent tells every other node what its persister does, so that all persist the same
-                    # steps without holding one for later (agent.policy.cluster_verdict)
+    STATE = 15     # an agent tells the leader its node's state (agent.agreement.NodeState); no reply
+    VERDICT = 16   # the leader tells every agent the job-wide steps and persists (agent.agreement.Verdict); no reply
     REPLY = 100  # agent -> requester
 
 
@@ -129,10 +131,14 @@ _SCHEMA: dict[Kind, dict[str, tuple[type, ...]]] = {
     Kind.MANIFEST: {"rank": _INT, "step": _INT},
     Kind.FETCH: {"step": _INT, "checksum": _BYTES, "offset": _INT, "length": _INT},
     Kind.PUSH: {"node": _STR, "step": _INT, "manifests": _LIST},
-    Kind.PERSISTER: {"node": _STR, "busy_with": _INT, "ready": _INT, "took": _INT, "passed": _LIST},
+    Kind.STATE: {"node": _STR, "local": _LIST, "held": _LIST, "backed": _LIST, "busy": _INT, "took": _INT,
+                 "lost": _LIST},
+    Kind.VERDICT: {"node": _STR, "job_safe": _INT, "node_safe": _INT, "candidate": _INT, "take": _INT,
+                   "committed": _INT, "newest": _INT, "decided": _INT, "passed": _LIST},
     Kind.REPLY: {"ok": _BOOL},
 }
-PEER_KINDS = frozenset({Kind.LIST, Kind.MANIFEST, Kind.FETCH, Kind.PUSH, Kind.PERSISTER})
+PEER_KINDS = frozenset({Kind.LIST, Kind.MANIFEST, Kind.FETCH, Kind.PUSH, Kind.STATE, Kind.VERDICT})
+NO_REPLY_KINDS = frozenset({Kind.STATE, Kind.VERDICT})   # news: the sender never waits, the next news corrects
 
 
 class ProtocolError(ValueError):

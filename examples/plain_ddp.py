@@ -102,8 +102,10 @@ def main() -> None:
                         help="an extra tensor of this size in the state, rewritten every step, so that persisting "
                              "takes many steps as for a large model")
     parser.add_argument("--kill-at", type=int, default=None,
-                        help="the first attempt SIGKILLs --kill-rank right after this step's snapshot starts")
-    parser.add_argument("--kill-rank", type=int, default=1, help="-1: every rank")
+                        help="SIGKILL --kill-rank right after this step's snapshot starts, once per --out directory")
+    parser.add_argument("--kill-rank", default="1", help="a rank, ranks separated by commas, or -1: every rank")
+    parser.add_argument("--kill-signal", choices=("KILL", "STOP"), default="KILL",
+                        help="STOP freezes the rank instead, for a test to kill its whole node at that very step")
     parser.add_argument("--load-dir", default=None,
                         help="the first attempt loads this iteration_N directory (a rollback: a new timeline); "
                              "torchrun's restarts resume as usual")
@@ -183,9 +185,13 @@ def main() -> None:
                 ballast.fill_(float(step))
                 state["ballast"] = ballast
             ckpt.save_if_needed(step, state)
-            if step == args.kill_at and args.kill_rank in (rank, -1) and attempt == "0":
-                (out / f"killed-rank{rank}").write_text(str(step))
-                os.kill(os.getpid(), signal.SIGKILL)
+            victims = {int(r) for r in args.kill_rank.split(",")}
+            marker = out / f"killed-rank{rank}"
+            if step == args.kill_at and victims & {rank, -1} and not marker.exists():
+                partial = marker.with_name(f".{marker.name}.partial")   # whole or not at all: tests poll for it
+                partial.write_text(str(step))
+                os.replace(partial, marker)
+                os.kill(os.getpid(), getattr(signal, f"SIG{args.kill_signal}"))
             log.write(json.dumps({"step": step, "loss": loss.item(), "attempt": attempt,
                                   "digest": state_digest(state)}) + "\n")
             log.flush()

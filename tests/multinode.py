@@ -1,4 +1,4 @@
-"""Simulate a multi-node job on one machine: each "node" is its own ``torchrun --nnodes=2 --node-rank=i``
+"""Simulate a multi-node job on one machine: each "node" is its own ``torchrun --nnodes=N --node-rank=i``
 (c10d rendezvous on 127.0.0.1, hosted by node 0, which the tests never kill) with its own
 EASYCKPT_NODE_ID, its own EASYCKPT_SHM_DIR and so its own agent, running examples/plain_ddp.py with
 gradients averaged on one flat buffer (bitwise-stable across restarts)."""
@@ -39,15 +39,17 @@ def accepting(port: int) -> bool:
 
 
 class Cluster:
-    """Two simulated nodes sharing one save_dir (the "shared storage") and one output directory.
-
-    A step idles ``step_idle`` seconds, as a rank does while its GPU computes: four busy ranks on two
-    cores would starve the agents (nice 10) in a way no real node with a GPU per rank does.
+    """``nodes`` simulated nodes of ``ranks_per_node`` ranks sharing one save_dir (the "shared storage") and one
+    output directory. The loops run at full speed unless ``step_idle`` says otherwise.
     """
 
-    def __init__(self, env: Env, out: Path, *, steps: int, step_idle: float = 0.15, save_storage_interval: int = 5,
+    def __init__(self, env: Env, out: Path, *, steps: int, step_idle: float = 0.0, save_storage_interval: int = 5,
                  peer_timeout: float = 10.0, node_env: dict[int, dict[str, str]] | None = None,
-                 script: Path = SCRIPT, extra_args: list[str] | None = None) -> None:
+                 script: Path = SCRIPT, extra_args: list[str] | None = None, nodes: int = NODES,
+                 ranks_per_node: int = RANKS_PER_NODE) -> None:
+        self.nodes = nodes
+        self.ranks_per_node = ranks_per_node
+        self.world = nodes * ranks_per_node
         self.env = env
         self.out = out
         self.steps = steps
@@ -58,7 +60,7 @@ class Cluster:
         self.args += ["--grad-sync", "flat", "--peer-timeout", str(peer_timeout)] if script == SCRIPT else []
         self.args += extra_args or []
         self.port = free_port()
-        self.shm = {i: Path(tempfile.mkdtemp(prefix=f"easyckpt-test-node{i}-", dir="/dev/shm")) for i in range(NODES)}
+        self.shm = {i: Path(tempfile.mkdtemp(prefix=f"easyckpt-test-node{i}-", dir="/dev/shm")) for i in range(nodes)}
         self.node_env = node_env or {}
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.logs: dict[int, Path] = {}
@@ -74,8 +76,8 @@ class Cluster:
         self.launches += 1
         log = self.out / f"node{node}-{self.launches}.log"
         self.logs[node] = log
-        command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}", f"--node-rank={node}",
-                   f"--nproc-per-node={RANKS_PER_NODE}", "--rdzv-backend=c10d",
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nodes}", f"--node-rank={node}",
+                   f"--nproc-per-node={self.ranks_per_node}", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=multinode",
                    f"--rdzv-conf=is_host={1 if node == 0 else 0}", f"--max-restarts={max_restarts}",
                    str(self.script), *self.args]
@@ -90,8 +92,8 @@ class Cluster:
         """The standalone mode: one agent per node, launched by their own 2-node torchrun."""
         port = free_port()
         procs = {}
-        for node in range(NODES):
-            command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}", f"--node-rank={node}",
+        for node in range(self.nodes):
+            command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nodes}", f"--node-rank={node}",
                        "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                        "--rdzv-id=agents", f"--rdzv-conf=is_host={1 if node == 0 else 0}", "-m", "agent",
                        "--save-dir", str(self.env.save_dir), "--idle-timeout", "120"]
@@ -105,9 +107,11 @@ class Cluster:
         for node, proc in procs.items():
             assert proc.wait(timeout=120) == 0, (self.out / f"agents-node{node}.log").read_text()[-3000:]
 
-    def start_all(self) -> None:
-        self.start(0, max_restarts=2)
-        self.start(1)
+    def start_all(self, *, max_restarts: int = 0) -> None:
+        """Every node; node 0 may restart its workers when a lost node rejoins."""
+        self.start(0, max_restarts=max(2, max_restarts))
+        for node in range(1, self.nodes):
+            self.start(node, max_restarts=max_restarts)
 
     def wait(self, node: int, timeout: float = 180) -> int:
         return self.procs[node].wait(timeout=timeout)
@@ -133,8 +137,15 @@ class Cluster:
                     rows[row["step"]] = row
         return rows
 
+    def ranks_of(self, node: int) -> range:
+        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
+
     def reached(self, step: int) -> bool:
-        return all(any(s >= step for s in self.losses(rank)) for rank in range(NODES * RANKS_PER_NODE))
+        return all(any(s >= step for s in self.losses(rank)) for rank in range(self.world))
+
+    def frozen(self, ranks: range | list[int]) -> bool:
+        """Every one of ``ranks`` froze itself at its kill step (plain_ddp.py --kill-signal STOP)."""
+        return all((self.out / f"killed-rank{rank}").exists() for rank in ranks)
 
     def resumes(self, rank: int) -> list[dict[str, Any]]:
         paths = sorted(self.out.glob(f"resume-rank{rank}-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
@@ -142,8 +153,7 @@ class Cluster:
 
     def kill_node(self, node: int, *, wipe: bool = True) -> None:
         """Everything of the node dies at once, as when its machine goes away: torchrun, ranks, agent, memory."""
-        victims = [self.procs[node].pid] + [int((self.out / f"pid-rank{r}").read_text())
-                                            for r in range(node * RANKS_PER_NODE, (node + 1) * RANKS_PER_NODE)]
+        victims = [self.procs[node].pid] + [int((self.out / f"pid-rank{r}").read_text()) for r in self.ranks_of(node)]
         agent = self.agent_pid(node)
         for pid in victims + ([agent] if agent else []):
             try:
@@ -169,7 +179,7 @@ class Cluster:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(timeout=30)
-        for rank in range(NODES * RANKS_PER_NODE):
+        for rank in range(self.world):
             try:
                 os.kill(int((self.out / f"pid-rank{rank}").read_text()), signal.SIGKILL)
             except (FileNotFoundError, ProcessLookupError, ValueError):
