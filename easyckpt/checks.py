@@ -58,6 +58,23 @@ def _expected_files(meta: dict[str, Any], where: Path) -> dict[str, tuple[int, i
     return files
 
 
+def dir_bytes(path: Path) -> int:
+    """Bytes of the files directly in ``path``, as ``storage.iteration_bytes`` counts them (without torch);
+    files (or the whole iteration) that the agent's rotation removes meanwhile count 0."""
+    total = 0
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                try:
+                    if entry.is_file():
+                        total += entry.stat().st_size
+                except FileNotFoundError:
+                    continue
+    except FileNotFoundError:
+        pass
+    return total
+
+
 def _header_length(path: Path) -> int:
     with open(path, "rb") as handle:
         raw = handle.read(8)

@@ -88,12 +88,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
             damaged += damage is not None
         mark = "  <- tracker" if step == tracker else ""
         verdict = f"  health: {verdicts[step]}" if step in verdicts else ""   # only with health_ckpts.json
-        print(f"{path.name:<20} {step:>10} {format_bytes(_dir_bytes(path)):>12}  {status}{mark}{verdict}")
+        print(f"{path.name:<20} {step:>10} {format_bytes(checks.dir_bytes(path)):>12}  {status}{mark}{verdict}")
     if not rows:
         print("(no iterations)")
     if not one:
         for name, step, path in timeline.abandoned_iterations(save_dir):   # moved aside by a resume (invariant 10)
-            print(f"{name}/{path.name:<20} {step:>10} {format_bytes(_dir_bytes(path)):>12}  abandoned timeline "
+            print(f"{name}/{path.name:<20} {step:>10} {format_bytes(checks.dir_bytes(path)):>12}  abandoned timeline "
                   "(never loaded automatically; rotation removes it first)")
     if damaged:
         print(f"{damaged} damaged: a load passes over them to an older iteration; `easyckpt verify "
@@ -133,23 +133,6 @@ def _verify_health(save_dir: Path) -> list[str]:
             problems.append(f"{path}: entry of step {entry.step} names {entry.ckpt_name}, which is not a complete "
                             "iteration in this save_dir (the agent drops it at its next persist)")
     return problems
-
-
-def _dir_bytes(path: Path) -> int:
-    """Bytes of the files directly in ``path``, as ``storage.iteration_bytes`` counts them, without its
-    torch import; files (or the whole iteration) that the agent's rotation removes meanwhile count 0."""
-    total = 0
-    try:
-        with os.scandir(path) as entries:
-            for entry in entries:
-                try:
-                    if entry.is_file():
-                        total += entry.stat().st_size
-                except FileNotFoundError:
-                    continue
-    except FileNotFoundError:
-        pass
-    return total
 
 
 def _parses(path: Path) -> bool:

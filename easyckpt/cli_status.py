@@ -138,14 +138,7 @@ def _disk(save_dir: str | None) -> dict[str, Any] | None:
     complete = layout.complete_iterations(Path(save_dir))
     damaged = [step for step, path in complete if checks.damage(path) is not None]
     return {"steps": [step for step, _ in complete], "tracker": layout.read_tracker(Path(save_dir)),
-            "damaged": damaged, "bytes": sum(_dir_bytes(path) for _, path in complete)}
-
-
-def _dir_bytes(path: Path) -> int:
-    try:
-        return sum(entry.stat().st_size for entry in os.scandir(path) if entry.is_file())
-    except OSError:   # rotated away meanwhile
-        return 0
+            "damaged": damaged, "bytes": sum(checks.dir_bytes(path) for _, path in complete)}
 
 
 def _print_ended(entry: dict[str, Any]) -> None:
@@ -165,10 +158,11 @@ def _print_ended(entry: dict[str, Any]) -> None:
         print(f"  nothing on disk in {save}: no complete iteration")
     else:
         steps = disk["steps"]
-        shown = ", ".join(map(str, steps[-5:])) if len(steps) <= 5 else f"..., {', '.join(map(str, steps[-5:]))}"
-        newest = f"step {disk['tracker']} (the tracker's)" if disk["tracker"] in steps else f"step {steps[-1]}"
+        shown = ("..., " if len(steps) > 5 else "") + ", ".join(map(str, steps[-5:]))
+        tracked = (f"the tracker names step {disk['tracker']}" if disk["tracker"] in steps
+                   else f"no tracker names one of them (a load takes the newest, step {steps[-1]})")
         print(f"  on disk in {save}: {len(steps)} complete iteration(s), steps {shown}, "
-              f"{format_bytes(disk['bytes'])}; newest: {newest}"
+              f"{format_bytes(disk['bytes'])}; {tracked}"
               + (f"; DAMAGED: steps {disk['damaged']} (`easyckpt ls {save}`)" if disk["damaged"] else ""))
 
 
