@@ -162,7 +162,7 @@ def decide_due(states: Mapping[str, NodeState], nodes: Sequence[str], *, interva
         missing = sorted(s.node for s in chosen if step not in s.local and step not in s.held)
         newest = step + interval > newest_common
         if take is not None:
-            passed.append((step, f"the due step {take} was taken just before it"))
+            passed.append((step, f"every node persists due step {take}, taken just before it"))
         elif busy:
             node, other = sorted(busy.items())[0]
             passed.append((step, f"node {node} still persists step {other}"))
@@ -218,8 +218,8 @@ def plan_holds(*, slots: int, persisting: Iterable[int], job_safe: int | None, c
     step not decided yet (``due_to_hold``). ``present``: steps every local rank holds committed (or that the
     agent holds already); a step the ranks no longer hold cannot be held.
 
-    When ``spare`` and no due step is held or persisted, the roles (job-safe, candidate, node-safe) take at
-    most ``slots - 2`` slots: one slot beside the one the ranks write stays free for a due step that the
+    When ``spare``, four slots or more and no due step held, the roles (job-safe, candidate,
+    node-safe) take at most ``slots - 2`` slots: one slot beside the one the ranks write stays free for a due step that the
     agent has not seen yet (the ranks spare it, ``easyckpt.slot_choice``), so that a starved agent still
     finds it. While a persist runs, its
     step is the job's floor (every node holds it), so the candidate comes before the job-safe step;
@@ -229,8 +229,9 @@ def plan_holds(*, slots: int, persisting: Iterable[int], job_safe: int | None, c
     chosen = list(persist)
     if due is not None and due in here and due not in chosen and len(chosen) < slots - 1:
         chosen.append(due)
-    # The spare slot is for a due step nobody has seen yet: not needed while one is held or persisted.
-    reserve = spare and due is None and not persist
+    # The spare slot is for a due step nobody has seen yet: not needed while one is held, and not taken from
+    # three slots, where it would leave the job-safe step no way to move but node by node.
+    reserve = spare and due is None and slots > 3
     limit = min(slots - 1, max(len(chosen), slots - 2 if reserve else slots - 1))
     # With a persist in flight (the floor), or room for one role only, the step moves to the candidate first:
     # each node lets go of the old job-safe step as it holds the candidate, and the ranks' free slots (at least
@@ -292,6 +293,10 @@ def verdict_to_wire(verdict: Verdict) -> dict[str, object]:
             "passed": [[step, why[:200]] for step, why in verdict.passed]}
 
 
+def _decided(value: int | None) -> int:
+    return -1 if value is None else value
+
+
 def verdict_from_wire(message: Mapping[str, object]) -> Verdict:
     where = f"VERDICT from node {message['node']!r:.64}"
     passed = message["passed"]
@@ -304,4 +309,4 @@ def verdict_from_wire(message: Mapping[str, object]) -> Verdict:
                    candidate=_read_opt(message, "candidate", where), take=_read_opt(message, "take", where),
                    passed=tuple((int(p[0]), str(p[1])) for p in passed),
                    committed=_read_opt(message, "committed", where), newest=_read_opt(message, "newest", where),
-                   decided=_read_opt(message, "decided", where) or -1)
+                   decided=_decided(_read_opt(message, "decided", where)))

@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from agent.jobwide import JobWide
+from agent.jobwide import Courier, JobWide
 from agent.persister import AuditLog, commit_stage, describe, drop_stage, lower_priority, stage_steps
 from agent.replica import BuddyPuller, Holdings, MapCache, ReplicaServer, build_manifest, push_manifests, survey_coverage
 from agent.watcher import Watcher
@@ -61,13 +61,17 @@ class NodeReplication:
         self.holdings = Holdings(node)
         self.peers: PeerTable | None = None
         self.replica: ReplicaServer | None = None
-        self.hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hash", initializer=lower_priority)
+        # Hashing and pushing are what the node-safe step waits for (a node loss resumes no later than the newest
+        # step backed up): they run at the loop's priority, not niced like persisting, or a node whose CPU
+        # training takes whole would back up steps long after they were taken.
+        self.hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hash")
         self.surveyor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="survey", initializer=lower_priority)
         self.hashing: set[tuple[int, int, int]] = set()     # (rank, slot, generation) queued or hashed
         self.pushed: set[int] = set()
-        self.pusher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="push", initializer=lower_priority)
+        self.pusher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="push")
         self._push_queue: list[int] = []
         self._push_lock = threading.Lock()
+        self._push_courier = Courier(ctx)   # used by the push thread only
         self._pushing: concurrent.futures.Future[None] | None = None
         self.puller = BuddyPuller(self.holdings, lambda: self.peers)
         self._hash_maps = MapCache()
@@ -99,6 +103,7 @@ class NodeReplication:
         self.hasher.shutdown(wait=True, cancel_futures=True)
         self.surveyor.shutdown(wait=True, cancel_futures=True)
         self.pusher.shutdown(wait=True, cancel_futures=True)
+        self._push_courier.close()
         self.jobwide.close()
         self.puller.close()
         if self.replica is not None:
@@ -188,6 +193,8 @@ class NodeReplication:
                 continue
             self.holdings.add_blob(checksum, bytearray(data))
         self.puller.submit(message["node"], message["step"], manifests)
+        logger.debug("PUSH of step %d from node %s: %d manifests, %d small tensors", message["step"], message["node"],
+                     len(manifests), len(blobs))
 
     def _hash_and_push(self) -> None:
         """Hash new local snapshots, hand complete steps to the buddy, refresh coverage (all off-loop)."""
@@ -225,7 +232,8 @@ class NodeReplication:
                 if not self._push_queue:
                     return
                 step, self._push_queue = self._push_queue[0], self._push_queue[1:]
-            push_manifests(self.peers, step, self.holdings.local_at(step), self.holdings.inline_at(step))
+            push_manifests(self._push_courier, self.peers, step, self.holdings.local_at(step),
+                           self.holdings.inline_at(step))
 
     def _hash(self, rank: int, slot: int, path: Path, meta: SlotMeta, generation: int) -> None:
         maps = self._hash_maps
@@ -260,12 +268,14 @@ class NodeReplication:
         return self.holdings.backed_up_steps(list(self.peers.nodes[predecessor].ranks))
 
     def _commit_stages(self) -> None:
-        """Leader: publish each staged step whose every rank is durable; drop superseded stages."""
+        """Leader: publish each staged step whose every rank is durable, oldest first (a due step whose last node
+        finished just as the final step's did is committed too, not dropped as superseded); drop stages older
+        than a committed step that never completed."""
         now = time.monotonic()
         if self.peers is None or not self.peers.is_leader or now - self._stages_at < 0.2:
             return
         self._stages_at = now
-        for step in sorted(stage_steps(self.save_dir), reverse=True):
+        for step in sorted(stage_steps(self.save_dir)):
             if self.complete is not None and step <= self.complete:
                 drop_stage(self.save_dir, step, self.audit, f"superseded by complete step {self.complete}")
                 continue

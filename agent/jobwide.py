@@ -37,7 +37,8 @@ SEND_HWM = 8      # news queued per peer at most: a peer that reads nothing gets
 
 
 class Courier:
-    """Fire-and-forget messages to other agents' tcp endpoints; one thread only (the agent's loop)."""
+    """Fire-and-forget messages to other agents' tcp endpoints; one thread only (its owner's: the agent's loop
+    for news, the push thread for backups)."""
 
     def __init__(self, ctx: zmq.Context) -> None:
         self.ctx = ctx
@@ -53,7 +54,9 @@ class Courier:
             sock.setsockopt(zmq.IMMEDIATE, 1)   # no queue for a peer that is not connected: its news would be stale
             sock.connect(endpoint)
             self.socks[endpoint] = sock
-        try:
+        try:   # replies to kinds that have one (PUSH) are of no use here: dropped unread
+            while sock.poll(0):
+                sock.recv_multipart(zmq.NOBLOCK)
             sock.send(protocol.encode(kind, limit=protocol.MAX_PEER_MESSAGE_BYTES, token=token, **fields), zmq.NOBLOCK)
             return True
         except zmq.Again:

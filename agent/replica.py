@@ -31,7 +31,7 @@ import psutil
 import xxhash
 import zmq
 
-from agent.persister import lower_priority
+from agent.jobwide import Courier
 from easyckpt_wire import protocol
 from easyckpt_wire.faults import fault_point
 from easyckpt_wire.protocol import Kind, ProtocolError
@@ -430,7 +430,6 @@ class BuddyPuller:
         return {step for step, held in steps.items() if ranks and held >= ranks}
 
     def _run(self) -> None:
-        lower_priority()
         while (job := self._next()) is not None:
             try:
                 self._pull_missing(*job)
@@ -480,19 +479,17 @@ class BuddyPuller:
         self._thread.join(timeout=PULL_TIMEOUT + 1)
 
 
-def push_manifests(peers: PeerTable, step: int, manifests: list[Manifest], blobs: list[list[bytes]]) -> None:
-    """Hand the buddy this node's manifests of ``step`` and the bytes of their small tensors; a failure is
-    logged, never raised."""
+def push_manifests(courier: Courier, peers: PeerTable, step: int, manifests: list[Manifest],
+                   blobs: list[list[bytes]]) -> None:
+    """Hand the buddy this node's manifests of ``step`` and the bytes of their small tensors, without waiting for
+    an answer: a buddy that is gone (its node lost) must not hold up the pushes of the next steps to its
+    replacement. A push that cannot go out now is dropped (the next step's push says more)."""
     buddy = peers.buddy()
     if buddy is None:
         return
-    client = PeerClient(peers.endpoint(buddy), peers.token, timeout=10.0)
-    try:
-        client.call(Kind.PUSH, node=peers.node, step=step, manifests=[m.to_wire() for m in manifests], blobs=blobs)
-    except (PeerError, ProtocolError) as exc:
-        logger.warning("could not hand step %d's manifests to buddy node %s: %s", step, buddy, exc)
-    finally:
-        client.close()
+    if not courier.send(peers.endpoint(buddy), Kind.PUSH, peers.token, node=peers.node, step=step,
+                        manifests=[m.to_wire() for m in manifests], blobs=blobs):
+        logger.debug("step %d's manifests not handed to buddy node %s: not connected", step, buddy)
 
 
 def survey_coverage(peers: PeerTable, holdings: Holdings, timeout: float = 2.0) -> dict[str, Any]:

@@ -61,6 +61,7 @@ class Config:
     hash_ms: float = 2.0           # hashing and pushing one step's backup
     persist_ms: float = 30.0
     leader_us_per_node: float = 20.0
+    max_backup_lag: int = 5        # Checkpointer(max_backup_lag=): ranks wait while the node-safe step trails more
 
 
 @dataclasses.dataclass
@@ -78,12 +79,14 @@ class Node:
     decided: int = -1
     verdict: Verdict | None = None
     busy: int | None = None
+    node_safe: int | None = None     # what the control block says (the verdict's, when held here)
     took: int = -1
     lost: set[int] = dataclasses.field(default_factory=set)
     backed: set[int] = dataclasses.field(default_factory=set)   # predecessor's steps backed up here
     pushed: dict[int, float] = dataclasses.field(default_factory=dict)   # step -> when the backup arrived
     tick_pending: bool = False
     alive: bool = True
+    sent: NodeState | None = None
 
     def local(self) -> set[int]:
         sets = [set(rank.committed) for rank in self.ranks]
@@ -112,6 +115,9 @@ class Simulation:
         self.node_lags: list[int] = []
         self.newest_begun = -1
         self.leading = False
+        self.last_verdict: Verdict | None = None
+        self.begun = 0
+        self.waited_ms = 0.0
 
     # events ---------------------------------------------------------------------------------------------
     def at(self, when: float, action: Callable[[], None]) -> None:
@@ -135,13 +141,32 @@ class Simulation:
 
     # ranks ----------------------------------------------------------------------------------------------
     def start(self) -> None:
-        for step in range(self.c.steps):
-            base = step * self.c.step_ms
-            for node in self.nodes:
-                for rank in node.ranks:
-                    begin = base + self.rng.uniform(0, self.c.jitter_ms)
-                    self.at(begin, lambda n=node, r=rank, s=step: self.begin(n, r, s))
-            self.at(base + self.c.step_ms - 0.001, lambda s=step: self.sample(s))
+        self.at(0.0, lambda: self.step_begins(0))
+
+    def step_begins(self, step: int) -> None:
+        """The ranks move in lockstep (a collective every step): each begins its snapshot of ``step`` after a
+        jitter, and the next step starts once every rank began this one."""
+        if step >= self.c.steps:
+            return
+        self.sample(step - 1)
+        self.begun = 0
+        for node in self.nodes:
+            for rank in node.ranks:
+                self.at(self.now + self.rng.uniform(0, self.c.jitter_ms),
+                        lambda n=node, r=rank: self.gate(n, r, step, self.now, None))
+
+    def gate(self, node: Node, rank: Rank, step: int, since: float, budget: float | None) -> None:
+        """``easyckpt.lag_gate``: wait while the node-safe step trails by more than max_backup_lag (bounded)."""
+        lag = step - (-1 if node.node_safe is None else node.node_safe)
+        limit = self.c.max_backup_lag
+        if limit > 0 and lag > limit and self.now - since < max(200.0, 4 * self.c.step_ms * min(lag - limit, limit)):
+            self.at(self.now + 1.0, lambda: self.gate(node, rank, step, since, budget))
+            return
+        self.waited_ms += self.now - since
+        self.begin(node, rank, step)
+        self.begun += 1
+        if self.begun == self.c.nodes * self.c.ranks:
+            self.at(self.now + self.c.step_ms, lambda: self.step_begins(step + 1))
 
     def begin(self, node: Node, rank: Rank, step: int) -> None:
         if not node.alive:
@@ -186,10 +211,13 @@ class Simulation:
         node.held &= local | {node.busy} - {None}   # type: ignore[operator]
         # A backup is complete once the push arrived and this node's own ranks hold (and hashed) that step.
         node.backed = {s for s in node.pushed if s in local or s in node.held}
-        node.pushed = {s: t for s, t in node.pushed.items() if s >= max(local | {0}) - 8}
+        # backups are kept for the steps this node's ranks still hold (agent.replica.Holdings.keep)
+        node.pushed = {s: t for s, t in node.pushed.items() if s >= max(local | {0}) - 8 or s in local | node.held}
         state = NodeState(self.names[node.index], newest(local), newest(node.held), newest(node.backed), node.busy,
                           node.took, newest(node.lost))
-        self.at(self.now + self.c.net_ms, lambda: self.state_arrives(state))
+        if state != node.sent:   # news on change (the processes also repeat it every second)
+            node.sent = state
+            self.at(self.now + self.c.net_ms, lambda: self.state_arrives(state))
         self.apply(node, local)
 
     def state_arrives(self, state: NodeState) -> None:
@@ -210,6 +238,9 @@ class Simulation:
         if book.taken is not None and book.taken != self.book.taken:
             self.taken.append(book.taken)
         self.book = book
+        if verdict == self.last_verdict:
+            return
+        self.last_verdict = verdict
         for node in self.nodes:
             if node.alive:
                 self.at(self.now + self.c.net_ms, lambda n=node, v=verdict: self.verdict_arrives(n, v))
@@ -234,6 +265,7 @@ class Simulation:
                           candidate=verdict.candidate, node_safe=verdict.node_safe, present=local | node.held, due=due)
         node.held = set(plan)
         node.published = frozenset(node.held)
+        node.node_safe = verdict.node_safe if verdict.node_safe in node.held else None
         node.decided = max(decided, max(persisting, default=-1))
 
     def persist_done(self, node: Node, step: int) -> None:
@@ -245,6 +277,8 @@ class Simulation:
 
     # measurements ---------------------------------------------------------------------------------------
     def sample(self, step: int) -> None:
+        if step < 0:
+            return
         verdict = self.nodes[0].verdict
         newest_committed = max(self.committed_times, default=None)
         if verdict is None or newest_committed is None:
@@ -274,17 +308,20 @@ def run(config: Config, seed: int, fault: str | None = None, fault_step: int | N
     result: dict[str, Any] = {"fault": fault}
     if fault is not None:
         assert fault_step is not None
-        moment = fault_step * config.step_ms + rng.uniform(0, config.step_ms)
-        sim.run_until(moment)
+        while sim.queue and sim.newest_begun < fault_step:
+            sim.run_until(sim.queue[0][0])
+        sim.run_until(sim.now + rng.uniform(0, config.step_ms))
         killed_at = sim.newest_begun
         lost_node = rng.randrange(1, config.nodes) if fault == "node" else None
         resumed = sim.resume_after_rank_kill() if fault == "rank" else sim.resume_after_node_loss(lost_node or 0)
         result.update(step=killed_at, resumed=resumed, lost=None if resumed is None else killed_at - resumed)
         return result
-    sim.run_until(config.steps * config.step_ms + 10 * (config.persist_ms + config.step_ms))
+    while sim.queue:
+        sim.run_until(sim.queue[0][0])
     due = [s for s in range(config.steps) if s % config.interval == 0]
     result.update(persisted=sorted(sim.persisted), passed=dict(sorted(sim.passed.items())), due=due,
-                  skipped=sim.skipped, job_lags=sim.job_lags, node_lags=sim.node_lags)
+                  skipped=sim.skipped, job_lags=sim.job_lags, node_lags=sim.node_lags,
+                  waited_ms=sim.waited_ms, elapsed_ms=sim.now)
     return result
 
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from easyckpt.agent_client import AgentClient
 from easyckpt.config import CheckpointerConfig
+from easyckpt.lag_gate import LagGate
 from easyckpt.logs import apply_env_level, notice
 from easyckpt.memory_reshard import release_old_world
 from easyckpt.persist_watch import PersistError, PersistWatch, describe_failure
@@ -116,6 +117,8 @@ class Checkpointer:
         self._closed = False
         self._resumed: int | None = None   # the step load() resumed from memory
         self._old_world: int | None = None  # the step load() resharded from another world's memory
+        assert config.max_backup_lag is not None
+        self.lag_gate = LagGate(rank=self.rank, limit=config.max_backup_lag, read=self.slots.agent_word)
         self.watch = PersistWatch(rank=self.rank, local_rank=self.local_rank, save_dir=config.save_dir)
         # Nothing the finalizer holds refers back to self, so a dropped Checkpointer is collected, and its
         # sockets and maps are released without blocking; at interpreter exit an unclosed one says goodbye.
@@ -168,6 +171,7 @@ class Checkpointer:
             notice(logger, logging.INFO, "resumed at step %d from %s (%s%s, %s)", result.step, result.source, where,
                    format_bytes(result.nbytes), took)
         if result.step is not None:
+            self.lag_gate.resumed = result.step   # backups start again from there: no wait for what came before
             # This process's snapshots before the resume belong to the abandoned timeline (or are the resumed
             # step itself): the end of the run must not wait for one of them to become durable.
             self.stager.last_commit_step = None
@@ -219,6 +223,7 @@ class Checkpointer:
             self._release_old_world()
         if step % self.config.save_mem_interval:
             return False
+        self.lag_gate.before_snapshot(step)
         return self.stager.snapshot(step, state_dict, health=self._verdict(metrics))
 
     def save(self, step: int, state_dict: Any, *, persist: bool = False,
@@ -288,7 +293,7 @@ class Checkpointer:
         free bytes; None while persists succeed) and ``persist_failures`` (how many failed in all)."""
         if not self._closed:
             self.watch.observe(self.slots.agent_word())
-        return {**self.stager.stats(), **self.watch.stats()}
+        return {**self.stager.stats(), **self.watch.stats(), "backup_lag_wait_seconds": self.lag_gate.waited}
 
     def close(self, *, raise_errors: bool = True) -> None:
         """The end of the run: finish the last copy, make the newest snapshot durable (``final_persist``,

@@ -359,6 +359,7 @@ def _print_live(report: dict[str, Any]) -> int:
         held = report.get("held_steps") or []
         print(f"  safe step (every rank keeps it): {report['safe_step']}"
               + (f"; held for persisting: {held}" if held else ""))
+        print(_protection(report))
     if report.get("endpoint"):
         print(f"  node {report['node']} at {report['endpoint']}; leader {report['leader']}, buddy {report['buddy']}; "
               f"nodes {report['nodes']}")
@@ -376,6 +377,18 @@ def _print_live(report: dict[str, Any]) -> int:
               f"the snapshots stay in memory until a persist succeeds")
         code = max(code, 2)
     return code
+
+
+def _protection(report: dict[str, Any]) -> str:
+    """What a failure now would cost: the newest step in memory and how far each protection trails it."""
+    newest = report.get("newest_step")
+    text = (f"  newest step in memory: {newest}; a rank kill resumes from the job-safe step "
+            f"{report.get('safe_step')} ({report.get('job_safe_lag')} step(s) back)")
+    if report.get("node_safe_lag") is not None or report.get("endpoint"):
+        text += (f", a node loss from the node-safe step {report.get('node_safe_step')} "
+                 f"({report.get('node_safe_lag')} step(s) back)")
+    passed = report.get("passed_over") or []
+    return text + (f"; due steps passed over lately: {passed}" if passed else "")
 
 
 def _print_orphaned(report: dict[str, Any]) -> None:

@@ -42,6 +42,10 @@ class CheckpointerConfig:
     copy_threads: int = 1                # CPU copy threads: more copies faster, but takes cores from training
     replicate_unique: bool = True        # multi-node: the buddy node also keeps large tensors no other node holds
     peer_timeout: float = 10.0           # multi-node: one request to another node's agent
+    # multi-node: save_if_needed waits (bounded by a few step times, said once per episode) while the node-safe
+    # step (backed up off every node: what a node loss resumes from) trails the step by more than this many
+    # steps. None: save_storage_interval, so that a node loss never costs more than the disk would; 0: never
+    max_backup_lag: int | None = None
     # flush() waiting for the newest snapshot to be durable; under torchrun a SIGTERMed worker is killed
     # 30 s later, so the exit hook's flush must end before that
     flush_timeout: float = 25.0
@@ -67,6 +71,10 @@ class CheckpointerConfig:
                      "peer_timeout", "flush_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.max_backup_lag is None:
+            self.max_backup_lag = self.save_storage_interval
+        if not isinstance(self.max_backup_lag, int) or isinstance(self.max_backup_lag, bool) or self.max_backup_lag < 0:
+            raise ValueError(f"max_backup_lag must be an int >= 0 (steps; 0: never wait), got {self.max_backup_lag!r}")
         if not isinstance(self.final_persist, bool):
             raise ValueError(f"final_persist must be True or False, got {self.final_persist!r}")
         if self.slots is None and os.environ.get(SLOTS_ENV):

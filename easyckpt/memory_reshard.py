@@ -231,7 +231,8 @@ def add_replicas(found: Reachable, peers: PeerTable, listings: Mapping[str, Mapp
         manifests: dict[tuple[int, str], Manifest] = {}
         if not sizes and listed:
             probe = max(listed)   # the highest old rank exists only in the old world when it shrank
-            for node in (n for n in order if probe in listings[n][step].ranks):
+            # not every node lists every step (a KeyError here once hid every replica behind "could not be surveyed")
+            for node in (n for n in order if probe in getattr(listings[n].get(step), "ranks", ())):
                 got = _read_manifest(peers, node, probe, step, timeout, _manifest)
                 if got is not None:
                     manifests[(probe, node)] = got
@@ -296,7 +297,8 @@ def discover(directory: Path, job_id: str, world_size: int, peers: PeerTable | N
             found.peers = peers
             add_replicas(found, peers, survey.listings, world_size, timeout)
     except Exception as exc:  # the replicas are a bonus: this node's memory and the disk still serve
-        logger.warning("replicas of another world's ranks could not be surveyed: %s", exc)
+        logger.warning("replicas of another world's ranks could not be surveyed (%s: %s): a resume on another "
+                       "world size uses this node's memory and the disk only", type(exc).__name__, exc)
     return found
 
 

@@ -368,17 +368,18 @@ def _read_resharded(iteration_dir: Path, rank: int, world_size: int,
     return entry.skeleton, values, str(iteration_dir), nbytes
 
 
-def _replica_plans(peers: PeerTable | None, rank: int, mem_steps: list[int],
-                   timeout: float, found: replica.Survey | None = None) -> dict[int, replica.ReplicaPlan]:
+def _replica_plans(peers: PeerTable | None, rank: int, mem_steps: list[int], timeout: float,
+                   found: replica.Survey | None = None,
+                   disk_steps: list[int] | None = None) -> dict[int, replica.ReplicaPlan]:
     if peers is None:
         return {}
     found = found or replica.survey(peers, timeout)
     for node, problem in sorted(found.unreachable.items()):
         logger.warning("rank %d: agent of node %s is unreachable (%s): its replicas are not used", rank, node, problem)
     plans = replica.plan(peers, found, rank, timeout)
-    if not plans and not mem_steps:
-        logger.warning("rank %d: no agent holds a replica of rank %d's state and its memory is empty: "
-                       "only disk can bring it back", rank, rank)
+    if not plans and not mem_steps and disk_steps:   # a fresh start has nothing to bring back: nothing to say
+        logger.warning("rank %d: no agent holds a replica of rank %d's state and its memory is empty: only disk can "
+                       "bring it back (newest complete iteration: step %d)", rank, rank, disk_steps[0])
     return {step: plan for step, plan in plans.items() if step not in mem_steps}
 
 
@@ -397,7 +398,7 @@ def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, templa
     else:
         disk_steps, base, mem_steps = storage.newest_first(save_dir), save_dir, list(slots.committed())
     found = replica.survey(peers, peer_timeout) if peers is not None and load_dir is None else None
-    plans = _replica_plans(peers, rank, mem_steps, peer_timeout, found) if load_dir is None else {}
+    plans = _replica_plans(peers, rank, mem_steps, peer_timeout, found, disk_steps) if load_dir is None else {}
     # Another world's snapshots of this job (a job restarted on another number of ranks): collective.
     other_worlds = memory_reshard.Reachable()
     if load_dir is None and reshard:
