@@ -65,7 +65,7 @@ class Samples(torch.utils.data.Dataset):
 
 
 class Model(pl.LightningModule):
-    def __init__(self, lr: float = 0.01, spike_at: int = -1) -> None:
+    def __init__(self, lr: float = 0.01, spike_at: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1),
@@ -74,7 +74,7 @@ class Model(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, _ = batch
         loss = torch.nn.functional.mse_loss(self.net(x), y)
-        if self.global_step + 1 == self.hparams.spike_at:   # a bad batch: its gradient norm spikes
+        if self.global_step + 1 in self.hparams.spike_at:   # a bad batch: its gradient norm spikes
             loss = loss * 1e4
         return loss
 
@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--plain", action="store_true", help="plain Lightning, without EasyCkpt")
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
-    parser.add_argument("--spike-at", type=int, default=-1, help="the loss of this step is scaled by 1e4")
+    parser.add_argument("--spike-at", default="", help="steps (comma-separated) whose loss is scaled by 1e4")
     parser.add_argument("--skip-spikes", action="store_true", help="use_skip_data_by_global_norm=True")
     parser.add_argument("--health", action="store_true", help="use_checkpoint_health_monitor=True")
     args = parser.parse_args()
@@ -164,7 +164,8 @@ def main() -> None:
                          strategy="ddp" if world > 1 else "auto", callbacks=callbacks, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          log_every_n_steps=1)
-    trainer.fit(Model(spike_at=args.spike_at), ckpt_path=None if args.resume == "none" else args.resume)
+    spikes = tuple(int(step) for step in args.spike_at.split(",") if step)
+    trainer.fit(Model(spike_at=spikes), ckpt_path=None if args.resume == "none" else args.resume)
 
 
 if __name__ == "__main__":

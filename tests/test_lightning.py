@@ -128,3 +128,50 @@ def test_kill9_resume_from_memory_then_disk_then_plain_lightning(env: Env, refer
         # Plain Lightning restores no RNG (the dropout masks differ), but the data position of an epoch end is exact
         assert [row["ids"] for _, row in sorted(plain.losses(rank).items())] == \
             [reference.losses(rank)[step]["ids"] for step in range(17, 25)]
+
+
+def test_spikes_are_skipped_on_both_ranks_then_abort_with_the_newest_snapshot_durable(env: Env) -> None:
+    """use_skip_data_by_global_norm: a spiky step changes neither weights, optimizer nor LR schedule on either
+    rank; two in a row (count threshold 2) abort training once the newest snapshot is durable. Health metrics
+    (use_checkpoint_health_monitor) ride with every snapshot: the iterations carry a verdict."""
+    root = env.tmp_path / "root"
+    job = LightningJob(env, root, env.tmp_path / "out", steps=12,
+                       args=["--skip-spikes", "--health", "--spike-at", "3,6,7"])
+    try:
+        assert job.wait(120) != 0, "two spikes in a row abort"
+    finally:
+        job.kill()
+    assert "TrainingAborted" in job.log() and "training aborted: step 6 is durable" in job.log(), job.log()[-3000:]
+    for rank in range(2):
+        rows = job.losses(rank)
+        assert sorted(rows) == list(range(1, 7)), sorted(rows)   # step 7 raised before its batch end
+        for skipped in (3, 6):
+            assert rows[skipped]["digest"] == rows[skipped - 1]["digest"], f"rank {rank}: step {skipped} was applied"
+            assert rows[skipped]["lr"] == rows[skipped - 1]["lr"], f"rank {rank}: the scheduler stepped at {skipped}"
+            assert rows[skipped]["loss"] > 100 * rows[skipped - 1]["loss"], "the spike was injected"
+        assert rows[4]["digest"] != rows[3]["digest"] and rows[5]["lr"] != rows[2]["lr"], "normal steps apply"
+    iteration = root / "easyckpt" / layout.iteration_dirname(6)
+    assert 6 in dict(layout.complete_iterations(root / "easyckpt")), "the abort flushed the newest snapshot"
+    verdict = layout.read_metadata(iteration)["health"]
+    assert verdict is not None and verdict.get("healthy", verdict.get("is_health")) in (True, 1), verdict
+
+
+def test_unsupported_strategies_and_bad_keywords_are_refused_at_start(tmp_path: Path) -> None:
+    """ModelParallelStrategy (FSDP2/TP), which Lightning runs on CPU, is refused with the reason (Lightning itself
+    refuses FSDP1 and DeepSpeed on CPU; EasyCkpt refuses them on GPUs too)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from easyckpt.lightning import EasyCkpt
+    from easyckpt.lightning.callback import check_strategy
+
+    trainer = pl.Trainer(strategy=ModelParallelStrategy(), accelerator="cpu", devices=1, logger=False,
+                         default_root_dir=tmp_path)
+    with pytest.raises(NotImplementedError, match="torch.distributed.checkpoint inside the strategy") as refused:
+        check_strategy(trainer)
+    assert "Supported: one device" in str(refused.value) and "Nothing was written" in str(refused.value)
+    with pytest.raises(ValueError, match="has no effect without use_skip_data_by_global_norm"):
+        EasyCkpt(global_norm_spike_threshold=1.0)
+    with pytest.raises(ValueError, match="save_mem_interval must be a positive int"):
+        EasyCkpt(save_mem_interval=0)
+    assert not any(tmp_path.iterdir()), "nothing written"
