@@ -35,6 +35,7 @@ import lightning.pytorch as pl
 import torch
 import xxhash
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 import easyckpt.state
 from easyckpt.lightning import EasyCkpt
@@ -65,11 +66,21 @@ class Samples(torch.utils.data.Dataset):
 
 
 class Model(pl.LightningModule):
-    def __init__(self, lr: float = 0.01, spike_at: tuple[int, ...] = ()) -> None:
+    def __init__(self, lr: float = 0.01, spike_at: tuple[int, ...] = (), fsdp2: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1),
                                        torch.nn.Linear(32, 1))
+
+    def configure_model(self) -> None:
+        if self.hparams.fsdp2:   # ModelParallelStrategy: each Linear a unit of FSDP2, sharded over the ranks
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y, _ = batch
@@ -139,6 +150,8 @@ def main() -> None:
     parser.add_argument("--save-mem-interval", type=int, default=1)
     parser.add_argument("--resume", default="last", help="fit(ckpt_path=...): 'last', a .ckpt path, or 'none'")
     parser.add_argument("--plain", action="store_true", help="plain Lightning, without EasyCkpt")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp",
+                        help="fsdp2: ModelParallelStrategy, fully_shard in configure_model")
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--spike-at", default="", help="steps (comma-separated) whose loss is scaled by 1e4")
@@ -160,12 +173,16 @@ def main() -> None:
         callbacks.insert(0, EasyCkpt(save_mem_interval=args.save_mem_interval,
                                      log_file_path=str(args.out / "persist.log"), **skip, **health))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    strategy: Any = "ddp" if world > 1 else "auto"
+    if args.strategy == "fsdp2":
+        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     trainer = pl.Trainer(default_root_dir=args.root, max_steps=args.steps, accelerator="cpu", devices=world,
-                         strategy="ddp" if world > 1 else "auto", callbacks=callbacks, logger=False,
+                         strategy=strategy, callbacks=callbacks, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          log_every_n_steps=1)
     spikes = tuple(int(step) for step in args.spike_at.split(",") if step)
-    trainer.fit(Model(spike_at=spikes), ckpt_path=None if args.resume == "none" else args.resume)
+    model = Model(spike_at=spikes, fsdp2=args.strategy == "fsdp2")
+    trainer.fit(model, ckpt_path=None if args.resume == "none" else args.resume)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""PyTorch Lightning + EasyCkpt under a real torchrun (2 ranks, DDP over gloo, CPU): kill -9 and resume from
-memory, a new job resuming from disk, a plain Lightning Trainer resuming from the files EasyCkpt wrote, data
-skipping, and the strategies refused at start-up.
+"""PyTorch Lightning + EasyCkpt under a real torchrun (2 ranks over gloo, CPU; DDP and ModelParallelStrategy with
+FSDP2): kill -9 and resume from memory, a new job resuming from disk, a plain Lightning Trainer resuming from the
+files EasyCkpt wrote, data skipping, and the strategies refused at start-up.
 
 The reference is a plain Lightning run (no easyckpt) run uninterrupted: every resumed run must log the same
 losses (exact float equality), train on the same samples (the mid-epoch data position) and hold the same
@@ -10,6 +10,7 @@ that lost an RNG state would show too.
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +35,14 @@ class LightningJob(Job):
     """examples/lightning_trainer.py under torchrun; the loss/resume/pid files are those Job reads."""
 
     def __init__(self, env: Env, root: Path, out: Path, *, steps: int = STEPS, args: list[str] | None = None,
-                 extra_env: dict[str, str] | None = None) -> None:
+                 extra_env: dict[str, str] | None = None, strategy: str = "ddp") -> None:
         self.out = out
         self.nproc = 2
         out.mkdir(parents=True, exist_ok=True)
         self.log_path = out / "torchrun.log"
-        command = TORCHRUN + ["--standalone", "--nproc-per-node=2", "--max-restarts=0", str(SCRIPT), "--root", str(root),
-                              "--out", str(out), "--steps", str(steps), "--save-steps", str(SAVE_STEPS), *(args or [])]
+        command = TORCHRUN + ["--standalone", "--nproc-per-node=2", "--max-restarts=0", str(SCRIPT), "--root",
+                              str(root), "--out", str(out), "--steps", str(steps), "--save-steps", str(SAVE_STEPS),
+                              "--strategy", strategy, *(args or [])]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(ROOT),
                                      env=env.environ(EASYCKPT_LOG_LEVEL="INFO", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
@@ -67,23 +69,30 @@ def assert_continues_exactly(resumed: Job, reference: Job, from_step: int, steps
                 assert row[key] == theirs[step][key], f"rank {rank} step {step}: {key} {row[key]!r} != {theirs[step][key]!r}"
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> LightningJob:
-    """Plain Lightning, no easyckpt, uninterrupted, 24 steps (the first 20 are those of a 20-step run)."""
-    env = Env(tmp_path_factory.mktemp("plain-reference"))
+@pytest.fixture(scope="module", params=["ddp", "fsdp2"])
+def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, LightningJob]:
+    """Plain Lightning, no easyckpt, uninterrupted, 24 steps (the first 20 are those of a 20-step run); per
+    strategy: DDP, and ModelParallelStrategy with FSDP2 (``fully_shard`` in ``configure_model``)."""
+    strategy = request.param
+    env = Env(tmp_path_factory.mktemp(f"plain-reference-{strategy}"))
     try:
-        return run_to_end(LightningJob(env, env.tmp_path / "root", env.tmp_path / "out", steps=24, args=["--plain"]))
+        return strategy, run_to_end(LightningJob(env, env.tmp_path / "root", env.tmp_path / "out", steps=24,
+                                                 args=["--plain"], strategy=strategy))
     finally:
         env.cleanup()
 
 
-def test_kill9_resume_from_memory_then_disk_then_plain_lightning(env: Env, reference: LightningJob) -> None:
+def test_kill9_resume_from_memory_then_disk_then_plain_lightning(env: Env, reference: tuple[str, LightningJob]) -> None:
     """A seeded kill -9 mid-epoch; the rerun resumes from memory with the same data position and RNGs; a job
-    of another id (its memory unseen) resumes from disk; a plain Trainer resumes from an exported .ckpt."""
+    of another id (its memory unseen) resumes from disk; a plain Trainer resumes from an exported .ckpt (under
+    FSDP2: whole tensors assembled from the shards, a file ModelParallelStrategy loads)."""
+    strategy, reference_job = reference
+    reference = reference_job   # type: ignore[assignment]
     root = env.tmp_path / "root"
     save_dir = root / "easyckpt"
     kill_at = seeded_random().randint(SAVE_STEPS + 1, 2 * SAVE_STEPS - 1)
-    first = LightningJob(env, root, env.tmp_path / "first", args=["--kill-rank", "1", "--kill-at", str(kill_at)])
+    first = LightningJob(env, root, env.tmp_path / "first", args=["--kill-rank", "1", "--kill-at", str(kill_at)],
+                         strategy=strategy)
     try:
         assert first.wait(120) != 0, "rank 1 was to be killed"
     finally:
@@ -95,7 +104,7 @@ def test_kill9_resume_from_memory_then_disk_then_plain_lightning(env: Env, refer
         for step, row in first.losses(rank).items():
             assert row["digest"] == reference.losses(rank)[step]["digest"], f"rank {rank} step {step}"
 
-    second = run_to_end(LightningJob(env, root, env.tmp_path / "second"))
+    second = run_to_end(LightningJob(env, root, env.tmp_path / "second", strategy=strategy))
     for rank in range(2):
         report = second.report(rank)
         assert report["resumed"]["source"] == "memory" and report["global_step"] == newest, report
@@ -106,7 +115,8 @@ def test_kill9_resume_from_memory_then_disk_then_plain_lightning(env: Env, refer
     # A new job (another id: the old job's memory is not its own) resumes from the newest complete iteration.
     on_disk = max(step for step, _ in layout.complete_iterations(save_dir))
     assert on_disk == STEPS, "close() made the final step durable"
-    third = run_to_end(LightningJob(env, root, env.tmp_path / "third", steps=24, extra_env={"EASYCKPT_JOB_ID": "other"}))
+    third = run_to_end(LightningJob(env, root, env.tmp_path / "third", steps=24, extra_env={"EASYCKPT_JOB_ID": "other"},
+                                    strategy=strategy))
     for rank in range(2):
         assert third.report(rank)["resumed"]["source"] == "disk", third.report(rank)
     assert_continues_exactly(third, reference, STEPS, 24)
@@ -121,7 +131,8 @@ def test_kill9_resume_from_memory_then_disk_then_plain_lightning(env: Env, refer
         assert saved["global_step"] in (16, 24) and (path.name != "last.ckpt" or saved["global_step"] == 24)
 
     plain = run_to_end(LightningJob(env, env.tmp_path / "plain-root", env.tmp_path / "plain", steps=24,
-                                    args=["--plain", "--resume", str(checkpoints / "epoch=1-step=16.ckpt")]))
+                                    args=["--plain", "--resume", str(checkpoints / "epoch=1-step=16.ckpt")],
+                                    strategy=strategy))
     for rank in range(2):
         report = plain.report(rank)
         assert report["global_step"] == 16 and report["digest"] == reference.losses(rank)[16]["digest"], report
@@ -157,21 +168,34 @@ def test_spikes_are_skipped_on_both_ranks_then_abort_with_the_newest_snapshot_du
 
 
 def test_unsupported_strategies_and_bad_keywords_are_refused_at_start(tmp_path: Path) -> None:
-    """ModelParallelStrategy (FSDP2/TP), which Lightning runs on CPU, is refused with the reason (Lightning itself
-    refuses FSDP1 and DeepSpeed on CPU; EasyCkpt refuses them on GPUs too)."""
+    """A strategy EasyCkpt was not built for is refused before anything is written: a strategy subclass of the
+    user's (its saves may differ) in a real fit(); FSDP1, which Lightning runs on GPUs only, by its reason."""
+    import types
+
     import lightning.pytorch as pl
-    from lightning.pytorch.strategies import ModelParallelStrategy
+    from lightning.pytorch.strategies import FSDPStrategy, SingleDeviceStrategy
 
     from easyckpt.lightning import EasyCkpt
     from easyckpt.lightning.callback import check_strategy
 
-    trainer = pl.Trainer(strategy=ModelParallelStrategy(), accelerator="cpu", devices=1, logger=False,
-                         default_root_dir=tmp_path)
-    with pytest.raises(NotImplementedError, match="torch.distributed.checkpoint inside the strategy") as refused:
-        check_strategy(trainer)
-    assert "Supported: one device" in str(refused.value) and "Nothing was written" in str(refused.value)
+    class CustomStrategy(SingleDeviceStrategy):
+        pass
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from lightning_trainer import Model
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    trainer = pl.Trainer(strategy=CustomStrategy(device="cpu"), accelerator="cpu", devices=1, logger=False,
+                         max_steps=1, default_root_dir=tmp_path, callbacks=[EasyCkpt()], enable_progress_bar=False)
+    with pytest.raises(NotImplementedError, match="strategy=CustomStrategy.: it is not one EasyCkpt was built"
+                       ) as refused:
+        trainer.fit(Model())
+    assert "ModelParallelStrategy (FSDP2" in str(refused.value) and "Nothing was written" in str(refused.value)
+    with pytest.raises(NotImplementedError, match="FSDP1 keeps flat parameters"):
+        check_strategy(types.SimpleNamespace(strategy=FSDPStrategy()))   # type: ignore[arg-type]
     with pytest.raises(ValueError, match="has no effect without use_skip_data_by_global_norm"):
         EasyCkpt(global_norm_spike_threshold=1.0)
     with pytest.raises(ValueError, match="save_mem_interval must be a positive int"):
         EasyCkpt(save_mem_interval=0)
-    assert not any(tmp_path.iterdir()), "nothing written"
+    assert not (tmp_path / "easyckpt").exists(), "nothing written"

@@ -35,9 +35,15 @@ What it does, and why this way:
   the files (or cancel their export). A file appears once the agent has persisted its step: training waits
   for the pending ones at the end of ``fit()`` (``EasyCkpt.wait_exports()`` waits earlier).
 
-Supported: one device, DDP (``strategy="ddp"`` and its launchers). FSDP, ``ModelParallelStrategy`` and
+* **When Lightning saves faster than the agent persists** (``every_n_train_steps=1`` on a large state),
+  the agent persists the newest request and passes older ones over, as for any easyckpt job: their files
+  are not written (the export thread logs each), while every step stays in memory.
+
+Supported: one device, DDP (``strategy="ddp"`` and its launchers) and ``ModelParallelStrategy`` with FSDP2
+(:mod:`easyckpt.lightning.sharded`; DTensor tensor parallelism takes the same path, untested). FSDP1 and
 DeepSpeed are refused at ``setup`` with the reason. The package: ``callback`` (EasyCkpt), ``connector``
-(``ckpt_path="last"``), ``data`` (the data position), ``export`` (the ``.ckpt`` files).
+(``ckpt_path="last"``), ``data`` (the data position), ``sharded`` (ModelParallelStrategy), ``export`` (the
+``.ckpt`` files).
 """
 from __future__ import annotations
 

@@ -14,12 +14,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
 from easyckpt.checkpointer import Checkpointer
 from easyckpt.collectives import all_ok
 from easyckpt.health import configure, embedding_local_norm
-from easyckpt.lightning import connector, data
+from easyckpt.lightning import connector, data, sharded
 from easyckpt.lightning.export import Exporter
 from easyckpt.state import flatten
 from easyckpt_wire import layout
@@ -38,24 +38,22 @@ def check_strategy(trainer: pl.Trainer) -> None:
     """Refuse, before anything is written, what the callback does not snapshot correctly."""
     strategy = trainer.strategy
     name = type(strategy).__name__
-    if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)) and type(strategy).__module__.startswith(
-            "lightning.pytorch.strategies"):
+    if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)) and \
+            type(strategy).__module__.startswith("lightning.pytorch.strategies"):
         return
     reasons = {
         "FSDPStrategy": "FSDP1 keeps flat parameters whose optimizer state Lightning gathers to rank 0 for every "
-                        "save (a collective, seconds per step at scale); easyckpt snapshots FSDP2 DTensor shards",
-        "ModelParallelStrategy": "it saves and loads through torch.distributed.checkpoint inside the strategy "
-                                 "(Strategy.save_checkpoint/load_checkpoint bypass the checkpoint dictionary the "
-                                 "callback restores from), which EasyCkpt does not hook yet",
+                        "save (a collective, seconds per step at scale); easyckpt snapshots FSDP2's DTensor shards: "
+                        "use ModelParallelStrategy with fully_shard in configure_model",
         "DeepSpeedStrategy": "DeepSpeed's engine owns the optimizer partitions and writes its own checkpoint "
                              "folders",
     }
     reason = next((text for key, text in reasons.items() if key in name), "it is not one EasyCkpt was built and "
                   "tested with")
     raise NotImplementedError(
-        f"EasyCkpt does not support Trainer(strategy={name}): {reason}. Supported: one device (CPU or GPU) and "
-        "DDP (strategy='ddp', 'ddp_spawn', ...). Train with DDP, or without EasyCkpt for this strategy. Nothing "
-        "was written.")
+        f"EasyCkpt does not support Trainer(strategy={name}): {reason}. Supported: one device (CPU or GPU), DDP "
+        "(strategy='ddp', 'ddp_spawn', ...) and ModelParallelStrategy (FSDP2 with fully_shard in configure_model). "
+        "Train with one of those, or without EasyCkpt for this strategy. Nothing was written.")
 
 
 class EasyCkpt(Callback):
@@ -205,8 +203,12 @@ class EasyCkpt(Callback):
         """The newest state every rank can get: (where, Lightning's checkpoint dictionary), or (Lightning's own
         last file or None, None) when easyckpt holds nothing. A collective: every rank calls it."""
         ckpt = self._require()
-        result = ckpt.load()
+        trainer = self._trainer
+        assert trainer is not None   # set with the Checkpointer, in setup()
+        template, created = sharded.template(trainer.strategy) if sharded.enabled(trainer) else (None, [])
+        result = ckpt.load(template)
         if result.step is None:
+            sharded.discard(created)
             if self.lightning_last is not None:
                 logger.warning("easyckpt holds nothing to resume from in memory or %s: resuming from %s",
                                ckpt.config.save_dir, self.lightning_last)
@@ -218,6 +220,8 @@ class EasyCkpt(Callback):
             raise ValueError(f"the easyckpt state of step {result.step} ({result.source}, {result.path}) is not a "
                              f"Lightning checkpoint (written by another integration?): give EasyCkpt a save_dir of "
                              f"its own (now {ckpt.config.save_dir})")
+        if template is not None:   # the strategy loads no weights from the dictionary: they are in place now
+            sharded.load(trainer.strategy, state)
         self._last_step = result.step
         self.resumed = {"step": result.step, "source": result.source, "path": result.path,
                         "seconds": result.seconds, "nbytes": result.nbytes}
@@ -240,7 +244,8 @@ class EasyCkpt(Callback):
     def _capture(self, trainer: pl.Trainer) -> dict[str, Any]:
         """Lightning's own checkpoint dictionary, built as ``trainer.save_checkpoint`` builds it: every
         ``state_dict`` and ``on_save_checkpoint`` hook runs, as at each of Lightning's saves."""
-        return self._portable(trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
+        with sharded.local_shards(trainer.strategy):
+            return self._portable(trainer._checkpoint_connector.dump_checkpoint(weights_only=False))
 
     def _portable(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """The checkpoint as a snapshot holds it. Hyper-parameters that are not plain values (an argparse
@@ -309,7 +314,11 @@ class EasyCkpt(Callback):
     def _persist(self, ckpt: Checkpointer, step: int, checkpoint: dict[str, Any]) -> bool:
         if step == self._persisted:   # a second file of the same step (save_last): the same iteration
             return True
-        state = self._portable(checkpoint)
+        # Under ModelParallelStrategy Lightning's dictionary holds CPU copies (or rank 0's gathered whole state):
+        # the snapshot takes every rank's own shards instead.
+        trainer = self._trainer
+        state = self._capture(trainer) if trainer is not None and sharded.enabled(trainer) else \
+            self._portable(checkpoint)
         metrics = self._metrics[1] if self.health and self._metrics is not None and self._metrics[0] == step else None
         deadline = time.monotonic() + ckpt.config.pin_timeout
         started = ckpt.save(step, state, persist=True, metrics=metrics)
