@@ -1,7 +1,9 @@
 """The data position of a mid-epoch resume, for dataloaders Lightning cannot restore itself.
 
 Lightning restores the position of a stateful loader (one with ``state_dict``/``load_state_dict``, such as
-torchdata's ``StatefulDataLoader``) from the fit loop's state, which every snapshot carries. A plain
+torchdata's ``StatefulDataLoader``) from the fit loop's state, which every snapshot carries; those are left to
+it (under DDP, Lightning 2.6.6's own mid-epoch resume of a ``StatefulDataLoader`` did not give back the
+uninterrupted run's batches when we measured it, with or without easyckpt). A plain
 ``DataLoader`` has no state: Lightning resumes its batch counter mid-epoch but iterates the loader from the
 epoch's first batch again (it warns "your dataloader is not resumable"), so the batches after a resume are
 not the ones the uninterrupted run saw. :func:`skip_consumed` makes them so: the resumed epoch's first
