@@ -166,4 +166,5 @@ def test_lightning_blocking_benchmark_smoke(env: Env, tmp_path: Path) -> None:
     assert row["steps_timed"] == 3 and row["state_bytes"] > 0
     assert set(row["median_step_s"]) == {"none", "lightning", "async_io", "easyckpt", "easyckpt_persist"}
     assert all(value > 0 for value in row["median_step_s"].values())
+    assert all(value > 0 for value in row["median_blocking_s"].values())
     assert set(row["ratio_over_easyckpt"]) == {"lightning", "async_io"}

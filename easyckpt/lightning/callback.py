@@ -330,7 +330,8 @@ class EasyCkpt(Callback):
             if time.monotonic() - waited > POLL:
                 logger.warning("rank %d: the save of step %d waited %.2fs for a free slot (persisting is slower "
                                "than the saves)", ckpt.rank, step, time.monotonic() - waited)
-            ckpt.wait()   # the persist request goes out once the copy is committed: now
+            # The persist request goes out once the copy is committed, at the next step's wait for it (or at
+            # close()): nothing waits for the copy here.
             self._persisted = step
         return started
 
