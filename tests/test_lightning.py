@@ -166,6 +166,16 @@ def test_spikes_are_skipped_on_both_ranks_then_abort_with_the_newest_snapshot_du
     verdict = layout.read_metadata(iteration)["health"]
     assert verdict is not None and verdict.get("healthy", verdict.get("is_health")) in (True, 1), verdict
 
+    # fit(ckpt_path=<an iteration_N directory>) loads that iteration, the skipper's count with it
+    resumed = run_to_end(LightningJob(env, root, env.tmp_path / "again", steps=12,
+                                      args=["--skip-spikes", "--health", "--resume", str(iteration)]))
+    for rank in range(2):
+        report = resumed.report(rank)
+        assert (report["global_step"], report["resumed"]["source"]) == (6, "disk"), report
+        assert report["digest"] == job.losses(rank)[6]["digest"]
+        assert sorted(resumed.losses(rank)) == list(range(7, 13))
+    assert "data skipping resumed: {'consecutive': 1, 'skipped_total': 2}" in resumed.log()
+
 
 def test_unsupported_strategies_and_bad_keywords_are_refused_at_start(tmp_path: Path) -> None:
     """A strategy EasyCkpt was not built for is refused before anything is written: a strategy subclass of the

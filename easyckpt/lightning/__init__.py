@@ -41,9 +41,10 @@ What it does, and why this way:
 
 Supported: one device, DDP (``strategy="ddp"`` and its launchers) and ``ModelParallelStrategy`` with FSDP2
 (:mod:`easyckpt.lightning.sharded`; DTensor tensor parallelism takes the same path, untested). FSDP1 and
-DeepSpeed are refused at ``setup`` with the reason. The package: ``callback`` (EasyCkpt), ``connector``
-(``ckpt_path="last"``), ``data`` (the data position), ``sharded`` (ModelParallelStrategy), ``export`` (the
-``.ckpt`` files).
+DeepSpeed are refused at ``setup`` with the reason. It is for the ``lightning`` package (``lightning.pytorch``);
+the standalone ``pytorch_lightning`` package has classes of its own, which EasyCkpt does not hook. The package:
+``callback`` (EasyCkpt), ``connector`` (``ckpt_path="last"``), ``data`` (the data position), ``sharded``
+(ModelParallelStrategy), ``export`` (the ``.ckpt`` files).
 """
 from __future__ import annotations
 

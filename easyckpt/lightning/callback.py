@@ -155,6 +155,8 @@ class EasyCkpt(Callback):
             return
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         total = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if hasattr(total, "full_tensor"):   # FSDP2: the norm of the local shards, reduced over the mesh
+            total = total.full_tensor()
         if self.skipper.skip(step, total):
             self._skip_step(trainer, pl_module)
             if self._metrics is not None and self._metrics[0] == step:   # the state stays the healthy one
@@ -199,14 +201,15 @@ class EasyCkpt(Callback):
             logger.info("data skipping resumed: %s", state_dict["skipper"])
 
     # resume (called by easyckpt.lightning.connector) -------------------------------------------------
-    def resume(self) -> tuple[Any, dict[str, Any] | None]:
+    def resume(self, load_dir: Path | None = None) -> tuple[Any, dict[str, Any] | None]:
         """The newest state every rank can get: (where, Lightning's checkpoint dictionary), or (Lightning's own
-        last file or None, None) when easyckpt holds nothing. A collective: every rank calls it."""
+        last file or None, None) when easyckpt holds nothing; ``load_dir``: that ``iteration_N`` instead,
+        whatever its health. A collective: every rank calls it."""
         ckpt = self._require()
         trainer = self._trainer
         assert trainer is not None   # set with the Checkpointer, in setup()
         template, created = sharded.template(trainer.strategy) if sharded.enabled(trainer) else (None, [])
-        result = ckpt.load(template)
+        result = ckpt.load(template, load_dir=load_dir)
         if result.step is None:
             sharded.discard(created)
             if self.lightning_last is not None:
@@ -235,6 +238,8 @@ class EasyCkpt(Callback):
         memory must not be taken for this run's by a later resume."""
         ckpt = self._require()
         self.resumed = {"step": None, "source": None if path is None else "file", "path": path}
+        if self.skipper is not None and path is None:
+            self.skipper.load_state_dict({"consecutive": 0, "skipped_total": 0})
         if ckpt.slots.committed():
             logger.info("rank %d: %s: dropping this job's old snapshots from memory", ckpt.rank,
                         "fresh start" if path is None else f"resuming from {path}")

@@ -14,17 +14,22 @@ everything from the loaded dictionary at its usual points. So:
   datamodule exactly as from its own file. Nothing there: Lightning's own last file if there is one, else
   a fresh start (as Lightning does when ``"last"`` finds nothing).
 
-Every other value, and any Trainer without the callback, goes to Lightning's methods unchanged.
+``ckpt_path`` naming an easyckpt ``iteration_N`` directory loads that iteration the same way. Every other value,
+and any Trainer without the callback, goes to Lightning's methods unchanged.
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from lightning.pytorch.trainer.states import TrainerFn
+
+from easyckpt_wire import layout
 
 if TYPE_CHECKING:
     from easyckpt.lightning.callback import EasyCkpt
@@ -47,6 +52,14 @@ def install() -> None:
     with _installed:
         if _ORIGINAL:
             return
+        missing = [name for name in ("_parse_ckpt_path", "resume_start", "dump_checkpoint")
+                   if not callable(getattr(_CheckpointConnector, name, None))]
+        if missing:
+            import lightning
+
+            raise RuntimeError(f"EasyCkpt hooks Lightning's checkpoint connector, and lightning {lightning.__version__} "
+                               f"has no {', '.join(missing)}: install the version easyckpt is tested with "
+                               "(pip install 'easyckpt[lightning]')")
         _ORIGINAL["parse"] = _CheckpointConnector._parse_ckpt_path
         _ORIGINAL["resume_start"] = _CheckpointConnector.resume_start
         _CheckpointConnector._parse_ckpt_path = _parse_ckpt_path    # type: ignore[method-assign]
@@ -66,15 +79,24 @@ def _parse_ckpt_path(self: _CheckpointConnector, state_fn: TrainerFn, ckpt_path:
     return LAST
 
 
+def _iteration_dir(path: Any) -> Path | None:
+    """``ckpt_path`` naming one of easyckpt's ``iteration_N`` directories (loaded whatever its health)."""
+    if not isinstance(path, (str, os.PathLike)) or path == LAST:
+        return None
+    candidate = Path(path).expanduser()
+    return candidate.resolve() if candidate.is_dir() and layout.ITERATION_RE.match(candidate.name) else None
+
+
 def _resume_start(self: _CheckpointConnector, checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
     original = _ORIGINAL["resume_start"]
     callback = find(self.trainer)
     if callback is None or self.trainer.state.fn != TrainerFn.FITTING:
         return original(self, checkpoint_path, weights_only)
-    if checkpoint_path != LAST:
+    explicit = _iteration_dir(checkpoint_path)
+    if checkpoint_path != LAST and explicit is None:
         callback.starting(checkpoint_path)
         return original(self, checkpoint_path, weights_only)
-    where, state = callback.resume()
+    where, state = callback.resume(load_dir=explicit)
     if state is None:
         # nothing in easyckpt: Lightning's own last file (None: a fresh start)
         callback.starting(where)
