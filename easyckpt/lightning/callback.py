@@ -4,7 +4,6 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
+from lightning.fabric.utilities.seed import _collect_rng_states
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
@@ -191,7 +190,7 @@ class EasyCkpt(Callback):
         """This rank's RNGs (Lightning's checkpoint has none: a resume from easyckpt continues them exactly)
         and the data skipper's count, in every snapshot and every ``.ckpt`` Lightning writes."""
         rank = self._trainer.global_rank if self._trainer is not None else 0
-        return {"format": STATE_FORMAT, "rng": {rank: _portable_rng(_collect_rng_states())},
+        return {"format": STATE_FORMAT, "rng": {rank: data.portable_rng(_collect_rng_states())},
                 "skipper": self.skipper.state_dict() if self.skipper is not None else None}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -356,53 +355,17 @@ class EasyCkpt(Callback):
 
     # the data position and RNGs of a resume -------------------------------------------------------------
     def _continue_data(self, trainer: pl.Trainer) -> None:
-        """After a resume: the resumed epoch leaves out the batches it had consumed (Lightning does that only
-        for stateful loaders), and every RNG continues from the snapshot."""
+        """After a resume: the resumed epoch leaves out the batches it had consumed, and every RNG continues
+        from the snapshot (``easyckpt.lightning.data``)."""
         restored, self._restored = self._restored, None
         if restored is None:
             return
-        fit_loop = trainer.fit_loop
-        loaders = list(fit_loop._combined_loader.flattened) if fit_loop._combined_loader is not None else []
-        fetcher = fit_loop._data_fetcher
-        stateful = bool(loaders) and all(data.is_stateful(loader) for loader in loaders)
-        consumed = self._consumed(trainer)
-        rng = restored.get("rng", {}).get(trainer.global_rank) if isinstance(restored.get("rng"), dict) else None
-        if consumed and not stateful and fetcher is not None:
-            # the epoch Lightning's fit loop hands the samplers (``epoch_progress.current.processed``)
-            epoch = int(getattr(fit_loop.epoch_progress.current, "processed", trainer.current_epoch))
-            if all(data.index_skippable(loader) for loader in loaders):
-                for loader in loaders:
-                    data.skip_consumed(loader, consumed)
-                    _set_epoch(loader, epoch)
-                self._skipped = loaders
-                iter(fetcher)   # this epoch's iterator afresh, over the skipping samplers
-                how = "skipped in the sampler"
-            else:
-                iter(fetcher)
-                assert fetcher.iterator is not None
-                data.drop_from(fetcher.iterator, consumed)
-                how = "read and dropped"
-            logger.info("resumed mid-epoch: the first %d batches of epoch %d were %s", consumed, epoch, how)
-        if rng is not None:
-            _set_rng_states(_numpy_rng(rng))
-            if not consumed and not stateful and fetcher is not None and trainer.current_epoch > 0:
-                # The run resumed at an epoch's end; the uninterrupted run created the next epoch's iterator
-                # after it, drawing the loader's seed from the global RNG: so does this one, in the same order.
-                iter(fetcher)
-        elif restored.get("format") == STATE_FORMAT:
+        rngs = restored.get("rng")
+        rng = rngs.get(trainer.global_rank) if isinstance(rngs, dict) else None
+        if rng is None and restored.get("format") == STATE_FORMAT:
             logger.info("rank %d: the resumed checkpoint has no RNG state of this rank (a .ckpt file holds rank "
                         "0's): the RNGs are not restored", trainer.global_rank)
-
-    @staticmethod
-    def _consumed(trainer: pl.Trainer) -> int:
-        """Batches of the resumed epoch already trained on: where Lightning's epoch loop continues counting
-        (``_TrainingEpochLoop.reset``: a state saved at a batch end counts that batch as completed, and an
-        epoch completed so is over)."""
-        loop = trainer.fit_loop.epoch_loop
-        if not loop.restarting or not math.isfinite(trainer.num_training_batches):
-            return 0
-        consumed = loop.batch_progress.current.completed + (1 if loop.restarted_on_train_batch_end else 0)
-        return 0 if consumed >= trainer.num_training_batches else consumed
+        self._skipped = data.continue_after_resume(trainer, rng)
 
     # data skipping --------------------------------------------------------------------------------------
     def _skip_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -462,35 +425,8 @@ class EasyCkpt(Callback):
         return self.ckpt
 
 
-def _set_epoch(loader: Any, epoch: int) -> None:
-    """What Lightning's fit loop does at each epoch start (``_set_sampler_epoch``), needed before this
-    epoch's iterator is created again."""
-    for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
-        set_epoch = getattr(sampler, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(epoch)
-
-
 def _no_step(*args: Any, **kwargs: Any) -> None:
     """A skipped step's scheduler step."""
-
-
-def _portable_rng(states: dict[str, Any]) -> dict[str, Any]:
-    """numpy's RNG state with its key array as a tensor: the .ckpt files Lightning writes then stay loadable
-    with ``torch.load(weights_only=True)``, as a plain Lightning Trainer loads them."""
-    numpy_state = states.get("numpy")
-    if numpy_state is not None:
-        name, keys, *rest = numpy_state
-        states["numpy"] = (name, torch.from_numpy(keys.copy()), *rest)
-    return states
-
-
-def _numpy_rng(states: dict[str, Any]) -> dict[str, Any]:
-    numpy_state = states.get("numpy")
-    if numpy_state is not None and isinstance(numpy_state[1], torch.Tensor):
-        name, keys, *rest = numpy_state
-        states = {**states, "numpy": (name, keys.numpy(), *rest)}
-    return states
 
 
 def _put_back(obj: Any, name: str, had: Any) -> None:

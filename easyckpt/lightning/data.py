@@ -1,4 +1,4 @@
-"""The data position of a mid-epoch resume, for dataloaders Lightning cannot restore itself.
+"""The data position and RNGs of a resume: a mid-epoch position for dataloaders Lightning cannot restore itself.
 
 Lightning restores the position of a stateful loader (one with ``state_dict``/``load_state_dict``, such as
 torchdata's ``StatefulDataLoader``) from the fit loop's state, which every snapshot carries; those are left to
@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import torch
+from lightning.fabric.utilities.seed import _set_rng_states
 from torch.utils.data import DataLoader
 
 logger = logging.getLogger(__name__)
@@ -89,3 +92,78 @@ def drop_from(iterator: Iterator[Any], count: int) -> None:
     """Read and drop ``count`` batches: the way to a mid-epoch position of a loader without a sampler."""
     for _ in range(count):
         next(iterator)
+
+
+def consumed(trainer: Any) -> int:
+    """Batches of the resumed epoch already trained on: where Lightning's epoch loop continues counting
+    (``_TrainingEpochLoop.reset``: a state saved at a batch end counts that batch as completed, and an epoch
+    completed so is over)."""
+    loop = trainer.fit_loop.epoch_loop
+    if not loop.restarting or not math.isfinite(trainer.num_training_batches):
+        return 0
+    count = loop.batch_progress.current.completed + (1 if loop.restarted_on_train_batch_end else 0)
+    return 0 if count >= trainer.num_training_batches else count
+
+
+def continue_after_resume(trainer: Any, rng: dict[str, Any] | None) -> list[Any]:
+    """At the start of a resumed fit (``on_train_start``, before the first batch is drawn): the resumed epoch
+    leaves out the batches it had consumed, unless Lightning restores the loaders itself (stateful ones), and
+    the RNGs (``rng``: this rank's, from the snapshot) continue. Returns the loaders to :func:`restore` at the
+    end of the epoch."""
+    fit_loop = trainer.fit_loop
+    loaders = list(fit_loop._combined_loader.flattened) if fit_loop._combined_loader is not None else []
+    fetcher = fit_loop._data_fetcher
+    stateful = bool(loaders) and all(is_stateful(loader) for loader in loaders)
+    count = consumed(trainer)
+    skipped: list[Any] = []
+    if count and not stateful and fetcher is not None:
+        # the epoch Lightning's fit loop hands the samplers (``epoch_progress.current.processed``)
+        epoch = int(getattr(fit_loop.epoch_progress.current, "processed", trainer.current_epoch))
+        if all(index_skippable(loader) for loader in loaders):
+            for loader in loaders:
+                skip_consumed(loader, count)
+                set_epoch(loader, epoch)
+            skipped = loaders
+            iter(fetcher)   # this epoch's iterator afresh, over the skipping samplers
+            how = "skipped in the sampler"
+        else:
+            iter(fetcher)
+            assert fetcher.iterator is not None
+            drop_from(fetcher.iterator, count)
+            how = "read and dropped"
+        logger.info("resumed mid-epoch: the first %d batches of epoch %d were %s", count, epoch, how)
+    if rng is not None:
+        _set_rng_states(numpy_rng(rng))
+        if not count and not stateful and fetcher is not None and trainer.current_epoch > 0:
+            # The run resumed at an epoch's end; the uninterrupted run created the next epoch's iterator after
+            # it, drawing the loader's seed from the global RNG: so does this one, in the same order.
+            iter(fetcher)
+    return skipped
+
+
+def set_epoch(loader: Any, epoch: int) -> None:
+    """What Lightning's fit loop does at each epoch start (``_set_sampler_epoch``), needed before this epoch's
+    iterator is created again."""
+    for sampler in (getattr(loader, "sampler", None), getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        method = getattr(sampler, "set_epoch", None)
+        if callable(method):
+            method(epoch)
+
+
+def portable_rng(states: dict[str, Any]) -> dict[str, Any]:
+    """numpy's RNG state with its key array as a tensor: the .ckpt files Lightning writes then stay loadable
+    with ``torch.load(weights_only=True)``, as a plain Lightning Trainer loads them."""
+    numpy_state = states.get("numpy")
+    if numpy_state is not None:
+        name, keys, *rest = numpy_state
+        states["numpy"] = (name, torch.from_numpy(keys.copy()), *rest)
+    return states
+
+
+def numpy_rng(states: dict[str, Any]) -> dict[str, Any]:
+    """The RNG states as ``_set_rng_states`` takes them (numpy's key array back from a tensor)."""
+    numpy_state = states.get("numpy")
+    if numpy_state is not None and isinstance(numpy_state[1], torch.Tensor):
+        name, keys, *rest = numpy_state
+        states = {**states, "numpy": (name, keys.numpy(), *rest)}
+    return states
