@@ -155,3 +155,16 @@ def test_reshard_benchmark_smoke(env: Env, tmp_path: Path) -> None:
     from conftest import wait_for
 
     wait_for(lambda: not env.shm_files(), 60, "no slot files left in the test's shm dir (the agent exits after BYE)")
+
+
+def test_lightning_blocking_benchmark_smoke(env: Env, tmp_path: Path) -> None:
+    out = tmp_path / "lightning_blocking.json"
+    result = load("lightning_blocking").main(["--dim", "64", "--layers", "1", "--steps", "4", "--warmup", "1",
+                                              "--rounds", "1", "--dir", str(tmp_path), "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    row = result["rows"][0]
+    assert row["steps_timed"] == 3 and row["state_bytes"] > 0
+    assert set(row["median_step_s"]) == {"none", "lightning", "async_io", "easyckpt", "easyckpt_persist"}
+    assert all(value > 0 for value in row["median_step_s"].values())
+    assert all(value > 0 for value in row["median_blocking_s"].values())
+    assert set(row["ratio_over_easyckpt"]) == {"lightning", "async_io"}
