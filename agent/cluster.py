@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,6 +46,7 @@ class NodeReplication:
                  ctx: zmq.Context, max_ckpt_num: Callable[[], int], complete: int | None,
                  port_file: Path | None = None, rotate: Callable[[int], Any] | None = None,
                  wake: Callable[[], None] = lambda: None, floor: Callable[[], int] = lambda: -1) -> None:
+        self.wake = wake
         self.node = node
         self.rotate = rotate   # the agent's timeline-aware rotation (abandoned iterations first)
         self.port_file = port_file
@@ -61,18 +61,15 @@ class NodeReplication:
         self.holdings = Holdings(node)
         self.peers: PeerTable | None = None
         self.replica: ReplicaServer | None = None
-        # Hashing and pushing are what the node-safe step waits for (a node loss resumes no later than the newest
-        # step backed up): they run at the loop's priority, not niced like persisting, or a node whose CPU
-        # training takes whole would back up steps long after they were taken.
+        # Hashing and pushing (from the same thread, as soon as a step's last local snapshot is hashed) are what
+        # the node-safe step waits for (a node loss resumes no later than the newest step backed up): they run at
+        # the loop's priority, not niced like persisting, or a node whose CPU training takes whole would back up
+        # steps long after they were taken.
         self.hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hash")
         self.surveyor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="survey", initializer=lower_priority)
         self.hashing: set[tuple[int, int, int]] = set()     # (rank, slot, generation) queued or hashed
-        self.pushed: set[int] = set()
-        self.pusher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="push")
-        self._push_queue: list[int] = []
-        self._push_lock = threading.Lock()
-        self._push_courier = Courier(ctx)   # used by the push thread only
-        self._pushing: concurrent.futures.Future[None] | None = None
+        self.pushed: set[int] = set()     # steps handed to the buddy (the hash thread's)
+        self._push_courier = Courier(ctx)   # used by the hash thread only
         self.puller = BuddyPuller(self.holdings, lambda: self.peers)
         self._hash_maps = MapCache()
         self.coverage: dict[str, Any] | None = None
@@ -102,7 +99,6 @@ class NodeReplication:
     def close(self) -> None:
         self.hasher.shutdown(wait=True, cancel_futures=True)
         self.surveyor.shutdown(wait=True, cancel_futures=True)
-        self.pusher.shutdown(wait=True, cancel_futures=True)
         self._push_courier.close()
         self.jobwide.close()
         self.puller.close()
@@ -212,28 +208,10 @@ class NodeReplication:
                 self.hashing = {k for k in self.hashing if k[:2] != (rank, slot)} | {key}
                 self.hasher.submit(_logged, self._hash, rank, slot, info.path, info.meta, header.generation)
         self.holdings.forget_local(live)
-        for step in sorted(self.holdings.hashed_steps() - self.pushed):
-            self.pushed = {s for s in self.pushed if s > step - 8} | {step}
-            with self._push_lock:
-                self._push_queue = [*self._push_queue, step][-2:]
-        if self._push_queue and (self._pushing is None or self._pushing.done()):
-            # In their own thread, the newest two steps only (the pending one and the next): a buddy that
-            # does not answer (it died) must neither delay the hashing of this node's next snapshots nor
-            # leave a queue of pushes to wait out.
-            self._pushing = self.pusher.submit(_logged, self._push_newest)
         now = time.monotonic()
         if now - self._coverage_at > COVERAGE_EVERY:
             self._coverage_at = now
             self.surveyor.submit(_logged, self._refresh_coverage)
-
-    def _push_newest(self) -> None:
-        while self.peers is not None:
-            with self._push_lock:
-                if not self._push_queue:
-                    return
-                step, self._push_queue = self._push_queue[0], self._push_queue[1:]
-            push_manifests(self._push_courier, self.peers, step, self.holdings.local_at(step),
-                           self.holdings.inline_at(step))
 
     def _hash(self, rank: int, slot: int, path: Path, meta: SlotMeta, generation: int) -> None:
         maps = self._hash_maps
@@ -244,8 +222,17 @@ class NodeReplication:
         except (OSError, SlotFormatError) as exc:
             logger.warning("cannot hash %s: %s", path, exc)
             return
-        if entry is not None:
-            self.holdings.set_local(rank, slot, entry)
+        if entry is None:
+            return
+        self.holdings.set_local(rank, slot, entry)
+        # The step's last local snapshot is hashed: hand it to the buddy at once, from this thread (a push never
+        # waits for an answer), so that a node loss a step later finds it backed up.
+        peers = self.peers
+        if peers is not None and entry.step not in self.pushed and entry.step in self.holdings.hashed_steps():
+            self.pushed = {s for s in self.pushed if s > entry.step - 8} | {entry.step}
+            push_manifests(self._push_courier, peers, entry.step, self.holdings.local_at(entry.step),
+                           self.holdings.inline_at(entry.step))
+        self.wake()   # the node's state (what it backed up, what it hashed) changed
 
     def _refresh_coverage(self) -> None:
         if self.peers is not None:

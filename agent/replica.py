@@ -152,6 +152,11 @@ class Holdings:
             rows.append(ListRow(step, frozenset(ranks), frozenset(self.checksums_at(step))))
         return rows
 
+    def has_hashed(self, rank: int, slot: int, generation: int) -> bool:
+        with self.lock:
+            entry = self.local.get((rank, slot))
+            return entry is not None and entry.generation == generation
+
     def manifest(self, rank: int, step: int) -> Manifest | None:
         with self.lock:
             for entry in self.local.values():

@@ -560,7 +560,9 @@ class Agent:
             header = info.header
             slots.append({"rank": rank, "slot": slot, "path": str(info.path), "bytes": info.map.size,
                           "state": header.state.name if header else "UNREADABLE",
-                          "step": header.step if header else None})
+                          "step": header.step if header else None,
+                          # multi-node: the agent has checksummed this very snapshot (a read of it is verified)
+                          "hashed": header is not None and self.cluster.holdings.has_hashed(rank, slot, header.generation)})
         ranks = [{"rank": p.rank, "pid": p.pid, "alive": p.alive(), "finished": p.said_bye}
                  for p in sorted(self.watcher.ranks.values(), key=lambda p: p.rank)]
         last = self.last_persist

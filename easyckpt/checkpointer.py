@@ -279,6 +279,12 @@ class Checkpointer:
         return FlushResult(step=step, durable=True, committed=reply.committed, persisted=reply.persisted,
                            seconds=seconds)
 
+    def passed_over(self) -> frozenset[int]:
+        """Due steps the node agent lately passed over (a persist was still running, or, across nodes, some node
+        could not take them): they will never be persisted, so nothing should wait for them."""
+        word = self.slots.agent_word()
+        return word.passed if word is not None else frozenset()
+
     def wait(self) -> None:
         """Block until the last snapshot's copy is in shared memory.
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 import dataclasses
 import threading
 
+import cluster_sim
 import pytest
 import zmq
 from conftest import wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import cluster_sim
 from agent.agreement import (
     Book,
     NodeState,

@@ -242,6 +242,21 @@ def test_corrupted_replica_is_caught(cluster: Cluster, reference: Cluster) -> No
     nobody resumes a wrong state."""
     job = cluster()
     run_until_killed(job)
+    # What is corrupted must be what node 0's agent checksummed (every snapshot it can: a snapshot flipped before
+    # its agent hashed it would be hashed flipped, and no checksum could tell): a precondition of the fault, not
+    # a wait for the job's protection.
+    from easyckpt.agent_client import AgentTimeout, query_status
+
+    runtime = next(p for p in job.env.runtime_dir.iterdir() if p.name.endswith("@node0"))
+
+    def all_hashed() -> bool:
+        try:
+            slots = query_status(runtime, timeout=5)["slots"]
+        except (AgentTimeout, OSError):
+            return False
+        return all(s["hashed"] for s in slots if s["state"] == "COMMITTED")
+
+    wait_for(all_hashed, 60, "node 0's agent to checksum every committed snapshot")
     slots = shm.list_slots(job.shm[0], job_id_for(job.env.save_dir))
     flipped = []
     for (rank, _), path in slots.items():

@@ -11,6 +11,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +39,10 @@ def read_rank_state(iteration_dir: Path, rank: int, world_size: int, only: tuple
 class Exporter:
     """On the saving process: waits for persisted iterations and exports them as checkpoint-N folders."""
 
-    def __init__(self, folders: CheckpointFolders, save_dir: Path, timeout: float) -> None:
+    def __init__(self, folders: CheckpointFolders, save_dir: Path, timeout: float,
+                 passed_over: Callable[[], frozenset[int]] = frozenset) -> None:
         self.folders = folders
+        self.passed_over = passed_over   # due steps the agent announced it will never persist
         self.save_dir = save_dir
         self.timeout = timeout
         self.requests: queue.Queue[int | None] = queue.Queue()
@@ -115,6 +118,10 @@ class Exporter:
             if step in self.cancelled:
                 logger.warning("no checkpoint-%d: step %d was not snapshotted on every rank, so it is not persisted",
                                step, step)
+                return None
+            if step in self.passed_over():
+                logger.warning("no checkpoint-%d: the node agent passed over due step %d (a persist was still running; "
+                               "see its log) and will not persist it", step, step)
                 return None
             if any(s > step for s in done) and not path.exists():
                 logger.warning("step %d was never persisted to %s (a newer iteration is complete): no checkpoint-%d",

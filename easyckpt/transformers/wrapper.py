@@ -215,7 +215,8 @@ class TrainerWrapper:
         if self.guard is not None:
             self.guard.start()
         if self.trainer.args.should_save and self._exporter is None:
-            self._exporter = Exporter(self.folders, self.ckpt.config.save_dir, self.export_timeout)
+            self._exporter = Exporter(self.folders, self.ckpt.config.save_dir, self.export_timeout,
+                                      passed_over=self.ckpt.passed_over)
         self._resumer = Resumer(self.ckpt, self.trainer, self.folders, save_dir=self.save_dir,
                                 staging_dir=self.staging_dir)
         finished = False
