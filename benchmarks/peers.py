@@ -87,7 +87,8 @@ def clean_figures(job: Job) -> dict[str, Any]:
             "blocking_median_per_rank_s": per_rank,
             "blocking_p99_s": pct(blocking, 0.99), "blocking_max_s": max(blocking) if blocking else None,
             "digests": sorted({r["digest"] for r in finals}), "peak_bytes": job.peak_bytes,
-            "peak_shm_bytes": job.peak_shm, "wall_s": job.wall_s, "stats": [r.get("stats") for r in finals]}
+            "peak_shm_bytes": job.peak_shm, "wall_s": job.wall_s, "stats": [r.get("stats") for r in finals],
+            "launcher_lingered": job.lingered}
 
 
 def kill_figures(job: Job, kills: list[tuple[int, int, int]]) -> dict[str, Any]:

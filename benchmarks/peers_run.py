@@ -87,6 +87,7 @@ class Job:
         self.peak_bytes = 0
         self.peak_shm = 0
         self.wall_s = 0.0
+        self.lingered = False   # the launcher outlived its finished ranks and was stopped
         self.rc: dict[int, int | None] = {}
         self._stop = threading.Event()
         self._sampler: threading.Thread | None = None
@@ -140,13 +141,26 @@ class Job:
         self._start_sampler()
         try:
             self.launch(0, extra or [])
-            try:
-                self.rc[0] = self.procs[0].wait(timeout=self.timeout)
-            except subprocess.TimeoutExpired:
-                self.rc[0] = None
+            self.rc[0] = self._wait_launcher(self.procs[0], started)
         finally:
             self.stop()
             self.wall_s = time.monotonic() - started
+
+    def _wait_launcher(self, proc: subprocess.Popen[bytes], started: float) -> int | None:
+        """The launcher's exit code; 0 as well when every rank has finished and the launcher lingers past a grace
+        period (dlrover-run sometimes waits on its master after a finished worker group), None on timeout."""
+        finished_at = None
+        while time.monotonic() - started < self.timeout:
+            try:
+                return proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+            if finished_at is None and len([r for r in self.reports() if "digest" in r]) >= RANKS:
+                finished_at = time.monotonic()
+            if finished_at is not None and time.monotonic() - finished_at > 30:
+                self.lingered = True
+                return 0
+        return None
 
     def start_nodes(self, kill: str) -> None:
         self._start_sampler()

@@ -154,7 +154,9 @@ class DLRover(System):
     def close(self) -> None:
         # the docs' end of a run: wait until this process's newest disk checkpoint is on storage (it polls the
         # tracker for the step of the last DISK save of this process, so only when there was one)
-        if self.to_disk:
+        # Only on rank 0: a DDP rank that does not copy never sets the step it waits for, so it would wait out the
+        # timeout (1800 s by default).
+        if self.to_disk and dist.get_rank() == 0:
             # It opens the tracker file unguarded (FileNotFoundError while the first persist is still running).
             tracker = self.ckpt_dir / "dlrover_latest.txt"
             deadline = time.monotonic() + 120

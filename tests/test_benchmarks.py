@@ -159,8 +159,8 @@ def test_reshard_benchmark_smoke(env: Env, tmp_path: Path) -> None:
 
 
 PEER_SKIPS = {
-    "dlrover": "DLRover needs its own environment (dlrover[k8s]==0.6.1 + protobuf + numpy: kubernetes, grpcio, tornado) "
-               "and dlrover-run's local master, over this test's time budget in CI; set PEERS_VENV_DLROVER=<venv> to run it",
+    "dlrover": "DLRover needs its own environment (dlrover[k8s]==0.6.1 pulls kubernetes, grpcio and tornado; protobuf "
+               "and numpy are needed too), which CI does not build; set PEERS_VENV_DLROVER=<venv> to run it (about 40 s)",
     "nvrx": "nvidia-resiliency-ext 0.7.0 ships only cp312 manylinux_2_39 wheels (no sdist), so pip finds nothing for "
             "Python 3.11 / glibc 2.36; set PEERS_VENV_NVRX=<venv> with its files unpacked to run it (it then records "
             "its CPU error: BasicTensorAwareStateDict asserts CUDA tensors)",
