@@ -121,8 +121,8 @@ def run_system(system: str, args: argparse.Namespace, size_mb: float, work: Path
     python = interpreter(system, args.venv)
     row: dict[str, Any] = {"system": system, "size_mb": size_mb, "dim": dim, "layers": layers, "python": str(python)}
     if not python.exists():
-        row["error"] = (f"no environment: {python} is missing (install the peer into its own venv, see "
-                        "benchmarks/README.md, or pass --venv {system}=DIR)")
+        row["error"] = (f"no environment: {python} is missing (make it with benchmarks/peer_venvs.sh, or pass "
+                        f"--venv {system}=DIR)")
         return row
     row["versions"] = versions(python, system)
     job_args = ["--dim", str(dim), "--layers", str(layers), "--persist-every", str(args.persist_every)]
@@ -215,7 +215,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     """The markdown table of benchmarks/README.md."""
     head = ("| system | MB/rank | block median ms | block p99 ms | step ms | overhead | lost per kill | recovery s | "
             "restore s | downtime s | exact after kills | aliases shm | node loss: lost (source) | peak MB/rank (extra) |")
-    lines = [head, "|" + "---|" * head.count("|")[:-1] if False else "|" + "---|" * (head.count("|") - 1)]
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for row in rows:
         if row.get("error"):
             lines.append(f"| {row['system']} | {row['size_mb']:g} | did not run: {row.get('error', '')[:160]} |")
