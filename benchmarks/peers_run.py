@@ -238,6 +238,9 @@ class Job:
         if self._sampler is not None:
             self._sampler.join()
             self._sampler = None
+        for log in self.runtime.glob("*/agent.log"):   # easyckpt's agents' logs stay with the job's for post-mortems
+            shutil.copy(log, self.work / f"agent-{log.parent.name.rsplit('@', 1)[-1]}.log")
+        shutil.rmtree(self.runtime, ignore_errors=True)
 
     # -- memory --------------------------------------------------------------------------------------------
     def _shm_used(self, path: str) -> int:
