@@ -36,12 +36,26 @@ class _Warned(logging.Handler):
         self.seen = True
 
 
+_EPILOG = """environment variables:
+  EASYCKPT_SHM_DIR      where the job's slots are (default /dev/shm), as for the training ranks
+  EASYCKPT_RUNTIME_DIR  where the agent keeps its socket, lock, pid and agent.log (default /tmp/easyckpt-<uid>)
+  EASYCKPT_JOB_ID       the job id (default: a digest of the absolute --save-dir)
+  EASYCKPT_NODE_ID      this node's name (default: the host name)
+  EASYCKPT_AGENT_ADDR, EASYCKPT_AGENT_PORT   multi-node: where other nodes reach this agent
+  EASYCKPT_PERSIST_MBPS cap on the write rate (MB/s)
+  EASYCKPT_AGENT_SHUTDOWN_TIMEOUT   --shutdown-timeout's default
+  EASYCKPT_KEEP_AGENT_LOG=1         keep agent.log after a clean end (by default kept only when it warned)
+
+more: the README of easyckpt (sections Tools, Several nodes and Configuration)"""
+
+
 def _under_torchrun() -> bool:
     return all(name in os.environ for name in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="easyckpt-agent", description=__doc__)
+    parser = argparse.ArgumentParser(prog="easyckpt-agent", description=__doc__, epilog=_EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--save-dir", required=True, type=Path, help="checkpoint directory (POSIX path)")
     parser.add_argument("--job-id", help="job id (default: EASYCKPT_JOB_ID, else derived from --save-dir)")
     parser.add_argument("--shm-dir", type=Path, help="where the slots live (default: EASYCKPT_SHM_DIR or /dev/shm)")
@@ -64,13 +78,17 @@ def build_parser() -> argparse.ArgumentParser:
                         default=float(os.environ.get(SHUTDOWN_TIMEOUT_ENV, "") or "20"),
                         help="on SIGTERM/SIGINT, persist for at most this many seconds before exiting "
                              f"(default: {SHUTDOWN_TIMEOUT_ENV}, else 20)")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                        help="what the agent logs to stderr: the library starts it with stderr appended to "
+                             "EASYCKPT_RUNTIME_DIR/<job id>/agent.log (default INFO: one line per persist, "
+                             "rotation and rank event)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [agent %(process)d] %(name)s: %(message)s")
     save_dir = args.save_dir.resolve()
     job_id = check_job_id(args.job_id or protocol.job_id_for(save_dir))

@@ -566,6 +566,9 @@ class Agent:
                 "save_storage_interval": self.config.save_storage_interval,
                 "max_ckpt_num": self.config.max_ckpt_num, "ranks": ranks, "slots": slots,
                 "persisted_step": self.persisted, "persisting": self.inflight[0] if self.inflight else None,
+                # No rank alive: the agent keeps the slots this much longer, then exits (`easyckpt status` says when).
+                "idle_timeout": self.config.idle_timeout, "idle_exit_in": None if self.no_rank_since is None else
+                max(0.0, self.config.idle_timeout - (time.monotonic() - self.no_rank_since)),
                 "persist_failure": self._failure_dict(), "persist_failures": self.failures,
                 "flush_requested": sorted(self.flush_wanted), "safe_step": self.safe,
                 "held_steps": sorted(set(self.claims) | ({self.inflight[0]} if self.inflight else set())),

@@ -54,6 +54,7 @@ class AgentClient:
         self._last_check = 0.0
         self.spawned = 0
         self._proc: subprocess.Popen[bytes] | None = None
+        self._settled = True   # whether the fate of the agent this rank started was said (_settle_spawn)
         self._peers: dict[str, Any] | None = None   # the last PEERS sent: a restarted agent gets it again
 
     # liveness ---------------------------------------------------------------------------------------
@@ -70,6 +71,7 @@ class AgentClient:
             return
         self._last_check = now
         self._drain()
+        self._settle_spawn()
         if self.alive():
             if self.sock is None:
                 self._connect()
@@ -102,9 +104,32 @@ class AgentClient:
             proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True, close_fds=True, env=env, cwd="/")
         self._proc = proc
+        self._settled = False
         self.spawned += 1
-        logger.info("rank %d started the easyckpt agent (pid %d, log %s)", self.rank, proc.pid,
-                    self.job_dir / "agent.log")
+
+    def _settle_spawn(self, *, answered: bool = False) -> None:
+        """Say once whether the agent this rank started is the job's: ranks that start one at the same moment
+        all spawn, and every one but the lock's winner exits at once as a duplicate, which is no news (DEBUG).
+        ``answered``: the job's agent just answered, so one that is not ours is another rank's."""
+        proc = self._proc
+        if proc is None or self._settled:
+            return
+        try:
+            serving = (self.job_dir / "agent.pid").read_text().strip()
+        except OSError:
+            serving = ""
+        if serving == str(proc.pid):
+            logger.info("rank %d started the easyckpt agent (pid %d, log %s)", self.rank, proc.pid,
+                        self.job_dir / "agent.log")
+        elif answered or proc.poll() == 0:
+            logger.debug("rank %d: the agent it started (pid %d) exited as a duplicate; agent pid %s serves job %s",
+                         self.rank, proc.pid, serving or "?", self.job_id)
+        elif proc.poll() is not None:
+            logger.warning("rank %d: the easyckpt agent it started (pid %d) exited with code %d: see %s", self.rank,
+                           proc.pid, proc.returncode, self.job_dir / "agent.log")
+        else:
+            return   # still starting: decided at a later check
+        self._settled = True
 
     def wait_ready(self, timeout: float) -> bool:
         """At start-up only (never in the training loop): give a just-started agent time to come up.
@@ -116,6 +141,7 @@ class AgentClient:
         while True:
             try:
                 self.request(Kind.PING, min(1.0, max(0.05, deadline - time.monotonic())))
+                self._settle_spawn(answered=True)
                 return True
             except AgentTimeout as exc:
                 if time.monotonic() >= deadline:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from easyckpt.agent_client import AgentClient
 from easyckpt.config import CheckpointerConfig
+from easyckpt.logs import apply_env_level, notice
 from easyckpt.memory_reshard import release_old_world
 from easyckpt.persist_watch import PersistError, PersistWatch, describe_failure
 from easyckpt.recovery import LoadResult, load
@@ -32,6 +33,7 @@ from easyckpt.stager import Stager
 from easyckpt_wire import owner, protocol
 from easyckpt_wire.health import RankHealth, rank_verdict
 from easyckpt_wire.records import PeerTable
+from easyckpt_wire.shm import format_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ class Checkpointer:
 
     def __init__(self, save_dir: str | os.PathLike[str], save_mem_interval: int, save_storage_interval: int,
                  max_ckpt_num: int, log_file_path: str | None = None, **options: Any) -> None:
+        apply_env_level()
         self.config = CheckpointerConfig(save_dir=Path(save_dir), save_mem_interval=save_mem_interval,
                                          save_storage_interval=save_storage_interval, max_ckpt_num=max_ckpt_num,
                                          log_file_path=log_file_path, **options)
@@ -123,7 +126,7 @@ class Checkpointer:
                     config.save_mem_interval, config.save_storage_interval, config.max_ckpt_num)
 
     def load(self, state_dict: Any = None, *, load_dir: str | os.PathLike[str] | None = None,
-             allow_unhealthy: bool = False, reshard: bool = True) -> LoadResult:
+             allow_unhealthy: bool = False, reshard: bool = True, announce: bool = True) -> LoadResult:
         """Resume: the newest step every rank can get: from this node's memory, else (multi-node) from
         replicas on other nodes, else from disk.
 
@@ -140,6 +143,11 @@ class Checkpointer:
         node's slots, agents' replicas: ``easyckpt.memory_reshard``), else from disk (``easyckpt.dcp``); state
         split otherwise on as many ranks is read from disk. ``reshard=False`` refuses both with
         ``LayoutChangedError`` (a StateMismatchError).
+
+        A resume is announced in one line by each node's first rank, ``easyckpt: resumed at step S from
+        memory (size, seconds)``: a log record at INFO (``easyckpt.checkpointer``), or on stderr when no
+        logging is configured (``easyckpt.logs.notice``). ``announce=False`` leaves it to the caller
+        (``TrainerWrapper`` says it in the Trainer's log).
         """
         self.stager.wait()
         result = load(slots=self.slots, save_dir=self.config.save_dir, rank=self.rank, world_size=self.world_size,
@@ -154,6 +162,11 @@ class Checkpointer:
         # Resharded from another world's slots: those of its ranks past this world have no successor to reuse
         # them; they are released once this world has a safe step of its own (memory_reshard.release_old_world).
         self._old_world = result.step if result.source in ("memory", "replica") and not own else None
+        if result.step is not None and announce and self.local_rank == 0:
+            where = f"{result.path}, " if result.source == "disk" else ""
+            took = f"{result.seconds:.2f} s" if result.seconds >= 0.1 else f"{result.seconds * 1000:.1f} ms"
+            notice(logger, logging.INFO, "resumed at step %d from %s (%s%s, %s)", result.step, result.source, where,
+                   format_bytes(result.nbytes), took)
         if result.step is not None:
             # This process's snapshots before the resume belong to the abandoned timeline (or are the resumed
             # step itself): the end of the run must not wait for one of them to become durable.

@@ -1,56 +1,103 @@
 """``easyckpt ls DIR | verify DIR | status [SAVE_DIR] | clean SAVE_DIR | convert | ranks-needed``: look at
-checkpoints and at the node agent, and free what a job left in memory (``convert`` and ``ranks-needed``:
-``easyckpt.convert``).
+checkpoints and at the node agent, and free what a job left in memory (``status`` and ``clean``:
+``easyckpt.cli_status``; ``convert`` and ``ranks-needed``: ``easyckpt.convert``).
 
-Only ``verify`` and ``convert`` import torch (through ``easyckpt.storage``): ``--help``, ``ls`` and
-``status`` must answer at once, so nothing imported at module level may pull it in.
+Only ``convert`` and ``ranks-needed`` import torch: ``--help``, ``ls``, ``verify`` (``easyckpt.checks`` reads
+safetensors files without it) and ``status`` must answer at once, so nothing imported at module level may
+pull it in.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import shlex
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
-from easyckpt import convert
-from easyckpt.agent_client import AgentTimeout, query_status
-from easyckpt_wire import health, layout, owner, protocol, runtime, timeline
-from easyckpt_wire.control import control_path
-from easyckpt_wire.shm import (
-    HEADER_SIZE,
-    SlotFormatError,
-    SlotMap,
-    SlotState,
-    format_bytes,
-    list_slots,
-    shm_dir,
-)
+import easyckpt
+from easyckpt import checks, convert
+from easyckpt.cli_status import cmd_clean, cmd_status
+from easyckpt.logs import LOG_LEVEL_ENV, parse_level
+from easyckpt_wire import health, layout, timeline
+from easyckpt_wire.shm import format_bytes
+
+# What each command reads from the environment, for its --help (the README's Configuration has them all).
+_RUNTIME_ENV = ("EASYCKPT_RUNTIME_DIR  where agents keep their socket, lock and agent.log (default /tmp/easyckpt-<uid>)",
+                "EASYCKPT_SHM_DIR      where the slots are (default /dev/shm)",
+                "EASYCKPT_NODE_ID      this node's name, when several simulated nodes share one machine",
+                "EASYCKPT_JOB_ID       the job id, when the job set one (instead of one derived from SAVE_DIR)")
+_ALL_ENV = (*_RUNTIME_ENV,
+            f"{LOG_LEVEL_ENV}    easyckpt's log level in training processes and here (DEBUG, INFO, WARNING, ...)",
+            "EASYCKPT_SLOTS        slots per rank, 2 to 8 (default 3 when shared memory has room, else 2)",
+            "EASYCKPT_PERSIST_MBPS cap on the agent's write rate (MB/s)",
+            "EASYCKPT_AGENT_ADDR, EASYCKPT_AGENT_PORT, EASYCKPT_AGENT_SHUTDOWN_TIMEOUT, EASYCKPT_KEEP_AGENT_LOG: the agent")
+
+
+class _Formatter(argparse.HelpFormatter):
+    """Wraps each paragraph of a description or epilog; a paragraph with line breaks of its own (the list of
+    environment variables) is kept as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n\n".join(para if "\n" in para else super(_Formatter, self)._fill_text(para, width, indent)
+                             for para in text.split("\n\n"))
+
+
+def _epilog(lines: tuple[str, ...] | None) -> str:
+    readme = Path(easyckpt.__file__).resolve().parent.parent / "README.md"
+    where = f"{readme} (sections Tools and Configuration)" if readme.is_file() else "the README of easyckpt"
+    env = ("environment variables:\n" + "\n".join(f"  {line}" for line in lines)) if lines else \
+        "environment variables: none (it reads only the files under the directory given)"
+    return f"{env}\n\nmore: {where}"
+
+
+def _not_a_directory(path: Path) -> str | None:
+    """Why ``path`` cannot be listed or verified (None: it is a directory)."""
+    if path.is_dir():
+        return None
+    if path.exists():
+        return f"{path} is a file, not a directory: give a save_dir or one iteration_N directory in it"
+    return f"{path}: no such directory"
+
+
+def _iterations(target: Path) -> tuple[Path, list[tuple[int, Path, bool]], bool]:
+    """(save_dir, its iterations, whether ``target`` named one iteration_N directory); one: that row only."""
+    if layout.ITERATION_RE.match(target.name):
+        rows = [row for row in layout.list_iterations(target.parent) if row[1].name == target.name]
+        return target.parent, rows, True
+    return target, layout.list_iterations(target), False
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    save_dir = Path(args.dir)
-    if not save_dir.is_dir():
-        print(f"{save_dir}: no such directory", file=sys.stderr)
+    target = Path(args.dir)
+    problem = _not_a_directory(target)
+    if problem is not None:
+        print(problem, file=sys.stderr)
         return 2
-    rows = layout.list_iterations(save_dir)
+    save_dir, rows, one = _iterations(target)
     tracker = layout.read_tracker(save_dir)
     verdicts = _health_column(save_dir)
     print(f"{'iteration':<20} {'step':>10} {'size':>12}  status")
+    damaged = 0
     for step, path, complete in rows:
-        status = "complete" if complete and _parses(path) else "INCOMPLETE (no commit marker)"
+        if not (complete and _parses(path)):
+            status = "INCOMPLETE (no commit marker)"
+        else:
+            # Sizes against metadata.json: a deleted or truncated file shows without reading the tensors.
+            damage = checks.damage(path)
+            status = "complete" if damage is None else "DAMAGED: " + damage.replace(f"{path}/", "")
+            damaged += damage is not None
         mark = "  <- tracker" if step == tracker else ""
         verdict = f"  health: {verdicts[step]}" if step in verdicts else ""   # only with health_ckpts.json
-        print(f"{path.name:<20} {step:>10} {format_bytes(_dir_bytes(path)):>12}  {status}{mark}{verdict}")
+        print(f"{path.name:<20} {step:>10} {format_bytes(checks.dir_bytes(path)):>12}  {status}{mark}{verdict}")
     if not rows:
         print("(no iterations)")
-    for name, step, path in timeline.abandoned_iterations(save_dir):   # moved aside by a resume (invariant 10)
-        print(f"{name}/{path.name:<20} {step:>10} {format_bytes(_dir_bytes(path)):>12}  abandoned timeline "
-              "(never loaded automatically; rotation removes it first)")
+    if not one:
+        for name, step, path in timeline.abandoned_iterations(save_dir):   # moved aside by a resume (invariant 10)
+            print(f"{name}/{path.name:<20} {step:>10} {format_bytes(checks.dir_bytes(path)):>12}  abandoned timeline "
+                  "(never loaded automatically; rotation removes it first)")
+    if damaged:
+        print(f"{damaged} damaged: a load passes over them to an older iteration; `easyckpt verify "
+              f"{target}` checks every byte", file=sys.stderr)
     return 0
 
 
@@ -88,23 +135,6 @@ def _verify_health(save_dir: Path) -> list[str]:
     return problems
 
 
-def _dir_bytes(path: Path) -> int:
-    """Bytes of the files directly in ``path``, as ``storage.iteration_bytes`` counts them, without its
-    torch import; files (or the whole iteration) that the agent's rotation removes meanwhile count 0."""
-    total = 0
-    try:
-        with os.scandir(path) as entries:
-            for entry in entries:
-                try:
-                    if entry.is_file():
-                        total += entry.stat().st_size
-                except FileNotFoundError:
-                    continue
-    except FileNotFoundError:
-        pass
-    return total
-
-
 def _parses(path: Path) -> bool:
     try:
         layout.read_metadata(path)
@@ -114,23 +144,20 @@ def _parses(path: Path) -> bool:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from easyckpt import storage  # imports torch: only here and in convert
-
-    save_dir = Path(args.dir)
-    if not save_dir.is_dir():
-        print(f"{save_dir}: no such directory", file=sys.stderr)
+    target = Path(args.dir)
+    problem = _not_a_directory(target)
+    if problem is not None:
+        print(problem, file=sys.stderr)
         return 2
-    if layout.ITERATION_RE.match(save_dir.name):
-        results = [r for r in storage.verify(save_dir.parent) if r[1] == save_dir]
-    else:
-        results = storage.verify(save_dir)
+    save_dir, _, one = _iterations(target)
+    results = checks.verify(target)
     bad = 0
     for _step, path, problem in results:
         print(f"{path.name}: {'OK' if problem is None else 'DAMAGED: ' + problem}")
         bad += problem is not None
     if not results:
-        print(f"{save_dir}: no iterations to verify")
-    health_problems = [] if layout.ITERATION_RE.match(save_dir.name) else _verify_health(save_dir)
+        print(f"{target}: no iterations to verify")
+    health_problems = [] if one else _verify_health(save_dir)
     for problem in health_problems:
         print(f"{health.HEALTH_FILE}: BAD: {problem}")
     print(f"{len(results) - bad} ok, {bad} damaged" + (f", {len(health_problems)} health index problem(s)"
@@ -138,349 +165,93 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 1 if bad or health_problems else 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    base = protocol.runtime_base()
-    if args.save_dir_pos and args.save_dir and Path(args.save_dir_pos).resolve() != Path(args.save_dir).resolve():
-        print(f"status: SAVE_DIR {args.save_dir_pos} and --save-dir {args.save_dir} differ: give one of them",
-              file=sys.stderr)
-        return 2
-    save_dir = args.save_dir_pos or args.save_dir
-    if args.job_id or save_dir:
-        job = base / protocol.job_dir_name(args.job_id or protocol.job_id_for(save_dir))
-        entry, code = _probe(job, args.timeout, named=True)
-        entries = [entry] if entry is not None else []
-    else:
-        # Every job of this user on this node (several simulated nodes share one runtime base). Job
-        # directories outlive their agents, so only live and recoverable ones are shown.
-        try:
-            jobs = sorted(p for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
-        except OSError as exc:
-            print(f"status: cannot list the runtime directory {base}: {exc.strerror}; set "
-                  f"{protocol.RUNTIME_DIR_ENV} to the directory your jobs use", file=sys.stderr)
-            return 1
-        entries, code = [], 0
-        for job in jobs:
-            entry, job_code = _probe(job, args.timeout, named=False)
-            if entry is not None:
-                entries.append(entry)
-                code = max(code, job_code)
-            else:
-                _prune(job)
-    if args.json:
-        print(json.dumps(entries, indent=2))
-        return code
-    if not entries:
-        print(f"no easyckpt job is running (looked for agents in {base} and their slot files in {shm_dir()})")
-        return 0
-    for entry in entries:
-        if entry["job_state"] == "live":
-            code = max(code, _print_live(entry))
-            continue
-        if "error" in entry:
-            print(f"job {Path(entry['job_dir']).name}: {entry['error']}")
-        if entry.get("slot_files"):  # a job whose agent does not answer has none listed: it still holds them
-            _print_recoverable(entry)
-    return code
-
-
-def _probe(job: Path, timeout: float, *, named: bool) -> tuple[dict[str, Any] | None, int]:
-    """One job directory as a status entry and its exit code; None for a job that is over (its agent gone,
-    no slot left) unless the user ``named`` it. ``job_state``: live, not answering, recoverable, no agent."""
-    try:
-        return {**query_status(job, timeout=timeout), "job_dir": str(job), "job_state": "live"}, 0
-    except AgentTimeout as exc:
-        error = str(exc)
-    if protocol.agent_running(job):  # alive but busy or stuck: the one state that needs someone to look
-        return {"job_id": job.name, "job_dir": str(job), "job_state": "not answering", "error": error}, 1
-    # The agent is gone (or exited while we asked). The job dir is "<job_id>" or "<job_id>@<node>"
-    # (protocol.job_dir_name) and a job id never contains "@" (shm.check_job_id).
-    job_id = job.name.partition("@")[0]
-    slots = _slot_files(job_id)
-    if not slots and not named:
-        return None, 0
-    directory = shm_dir()
-    control = control_path(directory, job_id)
-    entry: dict[str, Any] = {
-        "job_id": job_id, "job_dir": str(job), "job_state": "recoverable" if slots else "no agent",
-        "shm_dir": str(directory), "slot_files": slots,
-        # The agent's control block goes with the slots: a block left alone would hand a later run of the
-        # job a safe step whose slots are gone.
-        "control_file": str(control) if control.exists() else None,
-        "remove": _clean_command(job, job_id),
-        "save_dir": _recorded_save_dir(job, job_id),
-    }
-    if entry["save_dir"] is not None and Path(entry["save_dir"]).is_dir():
-        entry["persisted_step"] = max((step for step, _ in layout.complete_iterations(Path(entry["save_dir"]))),
-                                      default=None)
-    if named:  # asked about this job by name: "no agent" is the answer, with exit 1 as before
-        entry["error"] = error
-        return entry, 1
-    return entry, 0
-
-
-def _recorded_save_dir(job: Path, job_id: str) -> str | None:
-    """The job's save_dir as its ranks recorded it (owner files), if they agree and it maps to ``job_id``."""
-    save_dirs = set()
-    for rank, path in owner.list_owner_files(job).items():
-        recorded = owner.read_owner(path, rank)
-        if recorded is not None:
-            save_dirs.add(recorded.save_dir)
-    if len(save_dirs) == 1 and protocol.job_id_for(next(iter(save_dirs))) == job_id:
-        return next(iter(save_dirs))
-    return None
-
-
-def _clean_command(job: Path, job_id: str) -> str:
-    """The ``easyckpt clean`` line that removes this job's slots and runtime directory: by save_dir when a
-    rank recorded it, else by job id, with the node id the directory name carries."""
-    _, _, node = job.name.partition("@")
-    prefix = f"{protocol.NODE_ID_ENV}={shlex.quote(node)} " if node else ""
-    save_dir = _recorded_save_dir(job, job_id)
-    if save_dir is not None:
-        return f"{prefix}easyckpt clean {shlex.quote(save_dir)}"
-    return f"{prefix}easyckpt clean --job-id {shlex.quote(job_id)}"
-
-
-def _prune(job: Path) -> bool:
-    """Remove the runtime directory of a job that is over (no agent, no slot, no live rank, left alone for
-    runtime.STALE_AFTER); the agent removes its own at a clean end, this catches crashed and older ones."""
-    try:
-        names = os.listdir(job)
-    except OSError:
-        return False
-    job_id = job.name.partition("@")[0]
-    if not runtime.prunable(names, age=time.time() - runtime.newest_mtime(job), agent_running=protocol.agent_running(job),
-                            slots=len(list_slots(shm_dir(), job_id)), live_ranks=len(owner.live_owners(job))):
-        return False
-    fd = runtime.lock_existing(job)
-    if fd is None:
-        return False
-    try:
-        return runtime.remove_runtime_dir(job, keep=set())
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def cmd_clean(args: argparse.Namespace) -> int:
-    """Remove a job's slot files, control block and runtime directory once none of its processes lives."""
-    save_dir = args.save_dir_pos or args.save_dir
-    if args.save_dir_pos and args.save_dir and Path(args.save_dir_pos).resolve() != Path(args.save_dir).resolve():
-        print(f"clean: SAVE_DIR {args.save_dir_pos} and --save-dir {args.save_dir} differ: give one of them",
-              file=sys.stderr)
-        return 2
-    if not (save_dir or args.job_id):
-        print("clean: give the job's SAVE_DIR (or --job-id)", file=sys.stderr)
-        return 2
-    job_id = args.job_id or protocol.job_id_for(save_dir)
-    job = protocol.runtime_base() / protocol.job_dir_name(job_id)
-    what = f"job {job_id}" + (f" (save_dir {save_dir})" if save_dir else "")
-    alive = _live_processes(job)
-    if alive:
-        print(f"clean: {what} is still running: {', '.join(alive)}. Its slots are in use; stop those processes "
-              f"(or let the job end) and run this again", file=sys.stderr)
-        return 1
-    fd = runtime.lock_existing(job) if job.is_dir() else None
-    if job.is_dir() and fd is None and protocol.agent_running(job):
-        print(f"clean: the agent of {what} started meanwhile: {', '.join(_live_processes(job))}; nothing removed",
-              file=sys.stderr)
-        return 1
-    try:
-        directory = shm_dir()
-        slots = _slot_files(job_id)
-        removed, freed = 0, 0
-        steps = sorted({s["step"] for s in slots if s["step"] is not None})
-        for slot in slots:
-            Path(slot["path"]).unlink(missing_ok=True)
-            removed += 1
-            freed += slot["memory_bytes"]
-            print(f"removed {slot['path']} (rank {slot['rank']} slot {slot['slot']}, "
-                  f"{'step ' + str(slot['step']) if slot['step'] is not None else slot['state']}, "
-                  f"{format_bytes(slot['memory_bytes'])})")
-        control = control_path(directory, job_id)
-        if control.exists():
-            control.unlink(missing_ok=True)
-            removed += 1
-            print(f"removed {control} (the agent's control block)")
-        if job.is_dir():
-            if runtime.remove_runtime_dir(job, keep=set()):
-                print(f"removed {job} (runtime directory)")
-            else:
-                print(f"kept {job}: it holds files that are not easyckpt's")
-            removed += 1
-    finally:
-        if fd is not None:
-            os.close(fd)
-    if not removed:
-        print(f"nothing to clean for {what} (no slot in {directory}, no runtime directory in {job.parent})")
-        return 0
-    on_disk = layout.read_tracker(Path(save_dir)) if save_dir and Path(save_dir).is_dir() else None
-    print(f"freed {format_bytes(freed)} of shared memory" + (
-        f"; the snapshots of step(s) {', '.join(map(str, steps))} are gone" if steps else "")
-        + (f"; newest on disk: step {on_disk}" if save_dir else ""))
-    return 0
-
-
-def _live_processes(job: Path) -> list[str]:
-    """The job's live processes on this node, as 'agent pid N' and 'rank R pid N'."""
-    alive = []
-    if protocol.agent_running(job):
-        try:
-            pid = (job / "agent.pid").read_text().strip()
-        except OSError:
-            pid = "?"
-        alive.append(f"agent pid {pid}")
-    alive += [f"rank {o.rank} pid {o.pid}" for o in owner.live_owners(job)]
-    return alive
-
-
-def _slot_files(job_id: str) -> list[dict[str, Any]]:
-    """The job's slot files in this node's shm dir: path, rank, slot, sizes, and the step each holds."""
-    found = []
-    for (rank, slot), path in sorted(list_slots(shm_dir(), job_id).items()):
-        try:
-            stat = path.stat()
-        except FileNotFoundError:
-            continue  # removed between the listing and now
-        info: dict[str, Any] = {"path": str(path), "rank": rank, "slot": slot, "bytes": stat.st_size,
-                                "memory_bytes": stat.st_blocks * 512, "state": "UNREADABLE", "step": None}
-        if stat.st_size >= HEADER_SIZE:  # SlotMap leaks its fd when the file is too small to map
-            try:
-                # No flock: a shared lock, however short, makes a rank still writing skip its snapshot.
-                # The header's generation says whether what we read is a committed snapshot.
-                slot_map = SlotMap(path, writable=False)
-                try:
-                    header = slot_map.header()
-                finally:
-                    slot_map.close()
-                if header.committed:
-                    info["state"], info["step"] = "COMMITTED", header.step
-                else:  # an odd generation is a write that never finished (its rank died mid-snapshot)
-                    info["state"] = "EMPTY" if header.state == SlotState.EMPTY else "INCOMPLETE"
-            except (OSError, SlotFormatError, ValueError) as exc:
-                info["error"] = str(exc)
-        found.append(info)
-    return found
-
-
-def _print_recoverable(entry: dict[str, Any]) -> None:
-    slots = entry["slot_files"]
-    memory = sum(s["memory_bytes"] for s in slots)
-    steps = sorted({s["step"] for s in slots if s["step"] is not None})
-    if "error" not in entry:
-        print(f"job {Path(entry['job_dir']).name}: no agent is running, but {len(slots)} slot file(s) of the job "
-              f"are left in shared memory, holding {format_bytes(memory)}:")
-    else:
-        print(f"  {len(slots)} slot file(s) of the job are left in shared memory, holding {format_bytes(memory)}:")
-    for slot in slots:
-        what = f"step {slot['step']}" if slot["step"] is not None else slot["state"]
-        size = format_bytes(slot["memory_bytes"]) + (
-            f" (file size {format_bytes(slot['bytes'])})" if slot["bytes"] != slot["memory_bytes"] else "")
-        print(f"  {slot['path']}: rank {slot['rank']} slot {slot['slot']}, {what}, {size}"
-              + (f"; {slot['error']}" if "error" in slot else ""))
-    if entry["control_file"]:
-        print(f"  {entry['control_file']}: the agent's control block")
-    if "persisted_step" in entry:
-        on_disk = entry["persisted_step"]
-        newer = [step for step in steps if on_disk is None or step > on_disk]
-        print(f"  newest on disk in {entry['save_dir']}: " + ("nothing" if on_disk is None else f"step {on_disk}")
-              + (f"; only in memory: step(s) {', '.join(map(str, newer))}" if newer else "; nothing newer in memory"))
-    if steps:
-        print(f"  they hold snapshots of step(s) {', '.join(map(str, steps))}, not necessarily on disk (see "
-              f"`easyckpt ls SAVE_DIR`): restart the job with the same save_dir (and {protocol.JOB_ID_ENV}, if it "
-              f"was set) to resume from them, or free the memory, once no process of the job is left, with:")
-    else:
-        print("  they hold no complete snapshot; free the memory, once no process of the job is left, with:")
-    print(f"    {entry['remove']}")
-
-
-def _print_live(report: dict[str, Any]) -> int:
-    """The agent's report as text; 2 when replica coverage warrants a warning, else 0."""
-    code = 0
-    print(f"job {report['job_id']}: agent pid {report['pid']}, save_dir {report['save_dir']}, "
-          f"shm {report['shm_dir']}, persist every {report['save_storage_interval']}, keep {report['max_ckpt_num']}")
-    for rank in report["ranks"]:
-        state = "finished" if rank["finished"] else ("alive" if rank["alive"] else "DEAD")
-        print(f"  rank {rank['rank']}: pid {rank['pid']} {state}")
-    for slot in report["slots"]:
-        print(f"  rank {slot['rank']} slot {slot['slot']}: {slot['state']:<10} step {slot['step']} "
-              f"({format_bytes(slot['bytes'])})")
-    if "safe_step" in report:
-        held = report.get("held_steps") or []
-        print(f"  safe step (every rank keeps it): {report['safe_step']}"
-              + (f"; held for persisting: {held}" if held else ""))
-    if report.get("endpoint"):
-        print(f"  node {report['node']} at {report['endpoint']}; leader {report['leader']}, buddy {report['buddy']}; "
-              f"nodes {report['nodes']}")
-        code = max(code, _print_coverage(report.get("coverage")))
-    last = report["last_persist"]
-    print(f"  newest on disk: step {report['persisted_step']}" + (
-        f"; last persist step {last['step']}, {format_bytes(last['bytes'])} in {last['seconds']:.2f}s"
-        if last else "") + (f"; persisting step {report['persisting']}" if report["persisting"] is not None else "")
-        + (f"; asked to persist steps {report['flush_requested']}" if report.get("flush_requested") else ""))
-    failure = report.get("persist_failure")
-    if failure:
-        from easyckpt.persist_watch import describe_failure
-        print(f"  PERSISTS FAILING since {time.strftime('%H:%M:%S', time.localtime(failure['since']))}: "
-              f"{describe_failure(failure)} ({report.get('persist_failures')} failed in all); training goes on and "
-              f"the snapshots stay in memory until a persist succeeds")
-        code = max(code, 2)
-    return code
-
-
-def _print_coverage(coverage: dict | None) -> int:
-    """Copies in memory across nodes of each rank's tensors at the newest step; 0, or 2 on a warning."""
-    if not coverage or coverage.get("step") is None:
-        print("  replica coverage: not surveyed yet")
-        return 0
-    age = time.time() - coverage["as_of"]
-    print(f"  replica coverage of step {coverage['step']} (surveyed {age:.0f}s ago)"
-          + (f", unreachable nodes: {coverage['unreachable']}" if coverage["unreachable"] else ""))
-    warned = 0
-    for rank, info in sorted(coverage["ranks"].items(), key=lambda item: int(item[0])):
-        line = f"    rank {rank}: {info['copies']} cop{'y' if info['copies'] == 1 else 'ies'} of every tensor"
-        if info["copies"] == 0:
-            line = f"    rank {rank}: NOT RECOVERABLE from memory; missing {info.get('missing') or 'its manifest'}"
-        elif info["copies"] == 1:
-            line += f"; WARNING: single copy of {info['single']}: losing that node loses them"
-        warned |= info["copies"] <= 1
-        print(line)
-    return 2 if warned else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="easyckpt", description="Inspect easyckpt checkpoints and agents.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    ls = sub.add_parser("ls", help="list iterations: step, size, complete or not")
-    ls.add_argument("dir")
+def build_parser() -> argparse.ArgumentParser:
+    formatter = _Formatter
+    parser = argparse.ArgumentParser(
+        prog="easyckpt", formatter_class=formatter, epilog=_epilog(_ALL_ENV),
+        description="Inspect easyckpt checkpoints (ls, verify), the node agents of running jobs (status), free what "
+                    "a job left in shared memory (clean), and convert checkpoints (convert, ranks-needed). "
+                    "`easyckpt COMMAND --help` explains each.")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    ls = sub.add_parser("ls", help="list iterations: step, size, complete, damaged or incomplete",
+                        formatter_class=formatter, epilog=_epilog(None),
+                        description="One row per iteration_N directory, oldest first: its step, size on disk and "
+                                    "status: complete; DAMAGED (a file metadata.json names is missing, or its size "
+                                    "is not what metadata.json and the file's header add up to: judged without "
+                                    "reading the tensors, `easyckpt verify` reads every byte); INCOMPLETE (no commit "
+                                    "marker: a persist that never finished, never loaded). Marks the iteration the "
+                                    "tracker names, the health verdicts of health_ckpts.json, and iterations a resume "
+                                    "moved aside (.abandoned-*). Exit 0, or 2 when DIR is not a directory.")
+    ls.add_argument("dir", metavar="DIR", help="a save_dir, or one iteration_N directory in it")
     ls.set_defaults(func=cmd_ls)
-    verify = sub.add_parser("verify", help="re-read every file and check every checksum (exit 1 on damage)")
-    verify.add_argument("dir", help="a save_dir or one iteration_N directory")
+    verify = sub.add_parser("verify", help="re-read every file and check every checksum (exit 1 on damage)",
+                            formatter_class=formatter, epilog=_epilog(None),
+                            description="Reads every tensor of every iteration (or of the one given): dtype, shape "
+                                        "and byte range in each safetensors file against metadata.json, and every "
+                                        "byte against its xxh3-128 checksum; checks health_ckpts.json against the "
+                                        "iterations. Prints OK or DAMAGED with the file and the tensor per iteration. "
+                                        "Exit 0 when all is well, 1 on damage, 2 when DIR is not a directory.")
+    verify.add_argument("dir", metavar="DIR", help="a save_dir, or one iteration_N directory in it")
     verify.set_defaults(func=cmd_verify)
-    status = sub.add_parser("status", help="the agent's view: ranks, slots, steps, last persist",
-                            description="Without SAVE_DIR or --job-id: every job of this user on this node whose "
-                                        "agent runs, or whose snapshots are left in shared memory. Exit 0 when "
-                                        "all is well, 1 when an agent does not answer (or a named job has no "
-                                        "agent), 2 when a rank's tensors have a single copy in memory.")
+    status = sub.add_parser(
+        "status", help="a job's state on this node: its agent's view, or what it left", formatter_class=formatter,
+        epilog=_epilog(_RUNTIME_ENV),
+        description="With SAVE_DIR (or --job-id): that job on this node. A running job: its agent's view (ranks, slots "
+                    "and steps, the safe step, the newest step on disk, the last persist, a failing persist, "
+                    "multi-node replica coverage); when every rank died, how long the agent keeps the snapshots in "
+                    "memory. A job that has ended: that it ended, and what is on disk. A job whose agent is gone "
+                    "too: the snapshots it left in shared memory and the command that frees them.\n\n"
+                    "Without SAVE_DIR or --job-id: every job of this user on this node whose agent runs, or whose "
+                    "snapshots are left in shared memory (and it removes runtime directories of jobs that are over).\n\n"
+                    "Exit 0 when all is well (a running job, or one that ended), 1 when an agent does not answer or "
+                    "the named job's agent is gone while its ranks live or its snapshots are left in memory, 2 when "
+                    "persists fail or a rank's tensors have a single copy in memory.")
     status.add_argument("save_dir_pos", nargs="?", metavar="SAVE_DIR",
                         help="the job's save_dir (default: every job of this user on this node)")
     status.add_argument("--save-dir", help="the same as SAVE_DIR (kept for scripts that use it)")
-    status.add_argument("--job-id", help="the job id (EASYCKPT_JOB_ID)")
-    status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.add_argument("--timeout", type=float, default=5.0)
+    status.add_argument("--job-id", help="the job id (EASYCKPT_JOB_ID), instead of SAVE_DIR")
+    status.add_argument("--json", action="store_true", help="print the same as JSON, for scripts")
+    status.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+                        help="how long to wait for each agent's answer (default 5); an agent that does not answer "
+                             "in time is reported as busy or stuck (exit 1)")
     status.set_defaults(func=cmd_status)
     clean = sub.add_parser("clean", help="remove a job's slots in shared memory and its runtime directory",
-                           description="Removes the slot files, the agent's control block and the runtime "
-                                       "directory of a job whose agent and ranks are gone (snapshots not on disk "
-                                       "are lost). Refuses, naming the pids, while a process of the job lives.")
+                           formatter_class=formatter, epilog=_epilog(_RUNTIME_ENV),
+                           description="Removes the slot files, the agent's control block and the runtime directory "
+                                       "of a job whose agent and ranks are gone (snapshots not on disk are lost; "
+                                       "`easyckpt status SAVE_DIR` shows them first). Refuses, naming the pids, while "
+                                       "a process of the job lives. Exit 0 when done or nothing is left, 1 when "
+                                       "refused.")
     clean.add_argument("save_dir_pos", nargs="?", metavar="SAVE_DIR", help="the job's save_dir")
     clean.add_argument("--save-dir", help="the same as SAVE_DIR")
     clean.add_argument("--job-id", help="the job id (EASYCKPT_JOB_ID), instead of SAVE_DIR")
     clean.set_defaults(func=cmd_clean)
-    convert.add_parsers(sub)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    convert.add_parsers(sub, formatter, (_epilog(("EASYCKPT_SHM_DIR, EASYCKPT_RUNTIME_DIR: --from dcp writes through "
+                                                  "a Checkpointer and its agent, which use them",)), _epilog(None)))
+    return parser
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        installed = version("easyckpt")
+    except Exception:   # not installed (a source tree on PYTHONPATH): the package's own number
+        installed = easyckpt.__version__
+    return f"easyckpt {installed} ({Path(easyckpt.__file__).resolve().parent}, python {sys.version.split()[0]})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = logging.WARNING
+    if os.environ.get(LOG_LEVEL_ENV, "").strip():
+        try:
+            level = parse_level(os.environ[LOG_LEVEL_ENV])
+        except ValueError as exc:
+            print(f"easyckpt: {exc}", file=sys.stderr)
+            return 2
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     return int(args.func(args))
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -12,6 +13,9 @@ from easyckpt_wire.shm import MAX_SLOTS, check_job_id, shm_dir
 
 SLOTS_ENV = "EASYCKPT_SLOTS"
 MIN_SLOTS = 2
+# One text for slots= and EASYCKPT_SLOTS, so that what the message offers is what is accepted.
+SLOTS_RANGE = (f"use an int from {MIN_SLOTS} to {MAX_SLOTS} slots per rank (the default is 3 when shared memory has "
+               "room, else 2; 2 needs less memory, more keep older snapshots in memory)")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -67,16 +71,20 @@ class CheckpointerConfig:
             raise ValueError(f"final_persist must be True or False, got {self.final_persist!r}")
         if self.slots is None and os.environ.get(SLOTS_ENV):
             text = os.environ[SLOTS_ENV]
-            if not text.strip().isdigit():
-                raise ValueError(f"{SLOTS_ENV}={text!r} is not a number of slots: use 2 or 3")
+            if not text.strip().isdigit() or not MIN_SLOTS <= int(text) <= MAX_SLOTS:
+                raise ValueError(f"{SLOTS_ENV}={text!r} is not a slot count: {SLOTS_RANGE}; unset it for the default")
             self.slots = int(text)
         if self.slots is not None and (not isinstance(self.slots, int) or isinstance(self.slots, bool)
                                        or not MIN_SLOTS <= self.slots <= MAX_SLOTS):
-            raise ValueError(f"slots must be an int from {MIN_SLOTS} to {MAX_SLOTS} (or None for 3 when shared "
-                             f"memory has room, else 2), got {self.slots!r}")
+            raise ValueError(f"slots must be an int from {MIN_SLOTS} to {MAX_SLOTS}, got {self.slots!r}: {SLOTS_RANGE}; "
+                             "or None for the default")
         self.health_thresholds = check_thresholds(self.health_thresholds)
         self.job_id = check_job_id(self.job_id or protocol.job_id_for(self.save_dir))
         self.shm_dir = Path(self.shm_dir) if self.shm_dir is not None else shm_dir()
+        blocker = protocol.file_in_the_way(self.shm_dir)
+        if blocker is not None:
+            raise NotADirectoryError(f"shm_dir {self.shm_dir} (EASYCKPT_SHM_DIR or shm_dir=): {_is_a_file(blocker)}; "
+                                     "point it at a directory on a tmpfs such as /dev/shm")
         try:
             self.shm_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -90,8 +98,17 @@ class CheckpointerConfig:
         return step % self.save_storage_interval == 0
 
 
+def _is_a_file(path: Path) -> str:
+    return f"{path} is a file, not a directory"
+
+
 def check_writable(save_dir: Path) -> None:
     """Fail now, with the path and the fix, rather than in the agent an hour into training."""
+    blocker = protocol.file_in_the_way(save_dir)
+    if blocker is not None:
+        raise NotADirectoryError(
+            f"save_dir {save_dir}: {_is_a_file(blocker)}. save_dir is the directory that holds the iteration_N "
+            "checkpoints (created if missing): give a directory path, or move the file away")
     try:
         save_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=save_dir, prefix=".easyckpt-write-test-"):
@@ -103,7 +120,10 @@ def check_writable(save_dir: Path) -> None:
             owner = f" (owner uid {info.st_uid}, mode {oct(info.st_mode & 0o777)}, we are uid {os.getuid()})"
         except OSError:
             pass
-        raise PermissionError(
-            f"save_dir {save_dir} is not writable{owner}: {exc.strerror or exc}. "
-            "Choose a directory this user can write to, or fix its permissions."
-        ) from None
+        if exc.errno == errno.EROFS:
+            fix = "Choose a directory on a writable file system (or remount this one read-write)."
+        elif exc.errno in (errno.EACCES, errno.EPERM):
+            fix = "Choose a directory this user can write to, or fix its permissions."
+        else:
+            fix = "Choose another directory, or repair this one."
+        raise PermissionError(f"save_dir {save_dir} is not writable{owner}: {exc.strerror or exc}. {fix}") from None

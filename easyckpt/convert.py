@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -133,11 +134,18 @@ def from_dcp(src: Path, out: Path, step: int, timeout: float = 120.0) -> Path:
     return iteration
 
 
+def _one_process() -> None:
+    """These tools read checkpoints in one process by design: DCP's "torch.distributed is disabled ...
+    assuming the intent is to load in a single process" UserWarning says what is meant, so it is not shown."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     """easyckpt -> Megatron legacy, HF safetensors or DCP; DCP -> easyckpt."""
+    _one_process()
     src, dst = Path(args.src), Path(args.dst)
     if not src.is_dir():
-        print(f"{src}: no such directory", file=sys.stderr)
+        print(f"{src} is a file, not a directory" if src.exists() else f"{src}: no such directory", file=sys.stderr)
         return 2
     if (args.to is None) == (args.from_ is None):
         print("convert: give either --to megatron|hf|dcp or --from dcp", file=sys.stderr)
@@ -177,6 +185,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_ranks_needed(args: argparse.Namespace) -> int:
     from easyckpt.dcp import ranks_needed
 
+    _one_process()
+
     try:
         index, plans = ranks_needed(Path(args.src), args.world_size)
     except (layout.CheckpointFormatError, OSError, ValueError) as exc:
@@ -192,8 +202,14 @@ def cmd_ranks_needed(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parsers(sub: Any) -> None:
-    convert = sub.add_parser("convert", help="write a checkpoint in another framework's format, or read a DCP one")
+def add_parsers(sub: Any, formatter_class: Any = argparse.HelpFormatter,
+                epilogs: tuple[str | None, str | None] = (None, None)) -> None:
+    """The two commands' parsers, with the CLI's help formatter and each one's epilog (convert, ranks-needed)."""
+    convert = sub.add_parser("convert", help="write a checkpoint in another framework's format, or read a DCP one",
+                             description="Exactly one of --to (from an easyckpt save_dir or iteration_N to Megatron, "
+                                         "HF safetensors or DCP) or --from dcp (a DCP directory into an easyckpt "
+                                         "save_dir). Exit 0 when written, 1 on an unreadable source, 2 on bad "
+                                         "arguments.", formatter_class=formatter_class, epilog=epilogs[0])
     convert.add_argument("--to", choices=["megatron", "hf", "dcp"],
                          help="target format (hf: the model's full weights as one safetensors file; dcp: a "
                          "torch.distributed.checkpoint directory)")
@@ -208,7 +224,11 @@ def add_parsers(sub: Any) -> None:
                          help="leave optimizer and scheduler out (resume Megatron with --no-load-optim)")
     convert.add_argument("--step", type=int, default=0, help="--from dcp: the step of the iteration written")
     convert.set_defaults(func=cmd_convert)
-    needed = sub.add_parser("ranks-needed", help="for each rank of another world size, the saved files it reads")
+    needed = sub.add_parser("ranks-needed", help="for each rank of another world size, the saved files it reads",
+                            description="For each rank of a --world-size job whose ranks split every tensor on dim 0 "
+                                        "(FSDP2), the saved files it reads, planned by DCP's own load planner. Exit 0, "
+                                        "or 1 on an unreadable source.",
+                            formatter_class=formatter_class, epilog=epilogs[1])
     needed.add_argument("src", help="an easyckpt save_dir (its newest complete iteration) or one iteration_N directory")
     needed.add_argument("--world-size", type=int, required=True, help="ranks of the job that will load it, each "
                         "sharding every tensor on dim 0 (FSDP2's fully_shard)")

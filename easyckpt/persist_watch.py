@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from easyckpt.logs import notice
 from easyckpt_wire.control import ControlView, PersistFailure
 
 logger = logging.getLogger(__name__)
@@ -67,16 +68,23 @@ class PersistWatch:
         failure = view.failure
         if failure is not None and self.failure is None:
             self.episodes += 1
-            logger.log(self.level, "easyckpt rank %d: %s. Training goes on and the snapshots stay in memory (newest "
-                       "step on disk: %s); free space on or repair the file system of save_dir %s, and persists "
-                       "resume at the next due step (said once per episode; the agent log has each failure)",
-                       self.rank, failure.describe(), view.persisted, self.save_dir)
+            self._say("rank %d: %s. Training goes on and the snapshots stay in memory (newest step on disk: %s); "
+                      "free space on or repair the file system of save_dir %s, and persists resume at the next due "
+                      "step (said once per episode; the agent log has each failure)",
+                      self.rank, failure.describe(), view.persisted, self.save_dir)
         elif failure is None and self.failure is not None:
-            logger.log(self.level, "easyckpt rank %d: persists succeed again: step %s is on disk (%d persist(s) "
-                       "failed meanwhile)", self.rank, view.persisted, view.failures - self._failures_before)
+            self._say("rank %d: persists succeed again: step %s is on disk (%d persist(s) failed meanwhile)",
+                      self.rank, view.persisted, view.failures - self._failures_before)
         if failure is None:
             self._failures_before = view.failures
         self.failure, self.persisted, self.failures = failure, view.persisted, view.failures
+
+    def _say(self, msg: str, *args: object) -> None:
+        # The node's first rank: a notice, printed even with no logging configured; the others log at INFO.
+        if self.level >= logging.WARNING:
+            notice(logger, self.level, msg, *args)
+        else:
+            logger.log(self.level, "easyckpt " + msg, *args)
 
     def stats(self) -> dict[str, Any]:
         return {"persisted_step": self.persisted, "persist_failures": self.failures,

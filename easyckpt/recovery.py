@@ -492,8 +492,9 @@ def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, templa
             state, path, nbytes = result
             seconds = time.perf_counter() - started
             slots.invalidate_newer_than(step)
-            logger.info("rank %d resumed at step %d from %s (%s) in %.3fs (%s, %.2f GB/s)", rank, step, source,
-                        path, seconds, format_bytes(nbytes), nbytes / seconds / 1e9 if seconds else 0.0)
+            # DEBUG: each node's first rank announces the resume (Checkpointer.load); this is every rank's detail.
+            logger.debug("rank %d resumed at step %d from %s (%s) in %.3fs (%s, %.2f GB/s)", rank, step, source,
+                         path, seconds, format_bytes(nbytes), nbytes / seconds / 1e9 if seconds else 0.0)
             return LoadResult(step, source, state, path, seconds, nbytes)
         failed = [r for r, c in enumerate(codes) if c]
         tried.append(f"step {step} from {source}: " + (problem if code else f"failed on ranks {failed}, see their logs"))

@@ -26,7 +26,16 @@ from easyckpt.slot_choice import SlotView, write_order
 from easyckpt_wire.control import ControlReader, ControlView, control_path
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.records import SlotMeta, TensorEntry
-from easyckpt_wire.shm import SlotFormatError, SlotHeader, SlotMap, format_bytes, list_slots, slot_path
+from easyckpt_wire.shm import (
+    MEMORY_FILESYSTEMS,
+    SlotFormatError,
+    SlotHeader,
+    SlotMap,
+    filesystem_type,
+    format_bytes,
+    list_slots,
+    slot_path,
+)
 from easyckpt_wire.transfer import tensor_checksum
 
 logger = logging.getLogger(__name__)
@@ -38,6 +47,26 @@ SAFE_WAIT = 0.02   # longest a rank waits for the agent to declare a step every 
 
 class ShmSpaceError(RuntimeError):
     """The shared-memory file system cannot hold the snapshot."""
+
+
+_checked_dirs: set[str] = set()   # shm dirs whose file system this process has judged (said once)
+
+
+def warn_if_not_memory(directory: Path, *, rank: int, first_local: bool) -> None:
+    """Say once per process and directory when the slots would not live in memory (a disk file system), and
+    what that costs; the node's first rank at WARNING, the others at INFO. Nothing is refused: it works."""
+    key = os.path.realpath(directory)
+    if key in _checked_dirs:
+        return
+    _checked_dirs.add(key)
+    kind = filesystem_type(directory)
+    if kind is None or kind in MEMORY_FILESYSTEMS:
+        return
+    logger.log(logging.WARNING if first_local else logging.INFO,
+               "rank %d: shm_dir %s (EASYCKPT_SHM_DIR or shm_dir=) is on %s, not on a tmpfs: the snapshots meant for "
+               "memory are written to that disk by the kernel's writeback, every snapshot, so each one costs its size "
+               "in disk bandwidth (and copies stall when writeback falls behind) instead of being near-free. Point "
+               "it at a tmpfs such as /dev/shm (said once)", rank, directory, kind)
 
 
 class SlotWrite:
@@ -128,6 +157,7 @@ class RankSlots:
         # slot index -> generation of snapshots of an abandoned timeline that could not be invalidated yet
         # (the agent held them): never read as this rank's memory, invalidated as soon as they are free.
         self.abandoned: dict[int, int] = {}
+        warn_if_not_memory(directory, rank=rank, first_local=self._first_local())
         for index in existing:
             path = self.path(index)
             if path.exists():
@@ -244,6 +274,11 @@ class RankSlots:
         free = self._free()
         local = max(1, self.local_world_size)
         three = DEFAULT_SLOTS * slot_bytes * local
+        if free + ours < MIN_SLOTS * slot_bytes * local:
+            # Not even two fit: the free-space check refuses the snapshot with the one message that holds
+            # (ShmSpaceError); a warning about using two slots first would be contradicted at once. The count is
+            # left alone, so that a smaller state later is judged afresh.
+            return
         if free + ours >= three:
             logger.info("rank %d: %d slots of %s each (%s for %d local ranks; %s free in %s)", self.rank,
                         DEFAULT_SLOTS, format_bytes(slot_bytes), format_bytes(three), local, format_bytes(free),
@@ -252,23 +287,33 @@ class RankSlots:
         self.count = MIN_SLOTS
         del self.maps[MIN_SLOTS:]
         suggest = math.ceil(three * 1.25 / (1 << 30))
-        (logger.warning if self.rank % local == 0 or local == 1 else logger.info)(
+        (logger.warning if self._first_local() else logger.info)(
             "rank %d: %s has %s free, 3 slots per rank need %s (%d local ranks x 3 x %s): using 2 slots. A kill "
             "may then cost the time of a persist plus two snapshot intervals instead of two intervals; run the "
             "container with --shm-size=%dg (or set EASYCKPT_SLOTS=2 to choose this)", self.rank, self.directory,
             format_bytes(free + ours), format_bytes(three), local, format_bytes(slot_bytes), suggest)
 
+    def _first_local(self) -> bool:
+        local = max(1, self.local_world_size)
+        return self.rank % local == 0 or local == 1
+
     def check_space(self, needed: int, slot_bytes: int) -> None:
         free = self._free()
         if needed > free:
-            total = slot_bytes * self.count * max(1, self.local_world_size)
+            local = max(1, self.local_world_size)
+            # The size to ask for is the job's full count: the one chosen, else the default three (two were
+            # taken only because memory was short).
+            count = self.wanted or DEFAULT_SLOTS
+            total = slot_bytes * count * local
             suggest = math.ceil(total * 1.25 / (1 << 30))
+            two_fit = self.count > MIN_SLOTS and MIN_SLOTS * slot_bytes * local <= free
             raise ShmSpaceError(
                 f"{self.directory} has {format_bytes(free)} free, the snapshot of rank {self.rank} needs "
-                f"{format_bytes(needed)} more ({self.count} slots of {format_bytes(slot_bytes)}; "
-                f"{format_bytes(total)} for all {self.local_world_size} local ranks): run the container with "
-                f"--shm-size={suggest}g, or set EASYCKPT_SHM_DIR to a larger tmpfs"
-                + (" or EASYCKPT_SLOTS=2" if self.count > MIN_SLOTS else "")
+                f"{format_bytes(needed)} more ({self.count} slots of {format_bytes(slot_bytes)}): run the container "
+                f"with --shm-size={suggest}g ({count} slots per rank x {local} local rank(s) x "
+                f"{format_bytes(slot_bytes)} = {format_bytes(total)}, plus room), or set EASYCKPT_SHM_DIR to a larger "
+                "tmpfs"
+                + (" or EASYCKPT_SLOTS=2" if two_fit else "")
             )
 
     def _grow(self, index: int, size: int) -> None:

@@ -230,8 +230,25 @@ class Stager:
             self._drop_views(index)
 
     # internals --------------------------------------------------------------------------------------
-    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.wait()
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        """Wait for the copy before the optimizer changes the parameters. A step of a torch optimizer given a
+        closure (PyTorch Lightning runs the forward and backward passes in one, inside ``optimizer.step``) waits
+        after the closure instead, so the copy still overlaps that compute."""
+        # torch hands the hook the step's own arguments: args[0] is the optimizer, args[1] a positional closure
+        closure = kwargs.get("closure") if kwargs else (args[1] if len(args) > 1 else None)
+        # only torch's own optimizers are known to call the closure before they touch a parameter
+        if not callable(closure) or not type(optimizer).__module__.startswith("torch.optim"):
+            self.wait()
+            return None
+
+        def closure_then_wait() -> Any:
+            result = closure()
+            self.wait()
+            return result
+
+        if kwargs and "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_wait}
+        return (args[0], closure_then_wait, *args[2:]), kwargs
 
     def _meta(self, plan: _Plan, step: int, skeleton: object, health: RankHealth) -> bytes:
         """The slot's msgpack map; the tensor index (the bulk, for big states) is packed once per plan."""

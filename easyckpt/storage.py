@@ -17,6 +17,7 @@ import torch
 import xxhash
 from safetensors import safe_open
 
+from easyckpt import checks
 from easyckpt_wire import health, layout, timeline
 from easyckpt_wire.layout import CheckpointFormatError
 from easyckpt_wire.records import ShardSpec
@@ -201,24 +202,9 @@ def _stored_by_note(records: list[TensorRecord], rank: int) -> str:
 
 
 def verify(save_dir: Path) -> list[tuple[int, Path, str | None]]:
-    """Re-read every complete iteration; (step, path, problem or None) for each, oldest first."""
-    results: list[tuple[int, Path, str | None]] = []
-    for step, path, complete in layout.list_iterations(save_dir):
-        if not complete:
-            results.append((step, path, f"incomplete: no {layout.METADATA}"))
-            continue
-        try:
-            meta = layout.read_metadata(path)
-            for rank in sorted(meta["ranks"], key=int):
-                entry = rank_entry(path, int(rank), meta["world_size"])
-                # A replicated shard stored by its group's writer is checked once, under the writer's rank.
-                own = [r for r in entry.records if r.stored_by is None or r.stored_by == entry.rank]
-                for _ in read_tensors(dataclasses.replace(entry, records=own)):
-                    pass
-            results.append((step, path, None))
-        except (CheckpointFormatError, KeyError, TypeError) as exc:
-            results.append((step, path, str(exc)))
-    return results
+    """Re-read every complete iteration; (step, path, problem or None) for each, oldest first (``checks.verify``,
+    which reads the files without torch)."""
+    return checks.verify(save_dir)
 
 
 def iteration_bytes(path: Path) -> int:

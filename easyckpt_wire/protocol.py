@@ -262,9 +262,26 @@ def advertised_address() -> str:
         return "127.0.0.1"
 
 
+def file_in_the_way(path: Path) -> Path | None:
+    """The first of ``path`` and its ancestors that exists and is not a directory (None: there is none), so
+    that a directory we must create is refused with that cause rather than with mkdir's "File exists"."""
+    for candidate in (path, *path.parents):
+        try:
+            if candidate.exists():
+                return None if candidate.is_dir() else candidate
+        except OSError:
+            return None
+    return None
+
+
 def runtime_dir(job_id: str) -> Path:
     """The job's private directory for the agent's socket, lock, pid and log (created 0700)."""
     base = runtime_base()
+    blocker = file_in_the_way(base)
+    if blocker is not None:
+        raise NotADirectoryError(f"the runtime directory {base} ({RUNTIME_DIR_ENV}) cannot be created: {blocker} is a "
+                                 f"file, not a directory; set {RUNTIME_DIR_ENV} to a directory of your own (it is "
+                                 "created if missing), or unset it for the default /tmp/easyckpt-<uid>")
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = base / job_dir_name(job_id)
     path.mkdir(mode=0o700, exist_ok=True)

@@ -81,6 +81,32 @@ def shm_dir() -> Path:
     return Path(os.environ.get(SHM_DIR_ENV) or DEFAULT_SHM_DIR)
 
 
+# File systems whose files live in memory: what "shared memory" must be for a snapshot to be near-free.
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+
+
+def filesystem_type(path: Path, mounts: str = "/proc/self/mounts") -> str | None:
+    """The type of the file system holding ``path`` (its longest mount point prefix in ``mounts``), None
+    where that cannot be told (no /proc, an unreadable table)."""
+    try:
+        with open(mounts, encoding="utf-8", errors="replace") as handle:
+            table = handle.read().splitlines()
+        target = os.path.realpath(path)
+    except OSError:
+        return None
+    best, kind = "", None
+    for line in table:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        # Spaces and the like in a mount point are octal escapes (\040) in the table.
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
 def check_job_id(job_id: str) -> str:
     if not _JOB_ID_RE.match(job_id):
         raise ValueError(

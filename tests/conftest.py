@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +155,27 @@ def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.delenv("EASYCKPT_FAULT", raising=False)
     yield environment
     environment.cleanup()
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Any]:
+    """mount(options) -> a fresh tmpfs mount point; every mount is undone at teardown."""
+    mounted: list[Path] = []
+
+    def mount(options: str) -> Path:
+        point = tmp_path / f"tmpfs{len(mounted)}"
+        point.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {proc.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in reversed(mounted):
+        if subprocess.run(["umount", str(point)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(point)], capture_output=True)
 
 
 def run_cli(*args: str, env: Env, timeout: float = 60) -> subprocess.CompletedProcess[str]:

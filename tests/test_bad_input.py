@@ -10,9 +10,7 @@ import logging
 import os
 import random
 import shutil
-import subprocess
 from collections import OrderedDict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,27 +91,6 @@ def flip_data_bytes(path: Path) -> None:
         handle.seek(start + 8)
         handle.write(bytes(b ^ 0xFF for b in chunk))
     assert path.read_bytes() != raw
-
-
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Any]:
-    """mount(options) -> a fresh tmpfs mount point; every mount is undone at teardown."""
-    mounted: list[Path] = []
-
-    def mount(options: str) -> Path:
-        point = tmp_path / f"tmpfs{len(mounted)}"
-        point.mkdir()
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {proc.stderr.strip()}")
-        mounted.append(point)
-        return point
-
-    yield mount
-    for point in reversed(mounted):
-        if subprocess.run(["umount", str(point)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(point)], capture_output=True)
 
 
 # 1. /dev/shm too small ------------------------------------------------------------------------------------
@@ -235,15 +212,17 @@ def test_state_that_outgrows_the_tmpfs_keeps_the_previous_snapshot(env: Env, tmp
 
 
 # 2. save_dir not writable ---------------------------------------------------------------------------------
-def test_save_dir_below_a_regular_file_raises_permission_error(env: Env) -> None:
+@pytest.mark.parametrize("below", [True, False], ids=["below-a-file", "is-a-file"])
+def test_save_dir_that_is_or_is_below_a_regular_file_raises_not_a_directory(env: Env, below: bool) -> None:
+    """The real cause (issue 28): a file where a directory is wanted, not a permission problem."""
     blocker = env.tmp_path / "a-file"
     blocker.write_text("not a directory\n")
-    save_dir = blocker / "ckpt"
-    with pytest.raises(PermissionError) as info:
+    save_dir = blocker / "ckpt" if below else blocker
+    with pytest.raises(NotADirectoryError) as info:
         make_ck(env, save_dir=save_dir)
     message = str(info.value)
-    assert str(save_dir) in message and "not writable" in message
-    assert "Choose a directory" in message
+    assert str(save_dir) in message and f"{blocker} is a file, not a directory" in message, message
+    assert "give a directory path" in message and "permission" not in message, message
     assert blocker.read_text() == "not a directory\n"
     assert not env.agent_alive() and list(env.runtime_dir.iterdir()) == [], \
         "no agent may be started for a save_dir that cannot be written"

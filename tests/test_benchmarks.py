@@ -241,3 +241,14 @@ def test_peers_benchmark_node_loss(env: Env, tmp_path: Path) -> None:
     # figures at 100 MB and 1 GB: 1); what must hold is a resume from memory and replicas, not from scratch.
     assert set(node["source"]) <= {"memory", "replica"} and node["resumed_at"] is not None, node
     assert node["lost"] == node["kill_at"] - node["resumed_at"] >= 0, node
+def test_lightning_blocking_benchmark_smoke(env: Env, tmp_path: Path) -> None:
+    out = tmp_path / "lightning_blocking.json"
+    result = load("lightning_blocking").main(["--dim", "64", "--layers", "1", "--steps", "4", "--warmup", "1",
+                                              "--rounds", "1", "--dir", str(tmp_path), "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    row = result["rows"][0]
+    assert row["steps_timed"] == 3 and row["state_bytes"] > 0
+    assert set(row["median_step_s"]) == {"none", "lightning", "async_io", "easyckpt", "easyckpt_persist"}
+    assert all(value > 0 for value in row["median_step_s"].values())
+    assert all(value > 0 for value in row["median_blocking_s"].values())
+    assert set(row["ratio_over_easyckpt"]) == {"lightning", "async_io"}

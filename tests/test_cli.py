@@ -226,11 +226,12 @@ def test_status_lists_live_jobs_and_skips_a_finished_one(env: Env, tmp_path: Pat
         assert stale.name not in proc.stdout and "no agent is running" not in proc.stdout, proc.stdout
         reports = json.loads(run_cli("status", "--json", env=env).stdout)
         assert [(r["pid"], r["job_state"]) for r in reports] == [(agent_pid, "live")]
-        # Named, the finished job still answers as before: no agent, exit 1, where to look.
+        # Named, the finished job is the normal end (issue 28): exit 0, it has ended, and what is on disk.
         named = run_cli("status", str(tmp_path / "finished"), env=env)
-        assert named.returncode == 1, named.stdout + named.stderr
-        assert f"job {stale.name}" in named.stdout and "no agent is running" in named.stdout
-        assert str(stale / "agent.log") in named.stdout and "slot file" not in named.stdout
+        assert named.returncode == 0, named.stdout + named.stderr
+        assert f"job {stale.name} has ended" in named.stdout and "no agent runs" in named.stdout, named.stdout
+        assert f"nothing on disk in {(tmp_path / 'finished').resolve()}" in named.stdout, named.stdout
+        assert "slot file" not in named.stdout
     finally:
         ck.close()
 
@@ -246,13 +247,23 @@ sys.stdin.read()  # parked until the test kills it
 """
 
 
-@pytest.mark.timeout(120)
-def test_status_lists_a_recoverable_job_with_its_slot_files_and_how_to_free_them(env: Env) -> None:
+def parked_rank(env: Env) -> tuple[subprocess.Popen[bytes], int]:
+    """A rank that snapshotted steps 1 and 2 and waits, and the pid of its agent."""
     child = subprocess.Popen([sys.executable, "-c", PARKED_RANK, str(env.save_dir)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, env=env.environ(), cwd=str(ROOT))
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
-        agent_pid = wait_for(env.agent_pid, 30, "the rank's agent pid file")
+        return child, wait_for(env.agent_pid, 30, "the rank's agent pid file")
+    except BaseException:
+        child.kill()
+        child.wait(timeout=30)
+        raise
+
+
+@pytest.mark.timeout(120)
+def test_status_lists_a_recoverable_job_with_its_slot_files_and_how_to_free_them(env: Env) -> None:
+    child, agent_pid = parked_rank(env)
+    try:
         # Stopped first, so that it cannot react to the rank's death (flush, unlink); the rank killed
         # next cannot start a new agent. Then both are gone and only the slot files remain.
         os.kill(agent_pid, signal.SIGSTOP)
@@ -297,6 +308,30 @@ def test_status_lists_a_recoverable_job_with_its_slot_files_and_how_to_free_them
     assert env.shm_files() == [] and list(env.runtime_dir.iterdir()) == []
     after = run_cli("status", env=env)
     assert after.returncode == 0 and after.stdout.startswith("no easyckpt job is running"), after.stdout
+
+
+@pytest.mark.timeout(120)
+def test_status_of_a_crashed_job_whose_agent_lives_says_until_when_it_holds_the_memory(env: Env) -> None:
+    """Every rank SIGKILLed, the agent alive (issue 28): which steps it keeps in memory, and until when."""
+    child, agent_pid = parked_rank(env)
+    child.kill()   # SIGKILL: the job crashed; its agent lives on
+    child.wait(timeout=30)
+
+    def orphaned() -> subprocess.CompletedProcess[str] | None:
+        proc = run_cli("status", str(env.save_dir), env=env)
+        return proc if "no rank is alive" in proc.stdout else None
+
+    proc = wait_for(orphaned, 30, "`easyckpt status` to see that every rank of the job died")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = next(line for line in proc.stdout.splitlines() if "no rank is alive" in line)
+    assert f"agent pid {agent_pid} keeps the snapshots of step(s) 1, 2 (" in line, line
+    assert "of shared memory) until about " in line, line
+    left = int(re.search(r"\(in (\d+)s: its idle timeout is 60s after the last rank died\)", line).group(1))
+    assert 0 <= left <= 60, line
+    assert "Rerun the job with the same save_dir to resume from memory" in line, line
+    report = json.loads(run_cli("status", str(env.save_dir), "--json", env=env).stdout)[0]
+    assert report["idle_timeout"] == 60.0 and 0 <= report["idle_exit_in"] <= 60, report
+    assert not any(rank["alive"] for rank in report["ranks"]), report
 
 
 @pytest.mark.timeout(120)

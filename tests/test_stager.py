@@ -41,6 +41,35 @@ def test_snapshot_is_the_state_at_save_time_even_if_the_optimizer_steps_at_once(
         ck.close()
 
 
+@pytest.mark.parametrize("positional", [False, True])
+def test_a_step_with_a_closure_waits_after_the_closure_and_before_the_update(env: Env, positional: bool) -> None:
+    """PyTorch Lightning runs forward and backward in the closure it hands optimizer.step: the copy overlaps
+    the closure (not awaited before it) and is still complete before the parameters change."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2048, 2048)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)
+    ck = make(env)
+    seen: list[bool] = []
+
+    def closure() -> torch.Tensor:
+        seen.append(ck.stager.pending is not None)   # the copy is not awaited before the closure runs
+        loss = model(torch.randn(4, 2048)).sum()
+        loss.backward()
+        return loss
+
+    try:
+        expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        assert ck.save_if_needed(1, {"model": model.state_dict()})
+        optimizer.step(closure) if positional else optimizer.step(closure=closure)
+        assert seen == [True] and ck.stager.pending is None, "awaited after the closure, before the update"
+        assert not torch.equal(model.weight.detach(), expected["weight"])
+        result = ck.load()
+        for key, value in expected.items():
+            assert torch.equal(result.state["model"][key], value), key
+    finally:
+        ck.close()
+
+
 def test_structure_change_replans_and_grows_the_slot(env: Env) -> None:
     ck = make(env)
     try:

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from easyckpt.checkpointer import Checkpointer
 from easyckpt.collectives import all_ok
 from easyckpt.health import DataSkipper, configure
+from easyckpt.logs import notice
 from easyckpt.megatron import legacy, skipping, snapshot
 from easyckpt.megatron.legacy import LegacyCheckpointError
 from easyckpt.recovery import LayoutChangedError
@@ -256,12 +257,12 @@ def _load_elsewhere(ctx: _Context, load_dir: Path, template: dict[str, Any],
                     concat: bool = False) -> tuple[dict[str, Any] | None, LoadInfo, bool]:
     """Nothing of this job's own: load ``load_dir`` (easyckpt iteration / save_dir, or Megatron legacy)."""
     if layout.ITERATION_RE.match(load_dir.name):
-        result = ctx.ckpt.load(template, load_dir=load_dir, reshard=concat)
+        result = ctx.ckpt.load(template, load_dir=load_dir, reshard=concat, announce=False)
         return result.state, LoadInfo(result.step or 0, result.source, result.path, result.seconds), False
     found = legacy.find(load_dir)
     complete = layout.complete_iterations(load_dir) if load_dir.resolve() != ctx.save_dir else []
     if complete and found is None:
-        result = ctx.ckpt.load(template, load_dir=complete[-1][1], reshard=concat)
+        result = ctx.ckpt.load(template, load_dir=complete[-1][1], reshard=concat, announce=False)
         return result.state, LoadInfo(result.step or 0, result.source, result.path, result.seconds), False
     if found is None:
         other = legacy.other_format(load_dir)
@@ -306,7 +307,7 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
     _guard(ctx, chunks, optimizer)
     template = snapshot.model_template(chunks)
     try:
-        result = ctx.ckpt.load(template, reshard=concat)
+        result = ctx.ckpt.load(template, reshard=concat, announce=False)
         state, release = result.state, False
         info = LoadInfo(result.step or 0, result.source, result.path, result.seconds)
         if result.step is None and load_dir is not None and load_dir.exists():
@@ -341,8 +342,9 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
     _started(ctx, optimizer, iteration)
     ctx.last, ctx.flops = info, flops
     if _rank() == 0:
-        logger.info("easyckpt megatron: resumed at iteration %d from %s (%s) in %.3fs", iteration, info.source,
-                    info.path, info.seconds)
+        # The one resume line (on stderr when logging is not configured), with Megatron's iteration and a legacy source.
+        notice(logger, logging.INFO, "resumed at iteration %d from %s (%s) in %.3fs", iteration, info.source,
+               info.path, info.seconds)
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return iteration, flops

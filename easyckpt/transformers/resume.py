@@ -114,7 +114,7 @@ class Resumer:
             raise FileNotFoundError(f"resume_from_checkpoint={str(resume)!r} does not exist: pass True to resume from "
                                     f"the newest state of {self.output_dir}, or the path of a checkpoint-N folder")
         if layout.ITERATION_RE.match(path.name):
-            result = self.ckpt.load(load_dir=path)
+            result = self.ckpt.load(load_dir=path, announce=False)
             return self._stage(result), self._info(result)
         problem = checkpoint_problem(path, world_size=self.trainer.args.world_size,
                                      need_optimizer=not self.trainer.args.save_only_model, need_rng=False)
@@ -149,7 +149,7 @@ class Resumer:
         if newest >= 0:
             newest_path = self.folders.path(newest)
         try:
-            result = self.ckpt.load()
+            result = self.ckpt.load(announce=False)   # announce(): in the Trainer's log
         except LoadError as exc:
             if newest < 0:
                 raise

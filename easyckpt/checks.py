@@ -1,0 +1,219 @@
+"""Checking an ``iteration_N`` directory without torch: what ``easyckpt ls`` and ``easyckpt verify`` report.
+
+Two depths. ``damage`` looks at what metadata.json promises without reading tensor bytes: every rank's
+files exist, and each safetensors file has exactly the size its header length and metadata.json's tensors
+add up to (8 bytes + header + data): a deleted or truncated file shows in milliseconds. ``verify_iteration``
+reads every byte: each tensor's dtype, shape and byte range in the safetensors header must match
+metadata.json, and its bytes must match the xxh3-128 checksum there. The safetensors format is simple
+enough (a little-endian u64 header length, a JSON header, raw bytes) to check with ``mmap`` and ``json``,
+so neither pays torch's import (seconds) and the CLI stays quick.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from easyckpt_wire import layout
+from easyckpt_wire.layout import CheckpointFormatError
+from easyckpt_wire.shm import format_bytes
+
+MAX_HEADER = 100 << 20   # the safetensors reference implementation's bound on the JSON header
+
+
+def _own_records(meta: dict[str, Any], where: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(rank, record) of every tensor record as its file holds it: a replicated shard that another rank of its
+    group stored (``stored_by``) is checked once, under the writer's rank."""
+    try:
+        ranks = meta["ranks"]
+        for rank_text in sorted(ranks, key=int):
+            rank = int(rank_text)
+            for record in ranks[rank_text]["tensors"]:
+                writer = record.get("stored_by")
+                if writer is None or writer == rank:
+                    yield rank, record
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointFormatError(f"{where / layout.METADATA}: the rank entries are damaged "
+                                    f"({type(exc).__name__}: {exc})") from None
+
+
+def _expected_files(meta: dict[str, Any], where: Path) -> dict[str, tuple[int, int]]:
+    """{file name: (writer rank, data bytes)} from metadata.json."""
+    files: dict[str, tuple[int, int]] = {}
+    try:
+        for rank_text, info in meta["ranks"].items():
+            for name in info.get("files", []):
+                files.setdefault(name, (int(rank_text), 0))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointFormatError(f"{where / layout.METADATA}: the rank entries are damaged "
+                                    f"({type(exc).__name__}: {exc})") from None
+    for rank, record in _own_records(meta, where):
+        writer, size = files.get(record["file"], (rank, 0))
+        files[record["file"]] = (writer, size + int(record["nbytes"]))
+    return files
+
+
+def dir_bytes(path: Path) -> int:
+    """Bytes of the files directly in ``path``, as ``storage.iteration_bytes`` counts them (without torch);
+    files (or the whole iteration) that the agent's rotation removes meanwhile count 0."""
+    total = 0
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                try:
+                    if entry.is_file():
+                        total += entry.stat().st_size
+                except FileNotFoundError:
+                    continue
+    except FileNotFoundError:
+        pass
+    return total
+
+
+def _header_length(path: Path) -> int:
+    with open(path, "rb") as handle:
+        raw = handle.read(8)
+    if len(raw) < 8:
+        raise CheckpointFormatError(f"{path} is truncated: {len(raw)} bytes, not even a safetensors header")
+    length = int.from_bytes(raw, "little")
+    if length > MAX_HEADER:
+        raise CheckpointFormatError(f"{path} is not a safetensors file (header length {length})")
+    return length
+
+
+def damage(iteration_dir: Path) -> str | None:
+    """What is wrong with ``iteration_dir`` judged by sizes alone (None: nothing seen). Reads metadata.json,
+    the existence of common.json, and 8 bytes of each tensor file."""
+    try:
+        meta = layout.read_metadata(iteration_dir)
+        if not (iteration_dir / layout.COMMON).is_file():
+            return f"{iteration_dir / layout.COMMON} is missing"
+        step = meta.get("step")
+        for name, (rank, data) in sorted(_expected_files(meta, iteration_dir).items()):
+            path = iteration_dir / name
+            try:
+                size = path.stat().st_size
+                header = _header_length(path)
+            except FileNotFoundError:
+                return f"{path} (step {step}, rank {rank}) is missing"
+            expected = 8 + header + data
+            if size != expected:
+                what = "truncated" if size < expected else "longer than its tensors"
+                return (f"{path} (step {step}, rank {rank}) is {what}: {format_bytes(size)} ({size} bytes), "
+                        f"{layout.METADATA} and its header make {expected} bytes")
+    except CheckpointFormatError as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"{exc.filename or iteration_dir}: {exc.strerror or exc}"
+    return None
+
+
+def _check_file(path: Path, records: list[dict[str, Any]], step: Any, rank: int) -> None:
+    try:
+        handle = open(path, "rb")
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{path} (step {step}, rank {rank}) is missing") from None
+    with handle:
+        size = os.fstat(handle.fileno()).st_size
+        length = _header_length(path)
+        if size < 8 + length:
+            raise CheckpointFormatError(f"{path} (step {step}) is not a readable safetensors file: truncated header")
+        try:
+            handle.seek(8)
+            header = json.loads(handle.read(length))
+        except ValueError as exc:
+            raise CheckpointFormatError(f"{path} (step {step}) is not a readable safetensors file: {exc}") from None
+        if not isinstance(header, dict):
+            raise CheckpointFormatError(f"{path} (step {step}) is not a readable safetensors file: bad header")
+        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size else _Empty() as mapped:
+            view = memoryview(mapped)   # slices of a memoryview are not copies (a tensor may be gigabytes)
+            try:
+                _check_records(path, view, header, 8 + length, records, step, rank)
+            finally:
+                view.release()
+
+
+def _check_records(path: Path, view: memoryview, header: dict[str, Any], data_start: int,
+                   records: list[dict[str, Any]], step: Any, rank: int) -> None:
+    size = len(view)
+    for record in records:
+        name = record["name"]
+        entry = header.get(name)
+        if not isinstance(entry, dict):
+            raise CheckpointFormatError(f"{path}: tensor {name!r} of step {step} is unreadable: not in the file")
+        try:
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointFormatError(f"{path}: tensor {name!r} of step {step} has no valid data_offsets in the "
+                                        "file's header") from None
+        if list(entry.get("shape", ())) != list(record["shape"]) or entry.get("dtype") != record["dtype"]:
+            raise CheckpointFormatError(
+                f"{path}: tensor {name!r} is {entry.get('dtype')} {tuple(entry.get('shape', ()))}, metadata "
+                f"says {record['dtype']} {tuple(record['shape'])}")
+        if not 0 <= begin <= end or end - begin != int(record["nbytes"]) or data_start + end > size:
+            raise CheckpointFormatError(f"{path}: tensor {name!r} of step {step} is unreadable: its bytes "
+                                        f"{begin}-{end} are not all in the file (truncated?)")
+        part = view[data_start + begin:data_start + end]
+        try:
+            digest = xxhash.xxh3_128_hexdigest(part)
+        finally:
+            part.release()
+        if digest != record[layout.CHECKSUM_ALGO]:
+            raise CheckpointFormatError(
+                f"{path}: tensor {name!r} of step {step}, rank {rank} fails its {layout.CHECKSUM_ALGO} "
+                "checksum: the file is corrupted")
+
+
+class _Empty:
+    """An empty file cannot be mapped; its views are empty."""
+
+    def __enter__(self) -> bytes:
+        return b""
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def verify_iteration(iteration_dir: Path) -> str | None:
+    """Read every tensor of ``iteration_dir`` and check it against metadata.json; the first problem, or None."""
+    try:
+        meta = layout.read_metadata(iteration_dir)
+        step = meta.get("step")
+        try:
+            with open(iteration_dir / layout.COMMON, encoding="utf-8") as handle:
+                common = json.load(handle)
+            lacking = [rank for rank in meta["ranks"] if "skeleton" not in common["ranks"][rank]]
+            if lacking:
+                return f"{iteration_dir}: {layout.COMMON} lacks the non-tensor state of ranks {lacking}"
+        except FileNotFoundError:
+            return f"{iteration_dir}: {layout.COMMON} is missing"
+        except (KeyError, TypeError, ValueError) as exc:
+            return f"{iteration_dir}: {layout.COMMON} is damaged ({type(exc).__name__}: {exc})"
+        by_file: dict[str, tuple[int, list[dict[str, Any]]]] = {}
+        for rank, record in _own_records(meta, iteration_dir):
+            by_file.setdefault(record["file"], (rank, []))[1].append(record)
+        for name, (rank, records) in sorted(by_file.items()):
+            _check_file(iteration_dir / name, records, step, rank)
+    except CheckpointFormatError as exc:
+        return str(exc)
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"{iteration_dir / layout.METADATA}: damaged ({type(exc).__name__}: {exc})"
+    except OSError as exc:
+        return f"{exc.filename or iteration_dir}: {exc.strerror or exc}"
+    return None
+
+
+def verify(save_dir: Path) -> list[tuple[int, Path, str | None]]:
+    """Every iteration of ``save_dir`` (or the one ``iteration_N`` directory given), fully read; (step, path,
+    problem or None) for each, oldest first."""
+    if layout.ITERATION_RE.match(save_dir.name):
+        rows = [row for row in layout.list_iterations(save_dir.parent) if row[1].name == save_dir.name]
+    else:
+        rows = layout.list_iterations(save_dir)
+    return [(step, path, verify_iteration(path) if complete else f"incomplete: no {layout.METADATA}")
+            for step, path, complete in rows]

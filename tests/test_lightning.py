@@ -1,0 +1,211 @@
+"""PyTorch Lightning + EasyCkpt under a real torchrun (2 ranks over gloo, CPU; DDP and ModelParallelStrategy with
+FSDP2): kill -9 and resume from memory, a new job resuming from disk, a plain Lightning Trainer resuming from the
+files EasyCkpt wrote, data skipping, and the strategies refused at start-up.
+
+The reference is a plain Lightning run (no easyckpt) run uninterrupted: every resumed run must log the same
+losses (exact float equality), train on the same samples (the mid-epoch data position) and hold the same
+model and optimizer bits (digest) at every step after the resumed one. The model has dropout, so a resume
+that lost an RNG state would show too.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("lightning", reason="the Lightning integration needs lightning: pip install -e '.[lightning]'")
+
+import torch  # noqa: E402
+from conftest import ROOT, Env, seeded_random  # noqa: E402
+from ddp_job import TORCHRUN, Job, newest_common_committed, slot_states  # noqa: E402
+
+from easyckpt_wire import layout  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = ROOT / "examples" / "lightning_trainer.py"
+STEPS = 20           # 8 batches per epoch and rank: the runs cross two epoch boundaries
+SAVE_STEPS = 8       # ModelCheckpoint(every_n_train_steps=8, save_top_k=2, save_last=True)
+
+
+class LightningJob(Job):
+    """examples/lightning_trainer.py under torchrun; the loss/resume/pid files are those Job reads."""
+
+    def __init__(self, env: Env, root: Path, out: Path, *, steps: int = STEPS, args: list[str] | None = None,
+                 extra_env: dict[str, str] | None = None, strategy: str = "ddp") -> None:
+        self.out = out
+        self.nproc = 2
+        out.mkdir(parents=True, exist_ok=True)
+        self.log_path = out / "torchrun.log"
+        command = TORCHRUN + ["--standalone", "--nproc-per-node=2", "--max-restarts=0", str(SCRIPT), "--root",
+                              str(root), "--out", str(out), "--steps", str(steps), "--save-steps", str(SAVE_STEPS),
+                              "--strategy", strategy, *(args or [])]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(ROOT),
+                                     env=env.environ(EASYCKPT_LOG_LEVEL="INFO", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                                                     **(extra_env or {})))
+
+    def report(self, rank: int) -> dict[str, Any]:
+        return self.resumes(rank)[-1]
+
+
+def run_to_end(job: LightningJob, timeout: float = 120) -> LightningJob:
+    try:
+        assert job.wait(timeout) == 0, job.log()[-4000:]
+    finally:
+        job.kill()
+    return job
+
+
+def assert_continues_exactly(resumed: Job, reference: Job, from_step: int, steps: int) -> None:
+    for rank in range(2):
+        ours, theirs = resumed.losses(rank), reference.losses(rank)
+        assert sorted(ours) == list(range(from_step + 1, steps + 1)), f"rank {rank} ran steps {sorted(ours)}"
+        for step, row in ours.items():
+            for key in ("loss", "ids", "digest", "lr", "epoch"):
+                assert row[key] == theirs[step][key], f"rank {rank} step {step}: {key} {row[key]!r} != {theirs[step][key]!r}"
+
+
+@pytest.fixture(scope="module", params=["ddp", "fsdp2"])
+def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, LightningJob]:
+    """Plain Lightning, no easyckpt, uninterrupted, 24 steps (the first 20 are those of a 20-step run); per
+    strategy: DDP, and ModelParallelStrategy with FSDP2 (``fully_shard`` in ``configure_model``)."""
+    strategy = request.param
+    env = Env(tmp_path_factory.mktemp(f"plain-reference-{strategy}"))
+    try:
+        return strategy, run_to_end(LightningJob(env, env.tmp_path / "root", env.tmp_path / "out", steps=24,
+                                                 args=["--plain"], strategy=strategy))
+    finally:
+        env.cleanup()
+
+
+def test_kill9_resume_from_memory_then_disk_then_plain_lightning(env: Env, reference: tuple[str, LightningJob]) -> None:
+    """A seeded kill -9 mid-epoch; the rerun resumes from memory with the same data position and RNGs; a job
+    of another id (its memory unseen) resumes from disk; a plain Trainer resumes from an exported .ckpt (under
+    FSDP2: whole tensors assembled from the shards, a file ModelParallelStrategy loads)."""
+    strategy, reference_job = reference
+    reference = reference_job   # type: ignore[assignment]
+    root = env.tmp_path / "root"
+    save_dir = root / "easyckpt"
+    kill_at = seeded_random().randint(SAVE_STEPS + 1, 2 * SAVE_STEPS - 1)
+    first = LightningJob(env, root, env.tmp_path / "first", args=["--kill-rank", "1", "--kill-at", str(kill_at)],
+                         strategy=strategy)
+    try:
+        assert first.wait(120) != 0, "rank 1 was to be killed"
+    finally:
+        first.kill()
+    assert max(first.losses(1)) == kill_at
+    newest = newest_common_committed(slot_states(env, save_dir))
+    assert newest is not None and kill_at - 2 <= newest <= kill_at, (newest, kill_at)
+    for rank in range(2):
+        for step, row in first.losses(rank).items():
+            assert row["digest"] == reference.losses(rank)[step]["digest"], f"rank {rank} step {step}"
+
+    second = run_to_end(LightningJob(env, root, env.tmp_path / "second", strategy=strategy))
+    for rank in range(2):
+        report = second.report(rank)
+        assert report["resumed"]["source"] == "memory" and report["global_step"] == newest, report
+        assert report["digest"] == reference.losses(rank)[newest]["digest"], report
+    assert "the first" in second.log() and "were skipped in the sampler" in second.log()
+    assert_continues_exactly(second, reference, newest, STEPS)
+
+    # A new job (another id: the old job's memory is not its own) resumes from the newest complete iteration.
+    on_disk = max(step for step, _ in layout.complete_iterations(save_dir))
+    assert on_disk == STEPS, "close() made the final step durable"
+    third = run_to_end(LightningJob(env, root, env.tmp_path / "third", steps=24, extra_env={"EASYCKPT_JOB_ID": "other"},
+                                    strategy=strategy))
+    for rank in range(2):
+        assert third.report(rank)["resumed"]["source"] == "disk", third.report(rank)
+    assert_continues_exactly(third, reference, STEPS, 24)
+
+    # ModelCheckpoint's meaning: every_n_train_steps, save_top_k=2 (by step), save_last; each file the state of
+    # its step exactly, written from the persisted iterations.
+    checkpoints = root / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch=1-step=16.ckpt", "epoch=2-step=24.ckpt",
+                                                             "last.ckpt"]
+    for path in checkpoints.iterdir():
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        assert saved["global_step"] in (16, 24) and (path.name != "last.ckpt" or saved["global_step"] == 24)
+
+    plain = run_to_end(LightningJob(env, env.tmp_path / "plain-root", env.tmp_path / "plain", steps=24,
+                                    args=["--plain", "--resume", str(checkpoints / "epoch=1-step=16.ckpt")],
+                                    strategy=strategy))
+    for rank in range(2):
+        report = plain.report(rank)
+        assert report["global_step"] == 16 and report["digest"] == reference.losses(rank)[16]["digest"], report
+        # Plain Lightning restores no RNG (the dropout masks differ), but the data position of an epoch end is exact
+        assert [row["ids"] for _, row in sorted(plain.losses(rank).items())] == \
+            [reference.losses(rank)[step]["ids"] for step in range(17, 25)]
+
+
+def test_spikes_are_skipped_on_both_ranks_then_abort_with_the_newest_snapshot_durable(env: Env) -> None:
+    """use_skip_data_by_global_norm: a spiky step changes neither weights, optimizer nor LR schedule on either
+    rank; two in a row (count threshold 2) abort training once the newest snapshot is durable. Health metrics
+    (use_checkpoint_health_monitor) ride with every snapshot: the iterations carry a verdict."""
+    root = env.tmp_path / "root"
+    job = LightningJob(env, root, env.tmp_path / "out", steps=12,
+                       args=["--skip-spikes", "--health", "--spike-at", "3,6,7"])
+    try:
+        assert job.wait(120) != 0, "two spikes in a row abort"
+    finally:
+        job.kill()
+    assert "TrainingAborted" in job.log() and "training aborted: step 6 is durable" in job.log(), job.log()[-3000:]
+    for rank in range(2):
+        rows = job.losses(rank)
+        assert sorted(rows) == list(range(1, 7)), sorted(rows)   # step 7 raised before its batch end
+        for skipped in (3, 6):
+            assert rows[skipped]["digest"] == rows[skipped - 1]["digest"], f"rank {rank}: step {skipped} was applied"
+            assert rows[skipped]["lr"] == rows[skipped - 1]["lr"], f"rank {rank}: the scheduler stepped at {skipped}"
+            assert rows[skipped]["loss"] > 100 * rows[skipped - 1]["loss"], "the spike was injected"
+        assert rows[4]["digest"] != rows[3]["digest"] and rows[5]["lr"] != rows[2]["lr"], "normal steps apply"
+    iteration = root / "easyckpt" / layout.iteration_dirname(6)
+    assert 6 in dict(layout.complete_iterations(root / "easyckpt")), "the abort flushed the newest snapshot"
+    verdict = layout.read_metadata(iteration)["health"]
+    assert verdict is not None and verdict.get("healthy", verdict.get("is_health")) in (True, 1), verdict
+
+    # fit(ckpt_path=<an iteration_N directory>) loads that iteration, the skipper's count with it
+    resumed = run_to_end(LightningJob(env, root, env.tmp_path / "again", steps=12,
+                                      args=["--skip-spikes", "--health", "--resume", str(iteration)]))
+    for rank in range(2):
+        report = resumed.report(rank)
+        assert (report["global_step"], report["resumed"]["source"]) == (6, "disk"), report
+        assert report["digest"] == job.losses(rank)[6]["digest"]
+        assert sorted(resumed.losses(rank)) == list(range(7, 13))
+    assert "data skipping resumed: {'consecutive': 1, 'skipped_total': 2}" in resumed.log()
+
+
+def test_unsupported_strategies_and_bad_keywords_are_refused_at_start(tmp_path: Path) -> None:
+    """A strategy EasyCkpt was not built for is refused before anything is written: a strategy subclass of the
+    user's (its saves may differ) in a real fit(); FSDP1, which Lightning runs on GPUs only, by its reason."""
+    import types
+
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import FSDPStrategy, SingleDeviceStrategy
+
+    from easyckpt.lightning import EasyCkpt
+    from easyckpt.lightning.callback import check_strategy
+
+    class CustomStrategy(SingleDeviceStrategy):
+        pass
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from lightning_trainer import Model
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    trainer = pl.Trainer(strategy=CustomStrategy(device="cpu"), accelerator="cpu", devices=1, logger=False,
+                         max_steps=1, default_root_dir=tmp_path, callbacks=[EasyCkpt()], enable_progress_bar=False)
+    with pytest.raises(NotImplementedError, match="strategy=CustomStrategy.: it is not one EasyCkpt was built"
+                       ) as refused:
+        trainer.fit(Model())
+    assert "ModelParallelStrategy (FSDP2" in str(refused.value) and "Nothing was written" in str(refused.value)
+    with pytest.raises(NotImplementedError, match="FSDP1 keeps flat parameters"):
+        check_strategy(types.SimpleNamespace(strategy=FSDPStrategy()))   # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="has no effect without use_skip_data_by_global_norm"):
+        EasyCkpt(global_norm_spike_threshold=1.0)
+    with pytest.raises(ValueError, match="save_mem_interval must be a positive int"):
+        EasyCkpt(save_mem_interval=0)
+    assert not (tmp_path / "easyckpt").exists(), "nothing written"
