@@ -692,7 +692,8 @@ class Agent:
         plan = agreement.plan_holds(slots=self.watcher.slots_per_rank(), persisting=persisting, due=due,
                                     job_safe=verdict.job_safe, candidate=verdict.candidate,
                                     node_safe=verdict.node_safe, present=present)
-        self.control.begin_move()   # ranks that find no free slot meanwhile wait for the move, not skip
+        if set(plan) - persisting != self.roles.steps:
+            self.control.begin_move()   # ranks that find no free slot meanwhile wait for the move, not skip
         if self.roles.apply(plan, ranks, held, skip=persisting):
             logger.debug("holding %s for the job (plan %s, persisting %s; verdict %s)", sorted(self.roles.steps), plan,
                          sorted(persisting), verdict)

@@ -76,7 +76,9 @@ class Sampler(threading.Thread):
                     newest = max(newest, header.step)
                     self.committed_at.setdefault(header.step, now)
             word = control.read()
-            if newest < 0 or word is None or not word.gated:
+            # Before the first agreement and after the job's end (its holds released) the block says nothing
+            # about training: not a lag.
+            if newest < 0 or word is None or not word.gated or word.safe is None:
                 continue
             self.job_lags.append(newest - (-1 if word.safe is None else word.safe))
             self.node_lags.append(newest - (-1 if word.node_safe is None else word.node_safe))

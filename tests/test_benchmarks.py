@@ -252,3 +252,31 @@ def test_lightning_blocking_benchmark_smoke(env: Env, tmp_path: Path) -> None:
     assert all(value > 0 for value in row["median_step_s"].values())
     assert all(value > 0 for value in row["median_blocking_s"].values())
     assert set(row["ratio_over_easyckpt"]) == {"lightning", "async_io"}
+
+
+def test_cluster_sim_smoke(tmp_path: Path) -> None:
+    """The seeded simulation of the job-wide rules: a tiny table, and the same seed gives the same table."""
+    out = tmp_path / "sim.json"
+    argv = ["cluster_sim.py", "--nodes", "2,8", "--faults", "3", "--steps", "30", "--seed", "7", "--json", str(out)]
+    module = importlib.import_module("cluster_sim")
+    import sys
+    saved, sys.argv = sys.argv, argv
+    try:
+        module.main()
+        first = json.loads(out.read_text())
+        module.main()
+    finally:
+        sys.argv = saved
+    assert json.loads(out.read_text())["rows"] == first["rows"], "the same seed must replay the same run"
+    for row in first["rows"]:
+        assert row["skipped"] == 0 and row["rank_kill_lost_max"] <= 2 and row["node_loss_lost_max"] <= 2, row
+
+
+def test_multinode_freshness_benchmark_smoke(env: Env, tmp_path: Path) -> None:
+    out = tmp_path / "mnf.json"
+    result = importlib.import_module("multinode_freshness").main(["--idle-ms", "0", "--faults", "0", "--steps", "12", "--seed", "3",
+                                               "--json", str(out)])
+    assert json.loads(out.read_text()) == result
+    (row,) = result["rows"]
+    assert row["due"] == 3 and row["due_persisted"] + len(row["passed_over"]) >= row["due"]
+    assert row["job_safe_lag"][0] is not None and row["backup_ms"][0] > 0
