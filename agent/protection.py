@@ -53,7 +53,9 @@ class Protection:
         if taken is None:
             publish()   # the move failed: the old safe step stands
             return False
-        self._let_go_safe()
+        # A slot in both (a rank whose copy of the step did not change while another's did) keeps its flock:
+        # one reason holds it, and letting go of the old hold would unlock what the new one just took.
+        self._let_go_safe(keep={id(info.map) for info in taken})
         if target != self.safe:
             logger.debug("safe step %s -> %s", self.safe, target)
         self.safe, self.safe_holds = target, taken
@@ -70,9 +72,11 @@ class Protection:
                    if info.header is not None}
         return bool(newest) and newest != holding
 
-    def _let_go_safe(self) -> None:
+    def _let_go_safe(self, keep: Collection[int] = ()) -> None:
+        """Release the safe step's holds, but those of the slot maps whose id is in ``keep``."""
         for info in self.safe_holds:
-            self.holds.release(info, SAFE)
+            if id(info.map) not in keep:
+                self.holds.release(info, SAFE)
         self.safe_holds = []
 
     # the job's steps (multi-node) -----------------------------------------------------------------------

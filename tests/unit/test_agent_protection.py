@@ -90,6 +90,9 @@ def test_a_new_copy_of_the_safe_step_takes_over_its_hold(node: Node) -> None:
     assert node.advance()
     assert node.protection.safe == 1
     assert ranks.writable(0, 0) and not ranks.writable(0, 1)   # the stale copy's slot is free for the rank
+    assert not ranks.writable(1, 0)   # rank 1's copy did not change: it stays held
+    node.protection.release()
+    assert ranks.writable(1, 0) and ranks.writable(0, 1)
 
 
 def test_a_resume_lets_go_of_newer_steps_and_of_abandoned_snapshots(node: Node) -> None:
