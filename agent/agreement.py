@@ -4,7 +4,7 @@ Every node agent describes its node in a :class:`NodeState` (what its ranks comm
 which of its predecessor's steps it backed up, what its persister does) and sends it to the leader (the
 agent of rank 0's node) whenever it changes. The leader alone decides, with :func:`decide`, and sends
 every agent the same :class:`Verdict`; each agent then chooses what to hold with :func:`plan_holds`. The
-process code (``agent.cluster``, ``agent.server``) only carries states and verdicts and takes flocks.
+process code (``agent.jobwide``, ``agent.node_agreement``) only carries states and verdicts and takes flocks.
 
 Two protections, two steps:
 
