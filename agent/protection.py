@@ -92,10 +92,13 @@ class Protection:
             self.node_safe = None
 
     def set_job_steps(self, job_safe: int | None, node_safe: int | None, everywhere: Iterable[int]) -> None:
-        """The verdict's steps, as far as this node holds them on every local rank (``everywhere``)."""
+        """The verdict's steps: the job-safe one as far as this node holds it on every local rank (``everywhere``)."""
         everywhere = set(everywhere)
         self.safe = max((s for s in everywhere if job_safe is not None and s <= job_safe), default=None)
-        self.node_safe = node_safe if node_safe in everywhere else None
+        # The leader's word, held here or not: it says how far the backups have come job-wide, which is what the
+        # ranks' max_backup_lag measures (a node-safe step this node let go of for a newer job-safe step is
+        # still backed up, and the next one follows within a backup's time).
+        self.node_safe = node_safe
 
     # timelines ----------------------------------------------------------------------------------------
     def rewind(self, step: int) -> bool:

@@ -123,15 +123,15 @@ def test_the_job_steps_are_those_held_on_every_rank_and_the_block_says_everythin
     assert protection.roles.apply([2, 1], ranks_, committed)
     protection.set_job_steps(2, 1, {1, 2})
     assert (protection.safe, protection.node_safe) == (2, 1)
-    protection.set_job_steps(3, 3, {1, 2})   # not held here yet: the newest held step at or below the job's
-    assert (protection.safe, protection.node_safe) == (2, None)
+    protection.set_job_steps(3, 3, {1, 2})   # not held here yet: the newest held step at or below the job's;
+    assert (protection.safe, protection.node_safe) == (2, 3)   # the node-safe step is the leader's word
     failure = PersistFailure(4, 28, "/ckpt: [Errno 28] No space left on device", 100, 10, 1.0, 2.0, 3)
     protection.publish(persisted=0, failure=failure, failures=3, passed=[5], decided=5, held={4}, gated=True)
     view = node.reader.read()
     assert view is not None
     assert (view.safe, view.held, view.gated, view.persisted) == (2, frozenset({1, 2, 4}), True, 0)
     assert view.failure is not None and (view.failure.step, view.failure.errno, view.failures) == (4, 28, 3)
-    assert (view.node_safe, view.passed, view.decided) == (None, frozenset({5}), 5)
+    assert (view.node_safe, view.passed, view.decided) == (3, frozenset({5}), 5)
     protection.release()
     assert all(ranks.writable(rank, slot) for rank in (0, 1) for slot in (0, 1))
 
