@@ -68,6 +68,7 @@ class Config:
 class Rank:
     slots: list[tuple[int, int]]     # (step, generation) per slot, step -1: empty or being written
     committed: dict[int, int] = dataclasses.field(default_factory=dict)   # step -> slot
+    node_safe_seen: int = -1          # the newest node-safe step its lag gate read
 
 
 @dataclasses.dataclass
@@ -157,7 +158,9 @@ class Simulation:
 
     def gate(self, node: Node, rank: Rank, step: int, since: float, budget: float | None) -> None:
         """``easyckpt.lag_gate``: wait while the node-safe step trails by more than max_backup_lag (bounded)."""
-        lag = step - (-1 if node.node_safe is None else node.node_safe)
+        if node.node_safe is not None:   # easyckpt.lag_gate remembers the newest node-safe step it read
+            rank.node_safe_seen = max(rank.node_safe_seen, node.node_safe)
+        lag = step - rank.node_safe_seen
         limit = self.c.max_backup_lag
         if limit > 0 and lag > limit and self.now - since < max(200.0, 4 * self.c.step_ms * min(lag - limit, limit)):
             self.at(self.now + 1.0, lambda: self.gate(node, rank, step, since, budget))

@@ -171,7 +171,7 @@ class Checkpointer:
             notice(logger, logging.INFO, "resumed at step %d from %s (%s%s, %s)", result.step, result.source, where,
                    format_bytes(result.nbytes), took)
         if result.step is not None:
-            self.lag_gate.resumed = result.step   # backups start again from there: no wait for what came before
+            self.lag_gate.resume_at(result.step)
             # This process's snapshots before the resume belong to the abandoned timeline (or are the resumed
             # step itself): the end of the run must not wait for one of them to become durable.
             self.stager.last_commit_step = None

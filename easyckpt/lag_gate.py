@@ -35,13 +35,22 @@ class LagGate:
         self.ran_out = 0          # waits that reached their bound in this episode
         self.waited = 0.0         # seconds waited in all
         self.resumed = -1         # the step the job resumed at: every rank has it, however behind the agents are
+        # The newest node-safe step read since then: the leader's word can name no step for a round while the
+        # nodes move their holds (a node that missed a verdict), and backups made do not come undone.
+        self.seen = -1
         self.episode = Episode(logger, logging.WARNING)
 
     def lag(self, step: int, word: ControlView | None) -> int | None:
         """Steps from the node-safe step to ``step``; None in a single-node job (nothing to wait for)."""
         if word is None or not word.gated:
             return None
-        return step - max(self.resumed, -1 if word.node_safe is None else word.node_safe)
+        if word.node_safe is not None:
+            self.seen = max(self.seen, word.node_safe)
+        return step - max(self.resumed, self.seen)
+
+    def resume_at(self, step: int) -> None:
+        """The job resumed at ``step``: backups start again from there, whatever was backed up after it."""
+        self.resumed, self.seen = step, -1
 
     def before_snapshot(self, step: int) -> None:
         now = time.monotonic()

@@ -73,7 +73,7 @@ def test_a_stuck_backup_slows_training_but_never_stops_it(caplog: pytest.LogCapt
 
 def test_a_resume_counts_as_protected() -> None:
     gate = LagGate(rank=0, limit=5, read=lambda: view(None))
-    gate.resumed = 40
+    gate.resume_at(40)
     started = time.monotonic()
     gate.before_snapshot(41)
     assert gate.waited == 0.0 and time.monotonic() - started < 0.5
