@@ -233,7 +233,8 @@ class _Writer:
             raise _named(exc, self.where) from None
 
     def _direct_fd(self, view: memoryview) -> int:
-        import numpy   # here, not at the top: the CLI's readers never write and must not pay numpy's import
+        # Imported here, not at the top: the CLI's readers never write and must not pay numpy's import.
+        import numpy
 
         if not self._direct_ok or numpy.frombuffer(view, numpy.uint8).ctypes.data % PAGE:
             return -1

@@ -166,10 +166,14 @@ def test_a_step_abandoned_while_persisted_is_not_published(save_dir: Path, slots
 
 
 # several nodes -------------------------------------------------------------------------------------------
-def test_a_stage_commits_once_every_rank_is_durable(save_dir: Path, slots: Path) -> None:
+def test_a_stage_commits_once_every_rank_is_durable(save_dir: Path, slots: Path, caplog: pytest.LogCaptureFixture) -> None:
     audit = AuditLog(save_dir)
     snaps = snapshots(slots, 8)
+    caplog.set_level("INFO", logger="agent")
     stages.persist_shards(save_dir, 8, [snaps[1]], "b", audit)
+    persister.persist(save_dir, 7, snapshots(slots, 7), audit)
+    # every persist, a node's stage or a whole iteration, announces itself as the persister (the agent log is grepped)
+    assert [r.name for r in caplog.records if r.getMessage().startswith("persisting step")] == ["agent.persister"] * 2
     assert stages.stage_steps(save_dir) == [8] and stages.commit_stage(save_dir, 8, audit) is None
     world, ranks = stages.stage_progress(save_dir, 8)
     assert world == WORLD and sorted(ranks) == ["1"]
