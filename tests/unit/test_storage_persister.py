@@ -24,7 +24,7 @@ from easyckpt_wire import faults, layout, shm
 from easyckpt_wire.savedir import AuditLog
 from easyckpt_wire.storage import PosixStorage
 
-from .storage_slots import WORLD, close, snapshots, tensors
+from storage_slots import WORLD, close, snapshots, tensors
 
 HERE = Path(__file__).resolve().parent
 

@@ -20,7 +20,7 @@ from easyckpt_wire.health import RankHealth
 from easyckpt_wire.savedir import AuditLog
 from easyckpt_wire.storage import PosixStorage
 
-from .storage_slots import WORLD, close, snapshots, tensors
+from storage_slots import WORLD, close, snapshots, tensors
 
 
 def make_iteration(save_dir: Path, step: int, under: str = "") -> Path:
