@@ -17,14 +17,13 @@ import pytest
 import xxhash
 from conftest import ROOT
 from safetensors import safe_open
+from storage_slots import WORLD, close, snapshots, tensors
 
 from agent import commit, persister, rankfiles, stages
 from easyckpt import storage
 from easyckpt_wire import faults, layout, shm
 from easyckpt_wire.savedir import AuditLog
 from easyckpt_wire.storage import PosixStorage
-
-from storage_slots import WORLD, close, snapshots, tensors
 
 HERE = Path(__file__).resolve().parent
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy
 import pytest
+from storage_slots import WORLD, close, snapshots, tensors
 
 from agent import persister
 from easyckpt import checks, storage
@@ -19,8 +20,6 @@ from easyckpt_wire import health, layout, savedir, timeline
 from easyckpt_wire.health import RankHealth
 from easyckpt_wire.savedir import AuditLog
 from easyckpt_wire.storage import PosixStorage
-
-from storage_slots import WORLD, close, snapshots, tensors
 
 
 def make_iteration(save_dir: Path, step: int, under: str = "") -> Path:
