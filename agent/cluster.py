@@ -16,14 +16,17 @@ from typing import Any
 
 import zmq
 
+from agent.commit import describe
 from agent.jobwide import Courier, JobWide
-from agent.persister import AuditLog, commit_stage, describe, drop_stage, lower_priority, stage_steps
+from agent.persister import lower_priority
 from agent.replica import BuddyPuller, Holdings, MapCache, ReplicaServer, build_manifest, push_manifests, survey_coverage
+from agent.stages import commit_stage, drop_stage, stage_steps
 from agent.watcher import Watcher
 from easyckpt_wire import layout, protocol
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.protocol import Kind
 from easyckpt_wire.records import Manifest, PeerTable, RecordError, SlotMeta
+from easyckpt_wire.savedir import AuditLog
 from easyckpt_wire.shm import SlotFormatError
 from easyckpt_wire.transfer import tensor_checksum
 

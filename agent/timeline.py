@@ -16,15 +16,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
-import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from agent import policy
-from agent.persister import AuditLog, drop_stage, forget_health, stage_steps, write_tracker
+from agent.stages import drop_stage
 from easyckpt_wire import health, layout, timeline
+from easyckpt_wire.savedir import AuditLog, forget_health, remove_tracker, write_tracker
+from easyckpt_wire.storage import StorageLike, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,8 @@ class Abandonment:
 
 
 class DiskTimeline:
-    def __init__(self, save_dir: Path, audit: AuditLog) -> None:
+    def __init__(self, save_dir: StorageLike, audit: AuditLog) -> None:
+        self.store = open_storage(save_dir)
         self.save_dir = save_dir
         self.audit = audit
         self.lock = threading.Lock()
@@ -63,120 +64,108 @@ class DiskTimeline:
             self.epoch += 1
             self._resumes = [*self._resumes[-15:], (self.epoch, resumed)]
             if not commits:
-                complete = [s for s, _ in layout.complete_iterations(self.save_dir)]
+                complete = [s for s, _ in layout.complete(self.store)]
                 return Abandonment(resumed, [], None, policy.tracker_after_resume(complete, resumed))
             return self._move_aside(resumed)
 
     def _move_aside(self, resumed: int) -> Abandonment:
-        on_disk = {step: path for step, path, complete in layout.list_iterations(self.save_dir) if complete}
+        store = self.store
+        on_disk = {step: key for step, key, complete in layout.iterations(store) if complete}
         victims = policy.abandoned_by_resume(on_disk, resumed)
         head = policy.tracker_after_resume(on_disk, resumed)
         # The tracker first: should the agent die between the two, a load already follows the new timeline
         # and the next resume moves the rest aside.
-        if layout.read_tracker(self.save_dir) != head:
+        if layout.tracker(store) != head:
             if head is None:
-                tracker = self.save_dir / layout.TRACKER
-                if tracker.exists():
-                    self.audit.record("tracker-remove", tracker, resumed=resumed,
-                                      reason=f"resumed at step {resumed}: no iteration at or below it on disk")
-                    tracker.unlink()
-                    layout.fsync_dir(self.save_dir)
+                remove_tracker(store, self.audit, resumed=resumed,
+                               reason=f"resumed at step {resumed}: no iteration at or below it on disk")
             else:
-                write_tracker(self.save_dir, head, self.audit)
-        for step in stage_steps(self.save_dir):
+                write_tracker(store, head, self.audit)
+        for step in layout.stage_steps(store):
             if step > resumed:
-                drop_stage(self.save_dir, step, self.audit, f"abandoned timeline: the job resumed at step {resumed}")
+                drop_stage(store, step, self.audit, f"abandoned timeline: the job resumed at step {resumed}")
         if not victims:
             return Abandonment(resumed, [], None, head)
         target = self._new_abandoned_dir()
-        for step in victims:
-            source = on_disk[step]
-            dest = target / source.name
-            self.audit.record("abandon", source, step=step, to=str(dest), resumed=resumed,
+        moves = [(on_disk[step], f"{target}/{on_disk[step]}") for step in victims]
+        for step, (source, dest) in zip(victims, moves):
+            self.audit.record("abandon", store.where(source), step=step, to=store.where(dest), resumed=resumed,
                               reason=f"the job resumed at step {resumed}: step {step} belongs to the abandoned "
                                      "timeline")
-            os.rename(source, dest)
-        layout.fsync_dir(target)
-        layout.fsync_dir(self.save_dir)
-        forget_health(self.save_dir, self.audit)
+        store.move(moves)
+        forget_health(store, self.audit)
         logger.warning("the job resumed at step %d: moved iterations %s of the abandoned timeline to %s "
                        "(rotation removes them first; delete them by hand if you do not need them)",
-                       resumed, victims, target)
-        return Abandonment(resumed, victims, target, head)
+                       resumed, victims, store.where(target))
+        return Abandonment(resumed, victims, Path(store.where(target)), head)
 
-    def _new_abandoned_dir(self) -> Path:
+    def _new_abandoned_dir(self) -> str:
         name = timeline.abandoned_dirname()
         for attempt in range(100):
-            path = self.save_dir / (name if attempt == 0 else f"{name}-{attempt}")
+            key = name if attempt == 0 else f"{name}-{attempt}"
             try:
-                path.mkdir()
+                self.store.make_dir(key)
             except FileExistsError:
                 continue
-            self.audit.record("mkdir", path, reason="iterations of an abandoned timeline")
-            return path
-        raise FileExistsError(f"{self.save_dir}: cannot make a new {name} directory (100 taken)")
+            self.audit.record("mkdir", self.store.where(key), reason="iterations of an abandoned timeline")
+            return key
+        raise FileExistsError(f"{self.store.where()}: cannot make a new {name} directory (100 taken)")
 
     def rotate(self, max_ckpt_num: int, keep: int) -> list[tuple[str, int]]:
         """Delete the iterations beyond ``max_ckpt_num``, abandoned ones first; never ``keep``, the tracked
         step, nor the newest of the current timeline. Returns (directory name, step) of each deleted."""
+        store = self.store
         with self.lock:
-            current = {step: path for step, path in layout.complete_iterations(self.save_dir)}
-            abandoned = {(name, step): path for name, step, path in timeline.abandoned_iterations(self.save_dir)}
-            tracked = layout.read_tracker(self.save_dir)
+            current = dict(layout.complete(store))
+            abandoned = {(name, step): key for name, step, key in timeline.abandoned(store)}
+            tracked = layout.tracker(store)
             keep_steps = policy.rotation_keep({keep} | ({tracked} if tracked is not None else set()),
                                               current, self._unhealthy(current))
-            owed = layout.export_holds(self.save_dir) & set(current)
+            owed = layout.holds(store) & set(current)
             if owed:   # TrainerWrapper still owes their checkpoint-N (it may have died exporting them)
                 logger.debug("rotation spares iterations %s: their export is still owed", sorted(owed))
                 keep_steps |= owed
             gone_abandoned, gone_current = policy.rotation_victims(sorted(current), sorted(abandoned),
                                                                    max_ckpt_num=max_ckpt_num, keep=keep_steps)
-            trash: list[Path] = []
+            trash: list[str] = []
             reason = f"rotation to max_ckpt_num={max_ckpt_num}"
-            for key in gone_abandoned:
-                trash.append(self._to_trash(abandoned[key], key[1], reason + " (abandoned timeline first)"))
+            for name_step in gone_abandoned:
+                trash.append(self._to_trash(abandoned[name_step], name_step[1], reason + " (abandoned timeline first)"))
             for step in gone_current:
                 trash.append(self._to_trash(current[step], step, reason))
             for name in {name for name, _ in gone_abandoned}:
-                parent = self.save_dir / name
-                if not any(parent.iterdir()):
-                    self.audit.record("delete", parent, reason="no abandoned iteration left in it")
-                    parent.rmdir()
+                if not store.entries(name):
+                    self.audit.record("delete", store.where(name), reason="no abandoned iteration left in it")
+                    store.delete_tree(name)
         if gone_current:
-            forget_health(self.save_dir, self.audit)
-        for path in trash:   # one rename made each vanish; the slow part runs outside the lock
-            shutil.rmtree(path, ignore_errors=True)
+            forget_health(store, self.audit)
+        for key in trash:   # each vanished at once (retire); the slow part runs outside the lock
+            store.delete_tree(key, best_effort=True)
         for (name, step) in gone_abandoned:
             logger.info("deleted %s/%s (rotation: abandoned timeline first)", name, layout.iteration_dirname(step))
         for step in gone_current:
-            logger.info("deleted %s (rotation to max_ckpt_num=%d)", current[step], max_ckpt_num)
+            logger.info("deleted %s (rotation to max_ckpt_num=%d)", store.where(current[step]), max_ckpt_num)
         return [*gone_abandoned, *(("", step) for step in gone_current)]
 
-    def _unhealthy(self, current: dict[int, Path]) -> set[int]:
+    def _unhealthy(self, current: dict[int, str]) -> set[int]:
         """Steps of ``current`` known to be unhealthy: from ``health_ckpts.json``, or (it is unreadable)
         from each iteration's ``metadata.json``."""
         try:
-            entries = health.read_health_file(self.save_dir)
+            entries = health.read_health(self.store)
             return set(health.unhealthy_steps(entries or []))
         except health.HealthFileError as exc:
             logger.warning("%s; rotation reads each iteration's %s instead", exc, layout.METADATA)
         bad = set()
-        for step, path in current.items():
+        for step, key in current.items():
             try:
-                verdict = layout.read_metadata(path).get("health")
+                verdict = layout.metadata(self.store, key).get("health")
             except layout.CheckpointFormatError as exc:
-                logger.warning("%s: %s", path, exc)
+                logger.warning("%s: %s", self.store.where(key), exc)
                 continue
             if isinstance(verdict, dict) and verdict.get("healthy") is False:
                 bad.add(step)
         return bad
 
-    def _to_trash(self, path: Path, step: int, reason: str) -> Path:
-        self.audit.record("delete", path, step=step, reason=reason)
-        trash = self.save_dir / f"{layout.TRASH_PREFIX}{step:07d}-{os.getpid()}"
-        n = 0
-        while trash.exists():   # two deleted at once with the same step (one abandoned, one current)
-            n += 1
-            trash = self.save_dir / f"{layout.TRASH_PREFIX}{step:07d}-{os.getpid()}{n}"
-        os.rename(path, trash)
-        return trash
+    def _to_trash(self, key: str, step: int, reason: str) -> str:
+        self.audit.record("delete", self.store.where(key), step=step, reason=reason)
+        return self.store.retire(key)

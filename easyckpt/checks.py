@@ -6,13 +6,12 @@ add up to (8 bytes + header + data): a deleted or truncated file shows in millis
 reads every byte: each tensor's dtype, shape and byte range in the safetensors header must match
 metadata.json, and its bytes must match the xxh3-128 checksum there. The safetensors format is simple
 enough (a little-endian u64 header length, a JSON header, raw bytes) to check with ``mmap`` and ``json``,
-so neither pays torch's import (seconds) and the CLI stays quick.
+so neither pays torch's import (seconds) and the CLI stays quick. Every byte is read through the save_dir's
+``Storage`` (a file's ranges: an mmap on POSIX).
 """
 from __future__ import annotations
 
 import json
-import mmap
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import xxhash
 from easyckpt_wire import layout
 from easyckpt_wire.layout import CheckpointFormatError
 from easyckpt_wire.shm import format_bytes
+from easyckpt_wire.storage import BlobReader, Storage
 
 MAX_HEADER = 100 << 20   # the safetensors reference implementation's bound on the JSON header
 
@@ -61,51 +61,37 @@ def _expected_files(meta: dict[str, Any], where: Path) -> dict[str, tuple[int, i
 def dir_bytes(path: Path) -> int:
     """Bytes of the files directly in ``path``, as ``storage.iteration_bytes`` counts them (without torch);
     files (or the whole iteration) that the agent's rotation removes meanwhile count 0."""
-    total = 0
-    try:
-        with os.scandir(path) as entries:
-            for entry in entries:
-                try:
-                    if entry.is_file():
-                        total += entry.stat().st_size
-                except FileNotFoundError:
-                    continue
-    except FileNotFoundError:
-        pass
-    return total
+    store, key = layout.locate(path)
+    return sum(entry.size for entry in store.entries(key, sizes=True) if entry.size >= 0)
 
 
-def _header_length(path: Path) -> int:
-    with open(path, "rb") as handle:
-        raw = handle.read(8)
-    if len(raw) < 8:
-        raise CheckpointFormatError(f"{path} is truncated: {len(raw)} bytes, not even a safetensors header")
-    length = int.from_bytes(raw, "little")
+def _key(iteration: str, name: str) -> str:
+    return f"{iteration}/{name}" if iteration else name
+
+
+def _header_length(reader: BlobReader) -> int:
+    if reader.size < 8:
+        raise CheckpointFormatError(f"{reader.where} is truncated: {reader.size} bytes, not even a safetensors header")
+    with reader.view(0, 8) as raw:
+        length = int.from_bytes(raw, "little")
     if length > MAX_HEADER:
-        raise CheckpointFormatError(f"{path} is not a safetensors file (header length {length})")
+        raise CheckpointFormatError(f"{reader.where} is not a safetensors file (header length {length})")
     return length
 
 
 def damage(iteration_dir: Path) -> str | None:
     """What is wrong with ``iteration_dir`` judged by sizes alone (None: nothing seen). Reads metadata.json,
     the existence of common.json, and 8 bytes of each tensor file."""
+    store, key = layout.locate(iteration_dir)
     try:
-        meta = layout.read_metadata(iteration_dir)
-        if not (iteration_dir / layout.COMMON).is_file():
-            return f"{iteration_dir / layout.COMMON} is missing"
+        meta = layout.metadata(store, key)
+        if not store.exists(_key(key, layout.COMMON)):
+            return f"{store.where(_key(key, layout.COMMON))} is missing"
         step = meta.get("step")
         for name, (rank, data) in sorted(_expected_files(meta, iteration_dir).items()):
-            path = iteration_dir / name
-            try:
-                size = path.stat().st_size
-                header = _header_length(path)
-            except FileNotFoundError:
-                return f"{path} (step {step}, rank {rank}) is missing"
-            expected = 8 + header + data
-            if size != expected:
-                what = "truncated" if size < expected else "longer than its tensors"
-                return (f"{path} (step {step}, rank {rank}) is {what}: {format_bytes(size)} ({size} bytes), "
-                        f"{layout.METADATA} and its header make {expected} bytes")
+            problem = _size_problem(store, _key(key, name), step, rank, data)
+            if problem is not None:
+                return problem
     except CheckpointFormatError as exc:
         return str(exc)
     except OSError as exc:
@@ -113,34 +99,45 @@ def damage(iteration_dir: Path) -> str | None:
     return None
 
 
-def _check_file(path: Path, records: list[dict[str, Any]], step: Any, rank: int) -> None:
+def _size_problem(store: Storage, key: str, step: Any, rank: int, data: int) -> str | None:
     try:
-        handle = open(path, "rb")
+        with store.open(key) as reader:
+            size, header = reader.size, _header_length(reader)
     except FileNotFoundError:
-        raise CheckpointFormatError(f"{path} (step {step}, rank {rank}) is missing") from None
-    with handle:
-        size = os.fstat(handle.fileno()).st_size
-        length = _header_length(path)
+        return f"{store.where(key)} (step {step}, rank {rank}) is missing"
+    expected = 8 + header + data
+    if size != expected:
+        what = "truncated" if size < expected else "longer than its tensors"
+        return (f"{store.where(key)} (step {step}, rank {rank}) is {what}: {format_bytes(size)} ({size} bytes), "
+                f"{layout.METADATA} and its header make {expected} bytes")
+    return None
+
+
+def _check_file(store: Storage, key: str, records: list[dict[str, Any]], step: Any, rank: int) -> None:
+    try:
+        reader = store.open(key)
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{store.where(key)} (step {step}, rank {rank}) is missing") from None
+    with reader:
+        path = reader.where
+        size = reader.size
+        length = _header_length(reader)
         if size < 8 + length:
             raise CheckpointFormatError(f"{path} (step {step}) is not a readable safetensors file: truncated header")
         try:
-            handle.seek(8)
-            header = json.loads(handle.read(length))
+            with reader.view(8, length) as raw:
+                header = json.loads(bytes(raw))
         except ValueError as exc:
             raise CheckpointFormatError(f"{path} (step {step}) is not a readable safetensors file: {exc}") from None
         if not isinstance(header, dict):
             raise CheckpointFormatError(f"{path} (step {step}) is not a readable safetensors file: bad header")
-        with mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size else _Empty() as mapped:
-            view = memoryview(mapped)   # slices of a memoryview are not copies (a tensor may be gigabytes)
-            try:
-                _check_records(path, view, header, 8 + length, records, step, rank)
-            finally:
-                view.release()
+        # Views of the file are not copies (a tensor may be gigabytes).
+        _check_records(path, reader, header, 8 + length, records, step, rank)
 
 
-def _check_records(path: Path, view: memoryview, header: dict[str, Any], data_start: int,
+def _check_records(path: str, reader: BlobReader, header: dict[str, Any], data_start: int,
                    records: list[dict[str, Any]], step: Any, rank: int) -> None:
-    size = len(view)
+    size = reader.size
     for record in records:
         name = record["name"]
         entry = header.get(name)
@@ -158,35 +155,22 @@ def _check_records(path: Path, view: memoryview, header: dict[str, Any], data_st
         if not 0 <= begin <= end or end - begin != int(record["nbytes"]) or data_start + end > size:
             raise CheckpointFormatError(f"{path}: tensor {name!r} of step {step} is unreadable: its bytes "
                                         f"{begin}-{end} are not all in the file (truncated?)")
-        part = view[data_start + begin:data_start + end]
-        try:
+        with reader.view(data_start + begin, end - begin) as part:
             digest = xxhash.xxh3_128_hexdigest(part)
-        finally:
-            part.release()
         if digest != record[layout.CHECKSUM_ALGO]:
             raise CheckpointFormatError(
                 f"{path}: tensor {name!r} of step {step}, rank {rank} fails its {layout.CHECKSUM_ALGO} "
                 "checksum: the file is corrupted")
 
 
-class _Empty:
-    """An empty file cannot be mapped; its views are empty."""
-
-    def __enter__(self) -> bytes:
-        return b""
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 def verify_iteration(iteration_dir: Path) -> str | None:
     """Read every tensor of ``iteration_dir`` and check it against metadata.json; the first problem, or None."""
+    store, key = layout.locate(iteration_dir)
     try:
-        meta = layout.read_metadata(iteration_dir)
+        meta = layout.metadata(store, key)
         step = meta.get("step")
         try:
-            with open(iteration_dir / layout.COMMON, encoding="utf-8") as handle:
-                common = json.load(handle)
+            common = json.loads(store.read(_key(key, layout.COMMON)))
             lacking = [rank for rank in meta["ranks"] if "skeleton" not in common["ranks"][rank]]
             if lacking:
                 return f"{iteration_dir}: {layout.COMMON} lacks the non-tensor state of ranks {lacking}"
@@ -198,7 +182,7 @@ def verify_iteration(iteration_dir: Path) -> str | None:
         for rank, record in _own_records(meta, iteration_dir):
             by_file.setdefault(record["file"], (rank, []))[1].append(record)
         for name, (rank, records) in sorted(by_file.items()):
-            _check_file(iteration_dir / name, records, step, rank)
+            _check_file(store, _key(key, name), records, step, rank)
     except CheckpointFormatError as exc:
         return str(exc)
     except (KeyError, TypeError, ValueError) as exc:

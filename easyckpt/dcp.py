@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import logging
-import mmap
 import os
 import uuid
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -50,6 +47,7 @@ from easyckpt import storage
 from easyckpt.state import torch_dtype
 from easyckpt_wire import layout
 from easyckpt_wire.records import ShardSpec
+from easyckpt_wire.storage import open_storage, posix
 
 logger = logging.getLogger(__name__)
 
@@ -268,13 +266,21 @@ class StorageReader(dcp.StorageReader):
 
     def _read_file(self, path: Path, items: list[tuple[ReadItem, Chunk]], planner: LoadPlanner) -> None:
         first = items[0][1]
+        store, key = layout.locate(self.path)
         try:
-            view = _FileView(path)
+            file = storage.TensorFile(store, f"{key}/{path.name}" if key else path.name)
         except FileNotFoundError:
             raise storage.CheckpointCorruptError(
                 f"{path} is missing: it holds rank {first.rank}'s shard of {first.name!r} and "
                 f"{len(items) - 1} more saved ranges needed here. Restore the file, or load another iteration "
                 f"(`easyckpt verify {path.parent.parent}` lists the complete ones)") from None
+        except storage.TensorFileError as exc:
+            raise storage.CheckpointCorruptError(f"{path} is not a readable safetensors file: {exc}") from None
+        with file:
+            self._read_items(path, _FileView(file), items, planner)
+
+    def _read_items(self, path: Path, view: _FileView, items: list[tuple[ReadItem, Chunk]],
+                    planner: LoadPlanner) -> None:
         for item, chunk in items:
             if self.verify and (path.name, chunk.name) not in self.verified:
                 view.verify(chunk)
@@ -291,55 +297,36 @@ class StorageReader(dcp.StorageReader):
 
 
 class _FileView:
-    """One saved safetensors file, mapped read-only for the reads of one ``read_data``: a saved range is
-    hashed where it lies (no copy) and a requested box is copied straight from the mapping into its target,
-    so a part of a range reads only its own pages. (Read-only: a private writable map would be charged to
-    the commit limit for the whole file where the kernel does not overcommit.)"""
+    """One saved safetensors file (``storage.TensorFile``) for the reads of one ``read_data``: a saved range
+    is hashed where it lies (no copy) and a requested box is copied straight from the file's view into its
+    target, so a part of a range reads only its own pages. (Read-only: a private writable map would be
+    charged to the commit limit for the whole file where the kernel does not overcommit.)"""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        with open(path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            try:
-                length = int.from_bytes(handle.read(8), "little")
-                if not 0 < length <= size - 8:
-                    raise ValueError(f"a header of {length} bytes in a file of {size}")
-                self.header = json.loads(handle.read(length))
-                if not isinstance(self.header, dict):
-                    raise ValueError("the header is not a JSON object")
-            except ValueError as exc:
-                raise storage.CheckpointCorruptError(f"{path} is not a readable safetensors file: {exc}") from None
-            self.start, self.size = 8 + length, size
-            self.map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if size > self.start else None
+    def __init__(self, file: storage.TensorFile) -> None:
+        self.file = file
+        self.path = file.where
 
     def _range(self, chunk: Chunk) -> tuple[int, int, torch.dtype]:
-        info = self.header.get(chunk.name)
         try:
-            begin, end = (int(x) for x in info["data_offsets"])
-            dtype, shape = torch_dtype(info["dtype"]), tuple(int(d) for d in info["shape"])
-        except (TypeError, KeyError, ValueError):
+            begin, end, dtype, shape = self.file.entry(chunk.name)
+        except storage.TensorFileError:
             raise storage.CheckpointCorruptError(
                 f"{self.path}: tensor {chunk.name!r} (rank {chunk.rank}) is missing from the file or its header "
                 "entry is damaged; load another iteration") from None
         if shape != chunk.shape:
             raise storage.CheckpointCorruptError(
                 f"{self.path}: tensor {chunk.name!r} has shape {shape}, metadata says {chunk.shape}")
-        count = 1
-        for d in shape:
-            count *= d
-        if not 0 <= begin <= end <= self.size - self.start or end - begin != count * dtype.itemsize:
+        try:
+            begin, end = self.file.span(begin, end, dtype, shape)
+        except storage.TensorFileError as exc:
             raise storage.CheckpointCorruptError(
-                f"{self.path}: tensor {chunk.name!r} has data offsets [{begin}, {end}) that do not fit its shape "
-                f"{shape} or the file ({self.size} bytes): the file is truncated or damaged")
-        return self.start + begin, self.start + end, dtype
+                f"{self.path}: tensor {chunk.name!r} has {exc}: the file is truncated or damaged") from None
+        return begin, end, dtype
 
     def verify(self, chunk: Chunk) -> None:
         begin, end, _ = self._range(chunk)
-        data = memoryview(self.map)[begin:end] if self.map is not None else memoryview(b"")
-        try:
+        with self.file.view(begin, end) as data:
             ok = xxhash.xxh3_128_hexdigest(data) == chunk.checksum
-        finally:
-            data.release()
         if not ok:
             raise storage.CheckpointCorruptError(
                 f"{self.path}: tensor {chunk.name!r} (rank {chunk.rank}) fails its {layout.CHECKSUM_ALGO} checksum: "
@@ -347,14 +334,7 @@ class _FileView:
 
     def tensor(self, chunk: Chunk) -> torch.Tensor:
         begin, end, dtype = self._range(chunk)
-        if begin == end or self.map is None:
-            return torch.empty(chunk.shape, dtype=dtype)
-        with warnings.catch_warnings():
-            # The view is only ever read (copied into the target), so torch's warning that it cannot mark a
-            # tensor read-only says nothing here.
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            flat = torch.frombuffer(self.map, dtype=dtype, count=(end - begin) // dtype.itemsize, offset=begin)
-        return flat.view(chunk.shape)
+        return storage.view_as_tensor(self.file.view(begin, end), dtype, chunk.shape)
 
 
 def load_into(state: dict[str, Any], iteration_dir: Path) -> None:
@@ -372,7 +352,7 @@ def load_into(state: dict[str, Any], iteration_dir: Path) -> None:
 
 def iteration_of(src: Path) -> Path:
     """``src`` itself when it is an iteration directory, else the newest complete iteration of the save_dir."""
-    if (src / layout.METADATA).is_file():
+    if open_storage(src).exists(layout.METADATA):
         return src
     steps = storage.newest_first(src)
     if not steps:
@@ -402,10 +382,7 @@ def consolidate_model(src: Path, out: Path) -> tuple[int, dict[str, tuple[int, .
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     save_file({names[key]: value.contiguous() for key, value in full.items()}, str(tmp),
               metadata={"format": "pt", "easyckpt_step": str(index.step), "easyckpt_source": str(iteration_dir)})
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, out)
-    layout.fsync_dir(out.parent)
+    posix.publish_file(tmp, out)
     return index.step, {names[key]: tuple(value.shape) for key, value in full.items()}
 
 

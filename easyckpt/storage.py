@@ -2,25 +2,30 @@
 
 The agent writes the layout (see ``easyckpt_wire.layout``); this side trusts nothing it reads: each
 tensor's dtype and shape in the safetensors header must match metadata.json, and every byte is
-checked against its xxh3-128 before the tensor is used.
+checked against its xxh3-128 before the tensor is used. Every byte is read through the save_dir's
+``Storage`` (``easyckpt_wire.storage``): a safetensors file is a ``TensorFile`` over its ranges (an mmap on
+POSIX), which the DCP reader (``easyckpt.dcp``) uses too.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import logging
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy
 import torch
 import xxhash
-from safetensors import safe_open
 
 from easyckpt import checks
+from easyckpt.state import torch_dtype
 from easyckpt_wire import health, layout, timeline
 from easyckpt_wire.layout import CheckpointFormatError
 from easyckpt_wire.records import ShardSpec
+from easyckpt_wire.storage import BlobReader, Storage
 
 logger = logging.getLogger(__name__)
 
@@ -124,10 +129,10 @@ def rank_entry(iteration_dir: Path, rank: int, world_size: int | None) -> RankEn
             f"{iteration_dir} (step {step}) was written by {meta.get('world_size')} ranks, this job has "
             f"{world_size}: load it with Checkpointer.load(state_dict), which reshards from disk"
         )
+    store, key = layout.locate(iteration_dir)
     try:
         info = meta["ranks"][str(rank)]
-        with open(iteration_dir / layout.COMMON, encoding="utf-8") as handle:
-            common = json.load(handle)
+        common = json.loads(store.read(f"{key}/{layout.COMMON}" if key else layout.COMMON))
         skeleton = common["ranks"][str(rank)]["skeleton"]
         # A replicated shard that its group's writer saved has the writer's file and checksum in its record
         # (layout.link_replicas): it reads from there like any other.
@@ -154,10 +159,92 @@ def _shard(record: dict[str, Any], iteration_dir: Path, rank: int) -> ShardSpec 
                                 coordinate, writer], where, f"tensor {record['name']!r}", tuple(record["shape"]))
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    if tensor.numel() == 0:
-        return memoryview(b"")
-    return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data
+class TensorFileError(ValueError):
+    """A safetensors file whose header cannot be read, or a tensor it does not hold as it says."""
+
+
+class TensorFile:
+    """One saved safetensors file, read through its ``Storage``: the header parsed once; a tensor's bytes are a
+    view of the file (no copy: a mapping on POSIX), hashed where they lie and copied once into their tensor.
+    Raises FileNotFoundError, TensorFileError (what is wrong, for the caller's message) or OSError."""
+
+    def __init__(self, store: Storage, key: str) -> None:
+        self.where = store.where(key)
+        self.reader: BlobReader = store.open(key)
+        try:
+            size = self.reader.size
+            if size < 8:
+                raise TensorFileError(f"{size} bytes, not even a safetensors header")
+            with self.reader.view(0, 8) as raw:
+                length = int.from_bytes(raw, "little")
+            if not 0 < length <= size - 8:
+                raise TensorFileError(f"a header of {length} bytes in a file of {size}")
+            with self.reader.view(8, length) as raw:
+                header = json.loads(bytes(raw))
+            if not isinstance(header, dict):
+                raise TensorFileError("the header is not a JSON object")
+        except ValueError as exc:
+            self.reader.close()
+            raise TensorFileError(str(exc)) from None
+        self.header: dict[str, Any] = header
+        self.start, self.size = 8 + length, size
+
+    def __enter__(self) -> TensorFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.reader.close()
+
+    def check_whole(self) -> None:
+        """The data region holds every tensor the header promises (a truncated file fails here, as
+        safetensors' own reader refuses it)."""
+        ends = [entry["data_offsets"][1] for name, entry in self.header.items()
+                if name != "__metadata__" and isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list)
+                and len(entry["data_offsets"]) == 2 and isinstance(entry["data_offsets"][1], int)]
+        if max(ends, default=0) > self.size - self.start:
+            raise TensorFileError(f"truncated: its header promises {max(ends)} bytes of tensors, the file holds "
+                                  f"{self.size - self.start}")
+
+    def entry(self, name: str) -> tuple[int, int, torch.dtype, tuple[int, ...]]:
+        """(begin, end, dtype, shape) of tensor ``name`` as the header says, offsets in the data region."""
+        info: Any = self.header.get(name)
+        try:
+            begin, end = (int(x) for x in info["data_offsets"])
+            return begin, end, torch_dtype(info["dtype"]), tuple(int(d) for d in info["shape"])
+        except (TypeError, KeyError, ValueError):
+            raise TensorFileError("it is not in the file, or its header entry is damaged") from None
+
+    def span(self, begin: int, end: int, dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, int]:
+        """The file offsets of a tensor's bytes, once they are checked to fit its shape and the file."""
+        count = 1
+        for d in shape:
+            count *= d
+        if not 0 <= begin <= end <= self.size - self.start or end - begin != count * dtype.itemsize:
+            raise TensorFileError(f"data offsets [{begin}, {end}) that do not fit its shape {shape} or the file "
+                                  f"({self.size} bytes)")
+        return self.start + begin, self.start + end
+
+    def view(self, begin: int, end: int) -> memoryview:
+        return self.reader.view(begin, end - begin)
+
+
+def as_tensor(data: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A new CPU tensor holding a copy of ``data`` (which may be a view of a mapped file)."""
+    out = torch.empty(shape, dtype=dtype)
+    if len(data):
+        out.reshape(-1).view(torch.uint8).numpy()[:] = numpy.frombuffer(data, numpy.uint8)
+    return out
+
+
+def view_as_tensor(data: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over ``data`` itself, no copy (read it only: it may be a read-only mapping)."""
+    if not len(data):
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():
+        # The view is only ever read (copied into its target), so torch's warning that it cannot mark a
+        # tensor read-only says nothing here.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(data, dtype=dtype).view(shape)
 
 
 def read_tensors(entry: RankEntry) -> Iterator[tuple[TensorRecord, torch.Tensor]]:
@@ -165,30 +252,38 @@ def read_tensors(entry: RankEntry) -> Iterator[tuple[TensorRecord, torch.Tensor]
     by_file: dict[str, list[TensorRecord]] = {}
     for record in entry.records:
         by_file.setdefault(record.file, []).append(record)
+    store, key = layout.locate(entry.path)
     for file_name, records in by_file.items():
         path = entry.path / file_name
         try:
-            handle = safe_open(str(path), framework="pt")
+            handle = TensorFile(store, f"{key}/{file_name}" if key else file_name)
+            handle.check_whole()
         except FileNotFoundError:
             raise CheckpointCorruptError(f"{path} (step {entry.step}, rank {entry.rank}) is missing"
                                          + _stored_by_note(records, entry.rank)) from None
-        except Exception as exc:  # safetensors raises its own error type for damaged headers
+        except (TensorFileError, OSError) as exc:
             raise CheckpointCorruptError(f"{path} (step {entry.step}) is not a readable safetensors file: {exc}") from None
         with handle:
             for record in records:
-                try:
-                    tensor = handle.get_tensor(record.name)
-                except Exception as exc:
-                    raise CheckpointCorruptError(
-                        f"{path}: tensor {record.name!r} of step {entry.step} is unreadable: {exc}") from None
-                if tuple(tensor.shape) != record.shape:
-                    raise CheckpointCorruptError(
-                        f"{path}: tensor {record.name!r} has shape {tuple(tensor.shape)}, metadata says {record.shape}")
-                if xxhash.xxh3_128_hexdigest(_tensor_bytes(tensor)) != record.checksum:
-                    raise CheckpointCorruptError(
-                        f"{path}: tensor {record.name!r} of step {entry.step}, rank {entry.rank} fails its "
-                        f"{layout.CHECKSUM_ALGO} checksum: the file is corrupted")
-                yield record, tensor
+                yield record, _read_one(handle, record, entry)
+
+
+def _read_one(handle: TensorFile, record: TensorRecord, entry: RankEntry) -> torch.Tensor:
+    path = handle.where
+    try:
+        begin, end, dtype, shape = handle.entry(record.name)
+        if shape == record.shape:
+            begin, end = handle.span(begin, end, dtype, shape)
+    except TensorFileError as exc:
+        raise CheckpointCorruptError(f"{path}: tensor {record.name!r} of step {entry.step} is unreadable: {exc}") from None
+    if shape != record.shape:
+        raise CheckpointCorruptError(f"{path}: tensor {record.name!r} has shape {shape}, metadata says {record.shape}")
+    with handle.view(begin, end) as data:
+        if xxhash.xxh3_128_hexdigest(data) != record.checksum:
+            raise CheckpointCorruptError(
+                f"{path}: tensor {record.name!r} of step {entry.step}, rank {entry.rank} fails its "
+                f"{layout.CHECKSUM_ALGO} checksum: the file is corrupted")
+        return as_tensor(data, dtype, shape)
 
 
 def _stored_by_note(records: list[TensorRecord], rank: int) -> str:
@@ -208,4 +303,4 @@ def verify(save_dir: Path) -> list[tuple[int, Path, str | None]]:
 
 
 def iteration_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    return checks.dir_bytes(path)

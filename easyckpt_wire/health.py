@@ -5,7 +5,7 @@ A rank that reports metrics (``save_if_needed(..., metrics=...)``) gives a verdi
 is not finite, or exceeds its threshold. A rank that reports nothing (a later pipeline stage, which has no
 embedding) is neutral. A step is healthy when every reporting rank says so.
 
-Everything here is pure or a plain file operation, torch-free, so the agent (which writes the index and
+Everything here is pure or one read or write through a ``Storage``, torch-free, so the agent (which writes the index and
 protects the newest healthy iteration from rotation) and the library (which picks the step to resume
 from) decide alike.
 """
@@ -15,10 +15,9 @@ import dataclasses
 import json
 import math
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
-from easyckpt_wire.layout import write_file_atomic
+from easyckpt_wire.storage import Storage, StorageLike, open_storage
 
 HEALTH_FILE = "health_ckpts.json"
 HEALTHY, UNHEALTHY = 0, 1          # ``is_health`` values, as MindSpore writes them (0 means healthy)
@@ -112,18 +111,18 @@ def entry_for(step: int, ckpt_name: str, verdict: RankHealth) -> HealthEntry:
     return HealthEntry(step, ckpt_name, HEALTHY if verdict.healthy else UNHEALTHY, verdict.reasons)
 
 
-def read_health_file(save_dir: Path) -> list[HealthEntry] | None:
-    """The entries of ``save_dir/health_ckpts.json`` by step, or None when there is no such file."""
-    path = Path(save_dir) / HEALTH_FILE
+def read_health(store: Storage) -> list[HealthEntry] | None:
+    """The entries of the save_dir's ``health_ckpts.json`` by step, or None when there is no such file."""
+    where = store.where(HEALTH_FILE)
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(store.read(HEALTH_FILE))
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HealthFileError(f"{path}: not readable JSON ({exc}); remove it or restore it from a backup: "
+        raise HealthFileError(f"{where}: not readable JSON ({exc}); remove it or restore it from a backup: "
                               "the agent rewrites it from the next persist on") from exc
     if not isinstance(raw, list):
-        raise HealthFileError(f"{path}: expected a JSON list of entries, got {type(raw).__name__}")
+        raise HealthFileError(f"{where}: expected a JSON list of entries, got {type(raw).__name__}")
     entries = []
     for i, item in enumerate(raw):
         ok = (isinstance(item, dict) and type(item.get("step")) is int and item["step"] >= 0
@@ -131,16 +130,26 @@ def read_health_file(save_dir: Path) -> list[HealthEntry] | None:
               and type(item.get("is_health")) is int and isinstance(item.get("reasons", []), list)
               and all(isinstance(r, str) for r in item.get("reasons", [])))
         if not ok:
-            raise HealthFileError(f"{path}: entry {i} is {item!r:.160}; expected {{'is_health': 0|1, "
+            raise HealthFileError(f"{where}: entry {i} is {item!r:.160}; expected {{'is_health': 0|1, "
                                   "'ckpt_name': str, 'step': int >= 0, 'reasons': [str, ...]}")
         entries.append(HealthEntry(item["step"], item["ckpt_name"], item["is_health"], tuple(item.get("reasons", []))))
     return sorted(entries, key=lambda e: e.step)
 
 
-def write_health_file(save_dir: Path, entries: Iterable[HealthEntry]) -> None:
-    """Replace ``save_dir/health_ckpts.json`` atomically (a reader sees the old list or the new one)."""
-    write_file_atomic(Path(save_dir) / HEALTH_FILE,
-                      json.dumps([e.to_json() for e in sorted(entries, key=lambda e: e.step)], indent=1) + "\n")
+def write_health(store: Storage, entries: Iterable[HealthEntry]) -> None:
+    """Replace the save_dir's ``health_ckpts.json`` atomically (a reader sees the old list or the new one)."""
+    store.put(HEALTH_FILE, (json.dumps([e.to_json() for e in sorted(entries, key=lambda e: e.step)], indent=1)
+                            + "\n").encode())
+
+
+def read_health_file(save_dir: StorageLike) -> list[HealthEntry] | None:
+    """``read_health`` of the save_dir at this path."""
+    return read_health(open_storage(save_dir))
+
+
+def write_health_file(save_dir: StorageLike, entries: Iterable[HealthEntry]) -> None:
+    """``write_health`` to the save_dir at this path."""
+    write_health(open_storage(save_dir), entries)
 
 
 def updated(entries: Iterable[HealthEntry], new: HealthEntry | None, kept_steps: Iterable[int]) -> list[HealthEntry]:

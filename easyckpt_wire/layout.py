@@ -20,21 +20,23 @@
       .abandoned-<UTC time>/iteration_0000120/       # a timeline a resume abandoned (easyckpt_wire.timeline)
 
 The agent writes this layout; the library and the CLI read it. Both use the functions here so that
-"complete" means the same thing on both sides.
+"complete" means the same thing on both sides. Every byte goes through a ``Storage``
+(``easyckpt_wire.storage``): the readers below take one (``iterations``, ``metadata``, ``tracker``...), and
+their older path forms (``list_iterations(save_dir)``...) open the save_dir's. The scratch names above
+(``.tmp-``, ``.aside-``, ``.trash-``, ``.stage-``) are the POSIX implementation's.
 """
 from __future__ import annotations
 
-import ctypes
-import errno
-import functools
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
-from easyckpt_wire.faults import fault_point
+from easyckpt_wire.storage import Storage, StorageLike, open_storage, posix
+
+# The POSIX publishing helpers, here for the callers that know them by these names.
+from easyckpt_wire.storage.posix import exchange_dirs, fsync_dir, settle_aside, write_file_atomic  # noqa: F401
 
 METADATA_FORMAT = "easyckpt-ckpt2"
 METADATA_VERSION = 1
@@ -63,104 +65,10 @@ def iteration_dirname(step: int) -> str:
     return f"iteration_{step:07d}"
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in ``path`` durable (the last step of every atomic publish here)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file_atomic(path: Path, text: str) -> None:
-    """Replace the small file ``path`` atomically and durably (a reader sees the old text or the new one):
-    a temporary file beside it, fsynced, renamed over it, the directory fsynced."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-_RENAME_EXCHANGE = 2   # renameat2(2) flag: swap two existing entries atomically
-_AT_FDCWD = -100
-
-
-@functools.cache
-def _renameat2() -> Any:
-    """libc's renameat2 (Linux, glibc 2.28+), or None where there is none."""
-    try:
-        return getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
-    except OSError:
-        return None
-
-
-def exchange_dirs(a: Path, b: Path) -> bool:
-    """Swap the directories ``a`` and ``b`` in one atomic step; False (nothing done) where the system or the
-    file system cannot (no renameat2, or EINVAL from a file system without RENAME_EXCHANGE)."""
-    renameat2 = _renameat2()
-    if renameat2 is None:
-        return False
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(code, os.strerror(code), str(a), None, str(b))
-
-
 def replace_dir(src: Path, final: Path, *, aside: Path | None = None, trash: Path | None = None) -> Path | None:
-    """Publish the complete directory ``src`` as ``final`` (same parent), replacing a directory already
-    there; the parent is fsynced. Returns where the old directory now is (``trash``, for the caller to
-    delete, when convenient), or None when there was none.
-
-    The name ``final`` never stops naming a whole directory, old or new, so a tracker naming it stays
-    true: the old and new are swapped in one atomic step (``exchange_dirs``), and the old one, now under
-    ``src``'s temporary name, is renamed to ``trash``. Where no atomic swap exists the old one is first
-    renamed to ``aside``, then ``src`` in; a crash between the two leaves ``final`` missing and the old
-    directory whole under ``aside``, which the caller's clean-up puts back (``settle_aside``). An aside
-    name only ever holds a whole directory: deleting starts under the ``trash`` name.
-
-    Without ``aside`` and ``trash`` an existing ``final`` is refused (FileExistsError).
-    """
-    parent = final.parent
-    if not final.exists():
-        os.rename(src, final)
-        fsync_dir(parent)
-        return None
-    if aside is None or trash is None:
-        raise FileExistsError(errno.EEXIST, "replace_dir: it exists and no aside name was given", str(final))
-    if exchange_dirs(src, final):
-        fault_point("layout.replace.swapped")       # new in place, the old one under src's temporary name
-        fsync_dir(parent)
-        _to_trash(src, trash)
-    else:
-        os.rename(final, aside)
-        fault_point("layout.replace.aside")         # final missing; the old one whole under aside
-        os.rename(src, final)
-        fsync_dir(parent)
-        _to_trash(aside, trash)
-    return trash
-
-
-def settle_aside(aside: Path, final: Path, trash: Path) -> bool:
-    """Finish a ``replace_dir`` that died with the old directory under ``aside`` (its writer is dead): put
-    it back as ``final`` when ``final`` is missing (returns True), else move it to ``trash`` and delete it."""
-    if not final.exists():
-        os.rename(aside, final)
-        fsync_dir(final.parent)
-        return True
-    _to_trash(aside, trash)
-    shutil.rmtree(trash, ignore_errors=True)
-    return False
-
-
-def _to_trash(path: Path, trash: Path) -> None:
-    if trash.exists():   # a deletion of the same name that failed before: it is trash all the same
-        shutil.rmtree(trash, ignore_errors=True)
-    os.rename(path, trash)
+    """Publish the directory ``src`` as ``final`` (``easyckpt_wire.storage.posix.replace_dir``), swapping with
+    this module's ``exchange_dirs``."""
+    return posix.replace_dir(src, final, aside=aside, trash=trash, exchange=exchange_dirs)
 
 
 def stage_dirname(step: int) -> str:
@@ -220,73 +128,138 @@ def link_replicas(ranks_meta: dict[str, Any], where: str) -> None:
             record[CHECKSUM_ALGO] = source[CHECKSUM_ALGO]
 
 
-def read_metadata(iteration_dir: Path) -> dict[str, Any]:
-    """The parsed commit marker of ``iteration_dir``; raises CheckpointFormatError if incomplete."""
-    path = iteration_dir / METADATA
+# reading, over a Storage ---------------------------------------------------------------------------------
+def parse_metadata(raw: bytes, where: str) -> dict[str, Any]:
+    """A commit marker's bytes, checked for our format and version (CheckpointFormatError naming ``where``)."""
     try:
-        with open(path, encoding="utf-8") as handle:
-            meta = json.load(handle)
-    except FileNotFoundError:
-        raise CheckpointFormatError(f"{iteration_dir} has no {METADATA}: it is incomplete") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointFormatError(f"{path} is unreadable: {exc}") from None
+        meta = json.loads(raw)
+    except ValueError as exc:
+        raise CheckpointFormatError(f"{where} is unreadable: {exc}") from None
     if not isinstance(meta, dict) or meta.get("format") != METADATA_FORMAT:
-        raise CheckpointFormatError(f"{path} is not an easyckpt checkpoint (format {meta.get('format')!r})"
-                                    if isinstance(meta, dict) else f"{path} is not a JSON object")
+        raise CheckpointFormatError(f"{where} is not an easyckpt checkpoint (format {meta.get('format')!r})"
+                                    if isinstance(meta, dict) else f"{where} is not a JSON object")
     if meta.get("format_version") != METADATA_VERSION:
         raise CheckpointFormatError(
-            f"{path} has format version {meta.get('format_version')!r}, this build reads {METADATA_VERSION}"
+            f"{where} has format version {meta.get('format_version')!r}, this build reads {METADATA_VERSION}"
         )
     return meta
 
 
+def metadata(store: Storage, iteration: str = "") -> dict[str, Any]:
+    """The parsed commit marker of the iteration ``iteration`` (a key; "": the storage's root is the
+    iteration); raises CheckpointFormatError if it is incomplete or not ours."""
+    key = f"{iteration}/{METADATA}" if iteration else METADATA
+    try:
+        raw = store.read(key)
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{store.where(iteration)} has no {METADATA}: it is incomplete") from None
+    except OSError as exc:
+        raise CheckpointFormatError(f"{store.where(key)} is unreadable: {exc}") from None
+    return parse_metadata(raw, store.where(key))
+
+
+def read_json(store: Storage, key: str) -> Any:
+    """A JSON file of the layout (FileNotFoundError when missing; ValueError when it does not parse)."""
+    return json.loads(store.read(key))
+
+
+def iterations(store: Storage, prefix: str = "") -> list[tuple[int, str, bool]]:
+    """Every ``iteration_N`` under ``prefix`` as (step, key, has its marker), oldest first."""
+    found = []
+    for entry in store.entries(prefix):
+        match = ITERATION_RE.match(entry.name)
+        if match and entry.is_dir:
+            key = f"{prefix}/{entry.name}" if prefix else entry.name
+            found.append((int(match.group(1)), key, store.exists(f"{key}/{METADATA}")))
+    return sorted(found)
+
+
+def complete(store: Storage) -> list[tuple[int, str]]:
+    """(step, key) of the iterations whose commit marker exists and parses, oldest first."""
+    done = []
+    for step, key, has_marker in iterations(store):
+        if not has_marker:
+            continue
+        try:
+            meta = metadata(store, key)
+        except CheckpointFormatError:
+            continue
+        if meta.get("step") == step:
+            done.append((step, key))
+    return done
+
+
+def tracker(store: Storage) -> int | None:
+    """The step ``latest_checkpointed_iteration.txt`` names (None: no tracker, or not a step)."""
+    try:
+        text = store.read(TRACKER).decode("utf-8", errors="replace").strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def holds(store: Storage) -> set[int]:
+    """Steps whose export is still owed (``export_hold`` files)."""
+    return {int(e.name[len(EXPORT_HOLD_PREFIX):]) for e in store.entries()
+            if e.name.startswith(EXPORT_HOLD_PREFIX) and e.name[len(EXPORT_HOLD_PREFIX):].isdigit()}
+
+
+def stage_steps(store: Storage) -> list[int]:
+    """Steps with a multi-node stage in progress."""
+    return sorted(int(m.group(1)) for final in store.stages() if (m := ITERATION_RE.match(final)))
+
+
+# the same readers by path (a save_dir, or one iteration directory) ---------------------------------------
+def locate(directory: StorageLike) -> tuple[Storage, str]:
+    """(the Storage of its save_dir, its key) of a directory in a save_dir (an ``iteration_N``), for readers
+    given a path; a Storage stands for its own root."""
+    path = Path(os.fspath(directory)) if not isinstance(directory, Storage) else None
+    if path is None or path.name in ("", ".", ".."):
+        return open_storage(directory), ""
+    return open_storage(path.parent), path.name
+
+
+def present(directory: StorageLike) -> bool:
+    """Whether the directory ``directory`` of a save_dir (an ``iteration_N``) is there, through its Storage."""
+    store, key = locate(directory)
+    return store.is_dir(key)
+
+
+def read_metadata(iteration_dir: StorageLike) -> dict[str, Any]:
+    """The parsed commit marker of ``iteration_dir``; raises CheckpointFormatError if incomplete."""
+    store, name = locate(iteration_dir)
+    return metadata(store, name)
+
+
 def list_iterations(save_dir: Path) -> list[tuple[int, Path, bool]]:
     """Every ``iteration_N`` directory as (step, path, complete), oldest first."""
-    found = []
-    try:
-        entries = list(os.scandir(save_dir))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    for entry in entries:
-        match = ITERATION_RE.match(entry.name)
-        if match and entry.is_dir(follow_symlinks=False):
-            complete = (Path(entry.path) / METADATA).is_file()
-            found.append((int(match.group(1)), Path(entry.path), complete))
-    return sorted(found)
+    return [(step, Path(save_dir) / key, has_marker) for step, key, has_marker in iterations(open_storage(save_dir))]
+
+
+def complete_iterations(save_dir: Path) -> list[tuple[int, Path]]:
+    """Iterations whose commit marker exists and parses, oldest first."""
+    return [(step, Path(save_dir) / key) for step, key in complete(open_storage(save_dir))]
+
+
+def read_tracker(save_dir: Path) -> int | None:
+    return tracker(open_storage(save_dir))
 
 
 def export_hold(save_dir: Path, step: int) -> Path:
     return save_dir / f"{EXPORT_HOLD_PREFIX}{step:07d}"
 
 
+def hold_export(save_dir: StorageLike, step: int) -> None:
+    """Spare iteration ``step`` from rotation until ``release_export``: its export is owed (written before the
+    export is requested, so a crash in between cannot let rotation lose it)."""
+    open_storage(save_dir).put(f"{EXPORT_HOLD_PREFIX}{step:07d}", b"")
+
+
+def release_export(save_dir: StorageLike, step: int) -> None:
+    """The export of ``step`` is written (or given up): rotation may delete the iteration again."""
+    open_storage(save_dir).delete(f"{EXPORT_HOLD_PREFIX}{step:07d}")
+
+
 def export_holds(save_dir: Path) -> set[int]:
     """Steps whose export is still owed (``export_hold`` files in ``save_dir``)."""
-    try:
-        names = [entry.name for entry in save_dir.iterdir()]
-    except (FileNotFoundError, NotADirectoryError):
-        return set()
-    return {int(name[len(EXPORT_HOLD_PREFIX):]) for name in names
-            if name.startswith(EXPORT_HOLD_PREFIX) and name[len(EXPORT_HOLD_PREFIX):].isdigit()}
-
-
-def complete_iterations(save_dir: Path) -> list[tuple[int, Path]]:
-    """Iterations whose commit marker exists and parses, oldest first."""
-    complete = []
-    for step, path, has_marker in list_iterations(save_dir):
-        if not has_marker:
-            continue
-        try:
-            meta = read_metadata(path)
-        except CheckpointFormatError:
-            continue
-        if meta.get("step") == step:
-            complete.append((step, path))
-    return complete
-
-
-def read_tracker(save_dir: Path) -> int | None:
-    try:
-        text = (save_dir / TRACKER).read_text(encoding="utf-8").strip()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    return int(text) if text.isdigit() else None
+    return holds(open_storage(save_dir))

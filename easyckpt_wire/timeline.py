@@ -13,13 +13,13 @@ is not complete, does a load fall back to the newest complete one.
 """
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from easyckpt_wire import layout
+from easyckpt_wire.storage import Storage, open_storage
 
 ABANDONED_PREFIX = ".abandoned-"
 ABANDONED_RE = re.compile(r"^\.abandoned-(\d{8}T\d{6}\.\d{6}Z)(?:-(\d+))?$")
@@ -47,14 +47,15 @@ def abandoned_dirname(now: float | None = None) -> str:
     return f"{ABANDONED_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime(int(now)))}.{micros:06d}Z"
 
 
-def abandoned_iterations(save_dir: Path) -> list[tuple[str, int, Path]]:
-    """Every ``.abandoned-*/iteration_N`` as (abandoned dir name, step, path), oldest abandonment first."""
+def abandoned(store: Storage) -> list[tuple[str, int, str]]:
+    """Every ``.abandoned-*/iteration_N`` as (abandoned dir name, step, key), oldest abandonment first."""
     found = []
-    try:
-        entries = [e for e in os.scandir(save_dir) if ABANDONED_RE.match(e.name) and e.is_dir(follow_symlinks=False)]
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    for entry in entries:
-        for step, path, _complete in layout.list_iterations(Path(entry.path)):
-            found.append((entry.name, step, path))
+    for entry in store.entries():
+        if entry.is_dir and ABANDONED_RE.match(entry.name):
+            found += [(entry.name, step, key) for step, key, _complete in layout.iterations(store, entry.name)]
     return sorted(found)
+
+
+def abandoned_iterations(save_dir: Path) -> list[tuple[str, int, Path]]:
+    """``abandoned`` of the save_dir at this path, with paths."""
+    return [(name, step, Path(save_dir) / key) for name, step, key in abandoned(open_storage(save_dir))]

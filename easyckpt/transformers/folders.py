@@ -20,8 +20,8 @@ from transformers import PreTrainedModel, Trainer
 
 from easyckpt.transformers import fsdp
 from easyckpt.transformers.snapshot import unwrapped_model
-from easyckpt_wire import layout
 from easyckpt_wire.faults import fault_point
+from easyckpt_wire.storage import posix
 
 logger = logging.getLogger(__name__)
 
@@ -145,17 +145,6 @@ def complete_checkpoints(output_dir: Path, **checks: Any) -> list[tuple[int, Pat
     return complete
 
 
-def _fsync_tree(directory: Path) -> None:
-    for root, _dirs, files in os.walk(directory):
-        for name in files:
-            fd = os.open(os.path.join(root, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        layout.fsync_dir(Path(root))
-
-
 def _distinct_storage(state_dict: dict[str, Any]) -> dict[str, Any]:
     """safetensors refuses tensors that share memory (tied weights): give each its own copy."""
     seen: set[int] = set()
@@ -208,7 +197,7 @@ class CheckpointFolders:
         for entry in entries:
             if (aside := EXPORT_ASIDE_RE.match(entry.name)) and entry.is_dir():
                 step, pid = aside.groups()
-                if layout.settle_aside(entry, self.path(int(step)),
+                if posix.settle_aside(entry, self.path(int(step)),
                                        self.output_dir / f"{EXPORT_TRASH_PREFIX}{step}-{pid}"):
                     logger.warning("put %s back as %s: a job died while replacing it", entry, self.path(int(step)))
             elif entry.name.startswith((EXPORT_TMP_PREFIX, EXPORT_TRASH_PREFIX)) and entry.is_dir():
@@ -248,68 +237,91 @@ class CheckpointFolders:
         ``zero_models`` (rank -> its model state) adds those ranks' model state files, and the weights
         (``native``) are ``weights`` or else consolidated from ``zero_models``, which must then hold every rank.
         """
-        trainer = self.trainer
-        args = trainer.args
-        model_state = common["model"]
-        step = common.get("step")
-        model = unwrapped_model(trainer)
-        deepspeed_info = common.get("deepspeed")
-        if deepspeed_info is not None:
-            from easyckpt.transformers import zero
-            assert isinstance(step, int)
-            zero.write_model_states(directory, step, model_state, deepspeed_info)
-            for optim, info in (zero_optims or {}).values():
-                zero.write_optim_states(directory, step, optim, info)
-            if zero.is_partitioned(deepspeed_info):
-                for rank, rank_model in (zero_models or {}).items():
-                    if rank_model is not model_state:
-                        zero.write_model_states(directory, step, rank_model, (zero_optims or {})[rank][1], latest=False)
-                if native:
-                    weights = weights if weights is not None else zero.consolidate(zero_models or {}, deepspeed_info)
-        sharded = fsdp.STATE_KEY in common
-        if sharded:
-            if native and isinstance(model, PreTrainedModel):
+        args = self.trainer.args
+        if common.get("deepspeed") is not None:
+            weights = self._write_deepspeed(directory, common, native=native, zero_optims=zero_optims,
+                                            zero_models=zero_models, weights=weights)
+        self._write_model(directory, common, native=native, weights=weights)
+        if native:
+            fault_point("hf.export.mid_write", step=common.get("step"), rank=args.process_index)
+            self._write_native_extras(directory)
+        if not (native and args.save_only_model):
+            self._write_training_state(directory, common, rngs, world_size)
+        (directory / TRAINER_STATE_NAME).write_text(common["trainer_state"], encoding="utf-8")
+
+    @staticmethod
+    def _write_deepspeed(directory: Path, common: dict[str, Any], *, native: bool,
+                         zero_optims: dict[int, tuple[Any, dict[str, Any]]] | None,
+                         zero_models: dict[int, Any] | None, weights: dict[str, Any] | None) -> dict[str, Any] | None:
+        """DeepSpeed's layout: the model states and ``latest``, every rank's optimizer file and, under ZeRO-3,
+        every rank's model state file; returns the whole weights a native folder gets (ZeRO-3: consolidated)."""
+        from easyckpt.transformers import zero
+
+        info, model_state, step = common["deepspeed"], common["model"], common.get("step")
+        assert isinstance(step, int)
+        zero.write_model_states(directory, step, model_state, info)
+        for optim, rank_info in (zero_optims or {}).values():
+            zero.write_optim_states(directory, step, optim, rank_info)
+        if zero.is_partitioned(info):
+            for rank, rank_model in (zero_models or {}).items():
+                if rank_model is not model_state:
+                    zero.write_model_states(directory, step, rank_model, (zero_optims or {})[rank][1], latest=False)
+            if native:
+                weights = weights if weights is not None else zero.consolidate(zero_models or {}, info)
+        return weights
+
+    def _write_model(self, directory: Path, common: dict[str, Any], *, native: bool,
+                     weights: dict[str, Any] | None) -> None:
+        """The model: its config only under FSDP2 (the callers write the DCP directories), else its weights."""
+        model = unwrapped_model(self.trainer)
+        pretrained = native and isinstance(model, PreTrainedModel)
+        if fsdp.STATE_KEY in common:
+            if pretrained:
                 model.config.save_pretrained(str(directory))
                 if getattr(model, "generation_config", None) is not None and model.can_generate():
                     model.generation_config.save_pretrained(str(directory))
-        elif weights is not None and native and isinstance(model, PreTrainedModel):
+        elif weights is not None and pretrained:
             # whole weights of a ZeRO-3 model, tied names already sharing one tensor (the live model's
             # parameters are empty placeholders, so _retie cannot find its ties)
             model.save_pretrained(str(directory), state_dict=weights, is_main_process=True)
-        elif deepspeed_info is not None and not native:
+        elif common.get("deepspeed") is not None and not native:
             pass  # the Trainer's DeepSpeed resume reads the weights from mp_rank_00_model_states.pt
-        elif native and isinstance(model, PreTrainedModel):
-            model.save_pretrained(str(directory), state_dict=_retie(model, model_state), is_main_process=True)
+        elif pretrained:
+            model.save_pretrained(str(directory), state_dict=_retie(model, common["model"]), is_main_process=True)
         else:
             import safetensors.torch
-            safetensors.torch.save_file(_distinct_storage(weights if weights is not None else model_state),
+            safetensors.torch.save_file(_distinct_storage(weights if weights is not None else common["model"]),
                                         str(directory / SAFE_WEIGHTS_NAME),
                                         metadata={"format": "pt"})
-        if native:
-            fault_point("hf.export.mid_write", step=step, rank=args.process_index)
-            if trainer.processing_class is not None:
-                trainer.processing_class.save_pretrained(str(directory))
-            elif (tokenizer := getattr(trainer.data_collator, "tokenizer", None)) is not None:
-                tokenizer.save_pretrained(str(directory))
-            torch.save(args, directory / TRAINING_ARGS_NAME)
-        if not (native and args.save_only_model):
-            if deepspeed_info is None and not sharded:
-                torch.save(common["optim"], directory / OPTIMIZER_NAME)
-            torch.save(common["sched"], directory / SCHEDULER_NAME)
-            if "scaler" in common:
-                torch.save(common["scaler"], directory / SCALER_NAME)
-            for rank, rng in rngs.items():
-                torch.save(rng, directory / rng_file_name(rank, world_size))
-        (directory / TRAINER_STATE_NAME).write_text(common["trainer_state"], encoding="utf-8")
+
+    def _write_native_extras(self, directory: Path) -> None:
+        """What a checkpoint-N folder has besides the state: the processing class and the training args."""
+        trainer = self.trainer
+        if trainer.processing_class is not None:
+            trainer.processing_class.save_pretrained(str(directory))
+        elif (tokenizer := getattr(trainer.data_collator, "tokenizer", None)) is not None:
+            tokenizer.save_pretrained(str(directory))
+        torch.save(trainer.args, directory / TRAINING_ARGS_NAME)
+
+    @staticmethod
+    def _write_training_state(directory: Path, common: dict[str, Any], rngs: dict[int, Any], world_size: int) -> None:
+        """Optimizer (unless DeepSpeed's or FSDP2's layout holds it), scheduler, scaler and the ranks' RNGs."""
+        if common.get("deepspeed") is None and fsdp.STATE_KEY not in common:
+            torch.save(common["optim"], directory / OPTIMIZER_NAME)
+        torch.save(common["sched"], directory / SCHEDULER_NAME)
+        if "scaler" in common:
+            torch.save(common["scaler"], directory / SCALER_NAME)
+        for rank, rng in rngs.items():
+            torch.save(rng, directory / rng_file_name(rank, world_size))
 
     def publish(self, tmp: Path, step: int) -> Path:
         """fsync ``tmp`` and rename it to checkpoint-N (replacing an older one), then rotate."""
         final = self.path(step)
         with self._publish_lock:
-            _fsync_tree(tmp)
+            posix.fsync_tree(tmp)
             fault_point("hf.export.before_rename", step=step, rank=self.trainer.args.process_index)
             pid = os.getpid()
-            trash = layout.replace_dir(tmp, final, aside=self.output_dir / f"{EXPORT_ASIDE_PREFIX}{step}-{pid}",
+            trash = posix.replace_dir(tmp, final, aside=self.output_dir / f"{EXPORT_ASIDE_PREFIX}{step}-{pid}",
                                        trash=self.output_dir / f"{EXPORT_TRASH_PREFIX}{step}-{pid}")
             if trash is not None:
                 shutil.rmtree(trash, ignore_errors=True)
@@ -337,7 +349,7 @@ class CheckpointFolders:
             if path.name in protected:
                 continue
             trash = self.output_dir / f"{EXPORT_TRASH_PREFIX}{step}-{os.getpid()}"
-            os.rename(path, trash)  # never a half-deleted folder under the checkpoint-N name
+            posix.rename_to_trash(path, trash)  # never a half-deleted folder under the checkpoint-N name
             shutil.rmtree(trash, ignore_errors=True)
             logger.info("deleted %s (save_total_limit=%d)", path, limit)
             remaining -= 1
