@@ -19,6 +19,7 @@ from agent import policy
 from agent.watcher import SlotHolds, SlotInfo, Watcher
 from easyckpt_wire import layout, protocol
 from easyckpt_wire.records import ByeReply, FlushReply
+from easyckpt_wire.storage import open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +173,7 @@ class FlushRequests:
             if persisted is not None and persisted >= step:
                 # In a multi-node job ``persisted`` is this node's durable shards; the leader renames the
                 # iteration into place once every node's are.
-                committed = (save_dir / layout.iteration_dirname(persisted)).is_dir()
+                committed = open_storage(save_dir).exists(f"{layout.iteration_dirname(persisted)}/{layout.METADATA}")
                 send(identity, protocol.reply(True, id=request_id, **FlushReply(persisted, committed).to_wire()))
             elif step not in self.wanted:
                 error = self.failed.get(step, f"persisting step {given_up} failed (see the agent log)")

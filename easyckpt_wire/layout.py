@@ -28,12 +28,11 @@ their older path forms (``list_iterations(save_dir)``...) open the save_dir's. T
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
-from easyckpt_wire.storage import Storage, StorageLike, open_storage, posix
+from easyckpt_wire.storage import Storage, StorageLike, as_path, open_storage, posix
 
 # The POSIX publishing helpers, here for the callers that know them by these names.
 from easyckpt_wire.storage.posix import exchange_dirs, fsync_dir, settle_aside, write_file_atomic  # noqa: F401
@@ -215,7 +214,7 @@ def stage_steps(store: Storage) -> list[int]:
 def locate(directory: StorageLike) -> tuple[Storage, str]:
     """(the Storage of its save_dir, its key) of a directory in a save_dir (an ``iteration_N``), for readers
     given a path; a Storage stands for its own root."""
-    path = Path(os.fspath(directory)) if not isinstance(directory, Storage) else None
+    path = as_path(directory) if not isinstance(directory, Storage) else None
     if path is None or path.name in ("", ".", ".."):
         return open_storage(directory), ""
     return open_storage(path.parent), path.name
@@ -229,12 +228,12 @@ def read_metadata(iteration_dir: StorageLike) -> dict[str, Any]:
 
 def list_iterations(save_dir: Path) -> list[tuple[int, Path, bool]]:
     """Every ``iteration_N`` directory as (step, path, complete), oldest first."""
-    return [(step, Path(save_dir) / key, has_marker) for step, key, has_marker in iterations(open_storage(save_dir))]
+    return [(step, as_path(save_dir) / key, has_marker) for step, key, has_marker in iterations(open_storage(save_dir))]
 
 
 def complete_iterations(save_dir: Path) -> list[tuple[int, Path]]:
     """Iterations whose commit marker exists and parses, oldest first."""
-    return [(step, Path(save_dir) / key) for step, key in complete(open_storage(save_dir))]
+    return [(step, as_path(save_dir) / key) for step, key in complete(open_storage(save_dir))]
 
 
 def read_tracker(save_dir: Path) -> int | None:

@@ -11,10 +11,20 @@ import threading
 
 from easyckpt_wire.storage.base import BlobReader, BlobWriter, Entry, Leftover, Pending, Storage
 from easyckpt_wire.storage.posix import PosixStorage
-from easyckpt_wire.storage.url import SCHEMES, StorageURL, UnsupportedLocation, is_url, local_path, location, split_url
+from easyckpt_wire.storage.url import (
+    SCHEMES,
+    StorageURL,
+    UnsupportedLocation,
+    as_path,
+    is_url,
+    local_path,
+    location,
+    split_url,
+)
 
 __all__ = ["BlobReader", "BlobWriter", "Entry", "Leftover", "Pending", "PosixStorage", "Storage", "SCHEMES",
-           "StorageLike", "StorageURL", "UnsupportedLocation", "is_url", "location", "open_storage"]
+           "StorageLike", "StorageURL", "UnsupportedLocation", "as_path", "is_url", "location",
+           "open_storage"]
 
 StorageLike = Storage | str | os.PathLike[str]
 

@@ -140,5 +140,16 @@ def location(where: str | os.PathLike[str]) -> Path:
     return Path(local_path(text)).expanduser().resolve()
 
 
+def as_path(where: str | os.PathLike[str]) -> Path:
+    """``where`` as a ``Path`` for composing names, unresolved: a ``StorageURL`` kept as one (``Path()`` of a URL
+    would be the local ``s3:/bucket/prefix``)."""
+    if isinstance(where, StorageURL):
+        return cast(Path, where)
+    text = os.fspath(where)
+    if isinstance(text, str) and split_url(text) is not None:
+        return cast(Path, StorageURL(text))
+    return Path(where)
+
+
 def is_url(where: object) -> bool:
     return isinstance(where, StorageURL) or (isinstance(where, str) and split_url(where) is not None)
