@@ -49,6 +49,9 @@ TRASH_PREFIX = ".trash-iteration_"
 # the hold file exists, so a crash between the persist and the export cannot lose checkpoint-N for good.
 EXPORT_HOLD_PREFIX = ".export-hold-"
 ASIDE_PREFIX = ".aside-iteration_"
+# An object store has no temporary directory to rename: an iteration in progress holds a lease object named so
+# (``easyckpt_wire.storage.s3``) until its commit object is written; clean-up leaves a live writer's alone.
+LEASE_PREFIX = ".easyckpt-"
 STAGE_PREFIX = ".stage-iteration_"
 STAGE_RE = re.compile(r"^\.stage-iteration_(\d{7,})$")
 NODE_FILE_RE = re.compile(r"^node-[A-Za-z0-9_.-]{1,64}\.json$")

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
 import s3server
-from conftest import ROOT, Env, run_cli, seeded_random
+from conftest import ROOT, Env, run_cli, seeded_random, wait_for
 from ddp_job import Job
+from s3proxy import FaultProxy
 
 from easyckpt_wire import layout
 from easyckpt_wire.storage import open_storage
@@ -24,6 +26,7 @@ from easyckpt_wire.storage import open_storage
 pytestmark = pytest.mark.slow
 STEPS = 24
 INTERVAL = 4
+STEPS_DOWN = 120   # the outage job: long enough to outlast the outage and the next persist
 
 
 @pytest.fixture
@@ -106,3 +109,86 @@ def test_start_up_refuses_other_schemes_and_a_missing_bucket_naming_the_fix(env:
     assert missing in text and "create it" in text and "AWS_ENDPOINT_URL_S3" in text, text
     assert "testing" not in text, "a credential is in the message"
     assert list(tmp_path.iterdir()) == [], "nothing local was written"
+
+
+def _agent_log(env: Env) -> str:
+    return "".join(log.read_text(errors="replace") for log in env.runtime_dir.glob("*/agent.log"))
+
+
+def _leftovers(url: str) -> list[str]:
+    """What a persist in progress or a failed one leaves: leases, scratch copies, marker-less iterations,
+    multipart uploads never completed."""
+    store = open_storage(url)
+    names = _objects(url)
+    found = [n for n in names if n.startswith((".tmp-", ".stage-")) or "/.easyckpt-" in n]
+    found += [key for _, key, complete in layout.iterations(store) if not complete]
+    uploads = s3server.client(os.environ["AWS_ENDPOINT_URL_S3"]).list_multipart_uploads(
+        Bucket=store.bucket, Prefix=store.name("") + "/")   # type: ignore[attr-defined]
+    return found + [f"upload {u['Key']}" for u in uploads.get("Uploads", [])]
+
+
+def _proxied(monkeypatch: pytest.MonkeyPatch, **faults: object) -> FaultProxy:
+    proxy = FaultProxy(s3server.server().url, seed=seeded_random().randrange(1 << 30), **faults)  # type: ignore[arg-type]
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
+    return proxy
+
+
+def test_a_throttled_server_persists_through_retries_counted_once_per_persist(
+        env: Env, s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    proxy = _proxied(monkeypatch, throttle=0.15)
+    try:
+        job = Job(env, s3_url, env.tmp_path / "job", steps=13, save_storage_interval=INTERVAL,
+                  extra_args=["--max-ckpt-num", "2", "--ballast-mb", "6"], extra_env={"EASYCKPT_S3_PART_MB": "5"})
+        assert job.wait() == 0, job.log()[-3000:]
+    finally:
+        proxy.close()
+    assert proxy.throttled > 0, f"no request was throttled out of {proxy.requests}"
+    log = _agent_log(env)
+    counted = re.findall(r"iteration_(\d+): (\d+) requests retried during this persist(?: \((.*)\))?", log)
+    persisted = sorted({int(step) for step in re.findall(r"persisted step=(\d+)", log)})
+    assert len(persisted) >= 2 and persisted[-1] == 12, log[-3000:]
+    assert sorted(int(step) for step, _, _ in counted) == persisted, "one retry count per persist"
+    assert sum(int(n) for _, n, _ in counted) > 0 and any("SlowDown" in reasons for _, _, reasons in counted), counted
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3server.server().url)
+    store = open_storage(s3_url)
+    assert layout.tracker(store) == 12 and [s for s, _ in layout.complete(store)] == persisted[-2:]
+    assert _leftovers(s3_url) == []
+    verified = run_cli("verify", s3_url, env=env)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def test_the_server_gone_mid_persist_fails_it_cleanly_and_the_next_due_step_persists(
+        env: Env, s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxy drops every connection and refuses new ones at a seeded write of a persist, and stays down
+    until the agent has given that persist up (retries exhausted); training goes on, the ranks hear of it,
+    the next due step persists once the server is back, and nothing of the failed persist is left."""
+    down_at = seeded_random().randint(3, 14)
+    proxy = _proxied(monkeypatch, down_at=down_at)
+    monkeypatch.setenv("EASYCKPT_S3_MAX_ATTEMPTS", "2")
+    monkeypatch.setenv("EASYCKPT_S3_TIMEOUT", "3")
+    try:
+        job = Job(env, s3_url, env.tmp_path / "job", steps=STEPS_DOWN, save_storage_interval=INTERVAL,
+                  extra_args=["--max-ckpt-num", "3", "--ballast-mb", "6"], extra_env={"EASYCKPT_S3_PART_MB": "5"})
+        assert proxy.went_down.wait(120), f"the job made only {proxy.writes} writes:\n{job.log()[-3000:]}"
+        wait_for(lambda: re.search(r"persist of step \d+ failed", _agent_log(env)) or job.proc.poll() is not None,
+                 120, "the agent to give the persist up")
+        failed = int(re.findall(r"persist of step (\d+) failed", _agent_log(env))[0])
+        proxy.come_back()
+        assert job.wait(300) == 0, job.log()[-3000:]
+    finally:
+        proxy.close()
+    log = _agent_log(env)
+    assert "ConnectionError" in log or "cannot reach" in log or "TimeoutError" in log or "Errno" in log, log[-3000:]
+    assert re.search(rf"rank \d: persist of step {failed} failed", job.log()), "the ranks heard of it"
+    assert "persists succeed again" in job.log()
+    assert set(re.findall(r"persist of step (\d+) failed", log)) == {str(failed)}, "one failed persist"
+    after = log[log.index(f"persist of step {failed} failed"):]
+    tried = [int(s) for s in re.findall(r"persisting step (\d+) to", after)]
+    later = [int(s) for s in re.findall(r"persisted step=(\d+)", after)]
+    assert tried and later and later[0] == tried[0] > failed, f"failed at {failed}, then tried {tried}, persisted {later}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3server.server().url)
+    store = open_storage(s3_url)
+    assert layout.tracker(store) == STEPS_DOWN - 1 and failed not in [s for s, _ in layout.complete(store)]
+    assert _leftovers(s3_url) == [], "the failed persist's leftovers are gone by the end of the run"
+    verified = run_cli("verify", s3_url, env=env)
+    assert verified.returncode == 0, verified.stdout + verified.stderr

@@ -28,9 +28,10 @@ __all__ = ["BlobReader", "BlobWriter", "Entry", "Leftover", "Pending", "PosixSto
 
 StorageLike = Storage | str | os.PathLike[str]
 
-# One S3Storage per bucket and prefix in a process: a client and its connection pool are made once, not at
-# every open_storage of a save_dir's path.
-_OPENED: dict[tuple[str, str], Storage] = {}
+# One S3Storage per bucket, prefix and AWS endpoint/profile settings in a process: a client and its connection
+# pool are made once, not at every open_storage of a save_dir's path.
+_OPENED: dict[tuple[str, ...], Storage] = {}
+_CLIENT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_REGION", "AWS_DEFAULT_REGION")
 _OPENED_LOCK = threading.Lock()
 
 
@@ -46,10 +47,11 @@ def open_storage(where: StorageLike) -> Storage:
     parts = split_url(text)
     if parts is None:
         return PosixStorage(local_path(text))
+    key = (*parts, *(os.environ.get(name, "") for name in _CLIENT_ENV))
     with _OPENED_LOCK:
-        store = _OPENED.get(parts)
+        store = _OPENED.get(key)
         if store is None:
             from easyckpt_wire.storage.s3 import S3Storage  # boto3 only where an s3:// save_dir is used
 
-            store = _OPENED[parts] = S3Storage(*parts)
+            store = _OPENED[key] = S3Storage(*parts)
         return store

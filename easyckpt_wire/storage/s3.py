@@ -91,7 +91,12 @@ class S3Storage:
     def check(self) -> None:
         """At start-up: the bucket exists and this process may write under the prefix. Raises the OSError naming
         the URL, the endpoint and the fix (a missing bucket, refused credentials, an unreachable server)."""
-        self.call(self.where(), "head_bucket")
+        try:
+            self.call(self.where(), "head_bucket")
+        except FileNotFoundError:
+            raise FileNotFoundError(2, f"the bucket {self.bucket!r} does not exist at {self.endpoint}: create it (aws s3 mb "
+                                    f"s3://{self.bucket} --endpoint-url {self.endpoint}), or fix the URL",
+                                    self.where()) from None
         probe = f".easyckpt-write-test-{_HOST}-{os.getpid()}"
         self.put(probe, b"")
         self.delete(probe)
@@ -309,6 +314,7 @@ class _Pending:
         self._leased = False
         self._marker: tuple[str, bytes] | None = None
         self._published = False
+        self._left = False        # a discard that failed (the server gone): something is left, known without asking
         self._retries = store.tally.snapshot()
         self._lock = threading.Lock()
         if not shared:
@@ -339,6 +345,8 @@ class _Pending:
     def exists(self) -> bool:
         if self._published:
             return False
+        if self._left:
+            return True
         try:
             return self.store.is_dir(self.key)
         except OSError:
@@ -383,6 +391,7 @@ class _Pending:
         try:
             self.store.delete_tree(self.key)
         except OSError as exc:
+            self._left = True
             logger.warning("could not remove %s (%s): it is a leftover the next persist or `easyckpt clean` removes",
                            self.where, exc)
         finally:
