@@ -26,7 +26,7 @@ from easyckpt_wire.storage import open_storage
 pytestmark = pytest.mark.slow
 STEPS = 24
 INTERVAL = 4
-STEPS_DOWN = 120   # the outage job: long enough to outlast the outage and the next persist
+STEPS_DOWN = 80   # the outage job: long enough to outlast the outage and the next persist
 
 
 @pytest.fixture
@@ -162,13 +162,13 @@ def test_the_server_gone_mid_persist_fails_it_cleanly_and_the_next_due_step_pers
     """The proxy drops every connection and refuses new ones at a seeded write of a persist, and stays down
     until the agent has given that persist up (retries exhausted); training goes on, the ranks hear of it,
     the next due step persists once the server is back, and nothing of the failed persist is left."""
-    down_at = seeded_random().randint(3, 14)
+    down_at = seeded_random().randint(2, 12)
     proxy = _proxied(monkeypatch, down_at=down_at)
     monkeypatch.setenv("EASYCKPT_S3_MAX_ATTEMPTS", "2")
     monkeypatch.setenv("EASYCKPT_S3_TIMEOUT", "3")
     try:
         job = Job(env, s3_url, env.tmp_path / "job", steps=STEPS_DOWN, save_storage_interval=INTERVAL,
-                  extra_args=["--max-ckpt-num", "3", "--ballast-mb", "6"], extra_env={"EASYCKPT_S3_PART_MB": "5"})
+                  extra_args=["--max-ckpt-num", "3"])
         assert proxy.went_down.wait(120), f"the job made only {proxy.writes} writes:\n{job.log()[-3000:]}"
         wait_for(lambda: re.search(r"persist of step \d+ failed", _agent_log(env)) or job.proc.poll() is not None,
                  120, "the agent to give the persist up")
