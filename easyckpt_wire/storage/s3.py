@@ -35,7 +35,7 @@ from typing import Any
 import psutil
 
 from easyckpt_wire.storage.base import Entry, Leftover
-from easyckpt_wire.storage.s3client import RetryTally, S3Settings, client_errors, make_client, os_error
+from easyckpt_wire.storage.s3client import S3Settings, client_errors, os_error, shared_client
 from easyckpt_wire.storage.s3io import Reader, Writer
 
 logger = logging.getLogger(__name__)
@@ -56,8 +56,7 @@ class S3Storage:
     def __init__(self, bucket: str, prefix: str = "", *, settings: S3Settings | None = None) -> None:
         self.bucket, self.prefix = bucket, prefix.strip("/")
         self.settings = settings or S3Settings.from_env()
-        self.tally = RetryTally()
-        self.client = make_client(self.settings, self.tally)
+        self.client, self.tally = shared_client(self.settings)
         self.endpoint = str(self.client.meta.endpoint_url)
         self.pool = concurrent.futures.ThreadPoolExecutor(self.settings.threads, thread_name_prefix="s3")
 

@@ -83,6 +83,23 @@ class RetryTally:
             return collections.Counter(self.reasons)
 
 
+_CLIENT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_REGION", "AWS_DEFAULT_REGION",
+               "AWS_ACCESS_KEY_ID", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
+_SHARED: dict[tuple[Any, ...], tuple[Any, RetryTally]] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_client(settings: S3Settings) -> tuple[Any, RetryTally]:
+    """One client (thread-safe, with its connection pool) and its retry tally per settings and AWS environment in
+    a process: making a client costs a fraction of a second (its service model is parsed)."""
+    key = (settings, *(os.environ.get(name, "") for name in _CLIENT_ENV))
+    with _SHARED_LOCK:
+        if key not in _SHARED:
+            tally = RetryTally()
+            _SHARED[key] = (make_client(settings, tally), tally)
+        return _SHARED[key]
+
+
 def make_client(settings: S3Settings, tally: RetryTally) -> Any:
     """An S3 client from the standard AWS configuration (see the module's docstring)."""
     try:
