@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from easyckpt_wire import layout
+from easyckpt_wire.storage import open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ def from_dcp(src: Path, out: Path, step: int, timeout: float = 120.0) -> Path:
     finally:
         ckpt.close()
     iteration = out / layout.iteration_dirname(step)
-    if not (iteration / layout.METADATA).is_file():
+    if not open_storage(out).exists(f"{iteration.name}/{layout.METADATA}"):
         raise layout.CheckpointFormatError(f"{iteration} was not written; see the agent's log")
     return iteration
 

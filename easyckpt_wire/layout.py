@@ -130,8 +130,6 @@ def link_replicas(ranks_meta: dict[str, Any], where: str) -> None:
             record[CHECKSUM_ALGO] = source[CHECKSUM_ALGO]
 
 
-
-
 # reading, over a Storage ---------------------------------------------------------------------------------
 def parse_metadata(raw: bytes, where: str) -> dict[str, Any]:
     """A commit marker's bytes, checked for our format and version (CheckpointFormatError naming ``where``)."""
@@ -223,6 +221,12 @@ def locate(directory: StorageLike) -> tuple[Storage, str]:
     return open_storage(path.parent), path.name
 
 
+def present(directory: StorageLike) -> bool:
+    """Whether the directory ``directory`` of a save_dir (an ``iteration_N``) is there, through its Storage."""
+    store, key = locate(directory)
+    return store.is_dir(key)
+
+
 def read_metadata(iteration_dir: StorageLike) -> dict[str, Any]:
     """The parsed commit marker of ``iteration_dir``; raises CheckpointFormatError if incomplete."""
     store, name = locate(iteration_dir)
@@ -245,6 +249,17 @@ def read_tracker(save_dir: Path) -> int | None:
 
 def export_hold(save_dir: Path, step: int) -> Path:
     return save_dir / f"{EXPORT_HOLD_PREFIX}{step:07d}"
+
+
+def hold_export(save_dir: StorageLike, step: int) -> None:
+    """Spare iteration ``step`` from rotation until ``release_export``: its export is owed (written before the
+    export is requested, so a crash in between cannot let rotation lose it)."""
+    open_storage(save_dir).put(f"{EXPORT_HOLD_PREFIX}{step:07d}", b"")
+
+
+def release_export(save_dir: StorageLike, step: int) -> None:
+    """The export of ``step`` is written (or given up): rotation may delete the iteration again."""
+    open_storage(save_dir).delete(f"{EXPORT_HOLD_PREFIX}{step:07d}")
 
 
 def export_holds(save_dir: Path) -> set[int]:

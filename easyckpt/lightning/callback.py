@@ -136,7 +136,7 @@ class EasyCkpt(Callback):
             for step in layout.export_holds(self.ckpt.config.save_dir):   # a dead run's: nobody exports them now
                 logger.warning("the export of iteration %d was cut off by the end of a run; the iteration stays "
                                "resumable by easyckpt", step)
-                layout.export_hold(self.ckpt.config.save_dir, step).unlink(missing_ok=True)
+                layout.release_export(self.ckpt.config.save_dir, step)
             self.exporter = Exporter(self.ckpt.config.save_dir, self.export_timeout)
         self._wrap_strategy(trainer)
         self._last_step = -1

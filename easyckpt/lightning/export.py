@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import queue
 import threading
 import time
@@ -26,6 +25,7 @@ import torch
 
 from easyckpt.convert import full_state
 from easyckpt_wire import layout
+from easyckpt_wire.storage import posix
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Exporter:
     def request(self, step: int, path: str, extras: dict[str, Any]) -> None:
         # The hold first: rotation must not delete the iteration before its export has read it.
         try:
-            layout.export_hold(self.save_dir, step).touch()
+            layout.hold_export(self.save_dir, step)
         except OSError as exc:
             logger.warning("cannot hold iteration %d for the export of %s (%s): rotation may delete it first", step,
                            path, exc)
@@ -104,7 +104,7 @@ class Exporter:
                 logger.exception("writing %s from iteration %d failed; the easyckpt iteration stays usable",
                                  request.path, request.step)
             finally:
-                layout.export_hold(self.save_dir, request.step).unlink(missing_ok=True)
+                layout.release_export(self.save_dir, request.step)
                 with self.lock:
                     self.outstanding -= 1
                     self.pending[request.path] -= 1
@@ -120,7 +120,7 @@ class Exporter:
             done = dict(layout.complete_iterations(self.save_dir))
             if request.step in done:
                 return path
-            if any(s > request.step for s in done) and not path.exists():
+            if any(s > request.step for s in done) and not layout.present(path):
                 logger.warning("step %d was never persisted to %s (a newer iteration is complete): no %s",
                                request.step, self.save_dir, request.path)
                 return None
@@ -142,7 +142,7 @@ class Exporter:
         try:
             state = full_state(iteration)
         except (FileNotFoundError, layout.CheckpointFormatError):
-            if not iteration.exists():
+            if not layout.present(iteration):
                 logger.warning("iteration %s was rotated away before it could be exported: no %s (raise "
                                "max_ckpt_num)", iteration, request.path)
                 self.failed[request.path] = "rotated away"
@@ -175,12 +175,11 @@ def write_checkpoint(checkpoint: dict[str, Any], path: str, *, guard: Any = None
     try:
         with open(tmp, "wb") as handle:
             torch.save(checkpoint, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
+        posix.fsync_file(tmp)
         with guard or contextlib.nullcontext():
             if wanted is not None and not wanted():
                 return
-            os.replace(tmp, final)
-        layout.fsync_dir(final.parent)
+            posix.rename_file(tmp, final)
+        posix.fsync_dir(final.parent)
     finally:
         tmp.unlink(missing_ok=True)

@@ -35,6 +35,7 @@ from easyckpt.megatron.snapshot import META_KEY, model_keys, plain_args
 from easyckpt.state import unflatten
 from easyckpt_wire import layout
 from easyckpt_wire.layout import CheckpointFormatError
+from easyckpt_wire.storage import posix
 
 logger = logging.getLogger(__name__)
 
@@ -225,8 +226,7 @@ def convert_to_megatron(src: Path, dst: Path, *, no_optim: bool = False) -> tupl
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as handle:
             torch.save(out, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
+        posix.fsync_file(path)
         written.append(target / name / FILE)
     layout.replace_dir(tmp, target)   # no aside name: a target that exists after all is refused
     layout.write_file_atomic(dst / TRACKER, str(step))

@@ -64,12 +64,12 @@ class Exporter:
 
     def hold(self, step: int) -> None:
         try:
-            layout.export_hold(self.save_dir, step).touch()
+            layout.hold_export(self.save_dir, step)
         except OSError as exc:   # rotation may then delete the iteration first: the export says so if it does
             logger.warning("cannot hold iteration %d for its export (%s): rotation may delete it first", step, exc)
 
     def release(self, step: int) -> None:
-        layout.export_hold(self.save_dir, step).unlink(missing_ok=True)
+        layout.release_export(self.save_dir, step)
 
     def cancel(self, step: int) -> None:
         """A requested step some rank could not snapshot: the agent will never persist it, so the export stops
@@ -123,7 +123,7 @@ class Exporter:
                 logger.warning("no checkpoint-%d: the node agent passed over due step %d (a persist was still running; "
                                "see its log) and will not persist it", step, step)
                 return None
-            if any(s > step for s in done) and not path.exists():
+            if any(s > step for s in done) and not layout.present(path):
                 logger.warning("step %d was never persisted to %s (a newer iteration is complete): no checkpoint-%d",
                                step, self.save_dir, step)
                 return None
@@ -160,7 +160,7 @@ class Exporter:
                 if partitioned:
                     zero_models[rank] = part["model"]
         except (FileNotFoundError, layout.CheckpointFormatError):
-            if not path.exists():
+            if not layout.present(path):
                 logger.warning("iteration %s was rotated away before it could be exported: no checkpoint-%d "
                                "(raise max_ckpt_num)", path, step)
                 self.failed[step] = "rotated away"

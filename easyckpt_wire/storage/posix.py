@@ -75,8 +75,14 @@ def write_file_atomic(path: Path, data: str | bytes) -> None:
 def publish_file(tmp: Path, final: Path) -> None:
     """Publish the finished file ``tmp`` as ``final`` (same directory): fsync, rename over, fsync the parent."""
     fsync_file(tmp)
-    os.replace(tmp, final)
+    rename_file(tmp, final)
     fsync_dir(final.parent)
+
+
+def rename_file(tmp: Path, final: Path) -> None:
+    """Rename the fsynced file ``tmp`` over ``final`` (same directory) in one step; the caller fsyncs the parent
+    (``fsync_dir``) once it no longer holds what made the rename exclusive (the Lightning export's guard)."""
+    os.replace(tmp, final)
 
 
 _RENAME_EXCHANGE = 2   # renameat2(2) flag: swap two existing entries atomically

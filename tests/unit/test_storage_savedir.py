@@ -108,6 +108,25 @@ def test_abandoned_iterations_over_a_storage(tmp_path: Path) -> None:
     assert [p for _, _, p in timeline.abandoned_iterations(tmp_path)] == [tmp_path / k for _, _, k in found]
 
 
+def test_an_export_hold_spares_its_iteration_from_rotation_until_released(tmp_path: Path) -> None:
+    """The HF and Lightning exporters hold the iteration they export through the save_dir's Storage."""
+    from agent.timeline import DiskTimeline
+
+    store = PosixStorage(tmp_path)
+    iterations = {step: make_iteration(tmp_path, step) for step in (1, 2, 3)}
+    layout.hold_export(tmp_path, 1)
+    layout.hold_export(store, 1)   # held twice: still one hold
+    assert layout.holds(store) == layout.export_holds(tmp_path) == {1}
+    rotation = DiskTimeline(tmp_path, AuditLog(store))
+    assert rotation.rotate(max_ckpt_num=1, keep=3) == [("", 2)]
+    assert [layout.present(iterations[s]) for s in (1, 2, 3)] == [True, False, True]
+    layout.release_export(tmp_path, 1)
+    layout.release_export(tmp_path, 1)   # released twice: no error
+    assert layout.holds(store) == set()
+    assert rotation.rotate(max_ckpt_num=1, keep=3) == [("", 1)]
+    assert not layout.present(iterations[1]) and [s for s, _ in layout.complete(store)] == [3]
+
+
 # the library's readers through the storage ---------------------------------------------------------------
 @pytest.fixture
 def persisted(tmp_path: Path) -> Path:
