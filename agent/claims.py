@@ -202,4 +202,4 @@ def _committed(save_dir: Path, step: int) -> bool:
     """Whether ``iteration_<step>`` is published: its directory on POSIX (renamed into place whole); its commit
     object on an object store, where the files are under the final prefix before it is written."""
     store, key = open_storage(save_dir), layout.iteration_dirname(step)
-    return store.exists(f"{key}/{layout.METADATA}") if is_url(save_dir) else store.is_dir(key)
+    return layout.committed(store, key) if is_url(save_dir) else store.is_dir(key)

@@ -116,7 +116,7 @@ def publish(store: Storage, pending: Pending, step: int, audit: AuditLog) -> str
     """Publish ``pending`` as ``iteration_<step>``, replacing (audited) a copy of the step already there (a
     tracker that lagged a crash); returns the key of the replaced copy, for ``delete_tree``."""
     final = layout.iteration_dirname(step)
-    if store.is_dir(final):
+    if layout.committed(store, final):
         audit.record("delete", store.where(final), step=step, reason="replaced by a new persist of the same step")
     return pending.publish()
 

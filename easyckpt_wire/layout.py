@@ -221,6 +221,12 @@ def locate(directory: StorageLike) -> tuple[Storage, str]:
     return open_storage(path.parent), path.name
 
 
+def committed(store: Storage, key: str) -> bool:
+    """Whether a published copy of the iteration ``key`` is in place: its commit marker. Its directory is not
+    enough: on an object store a persist's files are under the final prefix before its commit object."""
+    return store.exists(f"{key}/{METADATA}")
+
+
 def present(directory: StorageLike) -> bool:
     """Whether the directory ``directory`` of a save_dir (an ``iteration_N``) is there, through its Storage."""
     store, key = locate(directory)

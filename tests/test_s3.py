@@ -88,6 +88,7 @@ def test_a_job_persists_rotates_and_resumes_from_memory_then_from_the_object_sto
     audit = [json.loads(line) for line in store.read(layout.AUDIT_LOG).decode().splitlines()]
     assert any(row["op"] == "write" and row["path"] == f"{s3_url}/{layout.iteration_dirname(final)}" for row in audit)
     assert any(row["op"] == "delete" for row in audit), "rotation deletes are audited"
+    assert not [row for row in audit if "replaced" in row.get("reason", "")], "no step was persisted twice"
 
     third = Job(env, s3_url, env.tmp_path / "third", steps=STEPS + 2, save_storage_interval=INTERVAL, extra_args=args,
                 extra_env={"EASYCKPT_JOB_ID": "another-job"})
@@ -100,9 +101,10 @@ def test_a_job_persists_rotates_and_resumes_from_memory_then_from_the_object_sto
     proxy.close()
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3server.server().url)
     assert _leftovers(s3_url) == []
-    _dcp_reads_it_on_another_world_size(f"{s3_url}/{layout.iteration_dirname(final)}", env.tmp_path / "copy")
+    newest = layout.complete(open_storage(s3_url))[-1][1]   # the third job's last step (rotation took the final one)
+    _dcp_reads_it_on_another_world_size(f"{s3_url}/{newest}", env.tmp_path / "copy")
     listing = run_cli("ls", s3_url, env=env)
-    newest = layout.iteration_dirname(STEPS + 1)   # the third job's close() persisted its last step
+    assert newest == layout.iteration_dirname(STEPS + 1)   # the third job's close() persisted its last step
     assert listing.returncode == 0 and f"{newest}" in listing.stdout and "<- tracker" in listing.stdout, (
         listing.stdout + listing.stderr)
     verified = run_cli("verify", s3_url, env=env)
