@@ -135,11 +135,11 @@ def _probe(job: Path, timeout: float, *, named: bool, save_dir: str | None = Non
 
 def _disk(save_dir: str | None) -> dict[str, Any] | None:
     """What ``save_dir`` holds, judged without reading tensors (``checks.damage``): None when unknown."""
-    if save_dir is None or not Path(save_dir).is_dir():
+    if save_dir is None or not as_path(save_dir).is_dir():
         return None
-    complete = layout.complete_iterations(Path(save_dir))
+    complete = layout.complete_iterations(as_path(save_dir))
     damaged = [step for step, path in complete if checks.damage(path) is not None]
-    return {"steps": [step for step, _ in complete], "tracker": layout.read_tracker(Path(save_dir)),
+    return {"steps": [step for step, _ in complete], "tracker": layout.read_tracker(as_path(save_dir)),
             "damaged": damaged, "bytes": sum(checks.dir_bytes(path) for _, path in complete)}
 
 
