@@ -23,6 +23,7 @@ aborted, so a failed persist leaves no hidden parts billed either.
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import json
 import logging
 import os
@@ -46,6 +47,7 @@ STAGE_LEASE = ".easyckpt-stage"
 TMP_PREFIX, STAGE_PREFIX = ".tmp-", ".stage-"
 LEASE_S = 24 * 3600.0               # a lease of another host is taken as a live writer's for this long
 _COPY_MAX = 5 << 30                 # larger objects are copied in parts (``client.copy``)
+_APPEND_TRIES = 50                  # an append that keeps losing the race to other writers gives up
 _ACTIVE: set[str] = set()           # pending iterations in progress in this process (their lease is live)
 _HOST = socket.gethostname()
 
@@ -59,6 +61,7 @@ class S3Storage:
         self.client, self.tally = shared_client(self.settings)
         self.endpoint = str(self.client.meta.endpoint_url)
         self.pool = concurrent.futures.ThreadPoolExecutor(self.settings.threads, thread_name_prefix="s3")
+        self._conditional = True   # the server takes If-Match / If-None-Match on PUT (S3 since 2024, MinIO, moto)
 
     def __repr__(self) -> str:
         return f"S3Storage({self.where()!r})"
@@ -169,16 +172,31 @@ class S3Storage:
 
     def append(self, key: str, data: bytes) -> None:
         """Objects are immutable: the object is read and written again with ``data`` at its end (the audit log;
-        small). Two writers appending at the same moment may lose one line."""
-        try:
-            old = self.read(key)
-        except FileNotFoundError:
-            old = b""
-        self.put(key, old + bytes(data))
+        small), on condition that nobody wrote it meanwhile (``If-Match`` its ETag, ``If-None-Match`` when new);
+        a writer that lost the race reads again. A server without conditional writes gets a plain PUT."""
+        where, name = self.where(key), self.name(key)
+        for _ in range(_APPEND_TRIES):
+            try:
+                reply = self.call(where, "get_object", Key=name)
+                old, condition = reply["Body"].read(), {"IfMatch": reply["ETag"]}
+            except FileNotFoundError:
+                old, condition = b"", {"IfNoneMatch": "*"}
+            try:
+                self.call(where, "put_object", Key=name, Body=old + bytes(data),
+                          **(condition if self._conditional else {}))
+                return
+            except FileExistsError:   # 412: another writer appended between our read and our write
+                continue
+            except OSError as exc:
+                if not self._conditional or exc.errno != errno.EIO:
+                    raise
+                logger.info("%s: conditional writes refused (%s): appending without them", where, exc)
+                self._conditional = False
+        raise OSError(errno.EAGAIN, f"another writer kept appending ({_APPEND_TRIES} tries)", where)
 
     def make_dir(self, key: str) -> None:
         if self.is_dir(key) or self.exists(key):
-            raise FileExistsError(17, "it exists", self.where(key))
+            raise FileExistsError(errno.EEXIST, "it exists", self.where(key))
         self.call(self.where(key), "put_object", Key=self._dir(key), Body=b"")
 
     def begin(self, final: str) -> _Pending:
@@ -331,7 +349,8 @@ class _Pending:
     def create(self, name: str) -> Writer:
         self._take_lease()
         if self.store.exists(f"{self.key}/{name}"):
-            raise FileExistsError(17, "it exists in this pending iteration", self.store.where(f"{self.key}/{name}"))
+            where = self.store.where(f"{self.key}/{name}")
+            raise FileExistsError(errno.EEXIST, "it exists in this pending iteration", where)
         return Writer(self.store, f"{self.key}/{name}")
 
     def put(self, name: str, data: bytes, *, atomic: bool = False) -> None:

@@ -68,6 +68,25 @@ def test_an_aborted_multipart_upload_leaves_no_parts(store: s3.S3Storage) -> Non
     assert pending.names() == []
 
 
+def test_appends_of_writers_at_the_same_moment_lose_no_line(store: s3.S3Storage) -> None:
+    """The audit log of a multi-node job: every node's agent appends to one object."""
+    import threading
+
+    def append(writer: int) -> None:
+        for line in range(8):
+            store.append("audit.log", f"{writer}-{line}\n".encode())
+
+    threads = [threading.Thread(target=append, args=(w,)) for w in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    lines = store.read("audit.log").decode().splitlines()
+    assert sorted(lines) == sorted(f"{w}-{n}" for w in range(4) for n in range(8)), lines
+    for writer in range(4):
+        assert [x for x in lines if x.startswith(f"{writer}-")] == [f"{writer}-{n}" for n in range(8)], "order kept"
+
+
 def test_a_step_persisted_again_stays_readable_until_its_new_commit_object(store: s3.S3Storage) -> None:
     first = store.begin("iteration_0000010")
     first.put("f", b"old")
