@@ -103,7 +103,7 @@ def _probe(job: Path, timeout: float, *, named: bool, save_dir: str | None = Non
     directory = shm_dir()
     control = control_path(directory, job_id)
     recorded = save_dir or _recorded_save_dir(job, job_id)
-    save = str(Path(recorded).resolve()) if recorded else None
+    save = str(as_path(recorded).resolve()) if recorded else None
     if not slots and not live:
         # The normal end: the agent persisted the newest snapshot, released the memory and exited (and
         # removed its runtime directory). What is left is on disk.
@@ -122,8 +122,8 @@ def _probe(job: Path, timeout: float, *, named: bool, save_dir: str | None = Non
         "remove": _clean_command(job, job_id),
         "save_dir": save,
     }
-    if save is not None and Path(save).is_dir():
-        entry["persisted_step"] = max((step for step, _ in layout.complete_iterations(Path(save))), default=None)
+    if save is not None and as_path(save).is_dir():
+        entry["persisted_step"] = max((step for step, _ in layout.complete_iterations(as_path(save))), default=None)
     if named:  # asked about this job by name: its memory is held by no agent, or its ranks run without one
         log = job / "agent.log"
         entry["error"] = ("no agent is running" + (f" while {', '.join(live)} live: the next snapshot starts one"

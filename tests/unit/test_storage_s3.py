@@ -6,6 +6,7 @@ errors naming the URL and the fix. Against a real S3 server process (moto's serv
 from __future__ import annotations
 
 import errno
+import json
 import os
 
 import pytest
@@ -130,7 +131,7 @@ def test_errors_are_os_errors_naming_the_url_and_the_fix(store: s3.S3Storage) ->
     assert store.entries() == []
 
 
-def test_easyckpt_clean_removes_a_dead_writers_iteration_from_the_bucket(store: s3.S3Storage, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_easyckpt_clean_removes_a_dead_writers_iteration_and_status_reads_the_bucket(store: s3.S3Storage, tmp_path) -> None:  # type: ignore[no-untyped-def]
     import subprocess
     import sys
 
@@ -138,7 +139,8 @@ def test_easyckpt_clean_removes_a_dead_writers_iteration_from_the_bucket(store: 
 
     kept = store.begin("iteration_0000040")
     kept.put("f", b"x")
-    kept.seal(layout.METADATA, b"{}")
+    kept.seal(layout.METADATA, json.dumps({"format": layout.METADATA_FORMAT, "format_version": layout.METADATA_VERSION,
+                                           "step": 40, "world_size": 1, "ranks": {}}).encode())
     kept.publish()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "EASYCKPT_RUNTIME_DIR": str(tmp_path), "EASYCKPT_SHM_DIR": str(tmp_path)}
     writer = ("import sys; from easyckpt_wire.storage import open_storage; p = open_storage(sys.argv[1])"
@@ -150,3 +152,7 @@ def test_easyckpt_clean_removes_a_dead_writers_iteration_from_the_bucket(store: 
     assert f"removed {store.where('iteration_0000050')}" in done.stdout, done.stdout
     assert [e.name for e in store.entries() if e.is_dir] == ["iteration_0000040"]
     assert '"op": "delete"' in store.read(layout.AUDIT_LOG).decode()
+    status = subprocess.run([sys.executable, "-m", "easyckpt.cli", "status", store.where()], capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert status.returncode == 0 and f"on disk in {store.where()}: 1 complete iteration(s), steps 40" in status.stdout, (
+        status.stdout + status.stderr)
