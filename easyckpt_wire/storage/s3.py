@@ -96,8 +96,8 @@ class S3Storage:
         try:
             self.call(self.where(), "head_bucket")
         except FileNotFoundError:
-            raise FileNotFoundError(2, f"the bucket {self.bucket!r} does not exist at {self.endpoint}: create it (aws s3 mb "
-                                    f"s3://{self.bucket} --endpoint-url {self.endpoint}), or fix the URL",
+            fix = f"create it (aws s3 mb s3://{self.bucket} --endpoint-url {self.endpoint}), or fix the URL"
+            raise FileNotFoundError(errno.ENOENT, f"the bucket {self.bucket!r} does not exist at {self.endpoint}: {fix}",
                                     self.where()) from None
         probe = f".easyckpt-write-test-{_HOST}-{os.getpid()}"
         self.put(probe, b"")
@@ -107,7 +107,7 @@ class S3Storage:
     def _list(self, prefix: str, delimiter: bool) -> Iterator[dict[str, Any]]:
         token: dict[str, str] = {}
         while True:
-            page = self.call(self.where(prefix.rstrip("/")), "list_objects_v2", Prefix=prefix,
+            page = self.call(f"s3://{self.bucket}/{prefix.rstrip('/')}", "list_objects_v2", Prefix=prefix,
                              **({"Delimiter": "/"} if delimiter else {}), **token)
             yield page
             if not page.get("IsTruncated"):
@@ -151,14 +151,18 @@ class S3Storage:
     def _get(self, key: str, first: int | None = None, last: int | None = None) -> bytes:
         where = self.where(key)
         extra = {"Range": f"bytes={first}-{last}"} if first is not None else {}
-        reply = self.call(where, "get_object", Key=self.name(key), **extra)
+        return self._body(self.call(where, "get_object", Key=self.name(key), **extra), where)
+
+    def _body(self, reply: dict[str, Any], where: str) -> bytes:
+        """A GET's body, read whole; a connection that drops while it streams is an OSError naming ``where``."""
         broken: tuple[type[BaseException], ...] = (*client_errors(), OSError)
         try:
             return bytes(reply["Body"].read())
-        except broken as exc:   # the connection dropped while the body streamed
+        except broken as exc:
             raise os_error(exc, where, self.endpoint, 1) from None
         except Exception as exc:   # urllib3's ProtocolError and kin are not OSError
-            raise ConnectionError(f"{where}: the download broke off: {type(exc).__name__}: {exc}") from None
+            raise ConnectionError(errno.ECONNRESET, f"the download broke off: {type(exc).__name__}: {exc}",
+                                  where) from None
 
     def open(self, key: str) -> Reader:
         return Reader(self, key)
@@ -178,7 +182,7 @@ class S3Storage:
         for _ in range(_APPEND_TRIES):
             try:
                 reply = self.call(where, "get_object", Key=name)
-                old, condition = reply["Body"].read(), {"IfMatch": reply["ETag"]}
+                old, condition = self._body(reply, where), {"IfMatch": reply["ETag"]}
             except FileNotFoundError:
                 old, condition = b"", {"IfNoneMatch": "*"}
             try:
