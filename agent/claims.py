@@ -19,7 +19,7 @@ from agent import policy
 from agent.watcher import SlotHolds, SlotInfo, Watcher
 from easyckpt_wire import layout, protocol
 from easyckpt_wire.records import ByeReply, FlushReply
-from easyckpt_wire.storage import open_storage
+from easyckpt_wire.storage import is_url, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class FlushRequests:
             if persisted is not None and persisted >= step:
                 # In a multi-node job ``persisted`` is this node's durable shards; the leader renames the
                 # iteration into place once every node's are.
-                committed = open_storage(save_dir).is_dir(layout.iteration_dirname(persisted))
+                committed = _committed(save_dir, persisted)
                 send(identity, protocol.reply(True, id=request_id, **FlushReply(persisted, committed).to_wire()))
             elif step not in self.wanted:
                 error = self.failed.get(step, f"persisting step {given_up} failed (see the agent log)")
@@ -196,3 +196,10 @@ class FlushRequests:
         for step in self.wanted:
             self.failed.setdefault(step, why)
         self.wanted.clear()
+
+
+def _committed(save_dir: Path, step: int) -> bool:
+    """Whether ``iteration_<step>`` is published: its directory on POSIX (renamed into place whole); its commit
+    object on an object store, where the files are under the final prefix before it is written."""
+    store, key = open_storage(save_dir), layout.iteration_dirname(step)
+    return layout.committed(store, key) if is_url(save_dir) else store.is_dir(key)

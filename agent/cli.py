@@ -18,6 +18,7 @@ from agent.server import Agent, AgentConfig
 from easyckpt_wire import protocol
 from easyckpt_wire.runtime import remove_runtime_dir, take_lock
 from easyckpt_wire.shm import check_job_id, shm_dir
+from easyckpt_wire.storage import location
 
 logger = logging.getLogger("agent")
 
@@ -56,7 +57,8 @@ def _under_torchrun() -> bool:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="easyckpt-agent", description=__doc__, epilog=_EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--save-dir", required=True, type=Path, help="checkpoint directory (POSIX path)")
+    parser.add_argument("--save-dir", required=True, type=location,
+                        help="checkpoint directory: a POSIX path or s3://bucket/prefix")
     parser.add_argument("--job-id", help="job id (default: EASYCKPT_JOB_ID, else derived from --save-dir)")
     parser.add_argument("--shm-dir", type=Path, help="where the slots live (default: EASYCKPT_SHM_DIR or /dev/shm)")
     parser.add_argument("--save-storage-interval", type=int, default=0,

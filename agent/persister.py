@@ -70,6 +70,24 @@ def free_bytes(save_dir: StorageLike) -> int | None:
     return open_storage(save_dir).free_bytes()
 
 
+# save_dirs (``Storage.where()``) where a failed persist could not remove its pending copy (an object store that
+# stopped answering): the next persist there removes what it left, before it writes anything.
+_LEFT: set[str] = set()
+
+
+def _settle_left(store: Storage, audit: AuditLog) -> None:
+    where = store.where()
+    if where not in _LEFT:
+        return
+    try:
+        removed = clean_leftovers(store, audit)
+    except OSError as exc:
+        logger.warning("could not yet remove what a failed persist left in %s: %s", where, exc)
+        return
+    _LEFT.discard(where)
+    logger.info("removed what a failed persist left in %s: %s", where, ", ".join(removed) or "nothing")
+
+
 def _discard(store: Storage, pending: Pending, step: int, audit: AuditLog) -> None:
     """Remove a failed persist's pending iteration; the audit line is best effort (the disk may be full or
     read-only: the failure itself is what must be reported, not a second one)."""
@@ -81,7 +99,8 @@ def _discard(store: Storage, pending: Pending, step: int, audit: AuditLog) -> No
         pass
     pending.discard()
     if pending.exists():
-        logger.warning("could not remove the failed persist's %s; the next agent start removes it", pending.where)
+        _LEFT.add(store.where())
+        logger.warning("could not remove the failed persist's %s; the next persist removes it", pending.where)
 
 
 def _fill(pending: Pending, step: int, snapshots: list[RankSnapshot], threads: int) -> int:
@@ -97,7 +116,7 @@ def publish(store: Storage, pending: Pending, step: int, audit: AuditLog) -> str
     """Publish ``pending`` as ``iteration_<step>``, replacing (audited) a copy of the step already there (a
     tracker that lagged a crash); returns the key of the replaced copy, for ``delete_tree``."""
     final = layout.iteration_dirname(step)
-    if store.is_dir(final):
+    if layout.committed(store, final):
         audit.record("delete", store.where(final), step=step, reason="replaced by a new persist of the same step")
     return pending.publish()
 
@@ -119,6 +138,7 @@ def persist(save_dir: StorageLike, step: int, snapshots: list[RankSnapshot], aud
     trash = None
     failed: PersistFailed | None = None
     try:
+        _settle_left(store, audit)
         pending = store.begin(final)
         audit.record("write-begin", pending.where, step=step)
         nbytes = _fill(pending, step, snapshots, threads)

@@ -107,7 +107,7 @@ def commit_stage(save_dir: StorageLike, step: int, audit: AuditLog) -> PersistSt
         if layout.NODE_FILE_RE.match(name):
             stage.delete(name)
     seal(stage, step, world_size, ranks_meta, {r: c for r, (_, c, _, _) in ranks.items()}, nbytes, verdict)
-    if store.is_dir(final):
+    if layout.committed(store, final):
         audit.record("delete", store.where(final), step=step, reason="replaced by a new persist of the same step")
     trash = stage.publish()
     if trash is not None:

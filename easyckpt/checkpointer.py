@@ -15,7 +15,6 @@ import sys
 import time
 import weakref
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import psutil
@@ -35,6 +34,7 @@ from easyckpt_wire import owner, protocol
 from easyckpt_wire.health import RankHealth, rank_verdict
 from easyckpt_wire.records import PeerTable
 from easyckpt_wire.shm import format_bytes
+from easyckpt_wire.storage import location
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class Checkpointer:
     def __init__(self, save_dir: str | os.PathLike[str], save_mem_interval: int, save_storage_interval: int,
                  max_ckpt_num: int, log_file_path: str | None = None, **options: Any) -> None:
         apply_env_level()
-        self.config = CheckpointerConfig(save_dir=Path(save_dir), save_mem_interval=save_mem_interval,
+        self.config = CheckpointerConfig(save_dir=location(save_dir), save_mem_interval=save_mem_interval,
                                          save_storage_interval=save_storage_interval, max_ckpt_num=max_ckpt_num,
                                          log_file_path=log_file_path, **options)
         self.rank, self.world_size, self.local_rank, self.local_world_size = _topology()
@@ -154,7 +154,7 @@ class Checkpointer:
         """
         self.stager.wait()
         result = load(slots=self.slots, save_dir=self.config.save_dir, rank=self.rank, world_size=self.world_size,
-                      template=state_dict, load_dir=Path(load_dir).resolve() if load_dir is not None else None,
+                      template=state_dict, load_dir=location(load_dir) if load_dir is not None else None,
                       timeout=self.config.load_timeout, peers=self.peers, peer_timeout=self.config.peer_timeout,
                       allow_unhealthy=allow_unhealthy, reshard=reshard)
         # In this rank's slot (memory, or pulled from a replica): a process that ends without a snapshot of its

@@ -20,6 +20,7 @@ from easyckpt.cli_status import cmd_clean, cmd_status
 from easyckpt.logs import LOG_LEVEL_ENV, parse_level
 from easyckpt_wire import health, layout, timeline
 from easyckpt_wire.shm import format_bytes
+from easyckpt_wire.storage import UnsupportedLocation, as_path
 
 # What each command reads from the environment, for its --help (the README's Configuration has them all).
 _RUNTIME_ENV = ("EASYCKPT_RUNTIME_DIR  where agents keep their socket, lock and agent.log (default /tmp/easyckpt-<uid>)",
@@ -50,6 +51,15 @@ def _epilog(lines: tuple[str, ...] | None) -> str:
     return f"{env}\n\nmore: {where}"
 
 
+def _target(text: str) -> Path:
+    """A save_dir or iteration directory on the command line: a path or an ``s3://`` URL (SystemExit naming the
+    schemes that work for any other)."""
+    try:
+        return as_path(text)
+    except UnsupportedLocation as exc:
+        raise SystemExit(str(exc)) from None
+
+
 def _not_a_directory(path: Path) -> str | None:
     """Why ``path`` cannot be listed or verified (None: it is a directory)."""
     if path.is_dir():
@@ -68,7 +78,7 @@ def _iterations(target: Path) -> tuple[Path, list[tuple[int, Path, bool]], bool]
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    target = Path(args.dir)
+    target = _target(args.dir)
     problem = _not_a_directory(target)
     if problem is not None:
         print(problem, file=sys.stderr)
@@ -144,7 +154,7 @@ def _parses(path: Path) -> bool:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    target = Path(args.dir)
+    target = _target(args.dir)
     problem = _not_a_directory(target)
     if problem is not None:
         print(problem, file=sys.stderr)

@@ -20,6 +20,7 @@ from easyckpt import checks
 from easyckpt.agent_client import AgentTimeout, query_status
 from easyckpt_wire import layout, owner, protocol, runtime
 from easyckpt_wire.control import control_path
+from easyckpt_wire.savedir import AuditLog, clean_leftovers
 from easyckpt_wire.shm import (
     HEADER_SIZE,
     SlotFormatError,
@@ -29,6 +30,7 @@ from easyckpt_wire.shm import (
     list_slots,
     shm_dir,
 )
+from easyckpt_wire.storage import as_path
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -101,7 +103,7 @@ def _probe(job: Path, timeout: float, *, named: bool, save_dir: str | None = Non
     directory = shm_dir()
     control = control_path(directory, job_id)
     recorded = save_dir or _recorded_save_dir(job, job_id)
-    save = str(Path(recorded).resolve()) if recorded else None
+    save = str(as_path(recorded).resolve()) if recorded else None
     if not slots and not live:
         # The normal end: the agent persisted the newest snapshot, released the memory and exited (and
         # removed its runtime directory). What is left is on disk.
@@ -120,8 +122,8 @@ def _probe(job: Path, timeout: float, *, named: bool, save_dir: str | None = Non
         "remove": _clean_command(job, job_id),
         "save_dir": save,
     }
-    if save is not None and Path(save).is_dir():
-        entry["persisted_step"] = max((step for step, _ in layout.complete_iterations(Path(save))), default=None)
+    if save is not None and as_path(save).is_dir():
+        entry["persisted_step"] = max((step for step, _ in layout.complete_iterations(as_path(save))), default=None)
     if named:  # asked about this job by name: its memory is held by no agent, or its ranks run without one
         log = job / "agent.log"
         entry["error"] = ("no agent is running" + (f" while {', '.join(live)} live: the next snapshot starts one"
@@ -133,11 +135,11 @@ def _probe(job: Path, timeout: float, *, named: bool, save_dir: str | None = Non
 
 def _disk(save_dir: str | None) -> dict[str, Any] | None:
     """What ``save_dir`` holds, judged without reading tensors (``checks.damage``): None when unknown."""
-    if save_dir is None or not Path(save_dir).is_dir():
+    if save_dir is None or not as_path(save_dir).is_dir():
         return None
-    complete = layout.complete_iterations(Path(save_dir))
+    complete = layout.complete_iterations(as_path(save_dir))
     damaged = [step for step, path in complete if checks.damage(path) is not None]
-    return {"steps": [step for step, _ in complete], "tracker": layout.read_tracker(Path(save_dir)),
+    return {"steps": [step for step, _ in complete], "tracker": layout.read_tracker(as_path(save_dir)),
             "damaged": damaged, "bytes": sum(checks.dir_bytes(path) for _, path in complete)}
 
 
@@ -260,14 +262,32 @@ def cmd_clean(args: argparse.Namespace) -> int:
     finally:
         if fd is not None:
             os.close(fd)
+    if save_dir:
+        removed += _clean_storage(save_dir)
     if not removed:
         print(f"nothing to clean for {what} (no slot in {directory}, no runtime directory in {job.parent})")
         return 0
-    on_disk = layout.read_tracker(Path(save_dir)) if save_dir and Path(save_dir).is_dir() else None
+    on_disk = layout.read_tracker(as_path(save_dir)) if save_dir and as_path(save_dir).is_dir() else None
     print(f"freed {format_bytes(freed)} of shared memory" + (
         f"; the snapshots of step(s) {', '.join(map(str, steps))} are gone" if steps else "")
         + (f"; newest on disk: step {on_disk}" if save_dir else ""))
     return 0
+
+
+def _clean_storage(save_dir: str) -> int:
+    """What persists that did not finish left in ``save_dir`` (a dead writer's pending copy: on an object store,
+    an iteration without its commit object), removed and audited as the agent's start does it."""
+    where = as_path(save_dir)
+    if not where.is_dir():
+        return 0
+    try:
+        removed = clean_leftovers(where, AuditLog(where))
+    except OSError as exc:
+        print(f"clean: could not remove what unfinished persists left in {save_dir}: {exc}", file=sys.stderr)
+        return 0
+    for path in removed:
+        print(f"removed {path} (left by a persist that did not finish)")
+    return len(removed)
 
 
 def _live_processes(job: Path) -> list[str]:

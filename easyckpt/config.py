@@ -10,6 +10,7 @@ from pathlib import Path
 from easyckpt_wire import protocol
 from easyckpt_wire.health import check_thresholds
 from easyckpt_wire.shm import MAX_SLOTS, check_job_id, shm_dir
+from easyckpt_wire.storage import is_url, location, open_storage
 
 SLOTS_ENV = "EASYCKPT_SLOTS"
 MIN_SLOTS = 2
@@ -54,7 +55,7 @@ class CheckpointerConfig:
     health_thresholds: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
-        self.save_dir = Path(self.save_dir).expanduser().resolve()
+        self.save_dir = location(self.save_dir)   # a URL of a scheme with no storage here is refused now
         for name in ("save_mem_interval", "save_storage_interval", "max_ckpt_num", "copy_threads"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -112,6 +113,9 @@ def _is_a_file(path: Path) -> str:
 
 def check_writable(save_dir: Path) -> None:
     """Fail now, with the path and the fix, rather than in the agent an hour into training."""
+    if is_url(save_dir):
+        check_object_store(save_dir)
+        return
     blocker = protocol.file_in_the_way(save_dir)
     if blocker is not None:
         raise NotADirectoryError(
@@ -135,3 +139,23 @@ def check_writable(save_dir: Path) -> None:
         else:
             fix = "Choose another directory, or repair this one."
         raise PermissionError(f"save_dir {save_dir} is not writable{owner}: {exc.strerror or exc}. {fix}") from None
+
+
+def check_object_store(save_dir: Path) -> None:
+    """An ``s3://`` save_dir: the bucket exists and this process may write under the prefix (a missing bucket,
+    refused credentials or an unreachable server is said now, with the URL and the fix, not at the first
+    persist). Never a credential in the message: the variables to set are named, not their values."""
+    try:
+        store = open_storage(save_dir)
+    except ImportError as exc:
+        raise ImportError(f"save_dir {save_dir}: {exc}") from None
+    check = getattr(store, "check", None)
+    try:
+        if check is not None:
+            check()
+    except OSError as exc:
+        endpoint = getattr(store, "endpoint", "?")
+        raise type(exc)(exc.errno, f"save_dir {save_dir} cannot be used (endpoint {endpoint}): {exc.strerror or exc}. "
+                        "The endpoint comes from AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (or endpoint_url in "
+                        "~/.aws/config), the credentials from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or AWS_PROFILE, "
+                        "the region from AWS_REGION or AWS_DEFAULT_REGION", str(save_dir)) from None

@@ -47,7 +47,7 @@ from easyckpt import storage
 from easyckpt.state import torch_dtype
 from easyckpt_wire import layout
 from easyckpt_wire.records import ShardSpec
-from easyckpt_wire.storage import open_storage, posix
+from easyckpt_wire.storage import as_path, open_storage, posix
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class StorageReader(dcp.StorageReader):
 
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = True) -> None:
         super().__init__()
-        self.path = Path(path)
+        self.path = as_path(path)   # an s3:// iteration stays a URL
         self.verify = verify
         self.load_id = str(uuid.uuid4())
         self.index: CheckpointIndex | None = None
@@ -208,7 +208,7 @@ class StorageReader(dcp.StorageReader):
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = Path(checkpoint_id)
+            self.path = as_path(checkpoint_id)
         self.load_id = str(uuid.uuid4())
         self.index = None
         self.verified = set()
@@ -216,7 +216,7 @@ class StorageReader(dcp.StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         try:
-            layout.read_metadata(Path(checkpoint_id))
+            layout.read_metadata(as_path(checkpoint_id))
         except layout.CheckpointFormatError:
             return False
         return True

@@ -28,12 +28,11 @@ their older path forms (``list_iterations(save_dir)``...) open the save_dir's. T
 from __future__ import annotations
 
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
-from easyckpt_wire.storage import Storage, StorageLike, open_storage, posix
+from easyckpt_wire.storage import Storage, StorageLike, as_path, open_storage, posix
 
 # The POSIX publishing helpers, here for the callers that know them by these names.
 from easyckpt_wire.storage.posix import exchange_dirs, fsync_dir, settle_aside, write_file_atomic  # noqa: F401
@@ -50,6 +49,9 @@ TRASH_PREFIX = ".trash-iteration_"
 # the hold file exists, so a crash between the persist and the export cannot lose checkpoint-N for good.
 EXPORT_HOLD_PREFIX = ".export-hold-"
 ASIDE_PREFIX = ".aside-iteration_"
+# An object store has no temporary directory to rename: an iteration in progress holds a lease object named so
+# (``easyckpt_wire.storage.s3``) until its commit object is written; clean-up leaves a live writer's alone.
+LEASE_PREFIX = ".easyckpt-"
 STAGE_PREFIX = ".stage-iteration_"
 STAGE_RE = re.compile(r"^\.stage-iteration_(\d{7,})$")
 NODE_FILE_RE = re.compile(r"^node-[A-Za-z0-9_.-]{1,64}\.json$")
@@ -213,10 +215,16 @@ def stage_steps(store: Storage) -> list[int]:
 def locate(directory: StorageLike) -> tuple[Storage, str]:
     """(the Storage of its save_dir, its key) of a directory in a save_dir (an ``iteration_N``), for readers
     given a path; a Storage stands for its own root."""
-    path = Path(os.fspath(directory)) if not isinstance(directory, Storage) else None
+    path = as_path(directory) if not isinstance(directory, Storage) else None
     if path is None or path.name in ("", ".", ".."):
         return open_storage(directory), ""
     return open_storage(path.parent), path.name
+
+
+def committed(store: Storage, key: str) -> bool:
+    """Whether a published copy of the iteration ``key`` is in place: its commit marker. Its directory is not
+    enough: on an object store a persist's files are under the final prefix before its commit object."""
+    return store.exists(f"{key}/{METADATA}")
 
 
 def present(directory: StorageLike) -> bool:
@@ -233,12 +241,12 @@ def read_metadata(iteration_dir: StorageLike) -> dict[str, Any]:
 
 def list_iterations(save_dir: Path) -> list[tuple[int, Path, bool]]:
     """Every ``iteration_N`` directory as (step, path, complete), oldest first."""
-    return [(step, Path(save_dir) / key, has_marker) for step, key, has_marker in iterations(open_storage(save_dir))]
+    return [(step, as_path(save_dir) / key, has_marker) for step, key, has_marker in iterations(open_storage(save_dir))]
 
 
 def complete_iterations(save_dir: Path) -> list[tuple[int, Path]]:
     """Iterations whose commit marker exists and parses, oldest first."""
-    return [(step, Path(save_dir) / key) for step, key in complete(open_storage(save_dir))]
+    return [(step, as_path(save_dir) / key) for step, key in complete(open_storage(save_dir))]
 
 
 def read_tracker(save_dir: Path) -> int | None:

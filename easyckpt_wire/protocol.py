@@ -227,6 +227,9 @@ def job_id_for(save_dir: str | os.PathLike[str]) -> str:
     override = os.environ.get(JOB_ID_ENV)
     if override:
         return override
+    text = os.fspath(save_dir)
+    if isinstance(text, str) and "://" in text:   # an object-store URL is absolute already (and no local path)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
     return hashlib.sha256(str(Path(save_dir).resolve()).encode()).hexdigest()[:16]
 
 

@@ -117,6 +117,9 @@ def clean_leftovers(save_dir: StorageLike, audit: AuditLog) -> list[str]:
     for step, key, has_marker in layout.iterations(store):
         if has_marker:
             continue
+        if any(e.name.startswith(layout.LEASE_PREFIX) for e in store.entries(key)):
+            logger.info("%s is being written (a live writer holds its lease): left alone", store.where(key))
+            continue
         if _ours_only(store, key):
             audit.record("delete", store.where(key), step=step, reason="incomplete: no commit marker")
             store.delete_tree(key)

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from easyckpt_wire import layout
-from easyckpt_wire.storage import Storage, open_storage
+from easyckpt_wire.storage import Storage, as_path, open_storage
 
 ABANDONED_PREFIX = ".abandoned-"
 ABANDONED_RE = re.compile(r"^\.abandoned-(\d{8}T\d{6}\.\d{6}Z)(?:-(\d+))?$")
@@ -58,4 +58,4 @@ def abandoned(store: Storage) -> list[tuple[str, int, str]]:
 
 def abandoned_iterations(save_dir: Path) -> list[tuple[str, int, Path]]:
     """``abandoned`` of the save_dir at this path, with paths."""
-    return [(name, step, Path(save_dir) / key) for name, step, key in abandoned(open_storage(save_dir))]
+    return [(name, step, as_path(save_dir) / key) for name, step, key in abandoned(open_storage(save_dir))]

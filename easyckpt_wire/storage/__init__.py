@@ -7,27 +7,51 @@ The layout written over this protocol (iterations, tracker, audit, health index,
 from __future__ import annotations
 
 import os
+import threading
 
 from easyckpt_wire.storage.base import BlobReader, BlobWriter, Entry, Leftover, Pending, Storage
 from easyckpt_wire.storage.posix import PosixStorage
+from easyckpt_wire.storage.url import (
+    SCHEMES,
+    StorageURL,
+    UnsupportedLocation,
+    as_path,
+    is_url,
+    local_path,
+    location,
+    split_url,
+)
 
 __all__ = ["BlobReader", "BlobWriter", "Entry", "Leftover", "Pending", "PosixStorage", "Storage", "SCHEMES",
-           "StorageLike", "open_storage"]
-
-SCHEMES = ("a POSIX path",)   # what open_storage takes; s3:// joins with issue 26
+           "StorageLike", "StorageURL", "UnsupportedLocation", "as_path", "is_url", "location",
+           "open_storage"]
 
 StorageLike = Storage | str | os.PathLike[str]
 
+# One S3Storage per bucket, prefix and AWS endpoint/profile settings in a process: a client and its connection
+# pool are made once, not at every open_storage of a save_dir's path.
+_OPENED: dict[tuple[str, ...], Storage] = {}
+_CLIENT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_REGION", "AWS_DEFAULT_REGION")
+_OPENED_LOCK = threading.Lock()
+
 
 def open_storage(where: StorageLike) -> Storage:
-    """The Storage of ``where``: one already opened, or a path. A URL of a scheme with no implementation is
-    refused with the ones that work, never taken as a local path (``s3://b/p`` would become ``s3:/b/p``)."""
+    """The Storage of ``where``: one already opened, a path, or an ``s3://bucket/prefix`` URL. A URL of a scheme
+    with no implementation is refused with the ones that work (UnsupportedLocation, a ValueError), never taken
+    as a local path (``s3://b/p`` would become ``s3:/b/p``)."""
     if isinstance(where, Storage):
         return where
     text = os.fspath(where)
     if isinstance(text, bytes):
         text = os.fsdecode(text)
-    if "://" in text:
-        raise ValueError(f"{text}: the {text.split('://', 1)[0]}:// scheme has no storage implementation here; "
-                         f"give {' or '.join(SCHEMES)}")
-    return PosixStorage(text)
+    parts = split_url(text)
+    if parts is None:
+        return PosixStorage(local_path(text))
+    key = (*parts, *(os.environ.get(name, "") for name in _CLIENT_ENV))
+    with _OPENED_LOCK:
+        store = _OPENED.get(key)
+        if store is None:
+            from easyckpt_wire.storage.s3 import S3Storage  # boto3 only where an s3:// save_dir is used
+
+            store = _OPENED[key] = S3Storage(*parts)
+        return store

@@ -1,0 +1,61 @@
+"""Object storage with several nodes (issue 26): 2 simulated nodes x 2 ranks (``tests/multinode.py``) share one
+``s3://`` save_dir on a real S3 server process (moto's server mode on 127.0.0.1). Each node's agent writes its
+ranks' files under the step's prefix and its note; the leader writes the commit object once every rank's
+files are in. The last node is lost whole at a seeded step (nothing waits for a backup or a persist first)
+and comes back: every rank resumes the same step (the lost ranks from the replicas), and every iteration in
+the bucket is complete, verified, and none is left half-written."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import s3server
+from conftest import Env, run_cli, seeded_random, wait_for
+from multinode import NODES, RANKS_PER_NODE, Cluster
+
+from easyckpt_wire import layout
+from easyckpt_wire.storage import open_storage
+
+pytestmark = pytest.mark.slow
+STEPS = 24
+INTERVAL = 4
+
+
+def test_two_nodes_commit_one_s3_save_dir_and_a_lost_node_resumes(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    server = s3server.server()
+    for key, value in s3server.env(server.url).items():
+        monkeypatch.setenv(key, value)
+    url = f"s3://{s3server.bucket(server.url)}/multi"
+    env.save_dir = url   # type: ignore[assignment]   (the nodes' shared storage is the bucket)
+    at = seeded_random().randint(8, 14)
+    lost = range((NODES - 1) * RANKS_PER_NODE, NODES * RANKS_PER_NODE)
+    job = Cluster(env, env.tmp_path / "out", steps=STEPS, save_storage_interval=INTERVAL,
+                  extra_args=["--kill-at", str(at), "--kill-rank", ",".join(map(str, lost)), "--kill-signal", "STOP"])
+    try:
+        job.start_all()
+        wait_for(lambda: job.frozen(job.ranks_of(NODES - 1)) or job.procs[0].poll() is not None, 180,
+                 f"node {NODES - 1}'s ranks to reach step {at}")
+        job.kill_node(NODES - 1)
+        job.start(NODES - 1)
+        for node in range(NODES):
+            assert job.wait(node) == 0, job.log(node)[-4000:]
+    finally:
+        job.cleanup()
+    reports = [job.resumes(rank)[-1] for rank in range(job.world)]
+    assert len({r["step"] for r in reports}) == 1 and at - 1 <= reports[0]["step"] <= at, (at, reports)
+    assert [r["source"] for r in reports] == ["memory", "memory", "replica", "replica"], reports
+
+    store = open_storage(url)
+    complete = layout.complete(store)
+    assert complete and layout.tracker(store) == STEPS - 1 == complete[-1][0], complete
+    for step, key in complete:
+        meta = layout.metadata(store, key)
+        assert meta["world_size"] == 4 and sorted(meta["ranks"], key=int) == ["0", "1", "2", "3"], (step, meta)
+    leftovers = [key for _, key, done in layout.iterations(store) if not done] + store.stages()
+    assert leftovers == [], f"half-written iterations or stages left: {leftovers}"
+    audit = [json.loads(line) for line in store.read(layout.AUDIT_LOG).decode().splitlines()]
+    assert any(row["op"] == "write" and row.get("nodes") == "all" for row in audit), "the leader's commits are audited"
+    verified = run_cli("verify", url, env=env)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert os.environ["AWS_ENDPOINT_URL_S3"] == server.url

@@ -1,0 +1,158 @@
+"""What only the object-store implementation has (the shared contract is in test_storage_contract.py): URL
+parsing, multipart uploads with checksums, ranged reads, the commit object of a replaced step, leases, and
+errors naming the URL and the fix. Against a real S3 server process (moto's server mode on 127.0.0.1,
+``tests/s3server.py``), over HTTP.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+import s3server
+
+from easyckpt_wire import layout
+from easyckpt_wire.storage import StorageURL, UnsupportedLocation, as_path, location, open_storage, s3, url
+from easyckpt_wire.storage.s3client import S3Settings
+
+
+@pytest.fixture
+def store() -> s3.S3Storage:
+    s3server.server()
+    return s3.S3Storage(s3server.bucket(), "runs/x", settings=S3Settings(part_bytes=5 << 20, threads=4))
+
+
+def test_urls_are_parsed_once_and_other_schemes_refused_naming_the_ones_that_work() -> None:
+    assert url.split_url("s3://my-bucket/a/b/") == ("my-bucket", "a/b") and url.split_url("/x/y") is None
+    assert url.split_url("file:///x/y") is None and str(location("file:///tmp/x")) == "/tmp/x"
+    where = location("s3://my-bucket/runs/a")
+    assert isinstance(where, StorageURL) and str(where) == "s3://my-bucket/runs/a"
+    assert str(where / "iteration_0000100") == "s3://my-bucket/runs/a/iteration_0000100"
+    assert (where / "iteration_0000100").name == "iteration_0000100" and where.parent == as_path("s3://my-bucket/runs")
+    for bad, why in (("gs://b/p", "gs:// scheme"), ("hdfs://nn/p", "hdfs:// scheme"), ("file://host/p", "file:// scheme"),
+                     ("s3://Bad_Bucket/p", "not a valid bucket name"), ("s3://bucket/a/../b", "'..' part")):
+        with pytest.raises(UnsupportedLocation, match=why) as caught:
+            location(bad)
+        assert bad in str(caught.value)
+    with pytest.raises(UnsupportedLocation, match="a POSIX path or s3://bucket/prefix"):
+        open_storage("gs://b/p")
+
+
+def test_a_large_file_is_a_multipart_upload_read_back_by_ranges(store: s3.S3Storage) -> None:
+    pending = store.begin("iteration_0000007")
+    data = os.urandom(13 << 20)
+    writer = pending.create("big")
+    head = memoryview(data)[:4096]
+    writer.write(head)                        # a small first part (a safetensors header) joins the next one
+    for start in range(4096, len(data), 4 << 20):
+        writer.write(memoryview(data)[start:start + (4 << 20)])
+    writer.close()
+    reply = store.client.head_object(Bucket=store.bucket, Key=store.name("iteration_0000007/big"), PartNumber=1)
+    # parts of at least 5 MiB from the caller's writes: 4 KiB + 4 MiB + 4 MiB, then 4 MiB + the rest at close
+    assert reply["PartsCount"] == 2, reply
+    assert store.client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", []) == []
+    with store.open("iteration_0000007/big") as reader:
+        assert bytes(reader.view(0, 8)) == data[:8]
+        assert bytes(reader.view(12 << 20, 4096)) == data[12 << 20:(12 << 20) + 4096]
+        assert bytes(reader.view(0, len(data))) == data
+    pending.discard()
+    assert store.entries() == []
+
+
+def test_an_aborted_multipart_upload_leaves_no_parts(store: s3.S3Storage) -> None:
+    pending = store.begin("iteration_0000008")
+    writer = pending.create("big")
+    writer.write(os.urandom(6 << 20))         # one part uploaded
+    writer.abort()
+    assert store.client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", []) == []
+    assert pending.names() == []
+
+
+def test_appends_of_writers_at_the_same_moment_lose_no_line(store: s3.S3Storage) -> None:
+    """The audit log of a multi-node job: every node's agent appends to one object."""
+    import threading
+
+    def append(writer: int) -> None:
+        for line in range(8):
+            store.append("audit.log", f"{writer}-{line}\n".encode())
+
+    threads = [threading.Thread(target=append, args=(w,)) for w in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    lines = store.read("audit.log").decode().splitlines()
+    assert sorted(lines) == sorted(f"{w}-{n}" for w in range(4) for n in range(8)), lines
+    for writer in range(4):
+        assert [x for x in lines if x.startswith(f"{writer}-")] == [f"{writer}-{n}" for n in range(8)], "order kept"
+
+
+def test_a_step_persisted_again_stays_readable_until_its_new_commit_object(store: s3.S3Storage) -> None:
+    first = store.begin("iteration_0000010")
+    first.put("f", b"old")
+    first.put("only-old", b"x")
+    first.seal(layout.METADATA, b'{"n": 1}')
+    first.publish()
+    again = store.begin("iteration_0000010")
+    assert again.key.startswith(".tmp-iteration_0000010-"), "a committed copy is not written over"
+    again.put("f", b"new")
+    again.seal(layout.METADATA, b'{"n": 2}')
+    assert store.read("iteration_0000010/f") == b"old" and store.read("iteration_0000010/metadata.json") == b'{"n": 1}'
+    assert again.publish() is None
+    assert [e.name for e in store.entries("iteration_0000010")] == ["f", layout.METADATA]
+    assert store.read("iteration_0000010/f") == b"new" and [e.name for e in store.entries()] == ["iteration_0000010"]
+
+
+def test_a_pending_iteration_holds_a_lease_until_published(store: s3.S3Storage) -> None:
+    pending = store.begin("iteration_0000020")
+    pending.put("f", b"x")
+    assert store.exists(f"iteration_0000020/{s3.LEASE}") and store.leftovers() == []
+    assert s3.LEASE not in pending.names()
+    pending.seal(layout.METADATA, b"{}")
+    pending.publish()
+    assert not store.exists(f"iteration_0000020/{s3.LEASE}")
+    dead = store.begin("iteration_0000030")
+    dead.put("f", b"x")
+    s3._ACTIVE.discard(dead.where)           # as if this process's persist had ended without removing it
+    assert [lo.key for lo in store.leftovers()] == ["iteration_0000030"]
+
+
+def test_errors_are_os_errors_naming_the_url_and_the_fix(store: s3.S3Storage) -> None:
+    missing = s3.S3Storage("no-such-bucket-x", "p")
+    with pytest.raises(FileNotFoundError) as caught:
+        missing.check()
+    assert caught.value.errno == errno.ENOENT and caught.value.filename == "s3://no-such-bucket-x/p"
+    assert "create it" in str(caught.value) and "aws s3 mb s3://no-such-bucket-x" in str(caught.value)
+    with pytest.raises(FileNotFoundError) as gone:
+        store.read("nothing")
+    assert gone.value.filename == store.where("nothing")
+    store.check()   # the bucket is there and writable: no error, nothing left
+    assert store.entries() == []
+
+
+def test_easyckpt_clean_removes_a_dead_writers_iteration_and_status_reads_the_bucket(store: s3.S3Storage, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    kept = store.begin("iteration_0000040")
+    kept.put("f", b"x")
+    kept.seal(layout.METADATA, json.dumps({"format": layout.METADATA_FORMAT, "format_version": layout.METADATA_VERSION,
+                                           "step": 40, "world_size": 1, "ranks": {}}).encode())
+    kept.publish()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "EASYCKPT_RUNTIME_DIR": str(tmp_path), "EASYCKPT_SHM_DIR": str(tmp_path)}
+    writer = ("import sys; from easyckpt_wire.storage import open_storage; p = open_storage(sys.argv[1])"
+              ".begin('iteration_0000050'); p.put('easyckpt-model-0000000-0000001.safetensors', b'partial')")
+    subprocess.run([sys.executable, "-c", writer, store.where()], check=True, timeout=120, env=env)   # then it is gone
+    done = subprocess.run([sys.executable, "-m", "easyckpt.cli", "clean", store.where()], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"removed {store.where('iteration_0000050')}" in done.stdout, done.stdout
+    assert [e.name for e in store.entries() if e.is_dir] == ["iteration_0000040"]
+    assert '"op": "delete"' in store.read(layout.AUDIT_LOG).decode()
+    status = subprocess.run([sys.executable, "-m", "easyckpt.cli", "status", store.where()], capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert status.returncode == 0 and f"on disk in {store.where()}: 1 complete iteration(s), steps 40" in status.stdout, (
+        status.stdout + status.stderr)
