@@ -25,9 +25,9 @@ from easyckpt.agent_client import AgentClient
 from easyckpt.config import CheckpointerConfig
 from easyckpt.lag_gate import LagGate
 from easyckpt.logs import apply_env_level, notice
-from easyckpt.memory_reshard import release_old_world
 from easyckpt.persist_watch import PersistError, PersistWatch, describe_failure
 from easyckpt.recovery import LoadResult, load
+from easyckpt.recovery.worlds import release_old_world
 from easyckpt.replica import introduce
 from easyckpt.slots import RankSlots
 from easyckpt.stager import Stager
@@ -143,7 +143,7 @@ class Checkpointer:
 
         Sharded state (DTensors) saved by another world size is resharded through ``torch.distributed.checkpoint``'s
         planning: from the saved world's memory when every one of its ranks' snapshots is still reachable (this
-        node's slots, agents' replicas: ``easyckpt.memory_reshard``), else from disk (``easyckpt.dcp``); state
+        node's slots, agents' replicas: ``easyckpt.recovery.reshard``), else from disk (``easyckpt.dcp``); state
         split otherwise on as many ranks is read from disk. ``reshard=False`` refuses both with
         ``LayoutChangedError`` (a StateMismatchError).
 
@@ -163,7 +163,7 @@ class Checkpointer:
         own = result.step in self.slots.committed()
         self._resumed = result.step if result.source in ("memory", "replica") and own else None
         # Resharded from another world's slots: those of its ranks past this world have no successor to reuse
-        # them; they are released once this world has a safe step of its own (memory_reshard.release_old_world).
+        # them; they are released once this world has a safe step of its own (recovery.worlds.release_old_world).
         self._old_world = result.step if result.source in ("memory", "replica") and not own else None
         if result.step is not None and announce and self.local_rank == 0:
             where = f"{result.path}, " if result.source == "disk" else ""
