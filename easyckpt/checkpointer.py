@@ -208,20 +208,34 @@ class Checkpointer:
                         self.rank, step, reply.moved)
         self.slots.retry_abandoned()
 
-    def save_if_needed(self, step: int, state_dict: Any, *, metrics: Mapping[str, float] | None = None) -> bool:
-        """Snapshot when ``step % save_mem_interval == 0``; returns at once (True if a copy started).
+    def due(self, step: int) -> bool:
+        """Whether ``save_if_needed(step, ...)`` takes a snapshot: ``step % save_mem_interval == 0``. For a loop
+        or an integration that builds (or measures) the state only for the steps that are snapshotted."""
+        return step % self.config.save_mem_interval == 0
 
-        ``metrics`` (say ``{"embedding_local_norm": ..., "loss": ...}``, plain numbers) give this rank's
-        health verdict on the snapshot against ``health_thresholds``; without them the rank is neutral."""
+    def note_step(self, step: int) -> None:
+        """The loop reached ``step`` and takes no snapshot of it: what ``save_if_needed`` does on a step that is
+        not ``due`` (finish the last copy, keep the agent running and watched, release what a resume left), for
+        a loop that does not build its state on such steps."""
         if self._closed:
-            raise RuntimeError(f"save_if_needed(step={step}) after close(): create a new Checkpointer")
+            raise RuntimeError(f"note_step(step={step}) after close(): create a new Checkpointer")
         self.stager.wait()
         self.agent.ensure()
         self.watch.observe(self.slots.agent_word())
         self.stager.note_step(step)
         if self._old_world is not None:
             self._release_old_world()
-        if step % self.config.save_mem_interval:
+
+    def save_if_needed(self, step: int, state_dict: Any, *, metrics: Mapping[str, float] | None = None) -> bool:
+        """Snapshot when ``step % save_mem_interval == 0`` (``due(step)``); returns at once (True if a copy
+        started).
+
+        ``metrics`` (say ``{"embedding_local_norm": ..., "loss": ...}``, plain numbers) give this rank's
+        health verdict on the snapshot against ``health_thresholds``; without them the rank is neutral."""
+        if self._closed:
+            raise RuntimeError(f"save_if_needed(step={step}) after close(): create a new Checkpointer")
+        self.note_step(step)
+        if not self.due(step):
             return False
         self.lag_gate.before_snapshot(step)
         return self.stager.snapshot(step, state_dict, health=self._verdict(metrics))
