@@ -199,7 +199,7 @@ def fetch(peers: PeerTable, replica: ReplicaPlan, slots: RankSlots, *, rank: int
                         node, PeerClient(peers.endpoint(node), peers.token, timeout=timeout))
                     begun = time.perf_counter()
                     if fetch_tensor(client, replica.step, checksum, write.data(entry), problems,
-                                  what=f"rank {rank}: {entry.name} of step {replica.step} from node {node}"):
+                                    what=f"rank {rank}: {entry.name} of step {replica.step} from node {node}"):
                         stats = served.setdefault(node, [0.0, 0.0])
                         stats[0] += entry.nbytes
                         stats[1] += time.perf_counter() - begun

@@ -40,7 +40,7 @@ _OK, _RETRY, _FATAL = 0, 1, 2
 
 def build_tiers(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, load_dir: Path | None = None,
                 timeout: float = 120.0, peers: PeerTable | None = None, peer_timeout: float = 10.0,
-                allow_unhealthy: bool = False, reshard: bool = True) -> list[Tier]:
+                reshard: bool = True) -> list[Tier]:
     """The tiers of one load, cheapest first: only storage for an explicit ``load_dir``."""
     if load_dir is not None:
         return [StorageTier(save_dir, rank=rank, world_size=world_size, load_dir=load_dir, reshard=reshard)]
@@ -134,8 +134,7 @@ def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, templa
     """Collective: the newest step every rank can get, from the cheapest tier that has it (see the module)."""
     started = time.perf_counter()
     tiers = build_tiers(slots=slots, save_dir=save_dir, rank=rank, world_size=world_size, load_dir=load_dir,
-                        timeout=timeout, peers=peers, peer_timeout=peer_timeout, allow_unhealthy=allow_unhealthy,
-                        reshard=reshard)
+                        timeout=timeout, peers=peers, peer_timeout=peer_timeout, reshard=reshard)
     offers = {tier.source: tier.offer() for tier in tiers}
     _say_offers(offers, rank)
     ordered = agree(offers, rank=rank, world_size=world_size, save_dir=save_dir, allow_unhealthy=allow_unhealthy)

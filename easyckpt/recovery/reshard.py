@@ -146,8 +146,9 @@ class ReplicaSnapshot(OldSnapshot):
         for node in self.holders[index] if entry.nbytes else ():
             client = self.clients.get(node) or self.clients.setdefault(
                 node, PeerClient(self.peers.endpoint(node), self.peers.token, timeout=self.timeout))
-            if replica.fetch_tensor(client, self.meta.step, self.manifest.checksums[index], memoryview(buffer), problems,
-                          what=f"{entry.name} of rank {self.rank} step {self.meta.step} from node {node}"):
+            if replica.fetch_tensor(client, self.meta.step, self.manifest.checksums[index], memoryview(buffer),
+                                    problems, what=f"{entry.name} of rank {self.rank} step {self.meta.step} "
+                                                   f"from node {node}"):
                 break
         else:
             if entry.nbytes:
