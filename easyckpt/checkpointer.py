@@ -24,9 +24,9 @@ from easyckpt.agent_client import AgentClient
 from easyckpt.config import CheckpointerConfig
 from easyckpt.lag_gate import LagGate
 from easyckpt.logs import apply_env_level, notice
-from easyckpt.memory_reshard import release_old_world
 from easyckpt.persist_watch import PersistError, PersistWatch, describe_failure
 from easyckpt.recovery import LoadResult, load
+from easyckpt.recovery.worlds import release_old_world
 from easyckpt.replica import introduce
 from easyckpt.slots import RankSlots
 from easyckpt.stager import Stager
@@ -143,7 +143,7 @@ class Checkpointer:
 
         Sharded state (DTensors) saved by another world size is resharded through ``torch.distributed.checkpoint``'s
         planning: from the saved world's memory when every one of its ranks' snapshots is still reachable (this
-        node's slots, agents' replicas: ``easyckpt.memory_reshard``), else from disk (``easyckpt.dcp``); state
+        node's slots, agents' replicas: ``easyckpt.recovery.reshard``), else from disk (``easyckpt.dcp``); state
         split otherwise on as many ranks is read from disk. ``reshard=False`` refuses both with
         ``LayoutChangedError`` (a StateMismatchError).
 
@@ -163,7 +163,7 @@ class Checkpointer:
         own = result.step in self.slots.committed()
         self._resumed = result.step if result.source in ("memory", "replica") and own else None
         # Resharded from another world's slots: those of its ranks past this world have no successor to reuse
-        # them; they are released once this world has a safe step of its own (memory_reshard.release_old_world).
+        # them; they are released once this world has a safe step of its own (recovery.worlds.release_old_world).
         self._old_world = result.step if result.source in ("memory", "replica") and not own else None
         if result.step is not None and announce and self.local_rank == 0:
             where = f"{result.path}, " if result.source == "disk" else ""
@@ -208,20 +208,34 @@ class Checkpointer:
                         self.rank, step, reply.moved)
         self.slots.retry_abandoned()
 
-    def save_if_needed(self, step: int, state_dict: Any, *, metrics: Mapping[str, float] | None = None) -> bool:
-        """Snapshot when ``step % save_mem_interval == 0``; returns at once (True if a copy started).
+    def due(self, step: int) -> bool:
+        """Whether ``save_if_needed(step, ...)`` takes a snapshot: ``step % save_mem_interval == 0``. For a loop
+        or an integration that builds (or measures) the state only for the steps that are snapshotted."""
+        return step % self.config.save_mem_interval == 0
 
-        ``metrics`` (say ``{"embedding_local_norm": ..., "loss": ...}``, plain numbers) give this rank's
-        health verdict on the snapshot against ``health_thresholds``; without them the rank is neutral."""
+    def note_step(self, step: int) -> None:
+        """The loop reached ``step`` and takes no snapshot of it: what ``save_if_needed`` does on a step that is
+        not ``due`` (finish the last copy, keep the agent running and watched, release what a resume left), for
+        a loop that does not build its state on such steps."""
         if self._closed:
-            raise RuntimeError(f"save_if_needed(step={step}) after close(): create a new Checkpointer")
+            raise RuntimeError(f"note_step(step={step}) after close(): create a new Checkpointer")
         self.stager.wait()
         self.agent.ensure()
         self.watch.observe(self.slots.agent_word())
         self.stager.note_step(step)
         if self._old_world is not None:
             self._release_old_world()
-        if step % self.config.save_mem_interval:
+
+    def save_if_needed(self, step: int, state_dict: Any, *, metrics: Mapping[str, float] | None = None) -> bool:
+        """Snapshot when ``step % save_mem_interval == 0`` (``due(step)``); returns at once (True if a copy
+        started).
+
+        ``metrics`` (say ``{"embedding_local_norm": ..., "loss": ...}``, plain numbers) give this rank's
+        health verdict on the snapshot against ``health_thresholds``; without them the rank is neutral."""
+        if self._closed:
+            raise RuntimeError(f"save_if_needed(step={step}) after close(): create a new Checkpointer")
+        self.note_step(step)
+        if not self.due(step):
             return False
         self.lag_gate.before_snapshot(step)
         return self.stager.snapshot(step, state_dict, health=self._verdict(metrics))

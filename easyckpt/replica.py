@@ -122,7 +122,7 @@ def own_checksums(peers: PeerTable, rank: int, step: int, timeout: float) -> tup
     so that a read from memory is verified too; None when the agent has not hashed it."""
     client = PeerClient(peers.endpoint(peers.node), peers.token, timeout=timeout)
     try:
-        manifest = _manifest(client, rank, step)
+        manifest = read_manifest(client, rank, step)
         return manifest.generation, list(manifest.checksums)
     except (PeerError, ProtocolError, RecordError):
         return None
@@ -130,7 +130,8 @@ def own_checksums(peers: PeerTable, rank: int, step: int, timeout: float) -> tup
         client.close()
 
 
-def _manifest(client: PeerClient, rank: int, step: int) -> Manifest:
+def read_manifest(client: PeerClient, rank: int, step: int) -> Manifest:
+    """Rank ``rank``'s manifest of ``step`` from the agent ``client`` talks to (RecordError when it has none)."""
     reply = client.call(Kind.MANIFEST, rank=rank, step=step)
     if "manifest" not in reply:
         raise RecordError(f"agent {client.endpoint}", "MANIFEST reply", "manifest", "is missing")
@@ -157,7 +158,7 @@ def plan(peers: PeerTable, found: Survey, rank: int, timeout: float) -> dict[int
         for node in (n for n in order if rank in found.row(n, step).ranks):
             client = PeerClient(peers.endpoint(node), peers.token, timeout=timeout)
             try:
-                manifest = _manifest(client, rank, step)
+                manifest = read_manifest(client, rank, step)
             except (PeerError, ProtocolError, RecordError) as exc:
                 logger.warning("rank %d: manifest of step %d from node %s: %s", rank, step, node, exc)
                 continue
@@ -197,8 +198,8 @@ def fetch(peers: PeerTable, replica: ReplicaPlan, slots: RankSlots, *, rank: int
                     client = clients.get(node) or clients.setdefault(
                         node, PeerClient(peers.endpoint(node), peers.token, timeout=timeout))
                     begun = time.perf_counter()
-                    if _fetch_one(client, replica.step, checksum, write.data(entry), problems,
-                                  what=f"rank {rank}: {entry.name} of step {replica.step} from node {node}"):
+                    if fetch_tensor(client, replica.step, checksum, write.data(entry), problems,
+                                    what=f"rank {rank}: {entry.name} of step {replica.step} from node {node}"):
                         stats = served.setdefault(node, [0.0, 0.0])
                         stats[0] += entry.nbytes
                         stats[1] += time.perf_counter() - begun
@@ -219,25 +220,28 @@ def fetch(peers: PeerTable, replica: ReplicaPlan, slots: RankSlots, *, rank: int
             "peers": {n: v[0] for n, v in served.items()}}
 
 
-def _fetch_one(client: PeerClient, step: int, checksum: bytes, view: memoryview, problems: list[str], *,
-               what: str) -> bool:
-    """Try each copy the node holds until one verifies; False (with the reasons) if none does."""
+def fetch_tensor(client: PeerClient, step: int, checksum: bytes, view: memoryview, problems: list[str], *,
+                 what: str) -> bool:
+    """Fill ``view`` with the tensor of ``checksum`` at ``step`` from the agent ``client`` talks to, trying each
+    copy it holds until one verifies; False (with the reasons in ``problems``) if none does. Releases ``view``."""
     try:
         for copy in range(MAX_COPIES):
             try:
                 client.fetch_into(step, checksum, view, copy=copy)
                 return True
+            # The log gets the text, not the exception: a handler that keeps records (pytest's, a MemoryHandler)
+            # would keep its traceback, whose frames hold views of the slot being filled, and the slot mapped.
             except FetchError as exc:  # bad bytes in this copy: the node may hold another
                 problems.append(str(exc))
-                logger.warning("%s: copy %d is bad (%s); trying another copy", what, copy, exc)
+                logger.warning("%s: copy %d is bad (%s); trying another copy", what, copy, problems[-1])
             except NoCopyError as exc:   # every copy this node holds was tried: the next node
                 problems.append(str(exc))
                 if copy == 0:
-                    logger.warning("%s failed (%s); trying the next holder", what, exc)
+                    logger.warning("%s failed (%s); trying the next holder", what, problems[-1])
                 return False
             except PeerError as exc:   # refused or hung: the next node
                 problems.append(str(exc))
-                logger.warning("%s failed (%s); trying the next holder", what, exc)
+                logger.warning("%s failed (%s); trying the next holder", what, problems[-1])
                 return False
         return False
     finally:

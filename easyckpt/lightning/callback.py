@@ -147,7 +147,7 @@ class EasyCkpt(Callback):
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         step = trainer.global_step + 1   # the step being taken (Lightning counts it after)
-        if self.health and step % self.save_mem_interval == 0:
+        if self.health and self.ckpt is not None and self.ckpt.due(step):
             norm = embedding_local_norm(pl_module)
             self._metrics = (step, {} if norm is None else {"embedding_local_norm": norm})
         if self.skipper is None:
@@ -168,7 +168,7 @@ class EasyCkpt(Callback):
         if step == self._last_step or self.ckpt is None:   # accumulating gradients: no optimizer step yet
             return
         self._last_step = step
-        if step % self.save_mem_interval:
+        if not self.ckpt.due(step):
             return
         metrics = self._step_metrics(step, outputs)
         self.ckpt.save_if_needed(step, self._capture(trainer), metrics=metrics)

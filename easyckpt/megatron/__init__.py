@@ -188,8 +188,9 @@ def save_checkpoint_if_needed(iteration: int, model: Any, optimizer: Any, opt_pa
         guard.iteration = iteration
     if num_floating_point_operations_so_far is not None:
         ctx.flops = num_floating_point_operations_so_far
-    if iteration % ctx.ckpt.config.save_mem_interval:
-        return ctx.ckpt.save_if_needed(iteration, None)  # not due: only keeps the agent watched
+    if not ctx.ckpt.due(iteration):
+        ctx.ckpt.note_step(iteration)   # no state to build: the agent is still kept running and watched
+        return False
     chunks = model if isinstance(model, (list, tuple)) else [model]
     state = snapshot.build(iteration, list(chunks), optimizer, opt_param_scheduler, args=_args(ctx), flops=ctx.flops)
     if ctx.skipper is not None:
@@ -358,7 +359,7 @@ def _guard(ctx: _Context, chunks: list[Any], optimizer: Any) -> None:
         return
     if skipping.is_megatron_optimizer(optimizer):
         skipping.OptimizerGuard(optimizer, chunks, ctx.skipper, health=ctx.health,
-                                save_mem_interval=ctx.ckpt.config.save_mem_interval, iteration=0)
+                                due=ctx.ckpt.due, iteration=0)
     elif ctx.skipper is not None:
         raise NotImplementedError(
             f"use_skip_data_by_global_norm needs Megatron's optimizer (get_megatron_optimizer), whose step() computes "

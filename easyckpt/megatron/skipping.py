@@ -18,6 +18,7 @@ The skipper's counter rides in the snapshot (``state["easyckpt_megatron"]["data_
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,12 +57,12 @@ class OptimizerGuard:
     """The wrapped methods of one Megatron optimizer (see the module docstring)."""
 
     def __init__(self, optimizer: Any, chunks: list[Any], skipper: DataSkipper | None, *, health: bool,
-                 save_mem_interval: int, iteration: int) -> None:
+                 due: Callable[[int], bool], iteration: int) -> None:
         self.optimizer = optimizer
         self.chunks = chunks
         self.skipper = skipper
         self.health = health
-        self.save_mem_interval = save_mem_interval
+        self.due = due                        # Checkpointer.due: is this step snapshotted
         self.iteration = iteration            # the last iteration done; the step being taken is the next
         self.embedding: tuple[int, float | None] | None = None
         self._norm: Any = None
@@ -74,7 +75,7 @@ class OptimizerGuard:
 
     def _before_norm(self) -> None:
         step = self.iteration + 1
-        if self.health and step % self.save_mem_interval == 0 and self.embedding is None:
+        if self.health and self.due(step) and self.embedding is None:
             self.embedding = (step, embedding_local_norm(self.chunks))
 
     def _get_grad_norm(self, *args: Any, **kwargs: Any) -> Any:

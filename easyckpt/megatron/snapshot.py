@@ -266,7 +266,27 @@ def apply(state: dict[str, Any], model: list[Any], optimizer: Any, opt_param_sch
     chunks = model if isinstance(model, (list, tuple)) else [model]
     state = tp.localize(state, optimizer)
     finetune = bool(get_arg(args, "finetune", False))
-    keys = model_keys(list(chunks))
+    _load_models(state, list(chunks), strict=strict)
+    if not release and not finetune and not get_arg(args, "no_load_optim", False):
+        _load_optimizer(state, optimizer)
+        if opt_param_scheduler is not None:
+            scheduler_state = state.get("opt_param_scheduler", state.get("lr_scheduler"))
+            if scheduler_state is not None:
+                opt_param_scheduler.load_state_dict(scheduler_state)
+    if not release and not finetune and not get_arg(args, "no_load_rng", False) and "rng_state" in state:
+        _load_rng(state["rng_state"], args)
+    saved_args = state.get("args")
+    if args is not None and saved_args is not None and not finetune:
+        for name in _RESTORED_ARGS:
+            set_arg(args, name, get_arg(saved_args, name, 0))
+        _update_microbatches(get_arg(args, "consumed_train_samples", 0))
+    iteration = 0 if (finetune or release) else int(state.get("iteration", state.get("total_iters", 0)))
+    return iteration, state.get("num_floating_point_operations_so_far", 0)
+
+
+def _load_models(state: dict[str, Any], chunks: list[Any], *, strict: bool) -> None:
+    """Each model chunk from its ``model``/``model{i}`` entry (an empty virtual pipeline stage has none)."""
+    keys = model_keys(chunks)
     if len(chunks) == 1 and "model" not in state and "model0" in state:
         keys = ["model0"]
     for key, chunk in zip(keys, chunks):
@@ -276,38 +296,33 @@ def apply(state: dict[str, Any], model: list[Any], optimizer: Any, opt_param_sch
             present = sorted(k for k in state if k.startswith("model"))
             raise KeyError(f"the checkpoint has no {key!r} entry (it has {present})")
         unwrap(chunk).load_state_dict(_restore_bytesio(state[key]), strict=strict)
-    if not release and not finetune and not get_arg(args, "no_load_optim", False):
-        if optimizer is not None and "optimizer" in state and not getattr(optimizer, "is_stub_optimizer", False):
-            optimizer.load_state_dict(state["optimizer"])
-            shards = distributed_optimizers(optimizer)
-            saved = state.get("optimizer_param_state")
-            if shards and saved is not None:
-                if len(saved) != len(shards):
-                    raise ValueError(f"the checkpoint has {len(saved)} distributed-optimizer shards, "
-                                     f"this optimizer {len(shards)}")
-                # No autograd: with fp32 training the shard's main params are views of the model's
-                # leaf parameters, which an in-place copy under grad mode refuses.
-                with torch.no_grad():
-                    for shard, param_state in zip(shards, saved):
-                        _unshare_steps(shard)
-                        shard.load_parameter_state_from_dp_reshardable(param_state)
-        if opt_param_scheduler is not None:
-            scheduler_state = state.get("opt_param_scheduler", state.get("lr_scheduler"))
-            if scheduler_state is not None:
-                opt_param_scheduler.load_state_dict(scheduler_state)
-    if not release and not finetune and not get_arg(args, "no_load_rng", False) and "rng_state" in state:
-        states = state["rng_state"]
-        index = 0
-        if get_arg(args, "data_parallel_random_init", False) and len(states) > 1:
-            index = parallel_info()["dp_rank"]
-        set_rng_state(states[index])
-    saved_args = state.get("args")
-    if args is not None and saved_args is not None and not finetune:
-        for name in _RESTORED_ARGS:
-            set_arg(args, name, get_arg(saved_args, name, 0))
-        _update_microbatches(get_arg(args, "consumed_train_samples", 0))
-    iteration = 0 if (finetune or release) else int(state.get("iteration", state.get("total_iters", 0)))
-    return iteration, state.get("num_floating_point_operations_so_far", 0)
+
+
+def _load_optimizer(state: dict[str, Any], optimizer: Any) -> None:
+    """The optimizer's state, and a distributed optimizer's parameter shards."""
+    if optimizer is None or "optimizer" not in state or getattr(optimizer, "is_stub_optimizer", False):
+        return
+    optimizer.load_state_dict(state["optimizer"])
+    shards = distributed_optimizers(optimizer)
+    saved = state.get("optimizer_param_state")
+    if not shards or saved is None:
+        return
+    if len(saved) != len(shards):
+        raise ValueError(f"the checkpoint has {len(saved)} distributed-optimizer shards, this optimizer {len(shards)}")
+    # No autograd: with fp32 training the shard's main params are views of the model's
+    # leaf parameters, which an in-place copy under grad mode refuses.
+    with torch.no_grad():
+        for shard, param_state in zip(shards, saved):
+            _unshare_steps(shard)
+            shard.load_parameter_state_from_dp_reshardable(param_state)
+
+
+def _load_rng(states: list[Any], args: Any) -> None:
+    """This rank's RNG states: its data-parallel rank's when the run initialised them per dp rank."""
+    index = 0
+    if get_arg(args, "data_parallel_random_init", False) and len(states) > 1:
+        index = parallel_info()["dp_rank"]
+    set_rng_state(states[index])
 
 
 def _update_microbatches(consumed: int) -> None:

@@ -171,7 +171,7 @@ class TrainerWrapper:
         self.guard: StepGuard | None = None
         if self.skipper is not None or use_checkpoint_health_monitor:
             self.guard = StepGuard(trainer, self.skipper, health=use_checkpoint_health_monitor,
-                                   snapshot_step=lambda step: step % self.save_mem_interval == 0)
+                                   snapshot_step=lambda step: self.ckpt is not None and self.ckpt.due(step))
 
     def _save_steps(self, args: Any) -> int | None:
         if self.strategy == "no" or self.strategy in ("epoch", "best"):
@@ -296,7 +296,7 @@ class TrainerWrapper:
             self._resumer.release()
         if step > 0 and step != self._last_step:
             self._last_step = step
-            if step % self.save_mem_interval == 0:
+            if self.ckpt is not None and self.ckpt.due(step):
                 self._snapshot(step)
         if trainer.control.should_training_stop:
             self._drain()
@@ -324,7 +324,7 @@ class TrainerWrapper:
         self._checkpoint_steps.add(step)
 
     def _due(self, step: int) -> bool:
-        return bool(self.save_steps) and step % self.persist_interval == 0
+        return bool(self.save_steps) and self.ckpt is not None and self.ckpt.config.persist_due(step)
 
     # snapshots and saves ----------------------------------------------------------------------------
     def _snapshot(self, step: int) -> None:

@@ -1,0 +1,125 @@
+"""The tiers that read through this rank's own slots in this node's shared memory.
+
+* **Own memory** (:class:`OwnMemoryTier`): this rank's committed slots (the process died, the node lives). The
+  cheapest tier: a read is a copy out of shared memory, verified against the node agent's checksums when a
+  multi-node agent has taken them.
+* **Replicas** (:class:`ReplicaTier`): this rank's state held by node agents on other nodes (this node lost its
+  memory, or the rank came back on another node). A read pulls the snapshot into one of this rank's own slots,
+  every tensor checked against its checksum (``easyckpt.replica`` does the pulling), then reads it from there
+  like the own-memory tier.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from easyckpt import replica
+from easyckpt.recovery.template import Template, check_template, place
+from easyckpt.recovery.tier import Loaded, Offer
+from easyckpt.slots import RankSlots
+from easyckpt.state import torch_dtype
+from easyckpt_wire.health import NEUTRAL, RankHealth
+from easyckpt_wire.records import PeerTable
+from easyckpt_wire.shm import SlotFormatError, format_bytes
+
+logger = logging.getLogger(__name__)
+
+
+def memory_health(slots: RankSlots, steps: Sequence[int], timeout: float) -> dict[int, RankHealth]:
+    """This rank's verdict on each of its committed snapshots (an unreadable slot: neutral here; reading it
+    for the load fails the same way and moves every rank on)."""
+    found = {}
+    for step in steps:
+        try:
+            with slots.read(step, timeout) as read:
+                found[step] = read.meta.health
+        except (SlotFormatError, TimeoutError, KeyError, OSError) as exc:
+            logger.debug("health of step %d in memory unknown: %s", step, exc)
+            found[step] = NEUTRAL
+    return found
+
+
+def read_slot(slots: RankSlots, step: int, template: Template, timeout: float,
+              expected: tuple[int, list[bytes]] | None, source: str) -> Loaded:
+    """Read this rank's slot of ``step``; with ``expected`` (the agent's checksums of that very snapshot) every
+    tensor is verified before use. Tensors not in the template are copied out: nothing returned is a view of
+    shared memory."""
+    with slots.read(step, timeout) as read:
+        meta = read.meta
+        check_template(meta.tensors, template, step, "memory")
+        if expected is not None and expected[0] == read.generation:
+            read.verify(expected[1])
+        values, nbytes = [], 0
+        for entry in meta.tensors:
+            if entry.nbytes == 0:
+                raw = torch.empty(entry.shape, dtype=torch_dtype(entry.dtype))
+            else:
+                raw = torch.frombuffer(read.data(entry), dtype=torch.uint8).view(
+                    torch_dtype(entry.dtype)).view(entry.shape)
+            values.append(place(entry, raw, template, owned=False))
+            nbytes += entry.nbytes
+            del raw
+        return Loaded(meta.skeleton, values, str(read.path), nbytes, source)
+
+
+class OwnMemoryTier:
+    """This rank's own slots. Local: each rank reads its own."""
+
+    source = "memory"
+    collective = False
+
+    def __init__(self, slots: RankSlots, *, rank: int, timeout: float, peers: PeerTable | None = None,
+                 peer_timeout: float = 10.0) -> None:
+        self.slots, self.rank, self.timeout = slots, rank, timeout
+        self.peers, self.peer_timeout = peers, peer_timeout
+
+    def offer(self) -> Offer:
+        return Offer.of(memory_health(self.slots, list(self.slots.committed()), self.timeout).items())
+
+    def holds(self, step: int) -> bool:
+        return step in self.slots.committed()
+
+    def read(self, step: int, template: Template) -> Loaded:
+        # Multi-node: this node's agent hashed the slot for its buddy; the same checksums verify this read.
+        expected = (replica.own_checksums(self.peers, self.rank, step, self.peer_timeout)
+                    if self.peers is not None else None)
+        return read_slot(self.slots, step, template, self.timeout, expected, self.source)
+
+
+class ReplicaTier:
+    """Steps whose every tensor some reachable agent holds for this rank (``replica.plan``), besides the steps
+    this rank holds itself. Local: each rank pulls its own."""
+
+    source = "replica"
+    collective = False
+
+    def __init__(self, peers: PeerTable, slots: RankSlots, *, rank: int, survey: replica.Survey | None = None,
+                 timeout: float = 120.0, peer_timeout: float = 10.0) -> None:
+        self.peers, self.slots, self.rank = peers, slots, rank
+        self.survey, self.timeout, self.peer_timeout = survey, timeout, peer_timeout
+        self.plans: dict[int, replica.ReplicaPlan] = {}
+
+    def offer(self) -> Offer:
+        found = self.survey if self.survey is not None else replica.survey(self.peers, self.peer_timeout)
+        for node, problem in sorted(found.unreachable.items()):
+            logger.warning("rank %d: agent of node %s is unreachable (%s): its replicas are not used", self.rank, node,
+                           problem)
+        own = self.slots.committed()
+        plans = replica.plan(self.peers, found, self.rank, self.peer_timeout)
+        self.plans = {step: plan for step, plan in plans.items() if step not in own}
+        return Offer.of((step, plan.manifest.meta.health) for step, plan in self.plans.items())
+
+    def holds(self, step: int) -> bool:
+        return step in self.plans
+
+    def read(self, step: int, template: Template) -> Loaded:
+        plan = self.plans.get(step)
+        if plan is None:
+            raise replica.ReplicaError(f"rank {self.rank} holds no plan for step {step}")
+        moved = replica.fetch(self.peers, plan, self.slots, rank=self.rank, timeout=self.peer_timeout)
+        logger.info("rank %d pulled step %d from replicas: %s in %.3fs from %s", self.rank, step,
+                    format_bytes(moved["bytes"]), moved["seconds"], sorted(moved["peers"]))
+        # Verified tensor by tensor as it arrived: no agent checksums to compare again.
+        return read_slot(self.slots, step, template, self.timeout, None, self.source)

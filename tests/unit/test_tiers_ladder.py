@@ -1,0 +1,155 @@
+"""``recovery.load``, the ladder over the tiers, for a one-rank job in one process over real sources: the order
+of the tiers, a failed read moving on to the next candidate, a template that does not fit stopping the load,
+health before recency, an explicit ``load_dir``, and a rank whose memory is gone pulling its step from a
+replica."""
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import Env, assert_same, seeded_random
+from tiers_sources import (
+    JOB,
+    UNHEALTHY,
+    Agents,
+    corrupt_meta,
+    flip_tensor_byte,
+    no_health,
+    persist,
+    state_at,
+    template,
+    write_snapshots,
+)
+
+from easyckpt import recovery
+from easyckpt.recovery import LoadError, StateMismatchError
+from easyckpt.slots import RankSlots
+from easyckpt_wire import layout
+from easyckpt_wire.health import NEUTRAL
+
+Opener = Callable[[], RankSlots]
+
+
+@pytest.fixture
+def slots(env: Env) -> Iterator[Opener]:
+    """Opens rank 0's slots of a one-rank job (called by the test once its snapshots are written)."""
+    opened: list[RankSlots] = []
+
+    def open_slots() -> RankSlots:
+        opened.append(RankSlots(env.shm_dir, JOB, 0, 1, 1))
+        return opened[-1]
+
+    yield open_slots
+    for s in opened:
+        s.close()
+
+
+def load(env: Env, slots: RankSlots, into: Any = None, **options: Any) -> recovery.LoadResult:
+    return recovery.load(slots=slots, save_dir=env.save_dir, rank=0, world_size=1, template=into, timeout=5.0,
+                         peer_timeout=5.0, **options)
+
+
+def test_memory_comes_before_disk_and_a_failed_read_moves_on_to_the_next_tier(env: Env, slots: Opener,
+                                                                                caplog: pytest.LogCaptureFixture) -> None:
+    write_snapshots(env.shm_dir, 0, 1, no_health([3, 5]))
+    persist(env.shm_dir, env.save_dir)
+    result = load(env, slots(), template())
+    assert (result.step, result.source) == (5, "memory")
+    corrupt_meta(env.shm_dir, 0, 5)   # still offered (it says COMMITTED), fails when read
+    into = template()
+    with caplog.at_level(logging.WARNING, logger="easyckpt.recovery"):
+        result = load(env, slots(), into)
+    assert (result.step, result.source) == (5, "disk"), result
+    assert result.path == str(env.save_dir / layout.iteration_dirname(5))
+    assert_same(state_at(5), result.state)
+    assert result.state["model"]["w"] is into["model"]["w"]
+    assert "could not load step 5 from memory" in caplog.text, caplog.text
+
+
+def test_a_template_that_does_not_fit_stops_the_load_without_trying_other_tiers(env: Env, slots: Opener) -> None:
+    write_snapshots(env.shm_dir, 0, 1, no_health([3, 5]))
+    persist(env.shm_dir, env.save_dir)
+    into = template()
+    into["model"]["b"] = torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(StateMismatchError, match=r"step 5 \(memory\).*model/b"):
+        load(env, slots(), into)
+    assert_same(template()["model"]["w"], into["model"]["w"])   # nothing was copied in
+
+
+def test_health_before_recency_in_every_tier(env: Env, slots: Opener, caplog: pytest.LogCaptureFixture) -> None:
+    write_snapshots(env.shm_dir, 0, 1, {3: NEUTRAL, 5: UNHEALTHY})
+    persist(env.shm_dir, env.save_dir)
+    opened = slots()
+    result = load(env, opened, allow_unhealthy=True)
+    assert (result.step, result.source) == (5, "memory")
+    with caplog.at_level(logging.WARNING, logger="easyckpt.recovery"):
+        result = load(env, opened)
+    assert (result.step, result.source) == (3, "memory")
+    assert_same(state_at(3), result.state)
+    assert "passing over unhealthy snapshots newer than step 3: step 5 (unhealthy on ranks [0]: " in caplog.text
+    assert 5 not in opened.committed()   # a resume from 3 abandons the newer snapshots
+
+
+def test_nothing_healthy_is_a_clear_error(env: Env, slots: Opener) -> None:
+    write_snapshots(env.shm_dir, 0, 1, {5: UNHEALTHY})
+    persist(env.shm_dir, env.save_dir)
+    with pytest.raises(LoadError) as caught:
+        load(env, slots())
+    message = str(caught.value)
+    assert "no healthy checkpoint" in message and "step 5" in message and "loss 9.5 > threshold 3.0" in message
+    assert "allow_unhealthy=True" in message and "load_dir=" in message
+
+
+def test_an_explicit_load_dir_is_loaded_whatever_memory_holds(env: Env, slots: Opener) -> None:
+    write_snapshots(env.shm_dir, 0, 1, {3: UNHEALTHY, 5: NEUTRAL})
+    persist(env.shm_dir, env.save_dir)
+    result = load(env, slots(), template(), load_dir=env.save_dir / layout.iteration_dirname(3))
+    assert (result.step, result.source) == (3, "disk")
+    assert_same(state_at(3), result.state)
+    with pytest.raises(LoadError, match="cannot be loaded by every rank: .*iteration_0000004"):
+        load(env, slots(), load_dir=env.save_dir / layout.iteration_dirname(4))
+
+
+def test_every_candidate_damaged_is_one_error_naming_each_try(env: Env, slots: Opener) -> None:
+    rng = seeded_random()
+    write_snapshots(env.shm_dir, 0, 1, no_health([5]))
+    persist(env.shm_dir, env.save_dir)
+    corrupt_meta(env.shm_dir, 0, 5)
+    flip_tensor_byte(env.save_dir, 5, rng)
+    with pytest.raises(LoadError) as caught:
+        load(env, slots(), template())
+    message = str(caught.value)
+    assert "tried step 5 from memory: SlotFormatError" in message, message
+    assert "step 5 from disk: CheckpointCorruptError" in message and "checksum" in message, message
+    assert "easyckpt verify" in message
+
+
+def test_nothing_anywhere_is_a_fresh_start(env: Env, slots: Opener) -> None:
+    result = load(env, slots(), template())
+    assert (result.step, result.source, result.state) == (None, None, None)
+
+
+def test_a_rank_whose_memory_is_gone_pulls_its_step_from_a_replica(env: Env, slots: Opener) -> None:
+    """Rank 0's node is gone with its memory; the buddy node holds its two newest snapshots, disk an older one.
+    The newest comes from the replica, into rank 0's own slot (the step it resumes from is in its memory)."""
+    lost = Path(tempfile.mkdtemp(prefix="easyckpt-test-lost-", dir="/dev/shm"))
+    agents = Agents()
+    try:
+        write_snapshots(lost, 0, 1, no_health([2, 4, 6]))
+        persist(lost, env.save_dir)
+        agents.back_up(lost)   # keeps the newest two: 4 and 6
+        shutil.rmtree(lost)
+        opened = slots()
+        result = load(env, opened, template(), peers=agents.peers)
+        assert (result.step, result.source) == (6, "replica"), result
+        assert_same(state_at(6), result.state)
+        assert 6 in opened.committed()
+    finally:
+        shutil.rmtree(lost, ignore_errors=True)
+        agents.close()
