@@ -1,0 +1,75 @@
+"""The boxes' import rules, read from the source with ``ast`` (no import runs):
+
+* the library (``easyckpt``) and the agent (``agent``) share only the versioned wire layer (``easyckpt_wire``):
+  neither imports the other, and the wire layer imports neither;
+* the agent and the wire layer never import torch (an agent must start in well under a second, and the wire
+  layer is what ``easyckpt ls/verify`` run on without torch);
+* no module imports a private name (``_x``) from another module.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("easyckpt", "agent", "easyckpt_wire")
+FORBIDDEN = {
+    "easyckpt": {"agent"},
+    "agent": {"easyckpt", "torch"},
+    "easyckpt_wire": {"easyckpt", "agent", "torch"},
+}
+
+
+def modules(package: str) -> list[Path]:
+    return sorted(p for p in (ROOT / package).rglob("*.py") if ".venv" not in p.parts)
+
+
+def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str, list[str]]]:
+    """(line, module, names) of every import in ``path``, relative imports resolved against its package."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = ".".join(path.relative_to(root).with_suffix("").parts[:-1])
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join([*base, module] if module else base)
+            found.append((node.lineno, module, [alias.name for alias in node.names]))
+    return found
+
+
+def where(path: Path, line: int) -> str:
+    return f"{path.relative_to(ROOT)}:{line}"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_each_box_imports_only_what_it_may(package: str) -> None:
+    wrong = [f"{where(path, line)} imports {module}"
+             for path in modules(package) for line, module, _ in imports(path)
+             if module.split(".")[0] in FORBIDDEN[package]]
+    assert not wrong, "imports across the boxes' boundary (the library and the agent share only easyckpt_wire):\n" \
+        + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_private_name_is_imported_from_another_module(package: str) -> None:
+    wrong = [f"{where(path, line)} imports {name} from {module}"
+             for path in modules(package) for line, module, names in imports(path)
+             if module.split(".")[0] in PACKAGES
+             for name in names if name.startswith("_") and not name.startswith("__")]
+    assert not wrong, "private names imported across modules (make them public or move the code):\n" + "\n".join(wrong)
+
+
+def test_the_rule_sees_a_violation(tmp_path: Path) -> None:
+    """The reader itself: a relative import of a private name is found and resolved."""
+    probe = tmp_path / "easyckpt_wire" / "probe.py"
+    probe.parent.mkdir()
+    probe.write_text("from .slots import _hidden\nimport torch\nfrom easyckpt_wire import layout\n")
+    found = imports(probe, root=tmp_path)
+    assert (1, "easyckpt_wire.slots", ["_hidden"]) in found and (2, "torch", []) in found
