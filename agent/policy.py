@@ -2,7 +2,7 @@
 
 The agent's loop (``server``) feeds them what the watcher sees in the slot headers and carries out what
 they return (flocks, the control block, a persist); nothing here does I/O, so the rules are tested in one
-process, alone and in randomized interleavings (``tests/test_policy.py``).
+process, alone and in randomized interleavings (``tests/unit/test_policy.py``).
 
 Invariant 9 on one node: the safe step is the newest step every local rank has committed. The agent
 holds the safe step's slots and publishes it; ranks never overwrite it. It moves forward only, except
