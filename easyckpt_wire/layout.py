@@ -285,8 +285,11 @@ def complete_iterations(save_dir: Path) -> list[tuple[int, Path]]:
 
 
 def read_tracker(save_dir: Path) -> int | None:
+    """The step the tracker names; None when there is none or it holds no step number. Read as bytes: a damaged
+    tracker (a flipped byte that is not UTF-8) is passed over like any other unreadable one, and readers take the
+    newest complete iteration, instead of every load and every agent start-up raising UnicodeDecodeError."""
     try:
-        text = (save_dir / TRACKER).read_text(encoding="utf-8").strip()
+        text = (save_dir / TRACKER).read_bytes().strip()
     except (FileNotFoundError, NotADirectoryError):
         return None
-    return int(text) if text.isdigit() else None
+    return int(text) if text.isdigit() else None   # bytes.isdigit(): ASCII digits only
