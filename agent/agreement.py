@@ -4,7 +4,7 @@ Every node agent describes its node in a :class:`NodeState` (what its ranks comm
 which of its predecessor's steps it backed up, what its persister does) and sends it to the leader (the
 agent of rank 0's node) whenever it changes. The leader alone decides, with :func:`decide`, and sends
 every agent the same :class:`Verdict`; each agent then chooses what to hold with :func:`plan_holds`. The
-process code (``agent.cluster``, ``agent.server``) only carries states and verdicts and takes flocks.
+process code (``agent.jobwide``, ``agent.node_agreement``) only carries states and verdicts and takes flocks.
 
 Two protections, two steps:
 
@@ -233,11 +233,11 @@ def plan_holds(*, slots: int, persisting: Iterable[int], job_safe: int | None, c
     # three slots, where it would leave the job-safe step no way to move but node by node.
     reserve = spare and due is None and slots > 3
     limit = min(slots - 1, max(len(chosen), slots - 2 if reserve else slots - 1))
-    # With a persist in flight (the floor), or room for one role only, the step moves to the candidate first:
-    # each node lets go of the old job-safe step as it holds the candidate, and the ranks' free slots (at least
-    # two) still hold both meanwhile.
-    one = limit - len([s for s in chosen if s not in (job_safe, candidate)]) <= 1
-    roles = [candidate, job_safe, node_safe] if persist or one else [job_safe, candidate, node_safe]
+    # With a persist in flight the persisted step is the floor every node holds, so the other hold moves to the
+    # candidate first (two slots have room for nothing else); otherwise the job-safe step stays held until the
+    # candidate is job-safe (two phases), and when a due step being decided takes the other slot, the candidate
+    # waits the few milliseconds of that decision.
+    roles = [candidate, job_safe, node_safe] if persist or slots <= 2 else [job_safe, candidate, node_safe]
     for step in roles:
         if step is not None and step in here and step not in chosen and len(chosen) < limit:
             chosen.append(step)

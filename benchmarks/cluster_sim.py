@@ -265,7 +265,7 @@ class Simulation:
                           candidate=verdict.candidate, node_safe=verdict.node_safe, present=local | node.held, due=due)
         node.held = set(plan)
         node.published = frozenset(node.held)
-        node.node_safe = verdict.node_safe if verdict.node_safe in node.held else None
+        node.node_safe = verdict.node_safe
         node.decided = max(decided, max(persisting, default=-1))
 
     def persist_done(self, node: Node, step: int) -> None:

@@ -209,6 +209,13 @@ def assert_same(a: Any, b: Any, path: str = "state") -> None:
         assert a == b, f"{path}: {a!r} vs {b!r}"
 
 
+def _tracked(save_dir: Path) -> int:
+    from easyckpt_wire import layout
+
+    step = layout.read_tracker(save_dir)
+    return -1 if step is None else step
+
+
 def save_and_persist(ck: Any, env: Env, step: int, state: Any, metrics: dict[str, float] | None = None) -> Path:
     """Snapshot ``step`` and wait until the agent has it on disk; returns the iteration directory.
 
@@ -221,6 +228,8 @@ def save_and_persist(ck: Any, env: Env, step: int, state: Any, metrics: dict[str
     ck.wait()
     path = env.save_dir / layout.iteration_dirname(step)
     wait_for(lambda: (path / layout.METADATA).is_file(), 60, f"{path}/{layout.METADATA} (persist of step {step})")
+    # The tracker is written just after the rename (the commit point): a caller reads it next.
+    wait_for(lambda: _tracked(env.save_dir) >= step, 60, f"the tracker to name step {step}")
     return path
 
 

@@ -274,8 +274,8 @@ def test_cluster_sim_smoke(tmp_path: Path) -> None:
 
 def test_multinode_freshness_benchmark_smoke(env: Env, tmp_path: Path) -> None:
     out = tmp_path / "mnf.json"
-    result = importlib.import_module("multinode_freshness").main(["--idle-ms", "0", "--faults", "0", "--steps", "12", "--seed", "3",
-                                               "--json", str(out)])
+    result = importlib.import_module("multinode_freshness").main(
+        ["--idle-ms", "0", "--faults", "0", "--steps", "12", "--seed", "3", "--json", str(out)])
     assert json.loads(out.read_text()) == result
     (row,) = result["rows"]
     assert row["due"] == 3 and row["due_persisted"] + len(row["passed_over"]) >= row["due"]

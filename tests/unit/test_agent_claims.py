@@ -1,0 +1,151 @@
+"""agent.claims: persist claims as flocks on real slot files, and the ranks' FLUSH/BYE requests and answers."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agent_slots import JOB, FakeRanks, decode_reply, held
+
+from agent.claims import Claims, FlushRequests, never_holds
+from agent.watcher import SlotHolds, Watcher
+from easyckpt_wire import layout
+
+
+class Node:
+    def __init__(self, shm_dir: Path) -> None:
+        self.ranks = FakeRanks(shm_dir)
+        self.watcher = Watcher(shm_dir, JOB)
+        self.claims = Claims(SlotHolds())
+        self.flushes = FlushRequests()
+        self.sent: list[tuple[bytes, dict[str, Any]]] = []
+
+    def send(self, identity: bytes, blob: bytes) -> None:
+        self.sent.append((identity, decode_reply(blob)))
+
+    def scan(self) -> tuple[set[int], dict[int, Any], frozenset[int]]:
+        self.watcher.scan(relist_every=0)
+        return held(self.watcher)
+
+    def close(self) -> None:
+        self.claims.release(lambda step: True)
+        self.watcher.close()
+        self.ranks.close()
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    node = Node(tmp_path)
+    yield node
+    node.close()
+
+
+def test_a_step_is_claimed_on_every_rank_or_on_none(node: Node) -> None:
+    ranks = node.ranks
+    ranks.commit_all(0, 5)
+    ranks_, committed, _ = node.scan()
+    with ranks.writing(1, 0):   # rank 1 overwrites its slot of step 5 as the agent claims it
+        assert not node.claims.claim_all(5, ranks_, committed)
+    assert 5 not in node.claims and ranks.writable(0, 0)   # rank 0's claim was let go of
+    ranks.commit_all(1, 6)
+    ranks_, committed, _ = node.scan()
+    assert node.claims.claim_all(6, ranks_, committed)
+    assert set(node.claims.ranks(6)) == {0, 1} and node.claims.on_every(ranks_) == {6}
+    assert not ranks.writable(0, 1) and not ranks.writable(1, 1)
+    assert node.claims.claim_all(6, ranks_, committed)   # claiming again changes nothing
+    node.claims.drop(6)
+    assert ranks.writable(0, 1) and ranks.writable(1, 1) and not node.claims
+
+
+def test_a_claim_shares_the_flock_of_another_hold_and_keeps_it(node: Node) -> None:
+    ranks = node.ranks
+    ranks.commit_all(0, 5)
+    ranks_, committed, _ = node.scan()
+    holds = node.claims.holds
+    assert holds.hold_all(ranks_, committed, 5, ("safe",)) is not None
+    assert node.claims.claim_all(5, ranks_, committed)
+    node.claims.release(lambda step: step == 5)
+    assert not ranks.writable(0, 0)   # still the safe step
+    for rank in ranks_:
+        holds.release(committed[rank][5], ("safe",))
+    assert ranks.writable(0, 0)
+
+
+def test_claims_that_a_rank_will_never_satisfy_are_dropped_with_why(node: Node) -> None:
+    ranks = node.ranks
+    ranks.commit(0, 0, 5)
+    ranks.commit(1, 0, 4)
+    _, committed, _ = node.scan()
+    assert node.claims.claim(5, 0, committed[0][5])   # rank 1 has not committed step 5 yet
+    assert node.claims.drop_unreachable(node.watcher, None) == {}
+    assert never_holds(node.watcher, 1, 5) == ""
+    ranks.commit(1, 1, 6)   # rank 1 moved past step 5 without it
+    node.scan()
+    assert node.claims.drop_unreachable(node.watcher, None) == {5: "rank 1 moved on without a snapshot of step 5"}
+    assert 5 not in node.claims and ranks.writable(0, 0)
+    ranks.commit(0, 1, 6)
+    _, committed, _ = node.scan()
+    assert node.claims.claim_all(6, {0, 1}, committed)
+    assert node.claims.drop_unreachable(node.watcher, 6) == {}   # on disk already: let go of, silently
+    assert not node.claims and ranks.writable(0, 1)
+
+
+def test_a_requested_step_is_claimed_rank_by_rank_as_each_commits_it(node: Node) -> None:
+    ranks, flushes = node.ranks, node.flushes
+    ranks.commit(0, 0, 7)
+    node.scan()
+    flushes.request(0, 7, node.watcher, node.claims, durable=-1)
+    assert flushes.wanted == {7} and set(node.claims.ranks(7)) == {0}   # at once: rank 0 goes on in other slots
+    flushes.waiters.append((b"rank0", 11, 7))
+    flushes.answer(node.send, persisted=None, save_dir=Path("/nonexistent"), given_up=-1, failure=None)
+    assert node.sent == []   # still wanted: the waiter waits
+    ranks.commit(1, 0, 7)
+    ranks_, committed, _ = node.scan()
+    flushes.claim_committed(ranks_, committed, node.claims, durable=-1)
+    assert set(node.claims.ranks(7)) == {0, 1}
+    flushes.request(1, 7, node.watcher, node.claims, durable=-1)   # asked already: nothing new
+    flushes.request(1, 3, node.watcher, node.claims, durable=5)    # on disk already
+    assert flushes.wanted == {7}
+
+
+def test_flush_waiters_hear_that_the_step_is_on_disk_or_why_not(node: Node, tmp_path: Path) -> None:
+    ranks, flushes = node.ranks, node.flushes
+    save_dir = tmp_path / "ckpt"
+    (save_dir / layout.iteration_dirname(7)).mkdir(parents=True)
+    ranks.commit_all(0, 7)
+    ranks.commit_all(1, 9)
+    node.scan()
+    for step in (7, 9):
+        flushes.request(0, step, node.watcher, node.claims, durable=-1)
+    flushes.waiters += [(b"a", 1, 7), (b"b", 2, 9)]
+    flushes.give_up(9, "persist of step 9 failed: /ckpt: [Errno 28] No space left on device")
+    flushes.answer(node.send, persisted=7, save_dir=save_dir, given_up=9, failure={"step": 9})
+    assert [identity for identity, _ in node.sent] == [b"a", b"b"]
+    ok, refused = node.sent[0][1], node.sent[1][1]
+    assert ok["ok"] and ok["id"] == 1 and ok["persisted"] == 7 and ok["committed"]
+    assert not refused["ok"] and "No space left" in refused["error"] and refused["failure"] == {"step": 9}
+    assert flushes.waiters == [] and flushes.failed == {}   # nobody waits for step 9 any more
+    flushes.bye_waiters.append((b"c", 3))
+    flushes.answer_byes(node.send, persisted=7, failure=None)
+    assert node.sent[-1][0] == b"c" and node.sent[-1][1]["ok"] and flushes.bye_waiters == []
+
+
+def test_a_requested_step_some_rank_will_never_hold_is_given_up(node: Node) -> None:
+    ranks, flushes = node.ranks, node.flushes
+    ranks.commit(0, 0, 7)
+    node.scan()
+    flushes.request(0, 7, node.watcher, node.claims, durable=-1)
+    flushes.drop_unreachable(node.watcher, node.claims, durable=-1)
+    assert flushes.wanted == {7}   # rank 1 may still commit it
+    ranks.commit(1, 0, 8)   # rank 1 moved on without step 7
+    node.scan()
+    flushes.drop_unreachable(node.watcher, node.claims, durable=-1)
+    assert flushes.wanted == set() and flushes.failed == {7: "rank 1 moved on without a snapshot of step 7"}
+    assert 7 not in node.claims and ranks.writable(0, 0)
+    flushes.wanted.add(8)
+    flushes.drop_unreachable(node.watcher, node.claims, durable=8)   # on disk meanwhile
+    assert flushes.wanted == set()
+    flushes.wanted.add(9)
+    flushes.abandon("the agent exited before every local rank held it")
+    assert flushes.wanted == set() and flushes.failed[9] == "the agent exited before every local rank held it"

@@ -1,0 +1,199 @@
+"""agent.lifecycle: wake-ups, a real SIGTERM to this process, shutdown, and when the agent exits (real slots)."""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import select
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from agent_slots import JOB, Harness
+from common import poll
+
+from agent import persister
+from agent.lifecycle import Lifecycle, WakePipe
+from easyckpt_wire import layout
+from easyckpt_wire.control import control_path
+from easyckpt_wire.records import PeerNode, PeerTable
+from easyckpt_wire.shm import list_slots
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Harness]:
+    node = Harness(tmp_path)
+    yield node
+    node.close()
+
+
+def stopped(caplog: pytest.LogCaptureFixture) -> logging.LogRecord:
+    records = [r for r in caplog.records if r.getMessage().startswith("agent stopped by")]
+    assert len(records) == 1, [r.getMessage() for r in caplog.records]
+    return records[0]
+
+
+def test_a_wake_from_another_thread_makes_the_pipe_readable_until_drained(tmp_path: Path) -> None:
+    pipe = WakePipe()
+    pipe.wake()   # before it is open: nothing to do, nothing raised
+    fd = pipe.open(tmp_path)
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    assert poller.poll(0) == []
+
+    def wake_thrice() -> None:
+        for _ in range(3):
+            pipe.wake()
+
+    waker = threading.Thread(target=wake_thrice)
+    waker.start()
+    waker.join(timeout=10)
+    assert poller.poll(5000) == [(fd, select.POLLIN)]
+    pipe.drain()
+    assert poller.poll(0) == []
+    pipe.close()
+    assert pipe.fd == -1
+    pipe.wake()
+
+
+def test_sigterm_ends_the_loop_and_a_second_signal_abandons_the_disk(node: Harness) -> None:
+    life = node.agent.life
+    previous = life.install_signal_handlers()
+    try:
+        assert signal.getsignal(signal.SIGTERM) == life.on_signal
+        os.kill(os.getpid(), signal.SIGTERM)
+        poll(lambda: life.stop_signal == signal.SIGTERM, 10, "the SIGTERM handler")
+        assert not persister.ABORT.is_set()
+        os.kill(os.getpid(), signal.SIGINT)
+        poll(persister.ABORT.is_set, 10, "the second signal to abort the persist")
+        assert life.stop_signal == signal.SIGTERM
+    finally:
+        Lifecycle.restore_signal_handlers(previous)
+        persister.ABORT.clear()
+    assert signal.getsignal(signal.SIGTERM) == previous[signal.SIGTERM]
+
+
+def test_sigterm_persists_the_newest_snapshot_and_keeps_the_slots_of_live_ranks(
+        node: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    node.ranks.commit_all(0, 3)
+    caplog.set_level(logging.INFO, logger="agent.lifecycle")
+    node.agent.life.stop_signal = signal.SIGTERM
+    node.agent.life.stop()
+    assert node.agent.scheduler.persisted == 3 and layout.read_tracker(node.save_dir) == 3
+    record = stopped(caplog)
+    kept = re.search(r"slots kept: rank\(s\) \[(\d+), (\d+)\] still run", record.getMessage())
+    assert record.levelno == logging.INFO and kept is not None and sorted(kept.groups()) == ["0", "1"]
+    assert len(list_slots(node.shm_dir, JOB)) == 6 and not node.agent.ended_cleanly
+
+
+def test_sigterm_after_the_ranks_died_unlinks_slots_that_are_on_disk(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    node = Harness(tmp_path)
+    try:
+        node.ranks.kill(0)
+        node.ranks.kill(1)
+        node.ranks.commit_all(0, 3)
+        node.agent.watcher.scan(relist_every=0)
+        node.agent._tick()   # a persist of step 3 starts (flush on failure)
+        assert node.agent.scheduler.inflight_step() == 3
+        caplog.set_level(logging.INFO, logger="agent.lifecycle")
+        node.agent.life.stop()
+        record = stopped(caplog)
+        assert "finished the persist of step 3" in record.getMessage() and record.levelno == logging.INFO
+        assert "slots unlinked" in record.getMessage() and node.agent.ended_cleanly
+        assert list_slots(node.shm_dir, JOB) == {} and not control_path(node.shm_dir, JOB).exists()
+    finally:
+        node.close()
+
+
+def test_sigterm_without_time_left_keeps_what_disk_lacks(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    node = Harness(tmp_path, shutdown_timeout=0.0)
+    try:
+        node.ranks.kill(0)
+        node.ranks.kill(1)
+        node.ranks.commit_all(0, 3)
+        caplog.set_level(logging.INFO, logger="agent.lifecycle")
+        node.agent.life.stop()
+        record = stopped(caplog)
+        assert record.levelno == logging.WARNING
+        assert "no time left to persist step 3 (shutdown_timeout=0s)" in record.getMessage()
+        assert "step 3 is newer than disk (None)" in record.getMessage()
+        assert len(list_slots(node.shm_dir, JOB)) == 6 and node.agent.scheduler.persisted is None
+    finally:
+        node.close()
+
+
+def test_a_persist_that_fails_during_shutdown_is_given_up(node: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    node.ranks.commit_all(0, 3)
+    caplog.set_level(logging.INFO, logger="agent.lifecycle")
+    persister.ABORT.set()   # a second signal came first: the writers stop at their first write
+    try:
+        node.agent.life.stop()
+    finally:
+        persister.ABORT.clear()
+    record = stopped(caplog)
+    assert "the persist of step 3 failed (persist abandoned" in record.getMessage()
+    assert record.levelno == logging.WARNING and node.agent.life.given_up_on_stop
+    scheduler = node.agent.scheduler
+    assert scheduler.given_up == 3 and scheduler.inflight is None and not scheduler.claims
+    assert node.ranks.writable(0, 0) and layout.complete_iterations(node.save_dir) == []
+
+
+def test_sigterm_in_a_multi_node_job_leaves_persisting_to_the_job(node: Harness,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    node.agent.cluster.peers = PeerTable("t" * 16, "n0", "n0", {"n0": PeerNode("tcp://127.0.0.1:1", (0, 1)),
+                                                                "n1": PeerNode("tcp://127.0.0.1:2", (2, 3))})
+    node.ranks.commit_all(0, 3)
+    caplog.set_level(logging.INFO, logger="agent.lifecycle")
+    node.agent.life.stop()
+    assert "step 3 not persisted (a multi-node iteration needs every node's files)" in stopped(caplog).getMessage()
+    assert not node.agent.scheduler.busy()
+
+
+def test_the_agent_exits_once_every_rank_said_goodbye(node: Harness) -> None:
+    node.ranks.commit_all(0, 5)
+    node.agent._tick()
+    life = node.agent.life
+    assert not life.should_exit()   # ranks alive, a persist in flight
+    node.settle()
+    for proc in node.agent.watcher.ranks.values():
+        proc.said_bye = True
+    assert life.should_exit() and life.ended_cleanly
+    assert list_slots(node.shm_dir, JOB) == {} and not control_path(node.shm_dir, JOB).exists()
+
+
+def test_memory_newer_than_disk_after_failed_persists_is_kept_at_exit(node: Harness, tmp_path: Path) -> None:
+    aside = tmp_path / "ckpt-aside"
+    node.save_dir.rename(aside)
+    node.save_dir.write_text("not a directory")
+    node.ranks.commit_all(0, 5)
+    node.agent._tick()
+    node.settle()
+    assert node.agent.scheduler.failure is not None
+    for proc in node.agent.watcher.ranks.values():
+        proc.said_bye = True
+    assert node.agent.life.should_exit() and not node.agent.life.ended_cleanly
+    assert len(list_slots(node.shm_dir, JOB)) == 6 and node.ranks.writable(0, 0)   # kept, but let go of
+
+
+@pytest.mark.parametrize("persisted", [True, False])
+def test_no_rank_alive_for_idle_timeout_ends_the_agent(tmp_path: Path, persisted: bool) -> None:
+    node = Harness(tmp_path, idle_timeout=1e-6)
+    try:
+        node.ranks.kill(0)
+        node.ranks.kill(1)
+        node.ranks.commit_all(0, 4)
+        node.agent.watcher.scan(relist_every=0)
+        node.agent.scheduler.failed_ranks.clear()   # no flush on failure here: disk has what the test says
+        if persisted:
+            node.agent.scheduler.persisted = 4
+        life = node.agent.life
+        assert not life.should_exit()   # the idle clock starts
+        assert life.no_rank_since is not None
+        assert poll(life.should_exit, 10, "idle_timeout to pass")
+        assert life.ended_cleanly == persisted
+        assert len(list_slots(node.shm_dir, JOB)) == (0 if persisted else 6)
+    finally:
+        node.close()

@@ -1,0 +1,112 @@
+"""agent.node_agreement: a follower node carries out the leader's verdicts on real slots (the test is the leader)."""
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from agent_slots import JOB, Harness
+
+from agent.agreement import Verdict, verdict_to_wire
+from easyckpt_wire.control import ControlReader, control_path
+from easyckpt_wire.records import PeerNode, PeerTable
+
+PEERS = PeerTable("t" * 16, "n1", "n0", {"n0": PeerNode("tcp://127.0.0.1:1", (0, 1)),
+                                         "n1": PeerNode("tcp://127.0.0.1:2", (2, 3))}, world_size=4)
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Harness]:
+    node = Harness(tmp_path, world_size=4, first_rank=2, node_id="n1")   # ranks 2 and 3; rank 0's node leads
+    node.agent.cluster.peers = PEERS
+    yield node
+    node.close()
+
+
+def verdict(node: Harness, **fields: object) -> None:
+    """The leader's VERDICT, as the replica server's thread stores it."""
+    node.agent.cluster.jobwide.on_verdict({"node": "n0", **verdict_to_wire(Verdict(**fields))}, PEERS)  # type: ignore[arg-type]
+
+
+def agree(node: Harness) -> None:
+    ranks, committed, common = node.scan()
+    node.agent.agreement.agree(ranks, committed, common)
+
+
+def test_before_any_verdict_the_undecided_due_step_is_held_for_the_leader(node: Harness) -> None:
+    ranks, agent = node.ranks, node.agent
+    ranks.commit_all(0, 4)
+    ranks.commit_all(1, 5)
+    ranks_, committed, common = node.scan()
+    assert agent.protection.advance_safe(ranks_, committed, common, agent._publish)   # a single-node round first
+    assert agent.protection.safe == 5 and agent.protection.safe_holds
+    agree(node)
+    assert agent.protection.safe_holds == []   # the single-node hold gives way to the job's
+    assert agent.protection.roles.steps == {5} and not ranks.writable(2, 1) and not ranks.writable(3, 1)
+    assert ranks.writable(2, 0)
+
+
+def test_a_verdict_is_carried_out_take_holds_and_both_safe_steps(node: Harness) -> None:
+    ranks, agent = node.ranks, node.agent
+    ranks.commit_all(0, 4)
+    ranks.commit_all(1, 5)
+    verdict(node, job_safe=4, node_safe=4, candidate=5, take=5, decided=5, newest=5)
+    agree(node)
+    assert agent.agreement.took == 5 and set(agent.scheduler.claims.ranks(5)) == {2, 3}
+    assert agent.protection.roles.steps == {4}   # the persist's step is held by its claim
+    assert (agent.protection.safe, agent.protection.node_safe, agent.cluster.safe_step) == (4, 4, 4)
+    assert agent.agreement.held_everywhere({2, 3}) == {4, 5}
+    assert not any(ranks.writable(rank, slot) for rank in (2, 3) for slot in (0, 1))
+    agent._publish()
+    view = ControlReader(control_path(node.shm_dir, JOB)).read()
+    assert view is not None and not view.changing and view.gated
+    assert (view.safe, view.node_safe, view.held, view.decided) == (4, 4, frozenset({4, 5}), 5)
+    agent.scheduler.claims.drop(5)
+    agree(node)   # the same verdict again: its take was acted on once
+    assert not agent.scheduler.claims
+
+
+def test_a_take_this_node_cannot_carry_out_is_reported_lost(node: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    ranks, agent = node.ranks, node.agent
+    ranks.commit_all(0, 5)
+    ranks_, committed, _ = node.scan()
+    caplog.set_level(logging.WARNING, logger="agent.node_agreement")
+    with ranks.writing(3, 0):   # rank 3 overwrites its slot of step 5 as the take arrives
+        agent.agreement.take(Verdict(take=5), ranks_, committed)
+    assert agent.agreement.lost == {5} and not agent.scheduler.claims and ranks.writable(2, 0)
+    ranks.commit_all(1, 10)
+    ranks_, committed, _ = node.scan()
+    assert agent.scheduler.claims.claim_all(10, ranks_, committed)
+    agent.scheduler.start_ready()   # this node's shards of step 10 are being written
+    agent.agreement.take(Verdict(take=15), ranks_, committed)
+    assert agent.agreement.lost == {5, 15} and agent.agreement.took == 15
+    assert [r.getMessage().split(": ")[-1] for r in caplog.records] == [
+        "a local rank no longer holds it", "its persister is busy with step 10"]
+    node.settle()
+
+
+def test_passed_over_due_steps_are_heard_once_and_decide_what_ranks_spare(node: Harness,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    agent = node.agent
+    node.ranks.commit_all(0, 12)
+    caplog.set_level(logging.INFO, logger="agent.roles")
+    verdict(node, job_safe=12, candidate=12, passed=((10, "node n0's persister is busy"),), decided=10)
+    agree(node)
+    agree(node)
+    assert agent.announced.recent == [10] and len(caplog.records) == 1
+    assert agent.agreement.decided() == 10
+    status = agent.agreement.status(12)
+    assert status["passed_over"] == [10] and status["job_safe_lag"] == 0
+    assert status["node_safe_lag"] == 13   # no node-safe step yet: a node loss now would cost every step
+    assert status["took"] == -1 and isinstance(status["verdict_age"], float)
+
+
+def test_a_resume_forgets_the_abandoned_timelines_takes_and_verdict(node: Harness) -> None:
+    agent = node.agent
+    verdict(node, passed=((10, "why"),), decided=10)
+    agree(node)
+    agent.agreement.took, agent.agreement.lost = 10, {3, 10}
+    agent.agreement.rewind(5)
+    assert (agent.agreement.took, agent.agreement.lost, agent.announced.recent) == (5, {3}, [])
+    assert agent.cluster.jobwide.verdict is None

@@ -1,0 +1,163 @@
+"""agent.protection: the safe step's flocks on real slot files, and the control block the ranks read."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from agent_slots import JOB, FakeRanks, held
+
+from agent.protection import Protection
+from agent.watcher import Watcher
+from easyckpt_wire.control import ControlReader, ControlWriter, PersistFailure, control_path
+
+
+class Node:
+    def __init__(self, shm_dir: Path) -> None:
+        self.ranks = FakeRanks(shm_dir)
+        self.watcher = Watcher(shm_dir, JOB)
+        self.protection = Protection(self.watcher, ControlWriter(control_path(shm_dir, JOB)))
+        self.reader = ControlReader(control_path(shm_dir, JOB))
+        self.published = 0
+
+    def publish(self) -> None:
+        self.published += 1
+        self.protection.publish(persisted=None, failure=None, failures=0, passed=[], decided=-1, held=(), gated=False)
+
+    def advance(self) -> bool:
+        self.watcher.scan(relist_every=0)
+        ranks, committed, common = held(self.watcher)
+        return self.protection.advance_safe(ranks, committed, common, self.publish)
+
+    def close(self) -> None:
+        self.protection.release()
+        self.protection.control.close()
+        self.reader.close()
+        self.watcher.close()
+        self.ranks.close()
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    node = Node(tmp_path)
+    yield node
+    node.close()
+
+
+def test_the_safe_step_is_the_newest_step_every_rank_holds_and_its_slots_are_held(node: Node) -> None:
+    ranks = node.ranks
+    ranks.commit_all(0, 1)
+    ranks.commit(0, 1, 2)   # rank 1 has not committed step 2 yet
+    assert node.advance()
+    assert node.protection.safe == 1
+    assert not ranks.writable(0, 0) and not ranks.writable(1, 0)   # step 1 kept on both ranks
+    assert ranks.writable(0, 1)
+    view = node.reader.read()
+    assert view is not None and view.safe == 1 and not view.changing
+    assert not node.advance()   # nothing new: it stands, no move, nothing published
+    ranks.commit(1, 1, 2)
+    assert node.advance()
+    assert node.protection.safe == 2
+    assert ranks.writable(0, 0) and ranks.writable(1, 0)   # the old safe step is let go of, after the new one is held
+    assert not ranks.writable(0, 1) and not ranks.writable(1, 1)
+    view = node.reader.read()
+    assert view is not None and view.safe == 2
+
+
+def test_a_rank_rewriting_its_slot_of_the_new_step_keeps_the_old_safe_step(node: Node) -> None:
+    ranks = node.ranks
+    ranks.commit_all(0, 1)
+    assert node.advance()
+    ranks.commit_all(1, 2)
+    node.watcher.scan(relist_every=0)
+    ranks_, committed, common = held(node.watcher)
+    with ranks.writing(1, 1):   # seen committed at step 2 a moment ago, being overwritten now
+        published = node.published
+        assert not node.protection.advance_safe(ranks_, committed, common, node.publish)
+        assert node.published == published + 1   # the move is ended (even generation) though it failed
+    assert node.protection.safe == 1
+    assert ranks.writable(0, 1)   # rank 0's slot of step 2 was not kept: all or none
+    assert not ranks.writable(0, 0) and not ranks.writable(1, 0)
+    view = node.reader.read()
+    assert view is not None and view.safe == 1 and not view.changing
+
+
+def test_a_new_copy_of_the_safe_step_takes_over_its_hold(node: Node) -> None:
+    ranks = node.ranks
+    ranks.commit_all(0, 1)
+    assert node.advance()
+    ranks.commit(0, 1, 1)   # rank 0 saved step 1 again (a save point after the step's own snapshot)
+    assert node.advance()
+    assert node.protection.safe == 1
+    assert ranks.writable(0, 0) and not ranks.writable(0, 1)   # the stale copy's slot is free for the rank
+    assert not ranks.writable(1, 0)   # rank 1's copy did not change: it stays held
+    node.protection.release()
+    assert ranks.writable(1, 0) and ranks.writable(0, 1)
+
+
+def test_a_resume_lets_go_of_newer_steps_and_of_abandoned_snapshots(node: Node) -> None:
+    ranks, protection = node.ranks, node.protection
+    ranks.commit_all(0, 1)
+    ranks.commit_all(1, 2)
+    assert node.advance() and protection.safe == 2
+    ranks_, committed, _ = held(node.watcher)
+    assert protection.roles.apply([1], ranks_, committed)
+    protection.node_safe = 2
+    assert protection.rewind(1)   # the safe step was newer: dropped
+    assert protection.safe is None and protection.node_safe is None
+    assert ranks.writable(0, 1) and ranks.writable(1, 1)
+    assert protection.roles.steps == {1} and not ranks.writable(0, 0)   # a peer may be pulling step 1 right now
+    header = node.watcher.slots[0, 0].header
+    assert header is not None
+    node.watcher.abandoned.add((0, 0, header.generation))   # rank 0 could not invalidate its copy of step 1
+    assert not protection.rewind(1)
+    assert protection.roles.steps == set() and ranks.writable(0, 0) and ranks.writable(1, 0)
+
+
+def test_the_job_steps_are_those_held_on_every_rank_and_the_block_says_everything(node: Node) -> None:
+    ranks, protection = node.ranks, node.protection
+    ranks.commit_all(0, 1)
+    ranks.commit_all(1, 2)
+    node.watcher.scan(relist_every=0)
+    ranks_, committed, _ = held(node.watcher)
+    assert protection.roles.apply([2, 1], ranks_, committed)
+    protection.set_job_steps(2, 1, {1, 2})
+    assert (protection.safe, protection.node_safe) == (2, 1)
+    protection.set_job_steps(3, 3, {1, 2})   # not held here yet: the newest held step at or below the job's;
+    assert (protection.safe, protection.node_safe) == (2, 3)   # the node-safe step is the leader's word
+    failure = PersistFailure(4, 28, "/ckpt: [Errno 28] No space left on device", 100, 10, 1.0, 2.0, 3)
+    protection.publish(persisted=0, failure=failure, failures=3, passed=[5], decided=5, held={4}, gated=True)
+    view = node.reader.read()
+    assert view is not None
+    assert (view.safe, view.held, view.gated, view.persisted) == (2, frozenset({1, 2, 4}), True, 0)
+    assert view.failure is not None and (view.failure.step, view.failure.errno, view.failures) == (4, 28, 3)
+    assert (view.node_safe, view.passed, view.decided) == (3, frozenset({5}), 5)
+    protection.release()
+    assert all(ranks.writable(rank, slot) for rank in (0, 1) for slot in (0, 1))
+
+
+def test_joining_a_job_gives_up_the_single_node_hold_and_leaving_it_the_jobs(node: Node) -> None:
+    ranks, protection = node.ranks, node.protection
+    ranks.commit_all(0, 1)
+    assert node.advance()
+    protection.join_job()
+    assert protection.safe == 1 and ranks.writable(0, 0)   # the value stands until the first verdict
+    ranks_, committed, _ = held(node.watcher)
+    protection.roles.apply([1], ranks_, committed)
+    protection.node_safe = 1
+    protection.leave_job()
+    assert protection.roles.steps == set() and protection.node_safe is None and ranks.writable(0, 0)
+
+
+def test_a_restarted_agent_adopts_its_predecessors_safe_step(tmp_path: Path) -> None:
+    writer = ControlWriter(control_path(tmp_path, JOB))
+    writer.publish(4, frozenset())
+    writer.close()
+    node = Node(tmp_path)
+    try:
+        assert node.protection.safe == 4   # the ranks keep step 4 meanwhile
+        node.ranks.commit_all(0, 4)
+        assert node.advance()   # and this agent holds it once it sees it
+        assert node.protection.safe == 4 and not node.ranks.writable(0, 0)
+    finally:
+        node.close()

@@ -1,0 +1,99 @@
+"""agent.resume: a rank resumed at an older step, and every part of the agent starts the new timeline."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from agent_slots import JOB, Harness
+
+from easyckpt_wire import layout
+from easyckpt_wire.control import ControlReader, control_path
+from easyckpt_wire.protocol import Kind
+from easyckpt_wire.records import PeerNode, PeerTable
+from easyckpt_wire.shm import SlotState
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Harness]:
+    node = Harness(tmp_path)
+    yield node
+    node.close()
+
+
+def persist(node: Harness, slot: int, step: int) -> None:
+    """Every rank snapshots ``step`` (a due step) into ``slot``, and the agent persists it."""
+    node.ranks.commit_all(slot, step)
+    node.agent._tick()
+    assert node.agent.scheduler.inflight_step() == step
+    node.settle()
+    assert node.agent.scheduler.persisted == step
+
+
+def on_disk(save_dir: Path) -> list[int]:
+    return [step for step, _ in layout.complete_iterations(save_dir)]
+
+
+def test_a_resume_moves_newer_iterations_aside_once_and_the_new_timeline_is_persisted_again(node: Harness) -> None:
+    for slot, step in enumerate((5, 10, 15)):
+        persist(node, slot, step)
+    agent = node.agent
+    assert agent.protection.safe == 15 and on_disk(node.save_dir) == [5, 10, 15]
+    agent.scheduler.flushes.wanted.add(20)   # a rank asked for a step of the abandoned timeline
+    node.request(b"r0", Kind.RESUME, rank=0, step=10, stale=[], id=1)
+    reply = node.sent[-1][1]
+    assert reply["ok"] and (reply["moved"], reply["tracker"], reply["persisted"], reply["error"]) == ([15], 10, 10, None)
+    assert on_disk(node.save_dir) == [5, 10] and layout.read_tracker(node.save_dir) == 10
+    assert [p.name for p in node.save_dir.glob(".abandoned-*/*")] == [layout.iteration_dirname(15)]
+    assert agent.scheduler.flushes.failed == {20: "the job resumed at step 10: step 20 was abandoned"}
+    assert agent.protection.safe is None and node.ranks.writable(0, 2)   # step 15's slots go back to the ranks
+    view = ControlReader(control_path(node.shm_dir, JOB)).read()
+    assert view is not None and view.safe is None and view.persisted == 10
+    node.request(b"r1", Kind.RESUME, rank=1, step=10, stale=[], id=2)   # every rank sends the same step
+    assert node.sent[-1][1]["moved"] == [] and node.sent[-1][1]["persisted"] == 10
+    persist(node, 2, 15)   # the new timeline's step 15 reaches disk, whatever the abandoned one reached
+    assert on_disk(node.save_dir) == [5, 10, 15]
+
+
+def test_snapshots_a_rank_could_not_invalidate_are_let_go_and_invalidated_once_free(node: Harness) -> None:
+    ranks, agent = node.ranks, node.agent
+    ranks.commit_all(0, 5)
+    stale = {rank: ranks.commit(rank, 1, 6) for rank in (0, 1)}
+    agent._tick()
+    assert agent.protection.safe == 6 and not ranks.writable(0, 1)   # held: the ranks could not invalidate them
+    for rank in (0, 1):
+        agent.resumer.resume(rank, 5, [[1, stale[rank]]])
+    assert agent.watcher.abandoned == {(0, 1, stale[0]), (1, 1, stale[1])}
+    assert agent.protection.safe is None
+    info = agent.watcher.slots[0, 1]
+    assert agent.scheduler.claims.claim(6, 0, info)   # something holds rank 0's copy: left alone for now
+    agent.resumer.invalidate_abandoned()
+    assert ranks.maps[0, 1].header().state == SlotState.COMMITTED
+    assert ranks.maps[1, 1].header().state == SlotState.EMPTY   # nothing holds rank 1's: no load takes it now
+    agent.scheduler.claims.drop(6)
+    agent._tick()   # every round invalidates what is left, and the safe step moves back to the new timeline
+    assert ranks.maps[0, 1].header().state == SlotState.EMPTY and agent.watcher.abandoned == set()
+    assert agent.protection.safe == 5
+
+
+def test_a_node_that_does_not_commit_drops_its_shards_of_abandoned_steps(tmp_path: Path) -> None:
+    node = Harness(tmp_path, world_size=4, first_rank=2, node_id="n1")   # ranks 2 and 3 of a 4-rank job
+    try:
+        agent = node.agent
+        agent.cluster.peers = PeerTable("t" * 16, "n1", "n0", {"n0": PeerNode("tcp://127.0.0.1:1", (0, 1)),
+                                                               "n1": PeerNode("tcp://127.0.0.1:2", (2, 3))})
+        node.ranks.commit_all(0, 10)
+        node.scan()
+        assert agent.scheduler.claim_newest(10)
+        agent.scheduler.start_ready()
+        node.settle()
+        stage = node.save_dir / layout.stage_dirname(10)
+        assert (stage / layout.node_file_name("n1")).is_file()   # this node's shards of step 10 are durable
+        agent.cluster.complete = 10
+        node.request(b"r2", Kind.RESUME, rank=2, step=5, stale=[], id=7)
+        reply = node.sent[-1][1]
+        assert reply["ok"] and reply["moved"] == [] and reply["persisted"] is None
+        assert not (stage / layout.node_file_name("n1")).exists() and list(stage.glob("*.safetensors")) == []
+        assert agent.cluster.complete is None and agent.cluster.jobwide.verdict is None
+    finally:
+        node.close()
