@@ -1,0 +1,134 @@
+"""Judging a soak job against the uninterrupted reference run of its configuration, and the soak's table.
+
+**torn**: some rank logged a step whose loss or state digest (HF: also its RNG draws, learning rate, gradient norm)
+differs from the reference's, a plain rank resumed a state whose digest is not the reference's at that step, or
+the ranks resumed different steps. **failed**: the job did not end as it should (a launcher's non-zero exit that is
+not the failure the fault must cause, steps never logged, the tracker not naming the last step after a clean end,
+`easyckpt verify` finding damage). **hung** and **leaked** are decided by the caller (``soak.py``).
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from typing import Any
+
+from soak_faults import Strike
+from soak_job import Cluster
+
+KEYS = {"plain": ("loss", "digest"), "hf": ("loss", "digest", "py_rand", "np_rand", "learning_rate", "grad_norm")}
+TIERS = ("memory", "replica", "disk")        # a resume is as stale as its stalest rank's source
+SOURCES = ("memory", "replica", "disk", "scratch", "none")
+Reference = dict[int, dict[int, dict[str, Any]]]   # rank -> step -> logged row
+
+
+def reference_rows(cluster: Cluster) -> Reference:
+    rows: Reference = {}
+    for rank in range(cluster.config.world):
+        rows[rank] = {row["step"]: row for row in cluster.rows(rank)}
+        missing = sorted(set(range(cluster.shape.first, cluster.shape.last + 1)) - set(rows[rank]))
+        if missing:
+            raise RuntimeError(f"the reference run of {cluster.config.name}: rank {rank} never logged steps {missing}")
+    return rows
+
+
+def tracker(cluster: Cluster) -> int | None:
+    try:
+        text = (cluster.save_dir / "latest_checkpointed_iteration.txt").read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def judge(c: Cluster, ref: Reference, strike: Strike, codes: dict[int, int]) -> dict[str, Any]:
+    """The record of one job that ended (every launcher exited)."""
+    shape, world = c.shape, c.config.world
+    torn: list[str] = []
+    failed: list[str] = []
+    reports = [c.resumes(rank) for rank in range(world)]
+    record: dict[str, Any] = {"restarts": max((len(r) - 1 for r in reports), default=0)}
+    if record["restarts"] == 0:
+        record.update(source="none", sources=[], resumed_at=None, lost=0)
+        if strike.resume and strike.fired:
+            failed.append("the fault needed a resume, but no rank restarted")
+    else:
+        last = [r[-1] if r else {} for r in reports]
+        steps = {report.get("step") for report in last}
+        if len(steps) != 1:
+            torn.append(f"ranks resumed different steps: {[report.get('step') for report in last]}")
+        step = max((s for s in steps if s is not None), default=None)
+        sources = [report.get("source") or "scratch" for report in last]
+        record["sources"] = sources
+        record["source"] = next((t for t in reversed(TIERS) if t in sources), None) or "scratch"
+        record["resumed_at"] = step if step is not None else shape.first - 1
+        record["lost"] = None if strike.at is None else strike.at - record["resumed_at"]
+        if not strike.resume:
+            record.setdefault("notes", []).append("a resume the fault did not call for")
+        for rank, report in enumerate(last):
+            digest, want = report.get("digest"), ref[rank].get(step) if step is not None else None
+            if step is not None and want is None:
+                torn.append(f"rank {rank} resumed step {step}, which the job never reached")
+            elif want is not None and digest is not None and digest != want["digest"]:
+                torn.append(f"rank {rank} resumed step {step} with a state unlike the reference's")
+    keys = KEYS[c.config.api]
+    for rank in range(world):
+        logged = set()
+        for row in c.rows(rank):
+            logged.add(row["step"])
+            want = ref[rank].get(row["step"])
+            bad = [k for k in keys if want is None or row.get(k) != want.get(k)]
+            if bad and len(torn) < 8:
+                torn.append(f"rank {rank} step {row['step']} (attempt {row.get('attempt')}): {', '.join(bad)} differ")
+        missing = sorted(set(range(shape.first, shape.last + 1)) - logged)
+        if missing:
+            failed.append(f"rank {rank} never logged steps {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    bad_exits = {node: code for node, code in codes.items() if code != 0}
+    if bad_exits:
+        logs = c.logs()
+        if strike.expect_error and strike.expect_error in logs:
+            record.setdefault("notes", []).append(f"ended with {strike.expect_error}, as a full disk must")
+        else:
+            failed.append(f"launchers exited {bad_exits}: {c.tail(600)}")
+    elif tracker(c) != shape.last:
+        failed.append(f"ended cleanly but the tracker names {tracker(c)}, not the last step {shape.last}")
+    if strike.verify:
+        ok, text = c.verify()
+        if not ok:
+            failed.append(f"easyckpt verify: {text}")
+    record.update(torn=bool(torn), failed=bool(failed), why=torn + failed)
+    return record
+
+
+def _quantile(values: list[int], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+
+def table(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per fault kind, then all together: runs, torn, hung, leaked, failed, resumes per source, steps lost."""
+    runs = list(runs)
+    rows = []
+    for kind in sorted({r["fault"] for r in runs}) + ["all"]:
+        mine = [r for r in runs if kind in ("all", r["fault"])]
+        lost = [r["lost"] for r in mine if r.get("lost") is not None and r.get("source") not in (None, "none")]
+        rows.append({"fault": kind, "runs": len(mine), **{k: sum(bool(r.get(k)) for r in mine)
+                                                          for k in ("torn", "hung", "leaked", "failed", "not_run")},
+                     "not_fired": sum(not r.get("fired", True) and not r.get("not_run") for r in mine),
+                     **{s: sum(r.get("source") == s for r in mine) for s in SOURCES},
+                     "lost_median": statistics.median(lost) if lost else None, "lost_p99": _quantile(lost, 0.99),
+                     "lost_max": max(lost) if lost else None})
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = ["fault", "runs", "torn", "hung", "leaked", "failed", "not run", "not fired", "memory", "replica", "disk",
+            "scratch", "none", "lost median", "lost p99", "lost max"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row["fault"], row["runs"], row["torn"], row["hung"], row["leaked"], row["failed"], row.get("not_run", 0),
+                 row["not_fired"],
+                 *(row[s] for s in SOURCES), *(("-" if row[k] is None else f"{row[k]:g}")
+                                               for k in ("lost_median", "lost_p99", "lost_max"))]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
