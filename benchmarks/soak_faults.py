@@ -116,7 +116,8 @@ def rank_stop(c: Cluster, f: Fault) -> Strike:
         c.wait_step(f.step, [f.victim])
         pid = c.rank_pid(f.victim)
         if pid is not None and signal_pid(pid, signal.SIGSTOP):   # delivered asynchronously: seen a moment later
-            c.wait_until(lambda: c.stopped(pid) or gone(pid), f"rank {f.victim} to stop", limit=30.0)
+            frozen: int = pid
+            c.wait_until(lambda: c.stopped(frozen) or gone(frozen), f"rank {f.victim} to stop", limit=30.0)
     else:
         c.start_all(env=everywhere(c, fault_env(c, f"stager.{f.moment}@{f.step}#{f.victim}:stop")))
         c.wait_until(lambda: c.stopped(c.rank_pid(f.victim)) or c.ended(),
