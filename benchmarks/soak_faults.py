@@ -38,6 +38,7 @@ class Strike:
     fired: bool = True
     resume: bool = True
     expect_error: str | None = None      # a failure the product must report with these words (a full disk to the end)
+    may_refuse: str | None = None        # words of a refusal to load that is right here (the only iteration damaged)
     verify: bool = False                 # run `easyckpt verify` on the save_dir after the job
     notes: list[str] = dataclasses.field(default_factory=list)
 
@@ -270,6 +271,10 @@ def flip_disk(c: Cluster, f: Fault) -> Strike:
     else:
         offset = int(f.params["fraction"] * target.stat().st_size)
         flip_byte(target, offset, f.params["mask"])
+        if iteration is not None and target.parent == iteration and len(list(c.save_dir.glob("iteration_*"))) == 1:
+            # nothing older to fall back to: the load must either pass the damage over (a fresh start) or refuse
+            # loudly, naming the file; training on damaged bytes would be torn
+            strike.may_refuse = "could be loaded by every rank"
         strike.notes.append(f"flipped {f.params['mask']:#04x} at byte {offset} of {target.relative_to(c.save_dir)}")
     c.start_all(fresh=True)
     return strike
