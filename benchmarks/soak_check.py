@@ -63,7 +63,8 @@ def judge(c: Cluster, ref: Reference, strike: Strike, codes: dict[int, int]) -> 
         record["sources"] = sources
         record["source"] = next((t for t in reversed(TIERS) if t in sources), None) or "scratch"
         record["resumed_at"] = step if step is not None else shape.first - 1
-        record["lost"] = None if strike.at is None else strike.at - record["resumed_at"]
+        # at least 0: a surviving rank may log one more step after ``at`` was read, and resume from it
+        record["lost"] = None if strike.at is None else max(0, strike.at - record["resumed_at"])
         if not strike.resume:
             record.setdefault("notes", []).append("a resume the fault did not call for")
         for rank, report in enumerate(last):

@@ -87,8 +87,8 @@ def node_loss(c: Cluster, f: Fault) -> Strike:
     else:
         c.start_all()
         c.wait_step(f.step, ranks)
-    strike.at = c.newest_all()
     c.kill_node(f.victim, wipe=True)
+    strike.at = c.newest_all()   # after the kill: the other node's ranks may log a step until they block on it
     if c.config.nodes == 1:
         c.start_all(fresh=True)
     else:
