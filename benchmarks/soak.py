@@ -258,8 +258,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with ThreadPoolExecutor(max_workers=args.jobs, thread_name_prefix="soak") as pool:
         # the references first: a job waits for its configuration's, which the pool's order has already started
         refs = {name: pool.submit(reference, name) for name in dict.fromkeys(f.config for f in faults)}
-        for future in [pool.submit(job, fault, refs[fault.config]) for fault in faults]:
-            future.result()
+        futures = [pool.submit(job, fault, refs[fault.config]) for fault in faults]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:   # Ctrl-C or a broken reference: the jobs under way end and clean up, no new one starts
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
     result.update(complete=True, duration_s=round(base + time.monotonic() - started, 1), table=table(runs))
     write(args.json, result)
     print(format_table(result["table"]))
