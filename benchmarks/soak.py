@@ -58,7 +58,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--configs", default=None, help=f"job configurations, comma separated (of {', '.join(CONFIGS)})")
     p.add_argument("--steps", type=int, default=None, help="steps per job (default 20)")
     p.add_argument("--interval", type=int, default=None, help="save_storage_interval / save_steps (default 5)")
-    p.add_argument("--job-timeout", type=float, default=300.0, help="seconds a job may take before it counts as hung "
+    p.add_argument("--job-timeout", type=float, default=600.0, help="seconds a job may take before it counts as hung "
                    "(HF jobs: 1.5x)")
     p.add_argument("--jobs", type=int, default=1, help="jobs run side by side (default 1; per-job CPU seconds are "
                    "only recorded with 1)")

@@ -24,7 +24,7 @@ def bad(run: dict[str, Any]) -> bool:
     return any(run[flag] for flag in FLAGS)
 
 
-@pytest.mark.timeout(1200)
+@pytest.mark.timeout(1800)
 def test_soak_smoke_twenty_faults(tmp_path: Path) -> None:
     """20 seeded faults, every available kind, one and two simulated nodes, two jobs side by side: nothing torn,
     hung, leaked or failed; a rank kill costs at most two steps from memory, a lost node of a 2-node job comes back
