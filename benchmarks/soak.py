@@ -5,6 +5,7 @@
     python benchmarks/soak.py --merge soak-7.json soak-8.json --json soak.json   # add up split soaks
     python benchmarks/soak.py --smoke --json smoke.json                          # 20 faults, the CI mode
     python benchmarks/soak.py --seed 7 --only 412 --json replay.json             # replay one fault
+    python benchmarks/soak.py --faults 100 --seed 8 --jobs 3 --json soak-8.json  # three jobs side by side
 
 Each job runs examples/plain_ddp.py or examples/hf_trainer.py on one or two simulated nodes (a torchrun, a shared-
 memory directory and an agent each) at full speed, and takes one fault (``soak_plan.KINDS``) at a step drawn from
@@ -12,6 +13,8 @@ the seed. Each job is compared with one uninterrupted reference run of its confi
 loss or state differs; **hung** if it outlives its deadline; **leaked** if processes or shared-memory files of the
 job are left after it ends; **failed** if it did not end as it should. A progress line per job; the table and the
 JSON at the end (the JSON is rewritten after every job, so an interrupted soak can ``--resume-from`` it).
+Kinds the product cannot take yet (the object-store outage) are named as pending, never thrown; a disk_full
+whose tmpfs cannot be mounted (not root) is "not run", with why, never a pass.
 """
 from __future__ import annotations
 
@@ -74,7 +77,8 @@ def machine() -> dict[str, Any]:
         return None
 
     return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": version("torch"), "transformers": version("transformers"), "easyckpt": version("easyckpt")}
+            "torch": version("torch"), "transformers": version("transformers"), "easyckpt": version("easyckpt"),
+            "loadavg_at_start": [round(x, 1) for x in os.getloadavg()]}   # other work on the machine slows every job
 
 
 def children_cpu() -> float:
@@ -265,7 +269,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except BaseException:   # Ctrl-C or a broken reference: the jobs under way end and clean up, no new one starts
             pool.shutdown(wait=True, cancel_futures=True)
             raise
-    result.update(complete=True, duration_s=round(base + time.monotonic() - started, 1), table=table(runs))
+    result.update(complete=True, duration_s=round(base + time.monotonic() - started, 1), table=table(runs),
+                  loadavg_at_end=[round(x, 1) for x in os.getloadavg()])
     write(args.json, result)
     print(format_table(result["table"]))
     for name, why in pending().items():
