@@ -65,6 +65,9 @@ REPLAYS = [
     (["--smoke", "--seed", "11"], 7, "the leader's agent killed in a 2-node job before the tracker: the ranks' lag "
      "gates took each other's waits for step time, each wait about 2.7 times the one before, until they stopped "
      "each other (the job hung)"),
+    (["--seed", "101"], 8, "the soak's own judge: a node frozen inside its snapshot of step 7, lost and resumed at 7 "
+     "from the replicas, was judged failed because one of its ranks never logged step 7 (which the resumed state, "
+     "digest checked, already holds)"),
     (["--seed", "7"], 5, "the agent killed while the job ran: a rank's replacement agent that lost the start-up race "
      "took the lock after the job's agent had exited and waited out its idle timeout (an agent and its control "
      "block left behind)"),
