@@ -68,6 +68,8 @@ REPLAYS = [
     (["--seed", "101"], 8, "the soak's own judge: a node frozen inside its snapshot of step 7, lost and resumed at 7 "
      "from the replicas, was judged failed because one of its ranks never logged step 7 (which the resumed state, "
      "digest checked, already holds)"),
+    (["--seed", "101"], 19, "the disk full to the end of a 2-node HF job: the TrainerWrapper's export thread waited "
+     "export_timeout (600 s) for each step whose persist had failed, holding up the end of training (hung)"),
     (["--seed", "7"], 5, "the agent killed while the job ran: a rank's replacement agent that lost the start-up race "
      "took the lock after the job's agent had exited and waited out its idle timeout (an agent and its control "
      "block left behind)"),
