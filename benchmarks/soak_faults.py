@@ -39,6 +39,7 @@ class Strike:
     resume: bool = True
     expect_error: str | None = None      # a failure the product must report with these words (a full disk to the end)
     may_refuse: str | None = None        # words of a refusal to load that is right here (the only iteration damaged)
+    flipped: tuple[int, int] | None = None   # flip_slot: (rank, step) of the slot whose byte was flipped
     verify: bool = False                 # run `easyckpt verify` on the save_dir after the job
     notes: list[str] = dataclasses.field(default_factory=list)
 
@@ -241,6 +242,7 @@ def flip_slot(c: Cluster, f: Fault) -> Strike:
                          limit=60.0)
         offset = start + int(f.params["fraction"] * length)
         flip_byte(path, offset, f.params["mask"])
+        strike.flipped = (f.victim, step)
         strike.notes.append(f"flipped {f.params['mask']:#04x} at byte {offset} ({f.variant}) of rank {f.victim}'s "
                             f"step {step} ({path.name})")
     c.start_all(fresh=True)
