@@ -180,9 +180,9 @@ def disk_full(c: Cluster, f: Fault) -> Strike:
         return strike
     c.wait_step(f.step + f.after)
     if f.variant == "crash":
-        strike.at = c.newest_all()
         for node in range(c.config.nodes):
             c.kill_node(node, wipe=True)
+        strike.at = c.newest_all()
     (disk / "filler").unlink()
     if f.variant == "crash":
         c.start_all(fresh=True)
@@ -224,8 +224,8 @@ def hashed(c: Cluster, rank: int, step: int) -> bool:
 def flip_slot(c: Cluster, f: Fault) -> Strike:
     c.start_all()
     c.wait_step(f.step)
-    strike = Strike(at=c.newest_all())
     c.kill_launchers_and_ranks()
+    strike = Strike(at=c.newest_all())   # after the kill: the ranks go on until it lands
     slots = committed_slots(c, f.victim)
     if not slots:
         strike.fired = False
@@ -252,9 +252,9 @@ def flip_slot(c: Cluster, f: Fault) -> Strike:
 def flip_disk(c: Cluster, f: Fault) -> Strike:
     c.start_all()
     c.wait_step(f.step)
-    strike = Strike(at=c.newest_all())
     for node in range(c.config.nodes):
         c.kill_node(node, wipe=True)
+    strike = Strike(at=c.newest_all())   # after the kills: the other node runs on until its own
     tracker = c.save_dir / "latest_checkpointed_iteration.txt"
     text = tracker.read_text().strip() if tracker.exists() else ""
     iteration = next((p for p in c.save_dir.glob("iteration_*") if text.isdigit()
