@@ -29,7 +29,8 @@ def test_soak_smoke_twenty_faults(tmp_path: Path) -> None:
     """20 seeded faults, every available kind, one and two simulated nodes, two jobs side by side: nothing torn,
     hung, leaked or failed; a rank kill costs at most two steps from memory, a lost node of a 2-node job comes back
     from the surviving node's replicas. A disk_full that could not mount its tmpfs (not root) is "not run", never a
-    pass: the test says so."""
+    pass: the test says so. A torn run of the one open gap the soak names (``soak.KNOWN_GAP``: a byte flipped in a
+    single-node slot's tensor bytes is loaded as is) stays counted torn in the result; any other torn run fails."""
     seed = seeded_random().randrange(1 << 30)
     out = tmp_path / "smoke.json"
     result = soak(["--smoke", "--seed", str(seed), "--jobs", "2", "--json", str(out), "--dir", str(tmp_path / "work")])
