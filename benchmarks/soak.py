@@ -163,6 +163,10 @@ def run_job(fault: Fault, shape: Shape, ref: Reference, work: Path, timeout: flo
         record.update(at=strike.at, fired=strike.fired, notes=record.get("notes", []) + strike.notes)
         if not record["hung"] and not record["failed"]:
             procs, files = cluster.wait_clean(LEAK_GRACE)
+            if strike.expect_error:   # a failed final persist: the agents keep the only copy, and say so
+                kept = cluster.kept()
+                files = [f for f in files if str(Path(f).parent) not in kept]
+                record["kept"] = sorted(kept)
             if procs or files:
                 record.update(leaked=True, leftovers=procs + files)
         bad = any(record[k] for k in ("torn", "hung", "leaked", "failed"))

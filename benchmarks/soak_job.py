@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -279,6 +280,15 @@ class Cluster:
                     procs.append(f"{proc.info['pid']} {' '.join(proc.info['cmdline'] or [])[:160]}")
         files = [str(p) for d in self.shm.values() if d.exists() for p in d.iterdir()]
         return procs, files
+
+    def kept(self) -> set[str]:
+        """Shared-memory directories an agent said it keeps on purpose (the newest step is only in memory after a
+        failed final persist: nothing lost), read from the agents' logs."""
+        said = set()
+        for log in (p for runtime in self.runtime.values() for p in runtime.glob("*/agent.log")):
+            with contextlib.suppress(OSError):
+                said |= set(re.findall(r"so the job's slots are kept in (\S+)", log.read_text(errors="replace")))
+        return said
 
     def wait_clean(self, grace: float) -> tuple[list[str], list[str]]:
         """After a job ends its agents exit and remove their slots: what is still there after ``grace``."""
