@@ -114,10 +114,7 @@ class AgentClient:
         proc = self._proc
         if proc is None or self._settled:
             return
-        try:
-            serving = (self.job_dir / "agent.pid").read_text().strip()
-        except OSError:
-            serving = ""
+        serving = self._serving_pid()
         if serving == str(proc.pid):
             logger.info("rank %d started the easyckpt agent (pid %d, log %s)", self.rank, proc.pid,
                         self.job_dir / "agent.log")
@@ -255,6 +252,7 @@ class AgentClient:
         """Say goodbye; with ``wait`` block (bounded) until the agent has persisted what is due."""
         reply = None
         self.ensure(force=True)
+        serving = self._serving_pid()
         try:
             if self.alive():
                 reply = ByeReply.from_wire(self.request(Kind.BYE, timeout, rank=self.rank, pid=os.getpid(), wait=wait),
@@ -266,7 +264,28 @@ class AgentClient:
             logger.warning("%s", exc)
         finally:
             self.detach()
+            if reply is not None:
+                self._stop_spare_agent(serving)
         return reply
+
+    def _serving_pid(self) -> str:
+        """The pid in the job's agent.pid file (written by the agent that holds the lock), or ''."""
+        try:
+            return (self.job_dir / "agent.pid").read_text().strip()
+        except OSError:
+            return ""
+
+    def _stop_spare_agent(self, serving: str) -> None:
+        """The job's agent (pid ``serving``) answered our goodbye, so an agent this rank started that is another
+        process lost a start-up race or is still starting: left alone, a slow one takes the lock once the job's
+        agent has exited and waits out its idle timeout for ranks that never come (a stray process and control
+        block after a clean end). One that might still have to persist for us (no agent answered) is kept."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None or str(proc.pid) in (serving, self._serving_pid()):
+            return
+        logger.debug("rank %d: stopping the agent it started (pid %d): agent pid %s serves job %s", self.rank,
+                     proc.pid, serving or "?", self.job_id)
+        proc.terminate()
 
     def detach(self) -> None:
         """Close the socket without a word to the agent (it notices the process is gone)."""

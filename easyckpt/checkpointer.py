@@ -299,6 +299,12 @@ class Checkpointer:
         word = self.slots.agent_word()
         return word.passed if word is not None else frozenset()
 
+    def persist_failed(self, step: int) -> bool:
+        """Whether the node agent's persist of ``step``, or of a newer step, failed (a full disk, say): a failed
+        persist is not retried, so ``step`` will not reach disk unless a newer step does."""
+        word = self.slots.agent_word()
+        return word is not None and word.failure is not None and word.failure.step >= step
+
     def wait(self) -> None:
         """Block until the last snapshot's copy is in shared memory.
 

@@ -194,10 +194,11 @@ def complete(store: Storage) -> list[tuple[int, str]]:
 def tracker(store: Storage) -> int | None:
     """The step ``latest_checkpointed_iteration.txt`` names (None: no tracker, or not a step)."""
     try:
-        text = store.read(TRACKER).decode("utf-8", errors="replace").strip()
+        raw = store.read(TRACKER).strip()
     except (FileNotFoundError, NotADirectoryError):
         return None
-    return int(text) if text.isdigit() else None
+    # bytes.isdigit(): ASCII digits only (a damaged tracker is passed over like any other unreadable one)
+    return int(raw) if raw.isdigit() else None
 
 
 def holds(store: Storage) -> set[int]:

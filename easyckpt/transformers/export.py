@@ -40,9 +40,11 @@ class Exporter:
     """On the saving process: waits for persisted iterations and exports them as checkpoint-N folders."""
 
     def __init__(self, folders: CheckpointFolders, save_dir: Path, timeout: float,
-                 passed_over: Callable[[], frozenset[int]] = frozenset) -> None:
+                 passed_over: Callable[[], frozenset[int]] = frozenset,
+                 persist_failed: Callable[[int], bool] = lambda step: False) -> None:
         self.folders = folders
         self.passed_over = passed_over   # due steps the agent announced it will never persist
+        self.persist_failed = persist_failed   # whether the agent's persist of a step (or a newer one) failed
         self.save_dir = save_dir
         self.timeout = timeout
         self.requests: queue.Queue[int | None] = queue.Queue()
@@ -122,6 +124,12 @@ class Exporter:
             if step in self.passed_over():
                 logger.warning("no checkpoint-%d: the node agent passed over due step %d (a persist was still running; "
                                "see its log) and will not persist it", step, step)
+                return None
+            if self.persist_failed(step):
+                # not retried: waiting out the timeout for every such step held up the end of training for
+                # export_timeout each on a full disk (fault soak, seed 101, fault 19)
+                logger.warning("no checkpoint-%d: the node agent could not persist step %d (see easyckpt status and "
+                               "the agent log: a full disk?)", step, step)
                 return None
             if any(s > step for s in done) and not layout.present(path):
                 logger.warning("step %d was never persisted to %s (a newer iteration is complete): no checkpoint-%d",

@@ -216,7 +216,7 @@ class TrainerWrapper:
             self.guard.start()
         if self.trainer.args.should_save and self._exporter is None:
             self._exporter = Exporter(self.folders, self.ckpt.config.save_dir, self.export_timeout,
-                                      passed_over=self.ckpt.passed_over)
+                                      passed_over=self.ckpt.passed_over, persist_failed=self.ckpt.persist_failed)
         self._resumer = Resumer(self.ckpt, self.trainer, self.folders, save_dir=self.save_dir,
                                 staging_dir=self.staging_dir)
         finished = False

@@ -1,0 +1,306 @@
+"""A fault soak: many short real jobs back to back, one seeded fault each, every loss measured.
+
+    python benchmarks/soak.py --faults 1000 --seed 7 --json soak-7.json          # a thousand faults
+    python benchmarks/soak.py --faults 1000 --seed 7 --json soak-7.json --resume-from soak-7.json   # go on
+    python benchmarks/soak.py --merge soak-7.json soak-8.json --json soak.json   # add up split soaks
+    python benchmarks/soak.py --smoke --json smoke.json                          # 20 faults, the CI mode
+    python benchmarks/soak.py --seed 7 --only 412 --json replay.json             # replay one fault
+    python benchmarks/soak.py --faults 100 --seed 8 --jobs 3 --json soak-8.json  # three jobs side by side
+
+Each job runs examples/plain_ddp.py or examples/hf_trainer.py on one or two simulated nodes (a torchrun, a shared-
+memory directory and an agent each) at full speed, and takes one fault (``soak_plan.KINDS``) at a step drawn from
+the seed. Each job is compared with one uninterrupted reference run of its configuration: **torn** if any logged
+loss or state differs; **hung** if it outlives its deadline; **leaked** if processes or shared-memory files of the
+job are left after it ends; **failed** if it did not end as it should. A progress line per job; the table and the
+JSON at the end (the JSON is rewritten after every job, so an interrupted soak can ``--resume-from`` it).
+Kinds the product cannot take yet (the object-store outage) are named as pending, never thrown; a disk_full
+whose tmpfs cannot be mounted (not root) is "not run", with why, never a pass.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import json
+import os
+import platform
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from soak_check import Reference, format_table, judge, reference_rows, table  # noqa: E402
+from soak_faults import DISK_MB, RUNNERS, STOP_BEYOND, Strike, tmpfs  # noqa: E402
+from soak_job import Cluster, Hung  # noqa: E402
+from soak_plan import CONFIGS, KINDS, Fault, Shape, available_kinds, check_names, plan  # noqa: E402
+
+SMOKE = {"faults": 20, "configs": ["plain-1x1", "plain-2x1"], "steps": 12, "interval": 3}
+LEAK_GRACE = 30.0     # seconds a job's agents get to exit and free their memory once its ranks ended
+SETTINGS = ("seed", "kinds", "configs", "steps", "interval")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--faults", type=int, default=None, help="how many faults (jobs); default 100, or 20 with --smoke")
+    p.add_argument("--seed", type=int, default=None, help="the seed every fault is drawn from (default: random, printed)")
+    p.add_argument("--json", type=Path, required=True, help="where the result goes (rewritten after every job)")
+    p.add_argument("--resume-from", type=Path, default=None, help="a JSON of an interrupted soak: run its missing faults")
+    p.add_argument("--merge", type=Path, nargs="+", default=None, help="add up the JSONs of several soaks; runs nothing")
+    p.add_argument("--only", type=int, action="append", default=None, help="run only fault K of the seed (repeatable)")
+    p.add_argument("--smoke", action="store_true", help="20 faults on 1x1 and 2x1 plain jobs of 12 steps (CI)")
+    p.add_argument("--kinds", default=None, help="fault kinds to draw from, comma separated (default: every kind "
+                   "the product can take)")
+    p.add_argument("--configs", default=None, help=f"job configurations, comma separated (of {', '.join(CONFIGS)})")
+    p.add_argument("--steps", type=int, default=None, help="steps per job (default 20)")
+    p.add_argument("--interval", type=int, default=None, help="save_storage_interval / save_steps (default 5)")
+    p.add_argument("--job-timeout", type=float, default=600.0, help="seconds a job may take before it counts as hung "
+                   "(HF jobs: 1.5x)")
+    p.add_argument("--jobs", type=int, default=1, help="jobs run side by side (default 1; per-job CPU seconds are "
+                   "only recorded with 1)")
+    p.add_argument("--dir", type=Path, default=None, help="work directory (default /tmp/easyckpt-soak-<seed>)")
+    p.add_argument("--keep", action="store_true", help="keep every job's directory (default: only bad jobs')")
+    return p.parse_args(argv)
+
+
+def machine() -> dict[str, Any]:
+    def version(name: str) -> str | None:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            return importlib.metadata.version(name)
+        return None
+
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "torch": version("torch"), "transformers": version("transformers"), "easyckpt": version("easyckpt"),
+            "loadavg_at_start": [round(x, 1) for x in os.getloadavg()]}   # other work on the machine slows every job
+
+
+def children_cpu() -> float:
+    """CPU seconds of the launchers and their ranks so far (the agents, started in sessions of their own and
+    never waited for, are not counted): what a job costs on any machine, where wall time says how busy this one was."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def write(path: Path, result: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(result, indent=1))
+    os.replace(partial, path)
+
+
+def run_reference(name: str, shape: Shape, work: Path, timeout: float) -> tuple[Reference, dict[str, Any]]:
+    config = CONFIGS[name]
+    started = time.monotonic()
+    cluster = Cluster(config, work / f"reference-{name}", shape=shape, deadline=started + timeout)
+    try:
+        cluster.start_all()
+        codes = cluster.wait_all()
+        if any(codes.values()):
+            raise RuntimeError(f"the reference run of {name} failed {codes}: {cluster.tail()}")
+        rows = reference_rows(cluster)
+        procs, files = cluster.wait_clean(LEAK_GRACE)
+        if procs or files:
+            raise RuntimeError(f"the reference run of {name} leaked {procs} {files}")
+        return rows, {"seconds": round(time.monotonic() - started, 1)}
+    finally:
+        cluster.cleanup()
+
+
+# Torn runs of an open product gap: still counted torn in the table and the JSON, marked so that a regression
+# elsewhere stands out (tests/test_soak.py fails on any other torn run). Remove once the gap is closed.
+KNOWN_GAP = ("single-node memory resumes verify no tensor bytes: the agent computes tensor checksums only in "
+             "multi-node jobs, so a byte flipped in a committed slot's data is loaded as is")
+
+
+def known_gap(fault: Fault, strike: Strike, record: dict[str, Any]) -> bool:
+    return (fault.kind == "flip_slot" and fault.variant == "data" and CONFIGS[fault.config].nodes == 1
+            and record.get("source") == "memory" and strike.flipped is not None
+            and strike.flipped[1] == record.get("resumed_at"))
+
+
+def run_job(fault: Fault, shape: Shape, ref: Reference, work: Path, timeout: float, keep: bool,
+            cpu_of_children: bool = True) -> dict[str, Any]:
+    config = CONFIGS[fault.config]
+    started, cpu = time.monotonic(), children_cpu()
+    limit = timeout * (1.5 if config.api == "hf" else 1.0) + (fault.hold_s + STOP_BEYOND[config.api]
+                                                              if fault.kind == "rank_stop" else 0.0)
+    root = work / f"job-{fault.index:05d}"
+    shutil.rmtree(root, ignore_errors=True)
+    record: dict[str, Any] = {"index": fault.index, "fault": fault.kind, "moment": fault.moment,
+                              "variant": fault.variant, "config": fault.config, "step": fault.step,
+                              "victim": fault.victim, "hung": False, "leaked": False, "torn": False, "failed": False,
+                              "not_run": False}
+    with contextlib.ExitStack() as stack:
+        disk = None
+        if fault.kind == "disk_full":
+            try:
+                disk = stack.enter_context(tmpfs(root / "disk", DISK_MB))
+            except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                # never counted as passed: the table shows it under "not run", with why
+                record.update(not_run=True, fired=False, why=[str(exc)], seconds=round(time.monotonic() - started, 1))
+                return record
+        cluster = Cluster(config, root, shape=shape, deadline=started + limit, disk=disk)
+        stack.callback(cluster.cleanup)
+        strike = Strike(at=None)
+        try:
+            strike = RUNNERS[fault.kind](cluster, fault)
+            codes = cluster.wait_all()
+            record.update(judge(cluster, ref, strike, codes))
+            if record["torn"] and known_gap(fault, strike, record):
+                record["known"] = KNOWN_GAP
+        except Hung as exc:
+            record.update(hung=True, why=[f"hung: still waiting for {exc} after {limit:.0f} s"],
+                          tail=cluster.tail(1500))
+        except Exception as exc:  # noqa: BLE001 - a job that breaks the harness is a failed run, said and kept
+            record.update(failed=True, why=[f"{type(exc).__name__}: {exc}"], tail=cluster.tail(1500))
+        record.update(at=strike.at, fired=strike.fired, notes=record.get("notes", []) + strike.notes)
+        if not record["hung"] and not record["failed"]:
+            procs, files = cluster.wait_clean(LEAK_GRACE)
+            if strike.expect_error:   # a failed final persist: the agents keep the only copy, and say so
+                kept = cluster.kept()
+                files = [f for f in files if str(Path(f).parent) not in kept]
+                record["kept"] = sorted(kept)
+            if procs or files:
+                record.update(leaked=True, leftovers=procs + files)
+        bad = any(record[k] for k in ("torn", "hung", "leaked", "failed"))
+        cluster.cleanup()
+    record.update(seconds=round(time.monotonic() - started, 1))
+    if cpu_of_children:   # jobs side by side share the counter: then no job's own figure can be told
+        record["cpu_s"] = round(children_cpu() - cpu, 1)
+    if bad or keep:
+        record["dir"] = str(root)
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    return record
+
+
+def describe(record: dict[str, Any]) -> str:
+    if record.get("source") in (None, "none"):
+        outcome = "no resume"
+    else:
+        outcome = f"{record['source']} at {record['resumed_at']}, lost {record['lost']}"
+    flags = [k.upper().replace("_", " ") for k in ("torn", "hung", "leaked", "failed", "not_run") if record.get(k)]
+    flags += ["(known gap)"] if record.get("known") else []
+    if not record.get("fired", True) and not record.get("not_run"):
+        flags.append("not fired")
+    why = "; ".join(record.get("why", []))[:300]
+    return f"{outcome}, {' '.join(flags) or 'ok'}{': ' + why if why else ''}"
+
+
+def merge(paths: list[Path], out: Path) -> dict[str, Any]:
+    parts = [json.loads(p.read_text()) for p in paths]
+    seeds = [part["seed"] for part in parts]
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--merge: the same seed twice in {seeds}: its faults would count twice")
+    runs = [{**run, "seed": part["seed"]} for part in parts for run in part["runs"]]
+    result = {"seeds": seeds, "faults": sum(p["faults"] for p in parts), "merged": [str(p) for p in paths],
+              "complete": all(p.get("complete") for p in parts), "machine": parts[0].get("machine"),
+              "duration_s": round(sum(p.get("duration_s", 0) for p in parts), 1), "runs": runs, "table": table(runs)}
+    write(out, result)
+    print(format_table(result["table"]))
+    print(f"{len(runs)} faults from seeds {seeds}, {result['duration_s'] / 3600:.2f} h of soaking; wrote {out}")
+    return result
+
+
+def pending() -> dict[str, str]:
+    """Fault kinds of the issue the product cannot take yet: never thrown, always named in the output."""
+    return {name: kind.unavailable for name, kind in KINDS.items() if kind.unavailable}
+
+
+def settle(args: argparse.Namespace, prior: dict[str, Any]) -> dict[str, Any]:
+    """The soak's settings: the command line's, else the resumed JSON's, else the defaults (smoke's with --smoke)."""
+    settings = {"seed": args.seed, "kinds": args.kinds.split(",") if args.kinds else None, "steps": args.steps,
+                "interval": args.interval, "configs": args.configs.split(",") if args.configs else None,
+                "faults": args.faults}
+    defaults = {**SMOKE} if args.smoke else {"faults": 100, "configs": list(CONFIGS), "steps": 20, "interval": 5}
+    defaults["kinds"] = available_kinds()
+    for key, value in settings.items():
+        if prior and value is not None and key in prior and prior[key] != value:
+            raise SystemExit(f"--resume-from {args.resume_from}: it ran {key}={prior[key]!r}, not {value!r}")
+        settings[key] = prior.get(key, value) if value is None else value
+        if settings[key] is None:
+            settings[key] = defaults[key] if key != "seed" else random.SystemRandom().randrange(1 << 30)
+    check_names(settings["kinds"], settings["configs"])
+    return settings
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse(argv)
+    if args.merge:
+        return merge(args.merge, args.json)
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs must be 1 or more, got {args.jobs}")
+    prior: dict[str, Any] = json.loads(args.resume_from.read_text()) if args.resume_from else {}
+    settings = settle(args, prior)
+    seed = settings["seed"]
+    print(f"soak seed {seed}: {settings['faults']} faults of {settings['kinds']} on {settings['configs']}, "
+          f"{settings['steps']} steps, persist every {settings['interval']}, {args.jobs} job(s) at a time "
+          f"(replay: --seed {seed})", flush=True)
+    for name, why in pending().items():
+        print(f"pending, not thrown: {name} ({why})", flush=True)
+    work = args.dir or Path(f"/tmp/easyckpt-soak-{seed}")
+    work.mkdir(parents=True, exist_ok=True)
+    runs: list[dict[str, Any]] = list(prior.get("runs", []))
+    done = {run["index"] for run in runs}
+    indices = args.only if args.only is not None else list(range(settings["faults"]))
+    faults = [plan(seed, index, kinds=settings["kinds"], configs=settings["configs"], steps=settings["steps"],
+                   interval=settings["interval"]) for index in indices if index not in done]
+    result = {**settings, "only": args.only, "jobs": args.jobs, "pending": pending(), "machine": machine(),
+              "references": dict(prior.get("references", {})), "runs": runs, "complete": False,
+              "duration_s": prior.get("duration_s", 0.0)}
+    shapes = {name: Shape.of(CONFIGS[name].api, settings["steps"], settings["interval"]) for name in CONFIGS}
+    started, base, lock = time.monotonic(), result["duration_s"], threading.Lock()
+    total = len(indices)
+
+    def reference(name: str) -> Reference:
+        rows, info = run_reference(name, shapes[name], work, args.job_timeout * 2)
+        with lock:
+            result["references"][name] = info
+            print(f"reference run of {name}: {info['seconds']} s", flush=True)
+        return rows
+
+    def job(fault: Fault, ref: Future[Reference]) -> None:
+        record = run_job(fault, shapes[fault.config], ref.result(), work, args.job_timeout, args.keep,
+                         cpu_of_children=args.jobs == 1)
+        with lock:
+            runs.append(record)
+            runs.sort(key=lambda run: run["index"])   # the JSON lists the faults in the order they were asked for
+            cpu = f", {record['cpu_s']} s CPU" if "cpu_s" in record else ""
+            print(f"[{len(runs)}/{total}] #{fault.index} {fault.label()} {fault.config} @{fault.step} -> "
+                  f"{describe(record)} ({record.get('seconds')} s{cpu})", flush=True)
+            result.update(duration_s=round(base + time.monotonic() - started, 1), table=table(runs))
+            write(args.json, result)
+
+    with ThreadPoolExecutor(max_workers=args.jobs, thread_name_prefix="soak") as pool:
+        # the references first: a job waits for its configuration's, which the pool's order has already started
+        refs = {name: pool.submit(reference, name) for name in dict.fromkeys(f.config for f in faults)}
+        futures = [pool.submit(job, fault, refs[fault.config]) for fault in faults]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:   # Ctrl-C or a broken reference: the jobs under way end and clean up, no new one starts
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+    result.update(complete=True, duration_s=round(base + time.monotonic() - started, 1), table=table(runs),
+                  loadavg_at_end=[round(x, 1) for x in os.getloadavg()])
+    write(args.json, result)
+    print(format_table(result["table"]))
+    for name, why in pending().items():
+        print(f"pending, not thrown: {name} ({why})")
+    cpu = [run["cpu_s"] for run in runs if "cpu_s" in run]
+    per_job = f", {sum(cpu) / len(cpu):.1f} s of CPU a job in the launchers and ranks" if cpu else ""
+    print(f"seed {seed}: {len(runs)} faults in {result['duration_s'] / 60:.1f} min "
+          f"({result['duration_s'] / max(1, len(runs)):.1f} s a job{per_job}, {args.jobs} at a time); "
+          f"wrote {args.json}", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Judging a soak job against the uninterrupted reference run of its configuration, and the soak's table.
+
+**torn**: some rank logged a step whose loss or state digest (HF: also its RNG draws, learning rate, gradient norm)
+differs from the reference's, a plain rank resumed a state whose digest is not the reference's at that step, or
+the ranks resumed different steps. **failed**: the job did not end as it should (a launcher's non-zero exit that is
+not the failure the fault must cause, steps never logged, the tracker not naming the last step after a clean end,
+`easyckpt verify` finding damage). **hung** and **leaked** are decided by the caller (``soak.py``).
+"""
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable
+from typing import Any
+
+from soak_faults import Strike
+from soak_job import Cluster
+
+KEYS = {"plain": ("loss", "digest"), "hf": ("loss", "digest", "py_rand", "np_rand", "learning_rate", "grad_norm")}
+TIERS = ("memory", "replica", "disk")        # a resume is as stale as its stalest rank's source
+SOURCES = ("memory", "replica", "disk", "scratch", "none")
+Reference = dict[int, dict[int, dict[str, Any]]]   # rank -> step -> logged row
+
+
+def reference_rows(cluster: Cluster) -> Reference:
+    rows: Reference = {}
+    for rank in range(cluster.config.world):
+        rows[rank] = {row["step"]: row for row in cluster.rows(rank)}
+        missing = sorted(set(range(cluster.shape.first, cluster.shape.last + 1)) - set(rows[rank]))
+        if missing:
+            raise RuntimeError(f"the reference run of {cluster.config.name}: rank {rank} never logged steps {missing}")
+    return rows
+
+
+def tracker(cluster: Cluster) -> int | None:
+    try:
+        text = (cluster.save_dir / "latest_checkpointed_iteration.txt").read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def judge(c: Cluster, ref: Reference, strike: Strike, codes: dict[int, int]) -> dict[str, Any]:
+    """The record of one job that ended (every launcher exited)."""
+    torn: list[str] = []
+    failed: list[str] = []
+    reports = [c.resumes(rank) for rank in range(c.config.world)]
+    record: dict[str, Any] = {"restarts": max((len(r) - 1 for r in reports), default=0)}
+    refused = strike.may_refuse is not None and any(codes.values()) and strike.may_refuse in c.logs()
+    if refused:
+        record["notes"] = [f"the load refused the damaged only iteration ('{strike.may_refuse}'), as it may"]
+    if record["restarts"] == 0:
+        record.update(source="none", sources=[], resumed_at=None, lost=0)
+        if strike.resume and strike.fired and not refused:
+            failed.append("the fault needed a resume, but no rank restarted")
+    else:
+        _judge_resume(c, ref, strike, reports, record, torn)
+    _judge_rows(c, ref, record, refused, torn, failed)
+    _judge_end(c, strike, codes, record, refused, failed)
+    record.update(torn=bool(torn), failed=bool(failed), why=torn + failed)
+    return record
+
+
+def _judge_resume(c: Cluster, ref: Reference, strike: Strike, reports: list[list[dict[str, Any]]],
+                  record: dict[str, Any], torn: list[str]) -> None:
+    """Where the ranks resumed, from which tier, and whether the state they resumed equals the reference's."""
+    last = [r[-1] if r else {} for r in reports]
+    steps = {report.get("step") for report in last}
+    if len(steps) != 1:
+        torn.append(f"ranks resumed different steps: {[report.get('step') for report in last]}")
+    step = max((s for s in steps if s is not None), default=None)
+    sources = [report.get("source") or "scratch" for report in last]
+    record["sources"] = sources
+    record["source"] = next((t for t in reversed(TIERS) if t in sources), None) or "scratch"
+    record["resumed_at"] = step if step is not None else c.shape.first - 1
+    # at least 0: a surviving rank may log one more step after ``at`` was read, and resume from it
+    record["lost"] = None if strike.at is None else max(0, strike.at - record["resumed_at"])
+    if not strike.resume:
+        record.setdefault("notes", []).append("a resume the fault did not call for")
+    for rank, report in enumerate(last):
+        digest, want = report.get("digest"), ref[rank].get(step) if step is not None else None
+        if step is not None and want is None:
+            torn.append(f"rank {rank} resumed step {step}, which the job never reached")
+        elif want is not None and digest is not None and digest != want["digest"]:
+            torn.append(f"rank {rank} resumed step {step} with a state unlike the reference's")
+
+
+def _judge_rows(c: Cluster, ref: Reference, record: dict[str, Any], refused: bool, torn: list[str],
+                failed: list[str]) -> None:
+    """Every logged step against the reference run's, bit for bit; every step after the resume logged."""
+    keys = KEYS[c.config.api]
+    for rank in range(c.config.world):
+        logged = set()
+        for row in c.rows(rank):
+            logged.add(row["step"])
+            want = ref[rank].get(row["step"])
+            bad = [k for k in keys if want is None or row.get(k) != want.get(k)]
+            if bad and len(torn) < 8:
+                torn.append(f"rank {rank} step {row['step']} (attempt {row.get('attempt')}): {', '.join(bad)} differ")
+        # Steps up to the resumed one are in the resumed state, whose digest is checked above: a rank that computed
+        # such a step but died before logging it (frozen inside its snapshot, say) has nothing left to log.
+        since = record["resumed_at"] + 1 if record.get("resumed_at") is not None else c.shape.first
+        missing = sorted(set(range(since, c.shape.last + 1)) - logged)
+        if missing and not refused:
+            failed.append(f"rank {rank} never logged steps {missing[:5]}{'...' if len(missing) > 5 else ''}")
+
+
+def _judge_end(c: Cluster, strike: Strike, codes: dict[int, int], record: dict[str, Any], refused: bool,
+               failed: list[str]) -> None:
+    """How the launchers ended, the tracker, and ``easyckpt verify`` where the fault asks for it."""
+    bad_exits = {node: code for node, code in codes.items() if code != 0}
+    if bad_exits:
+        if strike.expect_error and strike.expect_error in c.logs():
+            record.setdefault("notes", []).append(f"ended with {strike.expect_error}, as a full disk must")
+        elif not refused:
+            failed.append(f"launchers exited {bad_exits}: {c.tail(600)}")
+    elif tracker(c) != c.shape.last:
+        failed.append(f"ended cleanly but the tracker names {tracker(c)}, not the last step {c.shape.last}")
+    if strike.verify:
+        ok, text = c.verify()
+        if not ok:
+            failed.append(f"easyckpt verify: {text}")
+
+
+def _quantile(values: list[int], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+
+def table(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per fault kind, then all together: runs, torn, hung, leaked, failed, resumes per source, steps lost."""
+    runs = list(runs)
+    rows = []
+    for kind in sorted({r["fault"] for r in runs}) + ["all"]:
+        mine = [r for r in runs if kind in ("all", r["fault"])]
+        lost = [r["lost"] for r in mine if r.get("lost") is not None and r.get("source") not in (None, "none")]
+        rows.append({"fault": kind, "runs": len(mine), **{k: sum(bool(r.get(k)) for r in mine)
+                                                          for k in ("torn", "hung", "leaked", "failed", "not_run")},
+                     "not_fired": sum(not r.get("fired", True) and not r.get("not_run") for r in mine),
+                     "torn_known": sum(bool(r.get("torn") and r.get("known")) for r in mine),
+                     **{s: sum(r.get("source") == s for r in mine) for s in SOURCES},
+                     "lost_median": statistics.median(lost) if lost else None, "lost_p99": _quantile(lost, 0.99),
+                     "lost_max": max(lost) if lost else None})
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = ["fault", "runs", "torn", "hung", "leaked", "failed", "not run", "not fired", "memory", "replica", "disk",
+            "scratch", "none", "lost median", "lost p99", "lost max"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        torn = f"{row['torn']} ({row['torn_known']} known)" if row.get("torn_known") else row["torn"]
+        cells = [row["fault"], row["runs"], torn, row["hung"], row["leaked"], row["failed"], row.get("not_run", 0),
+                 row["not_fired"],
+                 *(row[s] for s in SOURCES), *(("-" if row[k] is None else f"{row[k]:g}")
+                                               for k in ("lost_median", "lost_p99", "lost_max"))]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)

@@ -1,0 +1,319 @@
+"""One soak job: simulated nodes on this machine, each its own ``torchrun`` with its own shared-memory directory,
+runtime directory (so its own agent) and ``EASYCKPT_NODE_ID``, running one of the examples at full speed.
+
+Only the product's public surface is used: the examples' options and output files (``losses-rank<r>.jsonl``,
+``resume-rank<r>-<n>.json``, ``pid-rank<r>``), environment variables, the agent's pid file in its runtime
+directory, the ``easyckpt`` CLI. Every wait polls against the job's one deadline; :class:`Hung` names what it
+waited for.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+from soak_plan import Config, Shape
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = {"plain": ROOT / "examples" / "plain_ddp.py", "hf": ROOT / "examples" / "hf_trainer.py"}
+PEER_TIMEOUT = 3.0   # plain_ddp.py --peer-timeout: one request to another node's agent
+POLL = 0.01
+PASSED = ("EASYCKPT_LOG_LEVEL", "EASYCKPT_AGENT_LOG_LEVEL")   # taken from the soak's environment
+
+
+class Hung(Exception):
+    """The job's deadline passed while the soak waited for ``what``."""
+
+
+_GIVEN: set[int] = set()
+_GIVEN_LOCK = threading.Lock()
+
+
+def free_port() -> int:
+    """A port free now and never handed to another job of this soak (jobs may run side by side, ``--jobs``)."""
+    with _GIVEN_LOCK:
+        while True:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = int(probe.getsockname()[1])
+            if port not in _GIVEN:
+                _GIVEN.add(port)
+                return port
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def signal_pid(pid: int | None, signum: signal.Signals) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, signum)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+class Cluster:
+    """``config.nodes`` simulated nodes sharing one save_dir ("shared storage") and one output directory."""
+
+    def __init__(self, config: Config, root: Path, *, shape: Shape, deadline: float, disk: Path | None = None) -> None:
+        self.config = config
+        self.shape = shape
+        self.deadline = deadline
+        self.root = root
+        self.out = root / "out"
+        self.out.mkdir(parents=True, exist_ok=True)
+        base = disk or root
+        steps = shape.last - shape.first + 1
+        if config.api == "plain":
+            self.save_dir = base / "ckpt"
+            self.args = ["--save-dir", str(self.save_dir), "--out", str(self.out), "--steps", str(steps),
+                         "--save-storage-interval", str(shape.interval), "--max-ckpt-num", "2",
+                         "--grad-sync", "flat", "--peer-timeout", str(PEER_TIMEOUT)]
+        else:
+            self.save_dir = base / "hf" / "easyckpt"
+            self.args = ["--output-dir", str(base / "hf"), "--out", str(self.out), "--steps", str(steps),
+                         "--save-steps", str(shape.interval), "--save-total-limit", "2", "--max-ckpt-num", "2",
+                         "--resume"]
+        tag = root.name
+        self.shm = {n: Path(tempfile.mkdtemp(prefix=f"easyckpt-soak-{tag}-n{n}-", dir="/dev/shm"))
+                    for n in range(config.nodes)}
+        # Short: the agent's ipc:// socket path lives under it (about 107 characters at most)
+        self.runtime = {n: Path(tempfile.mkdtemp(prefix="ecs-", dir="/tmp")) for n in range(config.nodes)}
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.launches = 0
+        self.port = free_port()
+        self.rdzv = 0
+
+    # launching ------------------------------------------------------------------------------------------
+    def environ(self, node: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+        # The soak's own settings only (a stray EASYCKPT_FAULT would strike every job), but the log levels
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EASYCKPT_") or k in PASSED}
+        env.setdefault("EASYCKPT_LOG_LEVEL", "INFO")
+        env.update(EASYCKPT_NODE_ID=f"node{node}", EASYCKPT_SHM_DIR=str(self.shm[node]),
+                   EASYCKPT_RUNTIME_DIR=str(self.runtime[node]), EASYCKPT_AGENT_ADDR="127.0.0.1",
+                   EASYCKPT_KEEP_AGENT_LOG="1",
+                   # torch's shared rendezvous store hands restarted workers the previous attempt's gloo
+                   # addresses (pytorch/pytorch#135712); a store of their own per attempt avoids that
+                   TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                   PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+        env.update(extra or {})
+        return env
+
+    def start(self, node: int, *, max_restarts: int = 2, env: dict[str, str] | None = None) -> None:
+        self.launches += 1
+        log = self.out / f"node{node}-{self.launches}.log"
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.config.nodes}",
+                   f"--node-rank={node}", f"--nproc-per-node={self.config.ranks_per_node}",
+                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id=soak{self.rdzv}",
+                   f"--rdzv-conf=is_host={1 if node == 0 else 0}", f"--max-restarts={max_restarts}",
+                   str(SCRIPTS[self.config.api]), *self.args]
+        with open(log, "w") as handle:
+            self.procs[node] = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
+                                                env=self.environ(node, env), cwd=str(ROOT))
+
+    def start_all(self, *, env: dict[int, dict[str, str]] | None = None, fresh: bool = False) -> None:
+        """Every node; ``fresh``: a new rendezvous (the whole job was lost and is launched again)."""
+        if fresh:
+            self.port, self.rdzv = free_port(), self.rdzv + 1
+        for node in range(self.config.nodes):
+            self.start(node, env=(env or {}).get(node))
+
+    # watching -------------------------------------------------------------------------------------------
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def wait_until(self, predicate: Callable[[], Any], what: str, limit: float | None = None) -> Any:
+        """Poll ``predicate`` until truthy; Hung when the job's deadline (or ``limit`` seconds) passes first."""
+        end = min(self.deadline, time.monotonic() + limit) if limit is not None else self.deadline
+        while True:
+            value = predicate()
+            if value:
+                return value
+            if time.monotonic() > end:
+                raise Hung(what)
+            time.sleep(POLL)   # polling interval against a deadline, not a synchronisation
+
+    def ended(self) -> bool:
+        return all(proc.poll() is not None for proc in self.procs.values())
+
+    def wait_all(self) -> dict[int, int]:
+        self.wait_until(self.ended, "every node's torchrun to exit")
+        return {node: proc.returncode for node, proc in self.procs.items()}
+
+    def ranks_of(self, node: int) -> range:
+        return range(node * self.config.ranks_per_node, (node + 1) * self.config.ranks_per_node)
+
+    def rows(self, rank: int) -> list[dict[str, Any]]:
+        path = self.out / f"losses-rank{rank}.jsonl"
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in text.splitlines() if line.endswith("}")]
+
+    def newest(self, rank: int) -> int | None:
+        rows = self.rows(rank)
+        return max(row["step"] for row in rows) if rows else None
+
+    def newest_all(self) -> int:
+        """The newest step any rank logged (the work a fault can cost is counted from it)."""
+        return max((s for s in (self.newest(r) for r in range(self.config.world)) if s is not None),
+                   default=self.shape.first - 1)
+
+    def reached(self, step: int, ranks: range | list[int] | None = None) -> bool:
+        ranks = range(self.config.world) if ranks is None else ranks
+        return all((self.newest(r) or -1) >= step for r in ranks)
+
+    def wait_step(self, step: int, ranks: range | list[int] | None = None) -> None:
+        self.wait_until(lambda: self.reached(step, ranks) or self.ended(), f"the ranks to log step {step}")
+        if not self.reached(step, ranks):
+            raise RuntimeError(f"the job ended before step {step}: {self.tail()}")
+
+    def resumes(self, rank: int) -> list[dict[str, Any]]:
+        paths = sorted(self.out.glob(f"resume-rank{rank}-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+        return [json.loads(p.read_text()) for p in paths]
+
+    def rank_pid(self, rank: int) -> int | None:
+        try:
+            text = (self.out / f"pid-rank{rank}").read_text().strip()
+        except FileNotFoundError:
+            return None
+        return int(text) if text.isdigit() and not gone(int(text)) else None
+
+    def agent_pid(self, node: int) -> int | None:
+        for path in self.runtime[node].glob("*/agent.pid"):
+            with contextlib.suppress(OSError, ValueError):
+                pid = int(path.read_text().strip())
+                if not gone(pid):
+                    return pid
+        return None
+
+    def stopped(self, pid: int | None) -> bool:
+        try:
+            return pid is not None and psutil.Process(pid).status() == psutil.STATUS_STOPPED
+        except psutil.NoSuchProcess:
+            return False
+
+    def tail(self, chars: int = 2500) -> str:
+        logs = sorted(self.out.glob("node*-*.log"), key=lambda p: p.stat().st_mtime)
+        return logs[-1].read_text(errors="replace")[-chars:] if logs else "(no log)"
+
+    def logs(self) -> str:
+        return "".join(p.read_text(errors="replace") for p in sorted(self.out.glob("node*-*.log")))
+
+    # faults ---------------------------------------------------------------------------------------------
+    def node_pids(self, node: int) -> list[int]:
+        """Everything a node runs: its launcher, its ranks and whatever they started (the agent included)."""
+        pids = []
+        for proc in psutil.process_iter(["pid", "environ"]):
+            with contextlib.suppress(psutil.Error):
+                if (proc.info["environ"] or {}).get("EASYCKPT_RUNTIME_DIR") == str(self.runtime[node]):
+                    pids.append(proc.info["pid"])
+        return pids
+
+    def kill_node(self, node: int, *, wipe: bool) -> None:
+        """The node's machine goes away at once: every process SIGKILLed, its shared memory gone if ``wipe``."""
+        victims = self.node_pids(node)
+        for pid in victims:
+            signal_pid(pid, signal.SIGKILL)
+        self.procs[node].wait(timeout=max(1.0, self.left()))
+        self.wait_until(lambda: all(gone(pid) for pid in victims), f"node {node}'s processes to die")
+        if wipe:
+            for path in self.shm[node].iterdir():
+                path.unlink()
+
+    def kill_launchers_and_ranks(self) -> None:
+        """Every rank of the job dies (and its launcher), the agents and their memory live on."""
+        pids = [self.procs[n].pid for n in self.procs] + [p for r in range(self.config.world)
+                                                          if (p := self.rank_pid(r)) is not None]
+        for pid in pids:
+            signal_pid(pid, signal.SIGKILL)
+        for proc in self.procs.values():
+            proc.wait(timeout=max(1.0, self.left()))
+        self.wait_until(lambda: all(gone(pid) for pid in pids), "the ranks to die")
+
+    def status(self, node: int) -> list[dict[str, Any]] | None:
+        """``easyckpt status --json`` as the node sees it (None when its agent does not answer)."""
+        proc = subprocess.run([sys.executable, "-m", "easyckpt.cli", "status", "--save-dir", str(self.save_dir),
+                               "--json"], capture_output=True, text=True, env=self.environ(node),
+                              timeout=max(5.0, min(60.0, self.left())))
+        try:
+            report = json.loads(proc.stdout)
+        except json.JSONDecodeError:
+            return None
+        return report if isinstance(report, list) else None
+
+    def verify(self) -> tuple[bool, str]:
+        proc = subprocess.run([sys.executable, "-m", "easyckpt.cli", "verify", str(self.save_dir)],
+                              capture_output=True, text=True, env=self.environ(0),
+                              timeout=max(5.0, min(120.0, self.left())))
+        return proc.returncode == 0, (proc.stdout + proc.stderr)[-1500:]
+
+    # the end ----------------------------------------------------------------------------------------------
+    def leftovers(self) -> tuple[list[str], list[str]]:
+        """Processes of this job still running, files it left in its shared-memory directories."""
+        procs = []
+        runtimes = {str(p) for p in self.runtime.values()}
+        for proc in psutil.process_iter(["pid", "environ", "cmdline", "status"]):
+            with contextlib.suppress(psutil.Error):
+                if (proc.info["environ"] or {}).get("EASYCKPT_RUNTIME_DIR") in runtimes \
+                        and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                    procs.append(f"{proc.info['pid']} {' '.join(proc.info['cmdline'] or [])[:160]}")
+        files = [str(p) for d in self.shm.values() if d.exists() for p in d.iterdir()]
+        return procs, files
+
+    def kept(self) -> set[str]:
+        """Shared-memory directories an agent said it keeps on purpose (the newest step is only in memory after a
+        failed final persist: nothing lost), read from the agents' logs."""
+        said = set()
+        for log in (p for runtime in self.runtime.values() for p in runtime.glob("*/agent.log")):
+            with contextlib.suppress(OSError):
+                said |= set(re.findall(r"so the job's slots are kept in (\S+)", log.read_text(errors="replace")))
+        return said
+
+    def wait_clean(self, grace: float) -> tuple[list[str], list[str]]:
+        """After a job ends its agents exit and remove their slots: what is still there after ``grace``."""
+        end = time.monotonic() + grace
+        while True:
+            procs, files = self.leftovers()
+            if (not procs and not files) or time.monotonic() > end:
+                return procs, files
+            time.sleep(0.05)   # polling interval against a deadline
+
+    def cleanup(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=30)
+        for node in range(self.config.nodes):
+            for pid in self.node_pids(node):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+                signal_pid(pid, signal.SIGKILL)
+        for node, runtime in self.runtime.items():
+            for log in runtime.glob("*/agent.log"):   # kept with the job's files for post-mortems
+                with contextlib.suppress(OSError):
+                    shutil.copy(log, self.out / f"agent-node{node}.log")
+            shutil.rmtree(runtime, ignore_errors=True)
+        for directory in self.shm.values():
+            shutil.rmtree(directory, ignore_errors=True)

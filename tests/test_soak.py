@@ -1,0 +1,102 @@
+"""The fault soak (benchmarks/soak.py): its 20-fault smoke mode as CI runs it, and a replay of every fault whose
+seed found a bug (the soak's plan is a pure function of the seed and the fault's index, so ``--only K`` throws
+the very fault again: same kind, configuration, step, moment and variant)."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import seeded_random
+
+pytestmark = pytest.mark.slow
+FLAGS = ("torn", "hung", "leaked", "failed")
+
+
+def soak(argv: list[str]) -> dict[str, Any]:
+    return importlib.import_module("soak").main(argv)
+
+
+def bad(run: dict[str, Any]) -> bool:
+    return any(run[flag] for flag in FLAGS)
+
+
+@pytest.mark.timeout(1800)
+def test_soak_smoke_twenty_faults(tmp_path: Path) -> None:
+    """20 seeded faults, every available kind, one and two simulated nodes, two jobs side by side: nothing torn,
+    hung, leaked or failed; a rank kill costs at most two steps from memory, a lost node of a 2-node job comes back
+    from the surviving node's replicas. A disk_full that could not mount its tmpfs (not root) is "not run", never a
+    pass: the test says so. A torn run of the one open gap the soak names (``soak.KNOWN_GAP``: a byte flipped in a
+    single-node slot's tensor bytes is loaded as is) stays counted torn in the result; any other torn run fails."""
+    seed = seeded_random().randrange(1 << 30)
+    out = tmp_path / "smoke.json"
+    result = soak(["--smoke", "--seed", str(seed), "--jobs", "2", "--json", str(out), "--dir", str(tmp_path / "work")])
+    assert json.loads(out.read_text()) == result and result["seed"] == seed and result["complete"]
+    runs = result["runs"]
+    assert [run["index"] for run in runs] == list(range(20))
+    plan = importlib.import_module("soak_plan")
+    assert {run["fault"] for run in runs} == set(plan.available_kinds()), "every kind must be thrown"
+    assert "object_store_outage" in result["pending"]
+    # torn runs of the one open gap the soak names (soak.KNOWN_GAP) are reported, not passed: any other is a failure
+    regressions = [run for run in runs if bad(run) and not (run.get("known") and not run["hung"] and not run["leaked"]
+                                                            and not run["failed"])]
+    assert not regressions, json.dumps(regressions, indent=1)[:6000]
+    not_run = [run for run in runs if run["not_run"]]
+    assert all(run["fault"] == "disk_full" and run["why"] for run in not_run), not_run
+    assert os.geteuid() != 0 or not not_run, f"running as root, yet the tmpfs of disk_full was not mounted: {not_run}"
+    for run in runs:
+        if not run["fired"]:
+            continue
+        if run["fault"] == "rank_kill":
+            assert run["source"] == "memory" and 0 <= run["lost"] <= 2, run
+        if run["fault"] == "node_loss" and run["config"] == "plain-2x1":
+            assert run["source"] == "replica" and 0 <= run["lost"] <= 2, run
+        if run["fault"] == "node_loss" and run["config"] == "plain-1x1":
+            assert run["source"] in ("disk", "scratch"), run   # the only node's memory is gone
+    total = result["table"][-1]
+    assert total["fault"] == "all" and total["runs"] == 20
+    assert total["torn"] == total["torn_known"] and total["hung"] == total["leaked"] == total["failed"] == 0, total
+
+
+# (the soak's arguments, the fault's index, the bug it found): each fault is replayed with the settings it ran with
+class TornRun(AssertionError):
+    """A replayed fault's run came back torn (and nothing worse)."""
+
+
+# raises=TornRun: the hang this fault found, or anything else going wrong, still fails the test
+OPEN_HF_PAST_MAX_STEPS = pytest.mark.xfail(strict=True, raises=TornRun, reason=(
+    "open: an HF job whose ranks torchrun restarts after close() failed (the disk full to the end) resumes at "
+    "global step 20 of max_steps=20 and trains step 21, then 22 (seed 101, fault 19): torn against the reference"))
+REPLAYS = [
+    pytest.param(["--smoke", "--seed", "11"], 1, "a byte flipped in latest_checkpointed_iteration.txt: read_tracker "
+                 "raised UnicodeDecodeError, so every agent died at start-up and load() failed instead of passing the "
+                 "tracker over", id="smoke-11-1"),
+    pytest.param(["--smoke", "--seed", "11"], 7, "the leader's agent killed in a 2-node job before the tracker: the "
+                 "ranks' lag gates took each other's waits for step time, each wait about 2.7 times the one before, "
+                 "until they stopped each other (the job hung)", id="smoke-11-7"),
+    pytest.param(["--seed", "101"], 8, "the soak's own judge: a node frozen inside its snapshot of step 7, lost and "
+                 "resumed at 7 from the replicas, was judged failed because one of its ranks never logged step 7 "
+                 "(which the resumed state, digest checked, already holds)", id="101-8"),
+    pytest.param(["--seed", "101"], 19, "the disk full to the end of a 2-node HF job: the TrainerWrapper's export "
+                 "thread waited export_timeout (600 s) for each step whose persist had failed, holding up the end of "
+                 "training (hung); fixed, but the job then shows the open bug of OPEN_HF_PAST_MAX_STEPS",
+                 id="101-19", marks=OPEN_HF_PAST_MAX_STEPS),
+    pytest.param(["--seed", "7"], 5, "the agent killed while the job ran: a rank's replacement agent that lost the "
+                 "start-up race took the lock after the job's agent had exited and waited out its idle timeout (an "
+                 "agent and its control block left behind)", id="7-5"),
+]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("argv,index,bug", REPLAYS)
+def test_soak_replays_the_faults_that_found_bugs(tmp_path: Path, argv: list[str], index: int, bug: str) -> None:
+    result = soak([*argv, "--only", str(index), "--json", str(tmp_path / "replay.json"), "--dir", str(tmp_path / "w")])
+    (run,) = result["runs"]
+    assert run["index"] == index and run["fired"], run
+    worse = {flag: run[flag] for flag in ("hung", "leaked", "failed")}
+    assert not any(worse.values()), f"{bug}:\n{json.dumps(run, indent=1)[:4000]}"
+    if run["torn"]:
+        raise TornRun(f"{bug}:\n{json.dumps(run, indent=1)[:4000]}")

@@ -1,0 +1,38 @@
+"""The HF wrapper's export thread (``easyckpt.transformers.export``): what makes it stop waiting for an iteration."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, cast
+
+from easyckpt.transformers.export import Exporter
+from easyckpt_wire import layout
+
+
+def test_an_export_whose_persist_failed_stops_waiting_at_once(tmp_path: Path) -> None:
+    """The agent's persist of step 10 failed (a full disk) and is not retried: the export gives up at once
+    instead of holding the end of training for its timeout (fault soak, seed 101, fault 19: a 2-node HF job
+    on a full disk waited export_timeout for each failed step)."""
+    failed = {10, 15}
+    exporter = Exporter(cast(Any, None), tmp_path, timeout=120.0, persist_failed=lambda step: step <= max(failed))
+    try:
+        started = time.monotonic()
+        for step in sorted(failed):
+            exporter.request(step)
+        assert exporter.drain(60.0), "the exports of steps whose persist failed are still waiting"
+        assert time.monotonic() - started < 30.0
+        assert exporter.failed == {10: "not persisted", 15: "not persisted"} and not exporter.exported
+        assert not any(layout.export_hold(tmp_path, step).exists() for step in failed), "an export hold was left"
+    finally:
+        exporter.stop()
+
+
+def test_an_export_still_waits_while_nothing_failed(tmp_path: Path) -> None:
+    exporter = Exporter(cast(Any, None), tmp_path, timeout=120.0, persist_failed=lambda step: False)
+    try:
+        exporter.request(10)
+        assert not exporter.drain(0.5), "gave up on a step the agent may still persist"
+    finally:
+        exporter.cancel(10)
+        assert exporter.drain(60.0)
+        exporter.stop()
