@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -194,11 +194,7 @@ def local_snapshots(directory: Path, job_id: str, world_size: int) -> Reachable:
     a step held twice). A slot that cannot be read is left out (the disk has the step, or not)."""
     found = Reachable()
     best: dict[tuple[int, int, int], tuple[int, bool]] = {}
-    for (rank, _index), path in sorted(list_slots(directory, job_id).items()):
-        try:
-            slot = SlotMap(path, writable=False)
-        except (OSError, SlotFormatError):
-            continue
+    for rank, path, slot in _slots(directory, job_id):
         try:
             header = slot.header()
             if not header.committed or header.job_id != job_id or header.world_size == world_size \
@@ -213,8 +209,6 @@ def local_snapshots(directory: Path, job_id: str, world_size: int) -> Reachable:
                 found.local[key] = LocalSlot(path, header.generation)
         except (OSError, ValueError, SlotFormatError) as exc:
             logger.debug("slot %s of another world unreadable: %s", path, exc)
-        finally:
-            slot.close(drop_exported=True)
     found.held = [Held(rank, step, m, LOCAL, best[(rank, step, m)][1]) for rank, step, m in sorted(found.local)]
     return found
 
@@ -329,13 +323,7 @@ def release_old_world(directory: Path, job_id: str, world_size: int, keep: Colle
     not exist, so nothing else ever frees them); a slot locked by anyone (a reader, the agent) is left for the
     agent's cleanup at the end of the job. Returns the paths removed."""
     removed = []
-    for (rank, _index), path in sorted(list_slots(directory, job_id).items()):
-        if rank < world_size or rank in keep:
-            continue
-        try:
-            slot = SlotMap(path, writable=False)
-        except (OSError, SlotFormatError):
-            continue
+    for _rank, path, slot in _slots(directory, job_id, skip=lambda rank: rank < world_size or rank in keep):
         try:
             header = slot.header()
             if header.world_size == world_size or not slot.try_lock(exclusive=True):
@@ -347,6 +335,21 @@ def release_old_world(directory: Path, job_id: str, world_size: int, keep: Colle
                 slot.unlock()
         except (OSError, SlotFormatError) as exc:
             logger.debug("cannot release %s: %s", path, exc)
+    return removed
+
+
+def _slots(directory: Path, job_id: str, skip: Callable[[int], bool] = lambda rank: False,
+           ) -> Iterator[tuple[int, Path, SlotMap]]:
+    """This job's slot files in ``directory`` that open, read-only, rank by rank; each closed once the caller moves
+    on (a file that does not open is left out: another world's slot can vanish or be half made at any time)."""
+    for (rank, _index), path in sorted(list_slots(directory, job_id).items()):
+        if skip(rank):
+            continue
+        try:
+            slot = SlotMap(path, writable=False)
+        except (OSError, SlotFormatError):
+            continue
+        try:
+            yield rank, path, slot
         finally:
             slot.close(drop_exported=True)
-    return removed
