@@ -80,7 +80,7 @@ def measure(size_mb: float, repeats: int, directory: Path, copy_threads: int = 1
             peers: tuple[str, ...] = PEERS) -> dict[str, Any]:
     state = gpt_like_state(size_mb, device=device)
     sync(device)
-    _, refs, values = easyckpt.state.flatten(state)
+    _, refs, values = easyckpt.snapshot.state.flatten(state)
     flat = {ref.name: value for ref, value in zip(refs, values)}
     ckpt = easyckpt.Checkpointer(directory / "ckpt", 1, 10**9, 1, start_agent=False, copy_threads=copy_threads)
     launches, fulls = [], []

@@ -2,8 +2,9 @@
 
     python benchmarks/cluster_sim.py --nodes 8,64,512 --seed 1 --json benchmarks/results/cluster-sim.json
 
-Nothing here re-implements a rule: the ranks choose slots with ``easyckpt.slot_choice``, the leader decides
-with ``agent.agreement.decide`` and every agent holds what ``agent.agreement.plan_holds`` says, exactly as the
+Nothing here re-implements a rule: the ranks choose slots with ``easyckpt.snapshot.slot_choice``, the leader decides
+with ``easyckpt_agent.agreement.decide`` and every agent holds what ``easyckpt_agent.agreement.plan_holds`` says,
+exactly as the
 processes do. What is modelled is time: step times with jitter, the copy, each agent's reaction time (a
 slow agent reacts ``--slow-factor`` times later), the network between agents, the hashing and push of a
 backup, the leader's cost per node, and persists that take ``--persist-ms``.
@@ -31,7 +32,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agent.agreement import (  # noqa: E402
+from easyckpt.snapshot.slot_choice import SlotView, undecided_due, write_order  # noqa: E402
+from easyckpt_agent.agreement import (  # noqa: E402
     Book,
     NodeState,
     Verdict,
@@ -41,7 +43,6 @@ from agent.agreement import (  # noqa: E402
     persist_floor,
     plan_holds,
 )
-from easyckpt.slot_choice import SlotView, undecided_due, write_order  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,8 +158,8 @@ class Simulation:
                         lambda n=node, r=rank: self.gate(n, r, step, self.now, None))
 
     def gate(self, node: Node, rank: Rank, step: int, since: float, budget: float | None) -> None:
-        """``easyckpt.lag_gate``: wait while the node-safe step trails by more than max_backup_lag (bounded)."""
-        if node.node_safe is not None:   # easyckpt.lag_gate remembers the newest node-safe step it read
+        """``easyckpt.node.lag_gate``: wait while the node-safe step trails by more than max_backup_lag (bounded)."""
+        if node.node_safe is not None:   # easyckpt.node.lag_gate remembers the newest node-safe step it read
             rank.node_safe_seen = max(rank.node_safe_seen, node.node_safe)
         lag = step - rank.node_safe_seen
         limit = self.c.max_backup_lag

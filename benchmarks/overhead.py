@@ -126,7 +126,7 @@ def run_mode(args: argparse.Namespace, directory: Path, with_ckpt: bool) -> dict
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    _, refs, _ = easyckpt.state.flatten({"model": model.state_dict(), "optim": optimizer.state_dict()})
+    _, refs, _ = easyckpt.snapshot.state.flatten({"model": model.state_dict(), "optim": optimizer.state_dict()})
     return sum(ref.nbytes for ref in refs)
 
 

@@ -281,7 +281,7 @@ class RawCopy:
 def measure_memory(state: dict[str, Any], size_mb: float, dim: int, nbytes: int, repeats: int, copy_repeats: int,
                    directory: Path, device: str, copy_threads: int = 1) -> tuple[dict[str, Any], dict[str, Any], int]:
     """Snapshot copy vs raw copy; then load() from memory in new processes while the writer holds its slots."""
-    values = [v for v in easyckpt.state.flatten(state)[2] if isinstance(v, torch.Tensor)]
+    values = [v for v in easyckpt.snapshot.state.flatten(state)[2] if isinstance(v, torch.Tensor)]
     ck = easyckpt.Checkpointer(directory / "mem", 1, 10**9, 1, start_agent=False, copy_threads=copy_threads)
     try:
         raw_copy = RawCopy(values, device)
@@ -411,7 +411,7 @@ def measure_disk(state: dict[str, Any], size_mb: float, dim: int, repeats: int, 
 def measure(size_mb: float, dim: int, repeats: int, copy_repeats: int, directory: Path, device: str,
             persist_timeout: float, copy_threads: int = 1) -> dict[str, Any]:
     state = make_state(size_mb, device, dim)
-    _, refs, _ = easyckpt.state.flatten(state)
+    _, refs, _ = easyckpt.snapshot.state.flatten(state)
     nbytes = sum(ref.nbytes for ref in refs)
     copy, memory, skipped = measure_memory(state, size_mb, dim, nbytes, repeats, copy_repeats, directory, device,
                                            copy_threads)

@@ -13,9 +13,9 @@ if TYPE_CHECKING:
     from easyckpt.checkpointer import Checkpointer, FlushResult
     from easyckpt.config import CheckpointerConfig
     from easyckpt.health import DataSkipper, TrainingAborted
-    from easyckpt.persist_watch import PersistError
+    from easyckpt.node.persist_watch import PersistError
     from easyckpt.recovery import LoadError, LoadResult, StateMismatchError
-    from easyckpt.slots import ShmSpaceError
+    from easyckpt.snapshot.slots import ShmSpaceError
     from easyckpt.storage import CheckpointCorruptError
     from easyckpt_wire.layout import CheckpointFormatError
     from easyckpt_wire.owner import SaveDirInUseError
@@ -44,8 +44,8 @@ _LAZY = {
     "CheckpointerConfig": "easyckpt.config",
     "DataSkipper": "easyckpt.health", "TrainingAborted": "easyckpt.health",
     "LoadResult": "easyckpt.recovery", "LoadError": "easyckpt.recovery", "StateMismatchError": "easyckpt.recovery",
-    "ShmSpaceError": "easyckpt.slots",
-    "PersistError": "easyckpt.persist_watch",
+    "ShmSpaceError": "easyckpt.snapshot.slots",
+    "PersistError": "easyckpt.node.persist_watch",
     "CheckpointCorruptError": "easyckpt.storage",
     "CheckpointFormatError": "easyckpt_wire.layout",
     "SaveDirInUseError": "easyckpt_wire.owner",
@@ -53,9 +53,11 @@ _LAZY = {
 # An eager ``import easyckpt`` used to load these submodules as a side effect, and user code relies on
 # it (``import easyckpt; easyckpt.state.flatten(...)``); ``megatron`` and ``transformers`` were never
 # among them: they need optional packages, which a mere attribute probe must not import. ``health`` is
-# reached the same way (``easyckpt.health.embedding_local_norm``, as the README shows).
-_EAGER_BEFORE = frozenset({"agent_client", "checkpointer", "config", "health", "recovery", "replica", "slots", "stager",
-                           "state", "storage"})
+# reached the same way (``easyckpt.health.embedding_local_norm``, as the README shows). Several of them
+# have since moved into box packages (``snapshot``, ``node``): the old attribute names still reach them.
+_EAGER_BEFORE = {"agent_client": "node.client", "checkpointer": "checkpointer", "config": "config", "health": "health",
+                 "recovery": "recovery", "replica": "node.replicas", "slots": "snapshot.slots",
+                 "stager": "snapshot.stager", "state": "snapshot.state", "storage": "storage"}
 
 
 def __getattr__(name: str) -> Any:
@@ -65,7 +67,7 @@ def __getattr__(name: str) -> Any:
         globals()[name] = value  # later lookups skip this hook
         return value
     if name in _EAGER_BEFORE:
-        return importlib.import_module(f"{__name__}.{name}")
+        return importlib.import_module(f"{__name__}.{_EAGER_BEFORE[name]}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -20,16 +20,16 @@ from typing import Any
 import psutil
 import torch.distributed as dist
 
-from easyckpt.agent_client import AgentClient
 from easyckpt.config import CheckpointerConfig
-from easyckpt.lag_gate import LagGate
 from easyckpt.logs import apply_env_level, notice
-from easyckpt.persist_watch import PersistError, PersistWatch, describe_failure
+from easyckpt.node.client import AgentClient
+from easyckpt.node.lag_gate import LagGate
+from easyckpt.node.persist_watch import PersistError, PersistWatch, describe_failure
+from easyckpt.node.replicas import introduce
 from easyckpt.recovery import LoadResult, load
 from easyckpt.recovery.worlds import release_old_world
-from easyckpt.replica import introduce
-from easyckpt.slots import RankSlots
-from easyckpt.stager import Stager
+from easyckpt.snapshot.slots import RankSlots
+from easyckpt.snapshot.stager import Stager
 from easyckpt_wire import owner, protocol
 from easyckpt_wire.health import RankHealth, rank_verdict
 from easyckpt_wire.records import PeerTable

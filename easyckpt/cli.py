@@ -1,8 +1,8 @@
 """``easyckpt ls DIR | verify DIR | status [SAVE_DIR] | clean SAVE_DIR | convert | ranks-needed``: look at
 checkpoints and at the node agent, and free what a job left in memory (``status`` and ``clean``:
-``easyckpt.cli_status``; ``convert`` and ``ranks-needed``: ``easyckpt.convert``).
+``easyckpt.tools.status``; ``convert`` and ``ranks-needed``: ``easyckpt.tools.convert``).
 
-Only ``convert`` and ``ranks-needed`` import torch: ``--help``, ``ls``, ``verify`` (``easyckpt.checks`` reads
+Only ``convert`` and ``ranks-needed`` import torch: ``--help``, ``ls``, ``verify`` (``easyckpt.tools.checks`` reads
 safetensors files without it) and ``status`` must answer at once, so nothing imported at module level may
 pull it in.
 """
@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import easyckpt
-from easyckpt import checks, convert
-from easyckpt.cli_status import cmd_clean, cmd_status
 from easyckpt.logs import LOG_LEVEL_ENV, parse_level
+from easyckpt.tools import checks, convert
+from easyckpt.tools.status import cmd_clean, cmd_status
 from easyckpt_wire import health, layout, timeline
 from easyckpt_wire.shm import format_bytes
 from easyckpt_wire.storage import UnsupportedLocation, as_path

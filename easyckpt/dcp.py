@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from easyckpt import storage
-from easyckpt.state import torch_dtype
+from easyckpt.snapshot.state import torch_dtype
 from easyckpt_wire import layout
 from easyckpt_wire.records import ShardSpec
 from easyckpt_wire.storage import as_path, open_storage, posix
@@ -92,7 +92,7 @@ class CheckpointIndex:
 def _keys_of(skeleton: Any, n_tensors: int) -> tuple[dict[int, str], dict[str, Any]]:
     """({tensor index: DCP key}, {DCP key: non-tensor value}) of one rank's saved state, keyed exactly as
     ``dcp.load`` flattens a state dict (DCP's own ``flatten_state_dict``)."""
-    from easyckpt.state import unflatten
+    from easyckpt.snapshot.state import unflatten
 
     marks = [torch.empty(0) for _ in range(n_tensors)]
     state = unflatten(skeleton, marks)
@@ -436,7 +436,7 @@ def ranks_needed(src: Path, world_size: int) -> tuple[CheckpointIndex, dict[int,
     tensor on dim 0 (FSDP2), {file: DCP keys} it reads from ``src`` (a save_dir's newest iteration or one
     iteration): its shards' ranges as DCP plans them, plus the files of the saved rank whose private values
     (plain tensors: RNG states, step counters) it takes by ``sharding.source_rank``."""
-    from easyckpt import sharding
+    from easyckpt.snapshot import sharding
 
     if world_size < 1:
         raise ValueError(f"--world-size {world_size}: needs at least one rank")

@@ -20,8 +20,8 @@ import numpy
 import torch
 import xxhash
 
-from easyckpt import checks
-from easyckpt.state import torch_dtype
+from easyckpt.snapshot.state import torch_dtype
+from easyckpt.tools import checks
 from easyckpt_wire import health, layout, timeline
 from easyckpt_wire.layout import CheckpointFormatError
 from easyckpt_wire.records import ShardSpec

@@ -35,7 +35,7 @@ rank kill resumes from) and ``node_safe`` the newest job-safe step every node's 
 up for on another node (what a node loss resumes from; -1: none yet). ``passed`` lists the newest due steps
 that were passed over (never persisted), so that a rank waiting for one of them stops waiting. ``decided``:
 due steps at or below it are decided (persisted, being persisted or passed over); a rank spares its newest
-due step above it when it chooses a slot (``easyckpt.slot_choice``).
+due step above it when it chooses a slot (``easyckpt.snapshot.slot_choice``).
 
 ``generation`` is a seqlock: odd while the agent moves the safe step (it takes the flocks of the new
 safe step, publishes it, then drops the old one's flocks), even when the fields are consistent. A rank

@@ -99,7 +99,7 @@ def link_replicas(ranks_meta: dict[str, Any], where: str) -> None:
     """Complete, in place, the metadata.json records of replicated shards that another rank wrote.
 
     A rank whose copy of a replicated DTensor shard its replica group's writer puts on disk (the rule is
-    ``easyckpt.sharding.writer_coordinate``) has a record with ``stored_by`` (the writer's rank) and the
+    ``easyckpt.snapshot.sharding.writer_coordinate``) has a record with ``stored_by`` (the writer's rank) and the
     writer's ``file``; this gives it the writer's checksum, so that every reader, older builds included,
     reads it from there like any other record. Raises CheckpointFormatError naming the tensor and both
     ranks when the writer did not save that tensor with the same shape and dtype: such an iteration would

@@ -15,12 +15,12 @@ A requester uses a DEALER socket, the agent a ROUTER socket; every message is on
 ever unpickled: a message that is too large, is not msgpack, has another version, an unknown kind or
 a field of the wrong type raises :class:`ProtocolError`, which the receiver logs and drops.
 
-Session of a rank (``easyckpt.agent_client.AgentClient``), in order:
+Session of a rank (``easyckpt.node.client.AgentClient``), in order:
 
 1. ``HELLO`` on every (re)connect, followed by ``PEERS`` again when the rank sent one before (a restarted
    agent learns the job's nodes without a new introduction);
 2. ``PING`` at start-up (``wait_ready``), and in a multi-node job the introduction: ``PING`` for the
-   node and endpoint, then ``PEERS`` (``easyckpt.replica.introduce``);
+   node and endpoint, then ``PEERS`` (``easyckpt.node.replicas.introduce``);
 3. ``RESUME`` once after a load chose a step;
 4. any number of ``FLUSH`` (``save(persist=True)`` once the step is committed, or ``flush()``);
 5. ``BYE`` at ``close()`` (wait=True), or wait=False when the process leaves without it.

@@ -103,7 +103,7 @@ class ShardSpec(NamedTuple):
 
     ``writer`` is the rank that writes this shard to disk for its whole replica group (the ranks that hold
     the same copy because a placement is ``R``): the rank at ``coordinate`` with 0 on every replicated mesh
-    dim (``easyckpt.sharding.writer_coordinate``). Every other rank of the group keeps its copy in memory
+    dim (``easyckpt.snapshot.sharding.writer_coordinate``). Every other rank of the group keeps its copy in memory
     only, and ``metadata.json`` says which rank's file holds it (``stored_by``)."""
 
     global_shape: tuple[int, ...]
@@ -224,7 +224,7 @@ class SlotMeta:
     skeleton_version: int
     tensors: tuple[TensorEntry, ...]
     step: int
-    skeleton: Any              # the non-tensor state (easyckpt.state's tagged skeleton)
+    skeleton: Any              # the non-tensor state (easyckpt.snapshot.state's tagged skeleton)
     created: float
     health: RankHealth = NEUTRAL   # the rank's verdict on this snapshot (neutral: it reported nothing)
 

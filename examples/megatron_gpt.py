@@ -189,7 +189,7 @@ def average_gradients(module: torch.nn.Module) -> None:
 
 
 def digest(model: list[torch.nn.Module], optimizer: object) -> str:
-    from easyckpt.state import flatten
+    from easyckpt.snapshot.state import flatten
     hasher = xxhash.xxh3_128()
     state = {"model": [m.state_dict() for m in model], "optim": optimizer.state_dict()}
     for ref, value in zip(*flatten(state)[1:]):

@@ -7,7 +7,7 @@ from conftest import Env
 
 
 def agent_status(env: Env) -> dict[str, Any] | None:
-    from easyckpt.agent_client import AgentTimeout, query_status
+    from easyckpt.node.client import AgentTimeout, query_status
 
     try:
         return query_status(env.job_dir(), timeout=5.0)

@@ -63,7 +63,7 @@ def agent_pids(runtime_dir: Path) -> list[int]:
             env = proc.info["environ"] or {}
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if "agent" in cmd and "-m" in cmd and env.get("EASYCKPT_RUNTIME_DIR") == str(runtime_dir):
+        if "easyckpt_agent" in cmd and "-m" in cmd and env.get("EASYCKPT_RUNTIME_DIR") == str(runtime_dir):
             pids.append(proc.info["pid"])
     return pids
 

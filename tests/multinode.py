@@ -95,7 +95,7 @@ class Cluster:
         for node in range(self.nodes):
             command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nodes}", f"--node-rank={node}",
                        "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-                       "--rdzv-id=agents", f"--rdzv-conf=is_host={1 if node == 0 else 0}", "-m", "agent",
+                       "--rdzv-id=agents", f"--rdzv-conf=is_host={1 if node == 0 else 0}", "-m", "easyckpt_agent",
                        "--save-dir", str(self.env.save_dir), "--idle-timeout", "120"]
             log = open(self.out / f"agents-node{node}.log", "w")
             procs[node] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.environ(node),

@@ -263,7 +263,7 @@ def test_second_agent_finds_the_running_one_and_runtime_dir_is_private(env: Env)
     ck = make(env)
     try:
         running = env.agent_pid()
-        second = subprocess.run([sys.executable, "-m", "agent", "--save-dir", str(env.save_dir)],
+        second = subprocess.run([sys.executable, "-m", "easyckpt_agent", "--save-dir", str(env.save_dir)],
                                 capture_output=True, text=True, timeout=60, env=env.environ(), cwd=str(ROOT))
         assert second.returncode == 0 and "already running" in second.stderr
         assert env.agent_pid() == running

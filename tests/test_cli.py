@@ -368,7 +368,7 @@ def test_status_with_a_stuck_or_dead_agent_names_the_job_and_which(env: Env) -> 
 
 
 # entry points -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("module, expect", [("agent", "--save-dir"), ("easyckpt.cli", "verify")])
+@pytest.mark.parametrize("module, expect", [("easyckpt_agent", "--save-dir"), ("easyckpt.cli", "verify")])
 def test_python_m_help_exits_0(env: Env, module: str, expect: str) -> None:
     proc = subprocess.run([sys.executable, "-m", module, "--help"], check=False, capture_output=True, text=True,
                           timeout=60, env=env.environ())
@@ -407,7 +407,7 @@ def test_cli_commands_without_torch_do_not_import_it(env: Env, args: list[str]) 
 def test_package_names_still_import_lazily(env: Env) -> None:
     code = ("import sys, easyckpt; assert 'torch' not in sys.modules, 'import easyckpt pulled torch in'; "
             "from easyckpt import Checkpointer, CheckpointFormatError; assert 'torch' in sys.modules; "
-            "assert easyckpt.LoadError.__module__ == 'easyckpt.recovery'; assert callable(easyckpt.state.flatten); "
+            "assert easyckpt.LoadError.__module__ == 'easyckpt.recovery'; assert callable(easyckpt.snapshot.state.flatten); "
             "assert callable(easyckpt.health.embedding_local_norm); assert easyckpt.DataSkipper.__module__ == "
             "'easyckpt.health'; assert not hasattr(easyckpt, 'no_such_name'); "
             "ns = {}; exec('from easyckpt import *', ns); assert set(easyckpt.__all__) <= set(ns), ns.keys()")

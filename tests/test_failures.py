@@ -80,7 +80,7 @@ class Agent:
     def __init__(self, env: Env, save_dir: Path, log: Path, **extra: str) -> None:
         self.log_path = log
         self._log = open(log, "w")
-        command = [sys.executable, "-m", "agent", "--save-dir", str(save_dir), "--idle-timeout", "30",
+        command = [sys.executable, "-m", "easyckpt_agent", "--save-dir", str(save_dir), "--idle-timeout", "30",
                    "--persist-threads", "1", "--nice", "0"]
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env.environ(**extra),
                                      cwd=str(ROOT))

@@ -86,7 +86,7 @@ def test_kill_at_a_random_step_resumes_from_memory_at_most_two_steps_back(env: E
 
 def test_kill_during_a_persist_resumes_from_memory_at_most_two_steps_back(env: Env, reference: Job) -> None:
     """The test kills rank 1 at the moment the agent reports a persist in flight (after a seeded step)."""
-    from easyckpt.agent_client import AgentTimeout, query_status
+    from easyckpt.node.client import AgentTimeout, query_status
 
     after = seeded_random().randint(8, STEPS - 20)
     run = job(env, "out")

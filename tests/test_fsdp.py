@@ -171,7 +171,7 @@ def test_lost_node_then_the_surviving_nodes_2_ranks_reshard_from_memory_and_repl
     from ddp_job import TORCHRUN
     from multinode import Cluster
 
-    from easyckpt.agent_client import AgentTimeout, query_status
+    from easyckpt.node.client import AgentTimeout, query_status
 
     steps = 40
     job = Cluster(env, env.tmp_path / "multi", steps=steps, save_storage_interval=INTERVAL, script=SCRIPT,
@@ -332,7 +332,7 @@ def test_2d_missing_writer_file_names_tensor_file_and_writer(env: Env, two_d: tu
 
     from easyckpt import dcp as edcp
     from easyckpt import storage
-    from easyckpt.state import torch_dtype
+    from easyckpt.snapshot.state import torch_dtype
 
     _, saved_iteration = two_d
     iteration = env.tmp_path / "broken" / layout.iteration_dirname(INTERVAL)
@@ -513,8 +513,8 @@ def test_convert_to_dcp_and_back_round_trips_bitwise(env: Env, reference: tuple[
     from torch.distributed.checkpoint import FileSystemReader
 
     from easyckpt import dcp as edcp
-    from easyckpt.sharding import is_dtensor
-    from easyckpt.state import torch_dtype
+    from easyckpt.snapshot.sharding import is_dtensor
+    from easyckpt.snapshot.state import torch_dtype
 
     iteration = copy_iteration(env, reference)
     index = edcp.checkpoint_index(iteration)
@@ -551,7 +551,7 @@ def test_dcp_reader_verifies_each_range_and_reads_boxes_from_the_mapped_file(env
 
     from easyckpt import dcp as edcp
     from easyckpt import storage
-    from easyckpt.state import torch_dtype
+    from easyckpt.snapshot.state import torch_dtype
 
     iteration = copy_iteration(env, reference)
     index = edcp.checkpoint_index(iteration)

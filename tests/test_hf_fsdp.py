@@ -106,7 +106,7 @@ def test_fsdp2_trainer_resumes_on_another_number_of_ranks(env: Env) -> None:
     by rank 0) is what the Trainer's FSDP resume loads: the whole model and AdamW state the 3-rank run starts
     from, gathered from its shards, equals iteration 20 read whole from disk, bitwise; training goes on to
     step 24."""
-    from easyckpt.convert import full_state
+    from easyckpt.tools.convert import full_state
 
     output_dir = env.tmp_path / "hf"
     run_to_end(HFJob(env, output_dir, env.tmp_path / "two", extra_args=SHARDED, via=VIA))

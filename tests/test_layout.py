@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from agent import persister
-from agent.persister import AuditLog, clean_leftovers
+from easyckpt_agent import persister
+from easyckpt_agent.persister import AuditLog, clean_leftovers
 from easyckpt_wire import faults, layout
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -215,8 +215,8 @@ def test_lost_node_with_slow_persists_resumes_at_most_two_steps_back(cluster: Cl
     # with one node's shards because the nodes disagreed).
     log1 = agent_log(job, 1)
     # The first agent that served (a second one started at the same moment may log first, then exits).
-    first_agent = re.search(r"\[agent (\d+)\] agent.server: agent pid \d+ serving", log1).group(1)  # type: ignore[union-attr]
-    node1 = {int(s) for s in re.findall(rf"\[agent {first_agent}\] agent.persister: persisting step (\d+)", log1)}
+    first_agent = re.search(r"\[agent (\d+)\] easyckpt_agent.server: agent pid \d+ serving", log1).group(1)  # type: ignore[union-attr]
+    node1 = {int(s) for s in re.findall(rf"\[agent {first_agent}\] easyckpt_agent.persister: persisting step (\d+)", log1)}
     node0 = {int(s) for s in re.findall(r"persisting step (\d+)", agent_log(job, 0))}
     print(f"node 1 persisted {sorted(node1)} before the kill; node 0 {sorted(node0)}")
     assert node1 and node1 <= node0, (sorted(node1), sorted(node0))
@@ -245,7 +245,7 @@ def test_corrupted_replica_is_caught(cluster: Cluster, reference: Cluster) -> No
     # What is corrupted must be what node 0's agent checksummed (every snapshot it can: a snapshot flipped before
     # its agent hashed it would be hashed flipped, and no checksum could tell): a precondition of the fault, not
     # a wait for the job's protection.
-    from easyckpt.agent_client import AgentTimeout, query_status
+    from easyckpt.node.client import AgentTimeout, query_status
 
     runtime = next(p for p in job.env.runtime_dir.iterdir() if p.name.endswith("@node0"))
 
@@ -363,7 +363,7 @@ def test_status_shows_replica_coverage(cluster: Cluster, env: Env) -> None:
 
 def test_standalone_agents_find_each_other_through_their_own_torchrun(cluster: Cluster, reference: Cluster,
                                                                        env: Env) -> None:
-    """``torchrun --nnodes=2 --nproc-per-node=1 -m agent``: the agents rendezvous on their own, the training
+    """``torchrun --nnodes=2 --nproc-per-node=1 -m easyckpt_agent``: the agents rendezvous on their own, the training
     ranks use them (no agent is spawned by the library), and a lost node still comes back from replicas."""
     job = cluster()
     job.start_agents()

@@ -138,7 +138,7 @@ def _dcp_reads_it_on_another_world_size(iteration: str, local: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     from easyckpt import dcp as edcp
-    from easyckpt.state import torch_dtype
+    from easyckpt.snapshot.state import torch_dtype
 
     store = open_storage(iteration.rsplit("/", 1)[0])
     name = iteration.rsplit("/", 1)[1]

@@ -53,7 +53,7 @@ def start_agent(env: Env, timeout: float, **extra: str) -> subprocess.Popen[byte
     job_dir = env.runtime_dir / layout_job_id(env)
     job_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     with open(job_dir / "agent.log", "ab") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "agent", "--save-dir", str(env.save_dir), "--shm-dir",
+        proc = subprocess.Popen([sys.executable, "-m", "easyckpt_agent", "--save-dir", str(env.save_dir), "--shm-dir",
                                  str(env.shm_dir), "--idle-timeout", "120", "--shutdown-timeout", str(timeout)],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 env=env.environ(**extra), cwd=str(ROOT))

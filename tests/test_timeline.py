@@ -12,10 +12,10 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent import policy
-from agent.persister import AuditLog, write_tracker
-from agent.timeline import DiskTimeline
 from easyckpt import storage
+from easyckpt_agent import policy
+from easyckpt_agent.persister import AuditLog, write_tracker
+from easyckpt_agent.timeline import DiskTimeline
 from easyckpt_wire import layout, timeline
 
 steps_st = st.sets(st.integers(0, 200), max_size=12)

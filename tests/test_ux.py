@@ -22,7 +22,7 @@ import torch
 from conftest import ROOT, Env, run_cli, save_and_persist, seeded_random
 
 import easyckpt
-from easyckpt.agent_client import AgentClient
+from easyckpt.node.client import AgentClient
 from easyckpt_wire.shm import filesystem_type
 
 # The README's plain loop, nothing else: no logging configuration. Optionally it kills itself with SIGKILL
@@ -103,7 +103,7 @@ def test_plain_loop_without_logging_says_one_resume_line_and_nothing_else(env: E
     fourth = loop(env, env.save_dir, 24, EASYCKPT_LOG_LEVEL="info")
     assert fourth.returncode == 0, fourth.stderr
     assert re.search(r" INFO easyckpt\.checkpointer: resumed at step 21 from disk ", fourth.stderr), fourth.stderr
-    assert " INFO easyckpt.slots: " in fourth.stderr and "easyckpt: resumed" not in fourth.stderr, fourth.stderr
+    assert " INFO easyckpt.snapshot.slots: " in fourth.stderr and "easyckpt: resumed" not in fourth.stderr, fourth.stderr
 
 
 def test_a_log_level_that_is_not_one_is_refused_naming_the_variable(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -197,7 +197,7 @@ def test_ls_verify_and_status_of_a_finished_job_with_a_deleted_and_a_truncated_f
     assert re.search(r"iteration_0000008: DAMAGED: .*fails its xxh3_128 checksum", verified.stdout), verified.stdout
     assert "1 ok, 3 damaged" in verified.stdout, verified.stdout
     imported = imported_modules(verified)
-    assert "easyckpt.checks" in imported and not [m for m in imported if m.split(".")[0] == "torch"], imported[-20:]
+    assert "easyckpt.tools.checks" in imported and not [m for m in imported if m.split(".")[0] == "torch"], imported[-20:]
 
     # A finished job is the normal case: exit 0, it has ended, what is on disk (and which iterations are damaged).
     status = run_cli("status", str(save_dir), env=env)
@@ -225,7 +225,7 @@ def test_version_and_every_help_explain_options_and_environment(env: Env) -> Non
     status = run_cli("status", "--help", env=env).stdout
     assert "--timeout SECONDS" in status and "how long to wait for each agent's answer" in status, status
     assert "EASYCKPT_RUNTIME_DIR" in status and "EASYCKPT_SHM_DIR" in status, status
-    agent = subprocess.run([sys.executable, "-m", "agent", "--help"], capture_output=True, text=True, timeout=60,
+    agent = subprocess.run([sys.executable, "-m", "easyckpt_agent", "--help"], capture_output=True, text=True, timeout=60,
                            env=env.environ())
     assert agent.returncode == 0 and "agent.log" in agent.stdout.split("--log-level")[-1], agent.stdout
     assert "environment variables" in agent.stdout and "EASYCKPT_RUNTIME_DIR" in agent.stdout, agent.stdout
@@ -237,7 +237,7 @@ def test_shm_dir_on_a_disk_file_system_is_named_once(env: Env, caplog: pytest.Lo
     kind = filesystem_type(env.tmp_path)
     if kind in (None, "tmpfs", "ramfs"):
         pytest.skip(f"{env.tmp_path} is on {kind}: this test needs a disk file system there")
-    with caplog.at_level(logging.INFO, logger="easyckpt.slots"):
+    with caplog.at_level(logging.INFO, logger="easyckpt.snapshot.slots"):
         for _ in range(2):
             easyckpt.Checkpointer(env.save_dir, 1, 10, 2, shm_dir=shm, start_agent=False).close()
     said = [r for r in caplog.records if "not on a tmpfs" in r.getMessage()]
@@ -296,7 +296,7 @@ def test_two_ranks_starting_agents_at_once_log_one_start(env: Env, caplog: pytes
                            hello={"save_storage_interval": 10, "max_ckpt_num": 2, "log_file_path": None,
                                   "pid_start": 0.0}) for rank in (0, 1)]
     try:
-        with caplog.at_level(logging.DEBUG, logger="easyckpt.agent_client"):
+        with caplog.at_level(logging.DEBUG, logger="easyckpt.node.client"):
             for client in clients:   # back to back: the second looks before the first agent took the lock
                 client.ensure(force=True)
             for client in clients:

@@ -20,7 +20,7 @@ from easyckpt.collectives import all_ok
 from easyckpt.health import configure, embedding_local_norm
 from easyckpt.lightning import connector, data, sharded
 from easyckpt.lightning.export import Exporter
-from easyckpt.state import flatten
+from easyckpt.snapshot.state import flatten
 from easyckpt_wire import layout
 from easyckpt_wire.shm import format_bytes
 

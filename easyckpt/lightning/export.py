@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from easyckpt.convert import full_state
+from easyckpt.tools.convert import full_state
 from easyckpt_wire import layout
 from easyckpt_wire.storage import posix
 

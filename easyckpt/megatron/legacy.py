@@ -32,7 +32,7 @@ import torch
 
 from easyckpt import storage
 from easyckpt.megatron.snapshot import META_KEY, model_keys, plain_args
-from easyckpt.state import unflatten
+from easyckpt.snapshot.state import unflatten
 from easyckpt_wire import layout
 from easyckpt_wire.layout import CheckpointFormatError
 from easyckpt_wire.storage import posix

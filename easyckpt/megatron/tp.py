@@ -22,7 +22,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from easyckpt import sharding
+from easyckpt.snapshot import sharding
 
 logger = logging.getLogger(__name__)
 

@@ -12,11 +12,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from easyckpt import sharding, storage
+from easyckpt import storage
 from easyckpt.collectives import all_gather_ints, all_ok
 from easyckpt.recovery.results import LayoutChangedError, StateMismatchError
 from easyckpt.recovery.template import Template, check_template, dcp_targets, layout_changed, place, resharded_mismatch
 from easyckpt.recovery.tier import Loaded, Offer
+from easyckpt.snapshot import sharding
 from easyckpt_wire import layout
 from easyckpt_wire.health import NEUTRAL
 from easyckpt_wire.layout import CheckpointFormatError

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from easyckpt import replica
 from easyckpt.collectives import all_gather_ints
+from easyckpt.node import replicas as replica
 from easyckpt.recovery.candidates import agree
 from easyckpt.recovery.disk import StorageTier
 from easyckpt.recovery.memory import OwnMemoryTier, ReplicaTier
@@ -28,8 +28,8 @@ from easyckpt.recovery.reshard import OtherWorldTier
 from easyckpt.recovery.results import LayoutChangedError, LoadError, LoadResult, StateMismatchError
 from easyckpt.recovery.template import Template, template_targets
 from easyckpt.recovery.tier import RETRYABLE, Loaded, Offer, Tier
-from easyckpt.slots import RankSlots
-from easyckpt.state import unflatten
+from easyckpt.snapshot.slots import RankSlots
+from easyckpt.snapshot.state import unflatten
 from easyckpt_wire.records import PeerTable
 from easyckpt_wire.shm import format_bytes
 

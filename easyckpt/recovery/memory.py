@@ -5,7 +5,7 @@
   multi-node agent has taken them.
 * **Replicas** (:class:`ReplicaTier`): this rank's state held by node agents on other nodes (this node lost its
   memory, or the rank came back on another node). A read pulls the snapshot into one of this rank's own slots,
-  every tensor checked against its checksum (``easyckpt.replica`` does the pulling), then reads it from there
+  every tensor checked against its checksum (``easyckpt.node.replicas`` does the pulling), then reads it from there
   like the own-memory tier.
 """
 from __future__ import annotations
@@ -15,11 +15,11 @@ from collections.abc import Sequence
 
 import torch
 
-from easyckpt import replica
+from easyckpt.node import replicas as replica
 from easyckpt.recovery.template import Template, check_template, place
 from easyckpt.recovery.tier import Loaded, Offer
-from easyckpt.slots import RankSlots
-from easyckpt.state import torch_dtype
+from easyckpt.snapshot.slots import RankSlots
+from easyckpt.snapshot.state import torch_dtype
 from easyckpt_wire.health import NEUTRAL, RankHealth
 from easyckpt_wire.records import PeerTable
 from easyckpt_wire.shm import SlotFormatError, format_bytes

@@ -25,9 +25,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from easyckpt import replica, sharding
 from easyckpt.collectives import all_gather_ints
 from easyckpt.dcp import CheckpointIndex, Chunk, SavedRange, StorageReader, build_index
+from easyckpt.node import replicas as replica
 from easyckpt.recovery.results import StateMismatchError
 from easyckpt.recovery.template import Template, check_template, dcp_targets, place, resharded_mismatch
 from easyckpt.recovery.tier import Loaded, Offer, Offered
@@ -45,7 +45,8 @@ from easyckpt.recovery.worlds import (
     discover,
     pick,
 )
-from easyckpt.state import torch_dtype
+from easyckpt.snapshot import sharding
+from easyckpt.snapshot.state import torch_dtype
 from easyckpt_wire.records import Manifest, PeerTable, SlotMeta
 from easyckpt_wire.shm import SlotMap, format_bytes
 from easyckpt_wire.transfer import PeerClient, tensor_checksum

@@ -17,9 +17,9 @@ from typing import Any, Protocol
 
 import torch
 
-from easyckpt import sharding
 from easyckpt.recovery.results import LayoutChangedError, StateMismatchError
-from easyckpt.state import flatten_template, torch_dtype
+from easyckpt.snapshot import sharding
+from easyckpt.snapshot.state import flatten_template, torch_dtype
 from easyckpt_wire.records import ShardSpec
 
 

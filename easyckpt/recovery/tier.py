@@ -19,8 +19,8 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any, Protocol
 
+from easyckpt.node.replicas import ReplicaError
 from easyckpt.recovery.template import Template
-from easyckpt.replica import ReplicaError
 from easyckpt_wire.health import RankHealth
 from easyckpt_wire.layout import CheckpointFormatError
 from easyckpt_wire.shm import SlotFormatError

@@ -27,8 +27,8 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from pathlib import Path
 from typing import Any, Protocol
 
-from easyckpt import replica
 from easyckpt.collectives import all_gather_ints
+from easyckpt.node import replicas as replica
 from easyckpt_wire import protocol
 from easyckpt_wire.protocol import ProtocolError
 from easyckpt_wire.records import Manifest, PeerNode, PeerTable, PingReply, RecordError, SlotMeta

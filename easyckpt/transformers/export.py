@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from easyckpt import storage
-from easyckpt.state import unflatten
+from easyckpt.snapshot.state import unflatten
 from easyckpt.transformers.folders import CheckpointFolders
 from easyckpt_wire import layout
 

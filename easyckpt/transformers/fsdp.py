@@ -35,8 +35,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from transformers import Trainer
 
-from easyckpt import sharding
 from easyckpt.collectives import all_ok
+from easyckpt.snapshot import sharding
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def save_files(directory: Path, model: dict[str, Any], optim: dict[str, Any]) ->
 def write_full(directory: Path, iteration_dir: Path, kind: str) -> None:
     """The FSDP layout ``kind`` of a persisted iteration, every tensor whole (rank 0's structure), written
     by this process alone."""
-    from easyckpt.convert import full_state
+    from easyckpt.tools.convert import full_state
 
     state = full_state(iteration_dir)
     if kind == SHARDED:

@@ -29,7 +29,7 @@ against each):
 * **Listing is by prefix**: ``entries(prefix)`` gives the direct children of a key, sorted by name, ``[]`` for
   one that does not exist; a "directory" is a prefix with something under it.
 
-Call order of a single-node persist (``agent.persister.persist``)::
+Call order of a single-node persist (``easyckpt_agent.persister.persist``)::
 
     p = storage.begin("iteration_0000100")      # invisible
     w = p.create(rank_file); w.write(part)...; w.close()   # every rank file, in parallel threads

@@ -17,9 +17,9 @@ from typing import Any
 
 import psutil
 
-from agent import policy
-from agent.server import Agent, AgentConfig
-from agent.watcher import SlotInfo, Watcher
+from easyckpt_agent import policy
+from easyckpt_agent.server import Agent, AgentConfig
+from easyckpt_agent.watcher import SlotInfo, Watcher
 from easyckpt_wire import protocol
 from easyckpt_wire.protocol import Kind
 from easyckpt_wire.records import SlotMeta, TensorEntry

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy
 
-from agent.rankfiles import RankSnapshot
+from easyckpt_agent.rankfiles import RankSnapshot
 from easyckpt_wire import layout, shm
 from easyckpt_wire.records import SlotMeta, TensorEntry
 

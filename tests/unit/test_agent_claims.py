@@ -1,4 +1,4 @@
-"""agent.claims: persist claims as flocks on real slot files, and the ranks' FLUSH/BYE requests and answers."""
+"""easyckpt_agent.claims: persist claims as flocks on real slot files, and the ranks' FLUSH/BYE requests and answers."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from agent_slots import JOB, FakeRanks, decode_reply, held
 
-from agent.claims import Claims, FlushRequests, never_holds
-from agent.watcher import SlotHolds, Watcher
+from easyckpt_agent.claims import Claims, FlushRequests, never_holds
+from easyckpt_agent.watcher import SlotHolds, Watcher
 from easyckpt_wire import layout
 
 

@@ -1,4 +1,4 @@
-"""agent.lifecycle: wake-ups, a real SIGTERM to this process, shutdown, and when the agent exits (real slots)."""
+"""easyckpt_agent.lifecycle: wake-ups, a real SIGTERM to this process, shutdown, and when the agent exits (real slots)."""
 from __future__ import annotations
 
 import logging
@@ -14,8 +14,8 @@ import pytest
 from agent_slots import JOB, Harness
 from common import poll
 
-from agent import persister
-from agent.lifecycle import Lifecycle, WakePipe
+from easyckpt_agent import persister
+from easyckpt_agent.lifecycle import Lifecycle, WakePipe
 from easyckpt_wire import layout
 from easyckpt_wire.control import control_path
 from easyckpt_wire.records import PeerNode, PeerTable
@@ -78,7 +78,7 @@ def test_sigterm_ends_the_loop_and_a_second_signal_abandons_the_disk(node: Harne
 def test_sigterm_persists_the_newest_snapshot_and_keeps_the_slots_of_live_ranks(
         node: Harness, caplog: pytest.LogCaptureFixture) -> None:
     node.ranks.commit_all(0, 3)
-    caplog.set_level(logging.INFO, logger="agent.lifecycle")
+    caplog.set_level(logging.INFO, logger="easyckpt_agent.lifecycle")
     node.agent.life.stop_signal = signal.SIGTERM
     node.agent.life.stop()
     assert node.agent.scheduler.persisted == 3 and layout.read_tracker(node.save_dir) == 3
@@ -98,7 +98,7 @@ def test_sigterm_after_the_ranks_died_unlinks_slots_that_are_on_disk(tmp_path: P
         node.agent.watcher.scan(relist_every=0)
         node.agent._tick()   # a persist of step 3 starts (flush on failure)
         assert node.agent.scheduler.inflight_step() == 3
-        caplog.set_level(logging.INFO, logger="agent.lifecycle")
+        caplog.set_level(logging.INFO, logger="easyckpt_agent.lifecycle")
         node.agent.life.stop()
         record = stopped(caplog)
         assert "finished the persist of step 3" in record.getMessage() and record.levelno == logging.INFO
@@ -114,7 +114,7 @@ def test_sigterm_without_time_left_keeps_what_disk_lacks(tmp_path: Path, caplog:
         node.ranks.kill(0)
         node.ranks.kill(1)
         node.ranks.commit_all(0, 3)
-        caplog.set_level(logging.INFO, logger="agent.lifecycle")
+        caplog.set_level(logging.INFO, logger="easyckpt_agent.lifecycle")
         node.agent.life.stop()
         record = stopped(caplog)
         assert record.levelno == logging.WARNING
@@ -127,7 +127,7 @@ def test_sigterm_without_time_left_keeps_what_disk_lacks(tmp_path: Path, caplog:
 
 def test_a_persist_that_fails_during_shutdown_is_given_up(node: Harness, caplog: pytest.LogCaptureFixture) -> None:
     node.ranks.commit_all(0, 3)
-    caplog.set_level(logging.INFO, logger="agent.lifecycle")
+    caplog.set_level(logging.INFO, logger="easyckpt_agent.lifecycle")
     persister.ABORT.set()   # a second signal came first: the writers stop at their first write
     try:
         node.agent.life.stop()
@@ -146,7 +146,7 @@ def test_sigterm_in_a_multi_node_job_leaves_persisting_to_the_job(node: Harness,
     node.agent.cluster.peers = PeerTable("t" * 16, "n0", "n0", {"n0": PeerNode("tcp://127.0.0.1:1", (0, 1)),
                                                                 "n1": PeerNode("tcp://127.0.0.1:2", (2, 3))})
     node.ranks.commit_all(0, 3)
-    caplog.set_level(logging.INFO, logger="agent.lifecycle")
+    caplog.set_level(logging.INFO, logger="easyckpt_agent.lifecycle")
     node.agent.life.stop()
     assert "step 3 not persisted (a multi-node iteration needs every node's files)" in stopped(caplog).getMessage()
     assert not node.agent.scheduler.busy()

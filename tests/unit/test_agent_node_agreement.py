@@ -1,4 +1,4 @@
-"""agent.node_agreement: a follower node carries out the leader's verdicts on real slots (the test is the leader)."""
+"""easyckpt_agent.node_agreement: a follower node carries out the leader's verdicts on real slots (the test: the leader)."""
 from __future__ import annotations
 
 import logging
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from agent_slots import JOB, Harness
 
-from agent.agreement import Verdict, verdict_to_wire
+from easyckpt_agent.agreement import Verdict, verdict_to_wire
 from easyckpt_wire.control import ControlReader, control_path
 from easyckpt_wire.records import PeerNode, PeerTable
 
@@ -71,7 +71,7 @@ def test_a_take_this_node_cannot_carry_out_is_reported_lost(node: Harness, caplo
     ranks, agent = node.ranks, node.agent
     ranks.commit_all(0, 5)
     ranks_, committed, _ = node.scan()
-    caplog.set_level(logging.WARNING, logger="agent.node_agreement")
+    caplog.set_level(logging.WARNING, logger="easyckpt_agent.node_agreement")
     with ranks.writing(3, 0):   # rank 3 overwrites its slot of step 5 as the take arrives
         agent.agreement.take(Verdict(take=5), ranks_, committed)
     assert agent.agreement.lost == {5} and not agent.scheduler.claims and ranks.writable(2, 0)
@@ -90,7 +90,7 @@ def test_passed_over_due_steps_are_heard_once_and_decide_what_ranks_spare(node: 
                                                                           caplog: pytest.LogCaptureFixture) -> None:
     agent = node.agent
     node.ranks.commit_all(0, 12)
-    caplog.set_level(logging.INFO, logger="agent.roles")
+    caplog.set_level(logging.INFO, logger="easyckpt_agent.roles")
     verdict(node, job_safe=12, candidate=12, passed=((10, "node n0's persister is busy"),), decided=10)
     agree(node)
     agree(node)

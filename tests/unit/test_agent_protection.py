@@ -1,4 +1,4 @@
-"""agent.protection: the safe step's flocks on real slot files, and the control block the ranks read."""
+"""easyckpt_agent.protection: the safe step's flocks on real slot files, and the control block the ranks read."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from agent_slots import JOB, FakeRanks, held
 
-from agent.protection import Protection
-from agent.watcher import Watcher
+from easyckpt_agent.protection import Protection
+from easyckpt_agent.watcher import Watcher
 from easyckpt_wire.control import ControlReader, ControlWriter, PersistFailure, control_path
 
 

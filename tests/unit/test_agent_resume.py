@@ -1,4 +1,4 @@
-"""agent.resume: a rank resumed at an older step, and every part of the agent starts the new timeline."""
+"""easyckpt_agent.resume: a rank resumed at an older step, and every part of the agent starts the new timeline."""
 from __future__ import annotations
 
 from collections.abc import Iterator

@@ -1,4 +1,4 @@
-"""agent.scheduler: which step goes to disk when, with real slots, real persists to a temporary save_dir."""
+"""easyckpt_agent.scheduler: which step goes to disk when, with real slots, real persists to a temporary save_dir."""
 from __future__ import annotations
 
 import logging
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from agent_slots import Harness
 
-from agent.scheduler import PersistScheduler
+from easyckpt_agent.scheduler import PersistScheduler
 from easyckpt_wire import layout
 
 
@@ -64,7 +64,7 @@ def test_a_due_step_arriving_while_the_persister_is_busy_is_passed_over_once(nod
     ranks.commit_all(1, 10)
     ranks_, committed, _ = node.scan()
     assert scheduler.claims.claim(5, 0, committed[0][5])   # rank 1 has not committed step 5: nothing starts
-    caplog.set_level(logging.INFO, logger="agent.scheduler")
+    caplog.set_level(logging.INFO, logger="easyckpt_agent.scheduler")
     for _ in range(3):
         ranks_, committed, common = node.scan()
         scheduler.persist_due(ranks_, committed, common)

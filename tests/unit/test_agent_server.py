@@ -1,4 +1,4 @@
-"""agent.server: the dispatch of ranks' requests and one round of the loop, in process (real slots, no sockets)."""
+"""easyckpt_agent.server: the dispatch of ranks' requests and one round of the loop, in process (real slots, no sockets)."""
 from __future__ import annotations
 
 import logging
@@ -88,7 +88,7 @@ def test_status_ping_and_refusals(node: Harness, caplog: pytest.LogCaptureFixtur
                  id=3)
     assert not node.sent[-1][1]["ok"] and "EASYCKPT_NODE_ID" in node.sent[-1][1]["error"]
     assert node.agent.cluster.peers is None
-    caplog.set_level(logging.WARNING, logger="agent.server")
+    caplog.set_level(logging.WARNING, logger="easyckpt_agent.server")
     sent = len(node.sent)
     node.request(b"x", Kind.REPLY, ok=True)
     assert len(node.sent) == sent and "dropped a REPLY message: not a request" in caplog.text

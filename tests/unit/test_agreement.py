@@ -1,4 +1,4 @@
-"""The job-wide rules across nodes (invariants 9 and 12) in one process: ``agent.agreement`` as pure functions,
+"""The job-wide rules across nodes (invariants 9 and 12) in one process: ``easyckpt_agent.agreement`` as pure functions,
 and driven by the seeded discrete-event simulation of ``benchmarks/cluster_sim.py`` with ``hypothesis`` choosing
 the timings (agents fast or starved, a slow node, persists of any length) and the moment of a rank kill or a
 node loss. ``--hypothesis-seed`` replays a failure; every failure prints the drawn configuration."""
@@ -14,7 +14,7 @@ from conftest import wait_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent.agreement import (
+from easyckpt_agent.agreement import (
     Book,
     NodeState,
     Verdict,
@@ -29,7 +29,7 @@ from agent.agreement import (
     verdict_from_wire,
     verdict_to_wire,
 )
-from agent.jobwide import Courier, JobWide
+from easyckpt_agent.jobwide import Courier, JobWide
 from easyckpt_wire import protocol
 from easyckpt_wire.protocol import Kind
 from easyckpt_wire.records import PeerNode, PeerTable
@@ -163,7 +163,7 @@ def test_states_and_verdicts_round_trip_and_garbage_is_refused() -> None:
 def test_news_travel_to_a_real_replica_server_and_wrong_tokens_are_dropped() -> None:
     """A Courier's STATE over tcp reaches the leader's replica server, which stores it and wakes the loop;
     news without the job token is dropped, and none of it is ever answered."""
-    from agent.replica import Holdings, ReplicaServer
+    from easyckpt_agent.replica import Holdings, ReplicaServer
 
     ctx = zmq.Context()
     woke = threading.Event()

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import seeded_random
 
-from agent import policy
-from agent.persister import AuditLog, forget_health, record_health, write_tracker
-from agent.timeline import DiskTimeline
+from easyckpt_agent import policy
+from easyckpt_agent.persister import AuditLog, forget_health, record_health, write_tracker
+from easyckpt_agent.timeline import DiskTimeline
 from easyckpt_wire import health, layout
 from easyckpt_wire.health import HealthEntry, RankHealth
 

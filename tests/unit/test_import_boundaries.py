@@ -1,6 +1,6 @@
 """The boxes' import rules, read from the source with ``ast`` (no import runs):
 
-* the library (``easyckpt``) and the agent (``agent``) share only the versioned wire layer (``easyckpt_wire``):
+* the library (``easyckpt``) and the agent (``easyckpt_agent``) share only the versioned wire layer (``easyckpt_wire``):
   neither imports the other, and the wire layer imports neither;
 * the agent and the wire layer never import torch (an agent must start in well under a second, and the wire
   layer is what ``easyckpt ls/verify`` run on without torch);
@@ -14,16 +14,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("easyckpt", "agent", "easyckpt_wire")
+PACKAGES = ("easyckpt", "easyckpt_agent", "easyckpt_wire")
 FORBIDDEN = {
-    "easyckpt": {"agent"},
-    "agent": {"easyckpt", "torch"},
-    "easyckpt_wire": {"easyckpt", "agent", "torch"},
+    "easyckpt": {"easyckpt_agent"},
+    "easyckpt_agent": {"easyckpt", "torch"},
+    "easyckpt_wire": {"easyckpt", "easyckpt_agent", "torch"},
 }
 
 
 def modules(package: str) -> list[Path]:
-    return sorted(p for p in (ROOT / package).rglob("*.py") if ".venv" not in p.parts)
+    found = sorted(p for p in (ROOT / package).rglob("*.py") if ".venv" not in p.parts)
+    assert found, f"no modules under {ROOT / package}: a package renamed without this test?"
+    return found
 
 
 def imports(path: Path, root: Path = ROOT) -> list[tuple[int, str, list[str]]]:

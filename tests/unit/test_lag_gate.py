@@ -1,4 +1,4 @@
-"""The bound under starvation (``easyckpt.lag_gate``): a snapshot waits while the node-safe step trails by more
+"""The bound under starvation (``easyckpt.node.lag_gate``): a snapshot waits while the node-safe step trails by more
 than ``max_backup_lag``, bounded, said once per episode. The agent's side is played by a thread writing the
 control views the gate reads, as the agent's control block would change."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from easyckpt import lag_gate
-from easyckpt.lag_gate import LagGate
+from easyckpt.node import lag_gate
+from easyckpt.node.lag_gate import LagGate
 from easyckpt_wire.control import ControlView
 
 
@@ -44,7 +44,7 @@ def test_a_snapshot_waits_until_the_backups_catch_up(caplog: pytest.LogCaptureFi
         caught_up.set()
 
     helper = threading.Thread(target=agents)
-    with caplog.at_level(logging.INFO, logger="easyckpt.lag_gate"):
+    with caplog.at_level(logging.INFO, logger="easyckpt.node.lag_gate"):
         helper.start()
         gate.before_snapshot(12)   # lag 9 > 5
         helper.join()
@@ -58,7 +58,7 @@ def test_a_stuck_backup_slows_training_but_never_stops_it(caplog: pytest.LogCapt
     gate = LagGate(rank=0, limit=2, read=lambda: view(0))
     gate.step_seconds = 0.01
     started = time.monotonic()
-    with caplog.at_level(logging.INFO, logger="easyckpt.lag_gate"):
+    with caplog.at_level(logging.INFO, logger="easyckpt.node.lag_gate"):
         for step in range(5, 9):
             gate.before_snapshot(step)
     took = time.monotonic() - started
@@ -67,7 +67,7 @@ def test_a_stuck_backup_slows_training_but_never_stops_it(caplog: pytest.LogCapt
     assert sum("waited" in r.getMessage() and "(the bound)" in r.getMessage() for r in caplog.records) == 1
     # Back within the lag: the episode ends, once.
     gate.read = lambda: view(8)
-    with caplog.at_level(logging.INFO, logger="easyckpt.lag_gate"):
+    with caplog.at_level(logging.INFO, logger="easyckpt.node.lag_gate"):
         gate.before_snapshot(9)
     assert any("within max_backup_lag" in r.getMessage() for r in caplog.records)
     assert gate.ran_out == 0

@@ -109,10 +109,10 @@ def full_tensors(step: int) -> dict[str, torch.Tensor]:
 
 
 def save_world(shm: Path, job: str, world: int, steps: list[int]) -> None:
-    from easyckpt import sharding
     from easyckpt.config import CheckpointerConfig
-    from easyckpt.slots import RankSlots
-    from easyckpt.stager import Stager
+    from easyckpt.snapshot import sharding
+    from easyckpt.snapshot.slots import RankSlots
+    from easyckpt.snapshot.stager import Stager
 
     for rank in range(world):
         # Each rank of a real world is its own process; here the meshes of the 4 ranks differ only in their
@@ -133,7 +133,7 @@ def save_world(shm: Path, job: str, world: int, steps: list[int]) -> None:
 
 def load_as_one_rank(tmp_path: Path, shm: Path, job: str, template: Any) -> Any:
     from easyckpt import recovery
-    from easyckpt.slots import RankSlots
+    from easyckpt.snapshot.slots import RankSlots
 
     slots = RankSlots(shm, job, 0, 1, 1)
     try:

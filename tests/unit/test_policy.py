@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agent import policy
-from easyckpt.slot_choice import SlotView, write_order
+from easyckpt.snapshot.slot_choice import SlotView, write_order
+from easyckpt_agent import policy
 
 
 # the rank's choice -------------------------------------------------------------------------------------

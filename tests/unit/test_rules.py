@@ -1,5 +1,5 @@
 """Fast in-process tests of the policy modules that tests/unit/test_policy.py and tests/test_timeline.py leave out:
-``easyckpt_wire.episode`` (log a repeated condition once), ``easyckpt.persist_watch`` (a rank's view of the
+``easyckpt_wire.episode`` (log a repeated condition once), ``easyckpt.node.persist_watch`` (a rank's view of the
 agent's persists), and the abandoned-directory names of ``easyckpt_wire.timeline``.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from easyckpt.persist_watch import PersistError, PersistWatch, describe_failure
+from easyckpt.node.persist_watch import PersistError, PersistWatch, describe_failure
 from easyckpt_wire import timeline
 from easyckpt_wire.control import ControlView, PersistFailure
 from easyckpt_wire.episode import Episode
@@ -39,7 +39,7 @@ def test_an_episode_logs_its_start_and_its_end_once(caplog: pytest.LogCaptureFix
 
 
 def test_persist_watch_follows_a_failure_episode_and_says_it_once(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, "easyckpt.persist_watch")
+    caplog.set_level(logging.INFO, "easyckpt.node.persist_watch")
     watch = PersistWatch(rank=0, local_rank=0, save_dir=Path("/ckpt"))
     watch.observe(None)                      # no agent word yet: nothing known
     assert watch.stats() == {"persisted_step": None, "persist_failures": 0, "persist_failure": None}
@@ -49,7 +49,7 @@ def test_persist_watch_follows_a_failure_episode_and_says_it_once(caplog: pytest
     assert watch.episodes == 1 and watch.stats()["persist_failure"] == FAILURE.as_dict()
     watch.observe(view(30, failures=2))
     assert watch.stats() == {"persisted_step": 30, "persist_failures": 2, "persist_failure": None}
-    said = [r for r in caplog.records if r.name == "easyckpt.persist_watch"]
+    said = [r for r in caplog.records if r.name == "easyckpt.node.persist_watch"]
     assert [r.levelno for r in said] == [logging.WARNING, logging.WARNING]
     assert "No space left" in said[0].getMessage() and "2 persist(s) failed" in said[1].getMessage()
 

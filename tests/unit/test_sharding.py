@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from easyckpt import sharding
 from easyckpt.dcp import _keys_of
-from easyckpt.state import flatten, flatten_template
+from easyckpt.snapshot import sharding
+from easyckpt.snapshot.state import flatten, flatten_template
 from easyckpt_wire.records import ShardSpec
 
 

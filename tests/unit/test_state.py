@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from easyckpt.state import (
+from easyckpt.snapshot.state import (
     TensorRef,
     dtype_code,
     flatten,

@@ -1,6 +1,6 @@
 """The persister's pieces in one process, over a real ``PosixStorage`` and real slot files: the byte path
-(``agent.rankfiles``), the single-node commit (``agent.persister``), the multi-node stage (``agent.stages``),
-and a persist killed (SIGKILL) at each of its named points in a child process."""
+(``easyckpt_agent.rankfiles``), the single-node commit (``easyckpt_agent.persister``), the multi-node stage
+(``easyckpt_agent.stages``), and a persist killed (SIGKILL) at each of its named points in a child process."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +19,8 @@ from conftest import ROOT
 from safetensors import safe_open
 from storage_slots import WORLD, close, snapshots, tensors
 
-from agent import commit, persister, rankfiles, stages
 from easyckpt import storage
+from easyckpt_agent import commit, persister, rankfiles, stages
 from easyckpt_wire import faults, layout, shm
 from easyckpt_wire.savedir import AuditLog
 from easyckpt_wire.storage import PosixStorage
@@ -168,11 +168,12 @@ def test_a_step_abandoned_while_persisted_is_not_published(save_dir: Path, slots
 def test_a_stage_commits_once_every_rank_is_durable(save_dir: Path, slots: Path, caplog: pytest.LogCaptureFixture) -> None:
     audit = AuditLog(save_dir)
     snaps = snapshots(slots, 8)
-    caplog.set_level("INFO", logger="agent")
+    caplog.set_level("INFO", logger="easyckpt_agent")
     stages.persist_shards(save_dir, 8, [snaps[1]], "b", audit)
     persister.persist(save_dir, 7, snapshots(slots, 7), audit)
     # every persist, a node's stage or a whole iteration, announces itself as the persister (the agent log is grepped)
-    assert [r.name for r in caplog.records if r.getMessage().startswith("persisting step")] == ["agent.persister"] * 2
+    persisting = [r.name for r in caplog.records if r.getMessage().startswith("persisting step")]
+    assert persisting == ["easyckpt_agent.persister"] * 2
     assert stages.stage_steps(save_dir) == [8] and stages.commit_stage(save_dir, 8, audit) is None
     world, ranks = stages.stage_progress(save_dir, 8)
     assert world == WORLD and sorted(ranks) == ["1"]
@@ -198,7 +199,7 @@ def test_a_stage_commits_once_every_rank_is_durable(save_dir: Path, slots: Path,
 _PERSIST = """
 import sys
 from pathlib import Path
-from agent import persister
+from easyckpt_agent import persister
 from easyckpt_wire.savedir import AuditLog
 from storage_slots import snapshots
 save_dir, slots, step = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])

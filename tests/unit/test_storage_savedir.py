@@ -1,5 +1,5 @@
 """The save_dir's own files written over a ``Storage`` (``easyckpt_wire.savedir``), the readers of the layout over
-one (``layout``, ``timeline``, ``health``, ``easyckpt.storage``, ``easyckpt.checks``), and what only the POSIX
+one (``layout``, ``timeline``, ``health``, ``easyckpt.storage``, ``easyckpt.tools.checks``), and what only the POSIX
 implementation does (O_DIRECT, its scratch names)."""
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import numpy
 import pytest
 from storage_slots import WORLD, close, snapshots, tensors
 
-from agent import persister
-from easyckpt import checks, storage
+from easyckpt import storage
+from easyckpt.tools import checks
+from easyckpt_agent import persister
 from easyckpt_wire import health, layout, savedir, timeline
 from easyckpt_wire.health import RankHealth
 from easyckpt_wire.savedir import AuditLog
@@ -110,7 +111,7 @@ def test_abandoned_iterations_over_a_storage(tmp_path: Path) -> None:
 
 def test_an_export_hold_spares_its_iteration_from_rotation_until_released(tmp_path: Path) -> None:
     """The HF and Lightning exporters hold the iteration they export through the save_dir's Storage."""
-    from agent.timeline import DiskTimeline
+    from easyckpt_agent.timeline import DiskTimeline
 
     store = PosixStorage(tmp_path)
     iterations = {step: make_iteration(tmp_path, step) for step in (1, 2, 3)}

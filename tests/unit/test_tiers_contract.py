@@ -28,7 +28,7 @@ from tiers_sources import (
 )
 
 from easyckpt.recovery import RETRYABLE, StateMismatchError, Tier, template_targets
-from easyckpt.state import unflatten
+from easyckpt.snapshot.state import unflatten
 from easyckpt_wire.health import NEUTRAL, RankHealth
 
 TENSOR_BYTES = 4 * 3 * 4 + 3 * 8 + 2 * 8 + 8   # state_at's tensors
@@ -41,7 +41,7 @@ def make(env: Env) -> Iterator[Callable[[str, dict[int, RankHealth]], Source]]:
     from easyckpt.recovery.disk import StorageTier
     from easyckpt.recovery.memory import OwnMemoryTier, ReplicaTier
     from easyckpt.recovery.reshard import OtherWorldTier
-    from easyckpt.slots import RankSlots
+    from easyckpt.snapshot.slots import RankSlots
 
     closers: list[Callable[[], None]] = []
 

@@ -29,7 +29,7 @@ from tiers_sources import (
 
 from easyckpt import recovery
 from easyckpt.recovery import LoadError, StateMismatchError
-from easyckpt.slots import RankSlots
+from easyckpt.snapshot.slots import RankSlots
 from easyckpt_wire import layout
 from easyckpt_wire.health import NEUTRAL
 

@@ -47,8 +47,8 @@ def write_snapshots(shm: Path, rank: int, world: int, steps: Mapping[int, RankHe
     """Rank ``rank`` of a ``world``-rank job snapshots ``state_at(step, rank)`` for each step, in order, with the
     verdict given, through a real Stager into its slots in ``shm``."""
     from easyckpt.config import CheckpointerConfig
-    from easyckpt.slots import RankSlots
-    from easyckpt.stager import Stager
+    from easyckpt.snapshot.slots import RankSlots
+    from easyckpt.snapshot.stager import Stager
 
     config = CheckpointerConfig(save_dir=shm.parent / "unused", save_mem_interval=1, save_storage_interval=1,
                                 max_ckpt_num=1, job_id=JOB, shm_dir=shm, start_agent=False)
@@ -85,8 +85,8 @@ def committed_slots(shm: Path, rank: int | None = None) -> Iterator[list[tuple[S
 
 def persist(shm: Path, save_dir: Path) -> None:
     """The agent's persister writes every committed slot of rank 0 in ``shm`` to ``save_dir`` (one rank's job)."""
-    from agent.persister import AuditLog, RankSnapshot
-    from agent.persister import persist as write_iteration
+    from easyckpt_agent.persister import AuditLog, RankSnapshot
+    from easyckpt_agent.persister import persist as write_iteration
 
     save_dir.mkdir(parents=True, exist_ok=True)
     with committed_slots(shm, 0) as slots:
@@ -100,7 +100,7 @@ class Agents:
     exactly as a buddy keeps what was pushed to it."""
 
     def __init__(self) -> None:
-        from agent.replica import Holdings, ReplicaServer
+        from easyckpt_agent.replica import Holdings, ReplicaServer
 
         self.ctx = zmq.Context()
         self.holdings = {node: Holdings(node) for node in ("n0", "n1")}
@@ -114,7 +114,7 @@ class Agents:
 
     def back_up(self, shm: Path) -> None:
         """Hash every committed slot of rank 0 in ``shm`` (the lost node's memory) and give ``n0`` the backup."""
-        from agent.replica import build_manifest
+        from easyckpt_agent.replica import build_manifest
 
         holdings = self.holdings["n0"]
         with committed_slots(shm, 0) as slots:

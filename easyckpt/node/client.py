@@ -1,0 +1,303 @@
+"""The rank's side of the agent: find it, start it when none runs, and talk to it without blocking.
+
+Whether an agent runs is answered by its lock (an flock the agent holds for its whole life), not by a
+pid file that a dead agent leaves behind. The agent is started detached (own session) so that
+torchrun tearing down the worker group does not take it along; two ranks that start one at the same
+moment are harmless, because the loser of the lock exits at once.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+import easyckpt
+from easyckpt_wire import protocol
+from easyckpt_wire.protocol import Kind, ProtocolError
+from easyckpt_wire.records import ByeReply, FlushReply, RecordError, ResumeReply
+
+logger = logging.getLogger(__name__)
+
+_CHECK_EVERY = 1.0  # seconds between liveness checks on the training path
+
+
+class AgentTimeout(TimeoutError):
+    pass
+
+
+class AgentClient:
+    def __init__(self, *, job_id: str, save_dir: Path, shm_dir: Path, rank: int, world_size: int,
+                 local_world_size: int, hello: dict[str, Any], idle_timeout: float, spawn: bool) -> None:
+        self.job_id = job_id
+        self.save_dir = save_dir
+        self.shm_dir = shm_dir
+        self.rank = rank
+        self.world_size = world_size
+        self.local_world_size = local_world_size
+        self.hello_fields = hello
+        self.idle_timeout = idle_timeout
+        self.spawn_allowed = spawn
+        self.job_dir = protocol.runtime_dir(job_id)
+        self.waker = protocol.Waker(self.job_dir)
+        # The process-wide context: a context of our own, collected with a Checkpointer that was dropped
+        # without close() (in a reference cycle its socket is not closed first), blocks forever in term().
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self.sock: zmq.Socket | None = None
+        self._ids = itertools.count(1)
+        self._last_check = 0.0
+        self.spawned = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._settled = True   # whether the fate of the agent this rank started was said (_settle_spawn)
+        self._peers: dict[str, Any] | None = None   # the last PEERS sent: a restarted agent gets it again
+
+    # liveness ---------------------------------------------------------------------------------------
+    def alive(self) -> bool:
+        """True while some process holds the job's agent lock, or the agent we started is still starting."""
+        if self._proc is not None and self._proc.poll() is None:
+            return True
+        return protocol.agent_running(self.job_dir)
+
+    def ensure(self, *, force: bool = False) -> None:
+        """Start an agent if none runs (checked at most once a second unless forced); never waits."""
+        now = time.monotonic()
+        if not force and now - self._last_check < _CHECK_EVERY:
+            return
+        self._last_check = now
+        self._drain()
+        self._settle_spawn()
+        if self.alive():
+            if self.sock is None:
+                self._connect()
+            return
+        if self.spawn_allowed:
+            if self.spawned:
+                logger.warning("rank %d: the easyckpt agent of job %s is gone; starting a new one", self.rank, self.job_id)
+            self._spawn()
+        self._connect()
+
+    def _spawn(self) -> None:
+        root = str(Path(easyckpt.__file__).resolve().parent.parent)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        # The agent is not a torchrun worker: without these it cannot mistake itself for the launcher of
+        # ``torchrun -m easyckpt_agent`` (MASTER_ADDR stays: it picks the address other nodes reach the agent at).
+        for name in ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE"):
+            env.pop(name, None)
+        if not env.get("EASYCKPT_FAULT", "").startswith("agent."):
+            env.pop("EASYCKPT_FAULT", None)  # a rank's fault point must not fire in the agent
+        command = [sys.executable, "-m", "easyckpt_agent", "--save-dir", str(self.save_dir), "--job-id", self.job_id,
+                   "--shm-dir", str(self.shm_dir), "--idle-timeout", str(self.idle_timeout),
+                   "--save-storage-interval", str(self.hello_fields["save_storage_interval"]),
+                   "--max-ckpt-num", str(self.hello_fields["max_ckpt_num"])]
+        if self.hello_fields.get("log_file_path"):
+            command += ["--log-file", self.hello_fields["log_file_path"]]
+        # Again: an agent that ended cleanly removed the directory (a later Checkpointer of this process).
+        protocol.runtime_dir(self.job_id)
+        with open(self.job_dir / "agent.log", "ab") as log:
+            proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True, close_fds=True, env=env, cwd="/")
+        self._proc = proc
+        self._settled = False
+        self.spawned += 1
+
+    def _settle_spawn(self, *, answered: bool = False) -> None:
+        """Say once whether the agent this rank started is the job's: ranks that start one at the same moment
+        all spawn, and every one but the lock's winner exits at once as a duplicate, which is no news (DEBUG).
+        ``answered``: the job's agent just answered, so one that is not ours is another rank's."""
+        proc = self._proc
+        if proc is None or self._settled:
+            return
+        serving = self._serving_pid()
+        if serving == str(proc.pid):
+            logger.info("rank %d started the easyckpt agent (pid %d, log %s)", self.rank, proc.pid,
+                        self.job_dir / "agent.log")
+        elif answered or proc.poll() == 0:
+            logger.debug("rank %d: the agent it started (pid %d) exited as a duplicate; agent pid %s serves job %s",
+                         self.rank, proc.pid, serving or "?", self.job_id)
+        elif proc.poll() is not None:
+            logger.warning("rank %d: the easyckpt agent it started (pid %d) exited with code %d: see %s", self.rank,
+                           proc.pid, proc.returncode, self.job_dir / "agent.log")
+        else:
+            return   # still starting: decided at a later check
+        self._settled = True
+
+    def wait_ready(self, timeout: float) -> bool:
+        """At start-up only (never in the training loop): give a just-started agent time to come up.
+
+        Retries in short rounds, so that an agent that was just exiting (it still held its lock when we
+        looked) is replaced instead of waited for.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.request(Kind.PING, min(1.0, max(0.05, deadline - time.monotonic())))
+                self._settle_spawn(answered=True)
+                return True
+            except AgentTimeout as exc:
+                if time.monotonic() >= deadline:
+                    logger.warning("%s; training goes on, snapshots are persisted once an agent runs", exc)
+                    return False
+            self.ensure(force=True)
+
+    def _connect(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 64)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        self.sock.connect(protocol.agent_endpoint(self.job_dir))
+        self.send(Kind.HELLO, rank=self.rank, pid=os.getpid(), world_size=self.world_size,
+                  local_world_size=self.local_world_size, **self.hello_fields)
+        if self._peers is not None:
+            self.send(Kind.PEERS, **self._peers)
+
+    # messages ---------------------------------------------------------------------------------------
+    def send(self, kind: Kind, **fields: Any) -> int:
+        """Queue a message without blocking; returns its id (0 if it was dropped)."""
+        if self.sock is None:
+            return 0
+        request_id = next(self._ids)
+        try:
+            self.sock.send(protocol.encode(kind, id=request_id, **fields), zmq.NOBLOCK)
+        except zmq.Again:
+            logger.debug("rank %d: agent queue full, %s dropped", self.rank, kind.name)
+            return 0
+        return request_id
+
+    def request(self, kind: Kind, timeout: float, **fields: Any) -> dict[str, Any]:
+        """Send and wait for the matching reply; raises AgentTimeout naming the request."""
+        if kind == Kind.PEERS:
+            self._peers = fields
+        request_id = self.send(kind, **fields)
+        deadline = time.monotonic() + timeout
+        while request_id:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self.sock is None or not self.sock.poll(int(min(remaining, 1.0) * 1000)):
+                if remaining <= 0 or self.sock is None:
+                    break
+                if not self.alive():
+                    raise AgentTimeout(f"agent {kind.name} request of rank {self.rank}: the agent exited before "
+                                       f"answering (agent log: {self.job_dir / 'agent.log'})")
+                continue
+            try:
+                _, message = protocol.decode(self.sock.recv())
+            except ProtocolError as exc:
+                logger.warning("rank %d: dropped a malformed reply from the agent: %s", self.rank, exc)
+                continue
+            if message.get("id") == request_id:
+                return message
+        raise AgentTimeout(f"agent {kind.name} request of rank {self.rank}: no reply within {timeout:.0f}s "
+                           f"(agent log: {self.job_dir / 'agent.log'})")
+
+    def flush(self, step: int, *, wait: bool, timeout: float) -> FlushReply | None:
+        """Ask the agent to persist ``step`` now. With ``wait``, block (bounded) for its answer: a reply
+        with ``persisted`` (the newest step durable on this node) and ``committed``, or ``error``; None when
+        no agent answered in time. Without, return None at once (the agent does not answer)."""
+        if not wait:
+            self.ensure()
+            if not self.send(Kind.FLUSH, rank=self.rank, step=step, wait=False):
+                logger.warning("rank %d: the request to persist step %d did not reach the agent (no agent, or "
+                               "its queue is full); the step stays in memory", self.rank, step)
+            return None
+        deadline = time.monotonic() + timeout
+        while True:
+            self.ensure(force=True)   # an agent that died is replaced; the new one adopts the slots
+            if not self.alive():
+                return None
+            try:
+                return FlushReply.from_wire(self.request(Kind.FLUSH, max(0.0, deadline - time.monotonic()),
+                                                         rank=self.rank, step=step, wait=True), "agent FLUSH reply")
+            except RecordError as exc:   # an agent of another build: no answer a program could act on
+                logger.warning("rank %d: %s", self.rank, exc)
+                return None
+            except AgentTimeout as exc:
+                logger.warning("%s", exc)
+                if time.monotonic() >= deadline:
+                    return None
+
+    def resume(self, step: int, stale: list[list[int]], *, timeout: float) -> ResumeReply | None:
+        """Tell the agent this rank resumed at ``step`` (a new timeline: it moves newer iterations aside and
+        persists the new timeline's steps) and which of its slots ([index, generation]) hold abandoned
+        steps it could not invalidate. Waits (bounded) for the reply; None when no agent answered."""
+        self.ensure(force=True)
+        if not self.alive():
+            logger.warning("rank %d: no easyckpt agent runs for job %s to record the resume at step %d; iterations "
+                           "newer than it in %s stay where they are until a later resume", self.rank, self.job_id,
+                           step, self.save_dir)
+            return None
+        try:
+            return ResumeReply.from_wire(self.request(Kind.RESUME, timeout, rank=self.rank, step=step, stale=stale),
+                                         "agent RESUME reply")
+        except (AgentTimeout, RecordError) as exc:
+            logger.warning("%s; iterations newer than step %d in %s stay until the agent hears of the resume",
+                           exc, step, self.save_dir)
+            return None
+
+    def _drain(self) -> None:
+        while self.sock is not None:
+            try:
+                self.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def close(self, *, wait: bool, timeout: float) -> ByeReply | None:
+        """Say goodbye; with ``wait`` block (bounded) until the agent has persisted what is due."""
+        reply = None
+        self.ensure(force=True)
+        serving = self._serving_pid()
+        try:
+            if self.alive():
+                reply = ByeReply.from_wire(self.request(Kind.BYE, timeout, rank=self.rank, pid=os.getpid(), wait=wait),
+                                           "agent BYE reply")
+            elif self.spawn_allowed:
+                logger.warning("rank %d: no easyckpt agent runs for job %s; due snapshots stay in %s unpersisted",
+                               self.rank, self.job_id, self.shm_dir)
+        except (AgentTimeout, RecordError) as exc:
+            logger.warning("%s", exc)
+        finally:
+            self.detach()
+            if reply is not None:
+                self._stop_spare_agent(serving)
+        return reply
+
+    def _serving_pid(self) -> str:
+        """The pid in the job's agent.pid file (written by the agent that holds the lock), or ''."""
+        try:
+            return (self.job_dir / "agent.pid").read_text().strip()
+        except OSError:
+            return ""
+
+    def _stop_spare_agent(self, serving: str) -> None:
+        """The job's agent (pid ``serving``) answered our goodbye, so an agent this rank started that is another
+        process lost a start-up race or is still starting: left alone, a slow one takes the lock once the job's
+        agent has exited and waits out its idle timeout for ranks that never come (a stray process and control
+        block after a clean end). One that might still have to persist for us (no agent answered) is kept."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None or str(proc.pid) in (serving, self._serving_pid()):
+            return
+        logger.debug("rank %d: stopping the agent it started (pid %d): agent pid %s serves job %s", self.rank,
+                     proc.pid, serving or "?", self.job_id)
+        proc.terminate()
+
+    def detach(self) -> None:
+        """Close the socket without a word to the agent (it notices the process is gone)."""
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+        self.waker.close()
+
+
+def query_status(job_dir: Path, timeout: float = 5.0) -> dict[str, Any]:
+    """Ask the agent of one job on this node (its runtime directory) for its view (``easyckpt status``)."""
+    try:
+        return protocol.request_agent(job_dir, Kind.STATUS, timeout)
+    except protocol.AgentNoReply as exc:
+        raise AgentTimeout(str(exc)) from None

@@ -1,0 +1,506 @@
+"""A rank's shared-memory slots (3 by default, 2 when memory is short): allocate after a free-space
+check, re-attach after a restart, choose where the next snapshot goes, write, read, invalidate, close.
+
+Writing (the stager's snapshots and the replica fetch alike) goes through :meth:`RankSlots.write`:
+choose a slot, size it, number the write, mark it WRITING; the :class:`SlotWrite` then either commits
+or, left without a commit (an exception, a failed copy), marks the slot EMPTY, and always unlocks it.
+Reading goes through :meth:`RankSlots.read` (shared lock, generation checked before and after).
+
+The choice itself is the pure rule of ``slot_choice`` over the slot headers and the node agent's control
+block (the safe step and the steps it holds); here it is carried out with exclusive flocks. When no
+slot is free the snapshot is skipped, never waited for.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from easyckpt.config import MIN_SLOTS
+from easyckpt.snapshot.slot_choice import SlotView, undecided_due, write_order
+from easyckpt_wire.control import ControlReader, ControlView, control_path
+from easyckpt_wire.episode import Episode
+from easyckpt_wire.records import SlotMeta, TensorEntry
+from easyckpt_wire.shm import (
+    MEMORY_FILESYSTEMS,
+    SlotFormatError,
+    SlotHeader,
+    SlotMap,
+    filesystem_type,
+    format_bytes,
+    list_slots,
+    slot_path,
+)
+from easyckpt_wire.transfer import tensor_checksum
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SLOTS = 3
+# Across nodes the agent may keep three steps at once (the job-safe step for a rank kill, the node-safe step for
+# a node loss, and a due step being decided or persisted) and the ranks need one to write: four when shared
+# memory has room (agent.agreement.plan_holds uses what there is).
+MULTI_NODE_SLOTS = 4
+MOVE_WAIT = 0.05   # longest a rank waits for the agent to finish moving the safe step (a few flock calls)
+SAFE_WAIT = 0.02   # longest a rank waits for the agent to declare a step every local rank holds safe
+
+
+class ShmSpaceError(RuntimeError):
+    """The shared-memory file system cannot hold the snapshot."""
+
+
+_checked_dirs: set[str] = set()   # shm dirs whose file system this process has judged (said once)
+
+
+def warn_if_not_memory(directory: Path, *, rank: int, first_local: bool) -> None:
+    """Say once per process and directory when the slots would not live in memory (a disk file system), and
+    what that costs; the node's first rank at WARNING, the others at INFO. Nothing is refused: it works."""
+    key = os.path.realpath(directory)
+    if key in _checked_dirs:
+        return
+    _checked_dirs.add(key)
+    kind = filesystem_type(directory)
+    if kind is None or kind in MEMORY_FILESYSTEMS:
+        return
+    logger.log(logging.WARNING if first_local else logging.INFO,
+               "rank %d: shm_dir %s (EASYCKPT_SHM_DIR or shm_dir=) is on %s, not on a tmpfs: the snapshots meant for "
+               "memory are written to that disk by the kernel's writeback, every snapshot, so each one costs its size "
+               "in disk bandwidth (and copies stall when writeback falls behind) instead of being near-free. Point "
+               "it at a tmpfs such as /dev/shm (said once)", rank, directory, kind)
+
+
+class SlotWrite:
+    """One write into one of the rank's slots, begun (WRITING, odd generation) and locked exclusively.
+
+    Used as a context manager (possibly on another thread than the one that began it): the block ends
+    with :meth:`commit`, or the slot is marked EMPTY; either way it is unlocked."""
+
+    def __init__(self, slots: RankSlots, index: int, slot: SlotMap, generation: int) -> None:
+        self.slots = slots
+        self.index = index
+        self.slot = slot
+        self.generation = generation
+        self.committed = False
+        self.closed = False
+
+    def data(self, entry: TensorEntry) -> memoryview:
+        return self.slot.data(entry.offset, entry.nbytes)
+
+    def commit(self, step: int, data_len: int, meta: bytes) -> None:
+        slots = self.slots
+        self.slot.commit(generation=self.generation, step=step, data_len=data_len, meta=meta, rank=slots.rank,
+                         world_size=slots.world_size, job_id=slots.job_id)
+        self.committed = True
+
+    def close(self) -> None:
+        """Unlock; a write that did not commit leaves an EMPTY slot, never a half-written one that looks busy."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if not self.committed:
+                self.slot.invalidate()
+        finally:
+            self.slot.unlock()
+
+    def __enter__(self) -> SlotWrite:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SlotRead:
+    """A committed slot under a shared lock (``RankSlots.read``): its metadata and zero-copy views."""
+
+    def __init__(self, slot: SlotMap, generation: int, meta: SlotMeta) -> None:
+        self.slot = slot
+        self.path = slot.path
+        self.generation = generation
+        self.meta = meta
+
+    def data(self, entry: TensorEntry) -> memoryview:
+        return self.slot.data(entry.offset, entry.nbytes)
+
+    def verify(self, checksums: list[bytes]) -> None:
+        """Every tensor against the checksums the agent took of this very snapshot (multi-node reads)."""
+        tensors = self.meta.tensors
+        if len(checksums) != len(tensors):
+            raise SlotFormatError(f"{self.path}: {len(tensors)} tensors but {len(checksums)} checksums from the agent")
+        for entry, checksum in zip(tensors, checksums):
+            with self.data(entry) as view:
+                if tensor_checksum(view) != checksum:
+                    raise SlotFormatError(f"{self.path}: tensor {entry.name} of step {self.meta.step} does not match "
+                                          "the checksum the agent took when it was committed (memory corrupted?)")
+
+
+class RankSlots:
+    def __init__(self, directory: Path, job_id: str, rank: int, world_size: int, local_world_size: int,
+                 count: int | None = None, *, persist_every: int = 0) -> None:
+        """``count`` slots, or None: 3 when shared memory has room for three, else 2 (decided at the first
+        snapshot, when the size is known). ``persist_every``: save_storage_interval (a due step the agent
+        has not decided yet is the last free slot to overwrite)."""
+        self.persist_every = persist_every
+        self.directory = directory
+        self.job_id = job_id
+        self.rank = rank
+        self.world_size = world_size
+        self.local_world_size = local_world_size
+        self.wanted = count
+        self.default = MULTI_NODE_SLOTS if world_size > local_world_size else DEFAULT_SLOTS
+        existing = sorted(s for (r, s) in list_slots(directory, job_id) if r == rank)
+        # A restarted rank keeps every slot its predecessor left: they may hold the step to resume from.
+        self.count = max([count or self.default, *(s + 1 for s in existing)])
+        self.sized = False   # the count is final once the first snapshot allocated its slots
+        self.maps: list[SlotMap | None] = [None] * self.count
+        self.control = ControlReader(control_path(directory, job_id))
+        self._peer_maps: dict[Path, tuple[int, SlotMap]] = {}   # other local ranks' slots, headers only
+        self._stalled = Episode(logger, logging.INFO)   # costs one step of freshness, heals itself
+        self._stalled_at = -1   # control generation at which the agent last let a wait run out
+        # slot index -> generation of snapshots of an abandoned timeline that could not be invalidated yet
+        # (the agent held them): never read as this rank's memory, invalidated as soon as they are free.
+        self.abandoned: dict[int, int] = {}
+        warn_if_not_memory(directory, rank=rank, first_local=self._first_local())
+        for index in existing:
+            path = self.path(index)
+            if path.exists():
+                try:
+                    self.maps[index] = SlotMap(path, writable=True)
+                    logger.info("rank %d re-attached to %s", rank, path)
+                except (OSError, SlotFormatError) as exc:
+                    logger.warning("rank %d cannot re-attach to %s (%s): it will be re-created", rank, path, exc)
+
+    def path(self, index: int) -> Path:
+        return slot_path(self.directory, self.job_id, self.rank, index)
+
+    def header(self, index: int) -> SlotHeader | None:
+        slot = self.maps[index]
+        if slot is None:
+            return None
+        try:
+            header = slot.header()
+        except SlotFormatError:
+            return None
+        if header.job_id != self.job_id or header.rank != self.rank:
+            return None
+        return header
+
+    def committed(self) -> dict[int, tuple[int, SlotHeader]]:
+        """{step: (slot index, header)} of committed slots; the newer generation wins a tie."""
+        found: dict[int, tuple[int, SlotHeader]] = {}
+        for index in range(self.count):
+            header = self.header(index)
+            if header is not None and header.committed and header.world_size == self.world_size:
+                if self.abandoned.get(index) == header.generation:
+                    continue
+                if header.step not in found or found[header.step][1].generation < header.generation:
+                    found[header.step] = (index, header)
+        return found
+
+    def next_generation(self) -> int:
+        newest = max((h.generation for h in map(self.header, range(self.count)) if h is not None), default=0)
+        return newest + 1 if newest % 2 == 0 else newest + 2
+
+    # writing and reading ----------------------------------------------------------------------------
+    def write(self, size: int, *, before_remap: Callable[[int], None] = lambda index: None) -> SlotWrite | None:
+        """Begin a write of ``size`` bytes into the slot ``choose`` picks; None when every slot holds a step
+        the agent keeps (the caller skips). ``before_remap(index)`` runs before a slot is grown, when the
+        caller's views of the old mapping must go (an mmap with live views cannot be re-mapped)."""
+        index = self.choose()
+        if index is None:
+            return None
+        current = self.maps[index]
+        if current is not None and current.size < size:
+            before_remap(index)
+        try:
+            slot = self.ensure(index, size)
+        except BaseException:
+            stale = self.maps[index]
+            if stale is not None:
+                stale.unlock()
+            raise
+        generation = self.next_generation()
+        slot.begin_write(generation=generation, rank=self.rank, world_size=self.world_size, job_id=self.job_id)
+        return SlotWrite(self, index, slot, generation)
+
+    @contextlib.contextmanager
+    def read(self, step: int, timeout: float) -> Iterator[SlotRead]:
+        """This rank's newest committed slot of ``step`` under a shared lock (waiting at most ``timeout`` for
+        a writer); raises SlotFormatError when it changed meanwhile, or was overwritten during the block."""
+        index, header = self.committed()[step]
+        slot = self.maps[index]
+        assert slot is not None
+        slot.lock_shared(timeout)
+        try:
+            current = slot.header()
+            if not current.committed or current.generation != header.generation or current.step != step:
+                raise SlotFormatError(f"{slot.path}: changed while it was being opened (step {current.step})")
+            yield SlotRead(slot, current.generation, SlotMeta.from_wire(slot.read_meta(current), str(slot.path)))
+            if slot.generation() != current.generation:
+                raise SlotFormatError(f"{slot.path}: overwritten while being read")
+        finally:
+            slot.unlock()
+
+    # allocation -------------------------------------------------------------------------------------
+    def ensure(self, index: int, size: int) -> SlotMap:
+        """Make slot ``index`` at least ``size`` bytes; all slots are sized together the first time."""
+        slot = self.maps[index]
+        if slot is not None and slot.size >= size:
+            return slot
+        first = not self.sized
+        if first:
+            self._decide_count(size)
+        sizes = [m.size if m is not None else 0 for m in self.maps]
+        targets = [i for i in range(self.count) if sizes[i] < size] if first else [index]
+        current = sum(sizes[i] for i in targets)
+        self.check_space(size * len(targets) - current, size)
+        for target in targets:
+            self._grow(target, size)
+        self.sized = True
+        result = self.maps[index]
+        assert result is not None
+        if slot is None and not result.try_lock(exclusive=True):
+            raise RuntimeError(f"{result.path} was locked by another process right after rank {self.rank} created it")
+        return result
+
+    def _free(self) -> int:
+        stats = os.statvfs(self.directory)
+        return stats.f_bavail * stats.f_frsize
+
+    def _decide_count(self, slot_bytes: int) -> None:
+        """The default count (4 across nodes, else 3) when every local rank's slots fit in shared memory, else
+        fewer, down to two, said once and loudly: fewer slots keep fewer steps at once."""
+        if self.wanted is not None or any(m is not None for m in self.maps[self.default:]):
+            return
+        # Bytes this job already has there count as room: they are re-used, not added.
+        ours = sum(p.stat().st_size for p in list_slots(self.directory, self.job_id).values() if p.exists())
+        free = self._free()
+        local = max(1, self.local_world_size)
+        wanted = self.default * slot_bytes * local
+        if free + ours < MIN_SLOTS * slot_bytes * local:
+            # Not even two fit: the free-space check refuses the snapshot with the one message that holds
+            # (ShmSpaceError); a warning about using fewer slots first would be contradicted at once. The count
+            # is left alone, so that a smaller state later is judged afresh.
+            return
+        fits = next((n for n in range(self.default, MIN_SLOTS, -1) if free + ours >= n * slot_bytes * local), MIN_SLOTS)
+        if fits == self.default:
+            logger.info("rank %d: %d slots of %s each (%s for %d local ranks; %s free in %s)", self.rank,
+                        self.default, format_bytes(slot_bytes), format_bytes(wanted), local, format_bytes(free),
+                        self.directory)
+            return
+        self.count = fits
+        del self.maps[fits:]
+        suggest = math.ceil(wanted * 1.25 / (1 << 30))
+        cost = ("a kill may then cost the time of a persist plus two snapshot intervals instead of two intervals"
+                if fits == MIN_SLOTS else "a node loss may then resume further back while a backup or a persist runs")
+        (logger.warning if self._first_local() else logger.info)(
+            "rank %d: %s has %s free, %d slots per rank need %s (%d local ranks x %d x %s): using %d slots. %s; run "
+            "the container with --shm-size=%dg (or set EASYCKPT_SLOTS=%d to choose this)", self.rank, self.directory,
+            format_bytes(free + ours), self.default, format_bytes(wanted), local, self.default,
+            format_bytes(slot_bytes), fits, cost[0].upper() + cost[1:], suggest, fits)
+
+    def _first_local(self) -> bool:
+        local = max(1, self.local_world_size)
+        return self.rank % local == 0 or local == 1
+
+    def check_space(self, needed: int, slot_bytes: int) -> None:
+        free = self._free()
+        if needed > free:
+            local = max(1, self.local_world_size)
+            # The size to ask for is the job's full count: the one chosen, else the default three (two were
+            # taken only because memory was short).
+            count = self.wanted or self.default
+            total = slot_bytes * count * local
+            suggest = math.ceil(total * 1.25 / (1 << 30))
+            two_fit = self.count > MIN_SLOTS and MIN_SLOTS * slot_bytes * local <= free
+            raise ShmSpaceError(
+                f"{self.directory} has {format_bytes(free)} free, the snapshot of rank {self.rank} needs "
+                f"{format_bytes(needed)} more ({self.count} slots of {format_bytes(slot_bytes)}): run the container "
+                f"with --shm-size={suggest}g ({count} slots per rank x {local} local rank(s) x "
+                f"{format_bytes(slot_bytes)} = {format_bytes(total)}, plus room), or set EASYCKPT_SHM_DIR to a larger "
+                "tmpfs"
+                + (f" or EASYCKPT_SLOTS={MIN_SLOTS}" if two_fit else "")
+            )
+
+    def _grow(self, index: int, size: int) -> None:
+        """Create or enlarge slot ``index``; an existing slot keeps its fd, and so its flock."""
+        path = self.path(index)
+        slot = self.maps[index]
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600) if slot is None else slot.fd
+        if slot is not None:
+            slot.unmap()
+        previous = os.fstat(fd).st_size
+        try:
+            os.ftruncate(fd, size)
+            try:
+                # Reserve (and touch) every page now: a tmpfs that fills up later would SIGBUS the copy.
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                os.ftruncate(fd, previous)
+                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                    raise ShmSpaceError(
+                        f"{path}: cannot reserve {format_bytes(size)} for rank {self.rank}: {exc.strerror}; "
+                        "run the container with a larger --shm-size, or set EASYCKPT_SHM_DIR to a larger tmpfs"
+                    ) from None
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+        finally:
+            if slot is None:
+                os.close(fd)
+            else:
+                slot.refresh()
+        if slot is None:
+            slot = SlotMap(path, writable=True)
+            slot.init_empty(rank=self.rank, world_size=self.world_size, job_id=self.job_id)
+            self.maps[index] = slot
+        logger.info("rank %d slot %d: %s (%s)", self.rank, index, path, format_bytes(size))
+
+    # choice -----------------------------------------------------------------------------------------
+    def views(self) -> list[SlotView]:
+        views = []
+        for index in range(self.count):
+            header = self.header(index)
+            committed = header is not None and header.committed
+            views.append(SlotView(index, self.maps[index] is not None, committed,
+                                  header.step if committed and header else -1, header.generation if header else 0))
+        return views
+
+    def agent_word(self) -> ControlView | None:
+        return self.control.read()
+
+    def choose(self) -> int | None:
+        """The slot index to write next, locked exclusively (or not allocated yet: ensure() creates and
+        locks it); None means skip this snapshot: every slot holds a step the agent keeps."""
+        word = self.control.read()
+        if word is not None:
+            word = self._let_newest_become_safe(word)
+        for attempt in range(2):
+            views = self.views()
+            spare = undecided_due(views, every=self.persist_every, decided=word.decided) if word is not None else None
+            order = write_order(views, word.keeps if word is not None else (lambda step: False), spare=spare)
+            for index in order:
+                slot = self.maps[index]
+                if slot is None or slot.try_lock(exclusive=True):
+                    return index
+            if attempt or word is None or not word.changing:
+                return None
+            word = self.control.read(wait=MOVE_WAIT)   # the old safe step's slot is free in a moment
+        return None
+
+    def _let_newest_become_safe(self, word: ControlView) -> ControlView:
+        """Freshness with one free slot (the others hold the safe step and a persist): that slot holds this
+        rank's newest snapshot, and overwriting it before the agent declares it safe would leave the safe
+        step where it is for as long as the persist runs. When every local rank has committed that step,
+        the agent (woken by their commits) declares it within a moment: wait for that, at most SAFE_WAIT,
+        and not again while an agent that let a wait run out shows no sign of life. Not in a multi-node job
+        (``gated``): there the step also waits for another node's backup, which may take longer than a step."""
+        views = self.views()
+        order = write_order(views, word.keeps)
+        committed = [v for v in views if v.committed]
+        if len(order) != 1 or not committed or word.gated or self._stalled_at == word.generation:
+            return word
+        newest = max(committed, key=lambda v: v.generation)
+        if order[0] != newest.index or (word.safe is not None and newest.step <= word.safe) \
+                or not self._every_local_rank_has(newest.step):
+            return word
+        deadline = time.monotonic() + SAFE_WAIT
+        while time.monotonic() < deadline:
+            time.sleep(0.0002)   # polling the control block for the agent's word, against a deadline
+            current = self.control.read()
+            if current is not None and (current.safe or -1) >= newest.step:
+                self._stalled.end("rank %d: the agent declares steps safe again", self.rank)
+                return current
+        self._stalled_at = word.generation
+        self._stalled.hit("rank %d: the agent did not declare step %d safe within %.0f ms although every local rank "
+                          "holds it; overwriting it (the safe step stays %s until the agent catches up)", self.rank,
+                          newest.step, SAFE_WAIT * 1000, word.safe)
+        return self.control.read() or word
+
+    def _every_local_rank_has(self, step: int) -> bool:
+        """Whether every local rank's slots hold ``step`` committed (read from their headers, read-only)."""
+        if len(self._peer_maps) < self.local_world_size * MIN_SLOTS:
+            for (rank, _), path in list_slots(self.directory, self.job_id).items():
+                if path not in self._peer_maps and rank != self.rank:
+                    try:
+                        self._peer_maps[path] = (rank, SlotMap(path, writable=False))
+                    except (OSError, SlotFormatError):
+                        continue
+        holders = {self.rank}
+        for rank, slot in self._peer_maps.values():
+            try:
+                slot.refresh()
+                header = slot.header()
+            except (OSError, ValueError, SlotFormatError):
+                continue
+            if header.committed and header.step == step and header.job_id == self.job_id:
+                holders.add(rank)
+        return len(holders) >= self.local_world_size
+
+    def invalidate_newer_than(self, step: int) -> None:
+        """Forget snapshots past the resumed step: they belong to a timeline the job abandoned. One the agent
+        holds is remembered in ``abandoned`` (never read again) and invalidated once it is free."""
+        for index in range(self.count):
+            header, slot = self.header(index), self.maps[index]
+            if header is not None and slot is not None and header.committed and header.step > step:
+                if slot.try_lock(exclusive=True):
+                    slot.invalidate()
+                    slot.unlock()
+                    logger.info("rank %d: dropped slot %d with step %d (resumed at %d)", self.rank, index,
+                                header.step, step)
+                else:
+                    self.abandoned[index] = header.generation
+                    logger.info("rank %d: slot %d with step %d (resumed at %d) is held by the agent: ignored, and "
+                                "dropped once it is free", self.rank, index, header.step, step)
+
+    def retry_abandoned(self) -> None:
+        """Invalidate the abandoned snapshots that the agent no longer holds."""
+        for index, generation in list(self.abandoned.items()):
+            header, slot = self.header(index), self.maps[index]
+            if header is None or slot is None or not header.committed or header.generation != generation:
+                del self.abandoned[index]   # rewritten, or invalidated by the agent
+            elif slot.try_lock(exclusive=True):
+                try:
+                    if slot.header().generation == generation:
+                        slot.invalidate()
+                finally:
+                    slot.unlock()
+                del self.abandoned[index]
+                logger.info("rank %d: dropped slot %d with step %d of the abandoned timeline", self.rank, index,
+                            header.step)
+
+    def drop_stale_copies(self) -> None:
+        """Invalidate every committed slot whose step a newer generation holds too (a step snapshotted
+        again). One the agent still holds stays until a later commit finds it free (the agent moves its
+        hold to the newer copy); readers prefer the newer generation meanwhile."""
+        if self.abandoned:
+            self.retry_abandoned()
+        newest: dict[int, tuple[int, int]] = {}
+        for index in range(self.count):
+            header = self.header(index)
+            if header is not None and header.committed:
+                best = newest.get(header.step)
+                if best is None or header.generation > best[0]:
+                    newest[header.step] = (header.generation, index)
+        for index in range(self.count):
+            header, slot = self.header(index), self.maps[index]
+            if slot is None or header is None or not header.committed or newest[header.step][1] == index:
+                continue
+            if slot.try_lock(exclusive=True):
+                slot.invalidate()
+                slot.unlock()
+                logger.info("rank %d: dropped the older snapshot of step %d in slot %d", self.rank, header.step,
+                            index)
+
+    def close(self) -> None:
+        for index, slot in enumerate(self.maps):
+            if slot is not None:
+                slot.close()
+                self.maps[index] = None
+        self.control.close()
+        for _, slot in self._peer_maps.values():
+            slot.close()
+        self._peer_maps.clear()

@@ -1,0 +1,396 @@
+"""Stager: copy a rank's state into a free shared-memory slot while training goes on.
+
+``snapshot`` only flattens the state (plain values are captured right away), picks and locks a slot,
+and launches the copy: on CPU a background thread copies (torch's copy releases the GIL); on CUDA
+the slot is pinned once with cudaHostRegister and the device-to-host copies are queued on a side
+stream behind one event. The copy must finish before the optimizer next changes the parameters, so
+``wait`` runs from a global optimizer step pre-hook and at the start of the next snapshot; only then
+is the slot committed (header COMMITTED, even generation) and unlocked.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+import numpy
+import psutil
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+from easyckpt.config import CheckpointerConfig
+from easyckpt.snapshot.slots import RankSlots, SlotWrite
+from easyckpt.snapshot.state import SKELETON_VERSION, TensorRef, flatten, numpy_dtype, torch_dtype
+from easyckpt_wire import layout
+from easyckpt_wire.episode import Episode
+from easyckpt_wire.faults import fault_point
+from easyckpt_wire.health import NEUTRAL, RankHealth
+from easyckpt_wire.records import SlotMeta, TensorEntry
+from easyckpt_wire.shm import DATA_OFFSET, PAGE, SlotMap, align, slot_size
+
+logger = logging.getLogger(__name__)
+
+_META_HEADROOM = 64 << 10  # plain values (e.g. a growing log history) may grow between snapshots
+_LARGE = 1 << 20           # tensors from this size on are copied by numpy, in chunks, on copy_threads threads
+_CHUNK = 16 << 20
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copy_chunk(pair: tuple[numpy.ndarray, numpy.ndarray]) -> None:
+    numpy.copyto(pair[0], pair[1])
+
+
+def _as_numpy(tensor: torch.Tensor) -> numpy.ndarray:
+    """A numpy view of the same bytes (bf16 and friends have no numpy dtype, their bit pattern does)."""
+    return tensor.detach().view(_SAME_SIZE_INT[tensor.element_size()]).numpy()
+
+
+@dataclasses.dataclass(slots=True)
+class _Plan:
+    refs: list[TensorRef]
+    offsets: list[int]
+    data_len: int
+    entries: list[TensorEntry]
+    static_meta: bytes = b""   # the msgpack key/value pairs that do not change between snapshots
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    step: int
+    index: int                                 # the slot being written
+    persist: bool                              # ask the agent to persist it once committed
+    future: concurrent.futures.Future[float]   # the copy thread's result: seconds from launch to commit
+
+
+@dataclasses.dataclass(slots=True)
+class _Owed:
+    """The newest snapshot that found no free slot: close() and flush() take it late, so that the end of a
+    run is not lost, but only while no optimizer step has changed the state since (``moved``)."""
+    step: int
+    state: object
+    persist: bool
+    health: RankHealth
+    moved: bool = False
+
+
+class Stager:
+    def __init__(self, config: CheckpointerConfig, slots: RankSlots, *, rank: int, world_size: int,
+                 local_rank: int, local_world_size: int,
+                 request_persist: Callable[[int], object] = lambda step: None,
+                 committed: Callable[[], None] = lambda: None) -> None:
+        self.config = config
+        self.slots = slots
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.local_world_size = local_world_size
+        self.request_persist = request_persist
+        self.on_commit = committed   # copy thread, right after a commit: wakes the agent
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"easyckpt-copy-r{rank}")
+        self._chunk_pool = concurrent.futures.ThreadPoolExecutor(
+            config.copy_threads, thread_name_prefix=f"easyckpt-chunk-r{rank}") if config.copy_threads > 1 else None
+        self.pending: _Pending | None = None
+        self.plan: _Plan | None = None
+        self._views: dict[int, tuple[int, torch.Tensor]] = {}   # slot index -> (mmap id, uint8 view)
+        self._tensor_views: dict[int, tuple[int, int, list[Any]]] = {}  # slot -> (mmap id, plan id, views)
+        self._packer = msgpack.Packer(use_bin_type=True)
+        self._static_keys = 0
+        self._hook: RemovableHandle | None = None
+        self.owed: _Owed | None = None
+        self._owed_hook: RemovableHandle | None = None
+        self._cuda_stream: Any = None
+        self._registered: dict[int, int] = {}                    # slot index -> registered address
+        self.skipped = 0
+        self._skips = Episode(logger)
+        self.committed = 0
+        self.last_commit_step: int | None = None
+        self.last_copy_seconds = 0.0
+        proc = psutil.Process()
+        self._pid, self._pid_start = proc.pid, proc.create_time()
+
+    # public -----------------------------------------------------------------------------------------
+    def snapshot(self, step: int, state: object, *, persist: bool = False, health: RankHealth = NEUTRAL) -> bool:
+        """Launch a snapshot of ``state`` at ``step``; False when it was skipped (no free slot). With
+        ``persist``, the agent is asked to persist it once it is committed (not before: the agent would
+        take any committed copy of that step, and an older one of the same step may be in the other slot)."""
+        self.wait()
+        if self._launch(step, state, persist, health):
+            self._forget_owed()
+            return True
+        self.skipped += 1
+        word = self.slots.agent_word()
+        # Expected with two slots while a persist runs (said once at start-up); with three it is not.
+        self._skips.level = logging.INFO if self.slots.count < 3 else logging.WARNING
+        self._skips.hit("rank %d: snapshot of step %d skipped: all %d slots hold steps the agent keeps (safe "
+                        "step %s, held %s)", self.rank, step, self.slots.count, word.safe if word else None,
+                        sorted(word.held) if word else [])
+        self.owed = _Owed(step, state, persist, health)
+        if self._owed_hook is None:
+            self._owed_hook = register_optimizer_step_pre_hook(self._state_moves)
+        return False
+
+    def take_owed(self, timeout: float) -> int | None:
+        """The end of a run: take the newest snapshot that was skipped, if no optimizer step changed the
+        state since, retrying for a free slot (the agent frees one when its persist ends) for at most
+        ``timeout`` seconds; waits for its copy. Returns the step taken, or None."""
+        owed = self.owed
+        if owed is None or owed.moved or (self.last_commit_step is not None and self.last_commit_step >= owed.step):
+            self._forget_owed()
+            return None
+        self.wait()
+        deadline = time.monotonic() + timeout
+        while not self._launch(owed.step, owed.state, owed.persist, owed.health):
+            if time.monotonic() > deadline:
+                logger.warning("rank %d: the snapshot of step %d was skipped and no slot came free within %.0fs "
+                               "(end-of-run snapshot timeout): the newest snapshot stays step %s", self.rank,
+                               owed.step, timeout, self.last_commit_step)
+                self._forget_owed()
+                return None
+            time.sleep(0.02)   # polling the agent's holds against the deadline
+        self._forget_owed()
+        self.wait()
+        logger.info("rank %d: took the skipped snapshot of step %d at the end of the run", self.rank, owed.step)
+        return owed.step
+
+    def note_step(self, step: int) -> None:
+        """The loop reached ``step``: a skipped snapshot of another step no longer describes the state (a loop
+        that updates its parameters without a torch optimizer is caught here, not by the optimizer hook)."""
+        if self.owed is not None and step != self.owed.step:
+            self.owed.moved = True
+
+    def _state_moves(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.owed is not None:
+            self.owed.moved = True
+
+    def _forget_owed(self) -> None:
+        self.owed = None
+        if self._owed_hook is not None:
+            self._owed_hook.remove()
+            self._owed_hook = None
+
+    def _launch(self, step: int, state: object, persist: bool, health: RankHealth) -> bool:
+        started = time.perf_counter()
+        skeleton, refs, values = flatten(state)
+        plan = self._plan(refs)
+        meta = self._meta(plan, step, skeleton, health)
+        needed = slot_size(plan.data_len, len(meta) + _META_HEADROOM)
+        write = self.slots.write(needed, before_remap=self._drop_views)
+        if write is None:
+            return False
+        self._skips.end("rank %d: snapshots resume at step %d after skips", self.rank, step)
+        try:
+            dst = self._slot_views(write.index, write.slot, plan)
+            event = self._launch_cuda(dst, values) if self._uses_cuda(values) else None
+            future = self.pool.submit(self._finish_copy, step, write, plan, meta, dst, values, event, started)
+        except BaseException:
+            write.close()
+            raise
+        self.pending = _Pending(step, write.index, persist, future)
+        if self._hook is None:
+            self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
+        return True
+
+    def wait(self) -> None:
+        """Block until the pending copy is committed (or failed); a no-op when nothing is pending."""
+        pending = self.pending
+        if pending is None:
+            return
+        self.pending = None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        try:
+            self.last_copy_seconds = pending.future.result()
+        except Exception:
+            logger.exception("rank %d: snapshot of step %d failed; the previous snapshot stays valid",
+                             self.rank, pending.step)
+            return
+        self.committed += 1
+        self.last_commit_step = pending.step
+        # The same step snapshotted again (a save point after the step's own snapshot): the older copy is
+        # stale, so no reader may take it for this step.
+        self.slots.drop_stale_copies()
+        if pending.persist:
+            self.request_persist(pending.step)
+
+    def close(self) -> None:
+        self._forget_owed()
+        self.wait()
+        self.pool.shutdown(wait=True)
+        if self._chunk_pool is not None:
+            self._chunk_pool.shutdown(wait=True)
+        for index in list(self._views):
+            self._drop_views(index)
+
+    # internals --------------------------------------------------------------------------------------
+    def _before_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> tuple[Any, Any] | None:
+        """Wait for the copy before the optimizer changes the parameters. A step of a torch optimizer given a
+        closure (PyTorch Lightning runs the forward and backward passes in one, inside ``optimizer.step``) waits
+        after the closure instead, so the copy still overlaps that compute."""
+        # torch hands the hook the step's own arguments: args[0] is the optimizer, args[1] a positional closure
+        closure = kwargs.get("closure") if kwargs else (args[1] if len(args) > 1 else None)
+        # only torch's own optimizers are known to call the closure before they touch a parameter
+        if not callable(closure) or not type(optimizer).__module__.startswith("torch.optim"):
+            self.wait()
+            return None
+
+        def closure_then_wait() -> Any:
+            result = closure()
+            self.wait()
+            return result
+
+        if kwargs and "closure" in kwargs:
+            return args, {**kwargs, "closure": closure_then_wait}
+        return (args[0], closure_then_wait, *args[2:]), kwargs
+
+    def _meta(self, plan: _Plan, step: int, skeleton: object, health: RankHealth) -> bytes:
+        """The slot's msgpack map; the tensor index (the bulk, for big states) is packed once per plan."""
+        dynamic = SlotMeta.dynamic_fields(step=step, skeleton=skeleton, created=time.time(), health=health)
+        if not plan.static_meta:
+            static = SlotMeta.static_fields(
+                job=self.slots.job_id, rank=self.rank, world_size=self.world_size, local_rank=self.local_rank,
+                local_world_size=self.local_world_size, pid=self._pid, pid_start=self._pid_start,
+                skeleton_version=SKELETON_VERSION, tensors=plan.entries)
+            plan.static_meta = b"".join(self._packer.pack(k) + self._packer.pack(v) for k, v in static.items())
+            self._static_keys = len(static)
+        return (self._packer.pack_map_header(self._static_keys + len(dynamic)) + plan.static_meta
+                + b"".join(self._packer.pack(k) + self._packer.pack(v) for k, v in dynamic.items()))
+
+    def _plan(self, refs: list[TensorRef]) -> _Plan:
+        """Offsets for every tensor; reused while the state's structure is unchanged.
+
+        Each file's tensors (model, optimizer) lie back to back from a page boundary, largest element
+        size first so that every tensor stays aligned to its dtype: the agent then writes a whole file
+        from one range of the slot with O_DIRECT.
+        """
+        if self.plan is not None and self.plan.refs == refs:
+            return self.plan
+        groups = [layout.tensor_group(ref.name) for ref in refs]
+        order = sorted(range(len(refs)), key=lambda i: (groups[i], -torch_dtype(refs[i].dtype).itemsize, i))
+        offsets, position, group = [0] * len(refs), 0, None
+        for i in order:
+            if groups[i] != group:
+                position, group = align(position, PAGE), groups[i]
+            offsets[i] = position
+            position += refs[i].nbytes
+        entries = [TensorEntry(ref.name, ref.kind, ref.dtype, ref.shape, offsets[i], ref.nbytes, groups[i], ref.shard)
+                   for i, ref in enumerate(refs)]
+        if self.plan is not None:
+            logger.info("rank %d: state structure changed (%d -> %d tensors): re-planned the slot layout",
+                        self.rank, len(self.plan.refs), len(refs))
+        self.plan = _Plan(refs, offsets, position, entries)
+        return self.plan
+
+    def _slot_views(self, index: int, slot: SlotMap, plan: _Plan) -> list[Any]:
+        """Typed views of every tensor's place in the slot; built once per (slot mapping, plan)."""
+        assert slot.mm is not None
+        hit = self._tensor_views.get(index)
+        if hit is not None and hit[0] == id(slot.mm) and hit[1] == id(plan):
+            return hit[2]
+        cached = self._views.get(index)
+        if cached is None or cached[0] != id(slot.mm):
+            self._drop_views(index)
+            base = torch.frombuffer(slot.mm, dtype=torch.uint8, count=slot.size - DATA_OFFSET, offset=DATA_OFFSET)
+            self._views[index] = (id(slot.mm), base)
+            cached = self._views[index]
+        base = cached[1]
+        views: list[Any] = []
+        for ref, offset in zip(plan.refs, plan.offsets):
+            raw = base[offset:offset + ref.nbytes]
+            if ref.kind == "numpy":
+                views.append(raw.numpy().view(numpy_dtype(ref.dtype)).reshape(ref.shape))
+            else:
+                views.append(raw.view(torch_dtype(ref.dtype)).view(ref.shape))
+        self._tensor_views[index] = (id(slot.mm), id(plan), views)
+        return views
+
+    def _drop_views(self, index: int) -> None:
+        self._unregister(index)
+        self._views.pop(index, None)
+        self._tensor_views.pop(index, None)
+
+    def _uses_cuda(self, values: list[Any]) -> bool:
+        return any(isinstance(v, torch.Tensor) and v.is_cuda for v in values)
+
+    def _launch_cuda(self, dst: list[Any], values: list[Any]) -> Any:
+        """Queue device-to-host copies on a side stream, ordered after the work already queued."""
+        if self._cuda_stream is None:
+            self._cuda_stream = torch.cuda.Stream()
+        for index in list(self._views):
+            self._register(index)
+        stream = self._cuda_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        pairs = [(t, v) for t, v in zip(dst, values) if isinstance(v, torch.Tensor) and v.is_cuda]
+        with torch.cuda.stream(stream):
+            if pairs:
+                # One call for the whole list: Python overhead per tensor stays far below a launch.
+                torch._foreach_copy_([t for t, _ in pairs], [v for _, v in pairs], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return event
+
+    def _register(self, index: int) -> None:
+        if index in self._registered:
+            return
+        slot = self.slots.maps[index]
+        assert slot is not None and slot.mm is not None
+        address = ctypes.addressof(ctypes.c_char.from_buffer(slot.mm))
+        result = torch.cuda.cudart().cudaHostRegister(address, slot.size, 0)
+        if int(result) != 0:
+            logger.warning("rank %d: cudaHostRegister of %s failed (%s): copies will be synchronous",
+                           self.rank, slot.path, result)
+            return
+        self._registered[index] = address
+
+    def _unregister(self, index: int) -> None:
+        address = self._registered.pop(index, None)
+        if address is not None:
+            torch.cuda.cudart().cudaHostUnregister(address)
+
+    def _finish_copy(self, step: int, write: SlotWrite, plan: _Plan, meta: bytes,
+                     dst: list[Any], values: list[Any], event: Any, started: float) -> float:
+        """Runs on the copy thread: copy what is left, commit and unlock the slot; returns the seconds taken."""
+        with write:
+            cpu = [(t, v) for t, v in zip(dst, values) if isinstance(v, numpy.ndarray) or not v.is_cuda]
+            half = len(cpu) // 2
+            for number, part in enumerate((cpu[:half], cpu[half:])):
+                if number == 1:
+                    fault_point("stager.mid_copy", step=step, rank=self.rank)
+                small, chunks = [], []
+                for target, value in part:
+                    if isinstance(value, numpy.ndarray):
+                        numpy.copyto(target, value, casting="no")
+                    elif value.numel() * value.element_size() >= _LARGE and value.is_contiguous():
+                        # numpy copies on our own threads (copy_threads of them); torch's copy would fan
+                        # out over the intra-op pool that the training step is using at the same moment.
+                        flat_dst, flat_src = _as_numpy(target).reshape(-1), _as_numpy(value).reshape(-1)
+                        per_chunk = _CHUNK // flat_src.itemsize
+                        chunks += [(flat_dst[i:i + per_chunk], flat_src[i:i + per_chunk])
+                                   for i in range(0, flat_src.size, per_chunk)]
+                    else:
+                        small.append((target, value))
+                if self._chunk_pool is not None:
+                    list(self._chunk_pool.map(_copy_chunk, chunks))
+                else:
+                    for chunk in chunks:
+                        _copy_chunk(chunk)
+                if small:
+                    # One call for the many small tensors: torch loops in C++ without the GIL.
+                    torch._foreach_copy_([t for t, _ in small], [v for _, v in small])
+            if event is not None:
+                event.synchronize()
+            fault_point("stager.before_commit", step=step, rank=self.rank)
+            write.commit(step, plan.data_len, meta)
+            self.on_commit()
+            return time.perf_counter() - started
+
+    def stats(self) -> dict[str, Any]:
+        return {"committed": self.committed, "skipped": self.skipped, "last_step": self.last_commit_step,
+                "last_copy_seconds": self.last_copy_seconds, "pid": os.getpid()}

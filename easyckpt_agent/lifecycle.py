@@ -1,0 +1,267 @@
+"""The agent's life: wake-ups of its loop, shutdown on a signal, and when it exits and what it leaves behind.
+
+SIGTERM/SIGINT end the loop; :meth:`Lifecycle.stop` then finishes (or, past ``shutdown_timeout``, abandons)
+the persist in flight, persists the newest snapshot every local rank holds if disk lacks it and time is
+left, and lets go of the slots only if nothing in them is newer than disk and no rank of the job still
+runs. A second signal stops waiting for the disk. Without a signal the agent exits (:meth:`should_exit`, never
+while a persist, a claim or a leader's stage is pending) once every local rank said goodbye, unlinking the
+slots (unless a failed persist left the newest step only in memory), or once no rank has been alive for
+``idle_timeout``, unlinking them only when the newest step is on disk.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from easyckpt_agent import persister
+from easyckpt_agent.cluster import NodeReplication
+from easyckpt_agent.protection import Protection
+from easyckpt_agent.scheduler import PersistScheduler
+from easyckpt_agent.watcher import Watcher
+from easyckpt_wire import protocol
+from easyckpt_wire.shm import list_slots
+
+logger = logging.getLogger(__name__)
+
+ABORT_TIMEOUT = 10.0    # an abandoned persist must stop within this long after its writers are told to
+
+
+class LifeSettings(Protocol):
+    """What the lifecycle reads of the agent's config (``AgentConfig``)."""
+
+    save_dir: Path
+    job_id: str
+    shm_dir: Path
+    idle_timeout: float
+    shutdown_timeout: float
+
+
+class WakePipe:
+    """A FIFO in the job's runtime directory: ranks (after a commit) and the agent's other threads (news from
+    other nodes) wake the loop at once instead of at its next poll."""
+
+    def __init__(self) -> None:
+        self.fd = -1
+
+    def open(self, job_dir: Path) -> int:
+        path = protocol.wake_path(job_dir)
+        path.unlink(missing_ok=True)
+        os.mkfifo(path, 0o600)
+        # O_RDWR: a FIFO read end with no writer would poll as hung up, over and over.
+        self.fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+        return self.fd
+
+    def wake(self) -> None:
+        fd = self.fd
+        if fd >= 0:
+            try:
+                os.write(fd, b"n")
+            except (BlockingIOError, OSError):   # full of wake-ups already, or closing
+                pass
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
+def newest_in_memory(watcher: Watcher) -> int | None:
+    """The newest step any local rank holds committed."""
+    return max((step for rank in watcher.local_ranks() for step in watcher.committed(rank)), default=None)
+
+
+class Lifecycle:
+    def __init__(self, *, settings: LifeSettings, watcher: Watcher, scheduler: PersistScheduler,
+                 protection: Protection, cluster: NodeReplication) -> None:
+        self.settings = settings
+        self.watcher = watcher
+        self.scheduler = scheduler
+        self.protection = protection
+        self.cluster = cluster
+        self.stop_signal: int | None = None   # SIGTERM/SIGINT received: the loop ends and stop() runs
+        self.given_up_on_stop = False   # stop() abandoned a persist or saw one fail
+        self.hung_writer = False     # an abandoned persist's thread did not stop: the process must not join it
+        self.ended_cleanly = False   # the job is over and nothing of it is left in memory: its runtime dir can go
+        self.no_rank_since: float | None = None
+
+    # signals --------------------------------------------------------------------------------------------
+    def install_signal_handlers(self) -> dict[int, Any]:
+        """Handle SIGTERM/SIGINT; returns the previous handlers (for :meth:`restore_signal_handlers`)."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}   # an agent run inside a test's thread: signals are the host process's business
+        previous: dict[int, Any] = {}
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            previous[signum] = signal.signal(signum, self.on_signal)
+        return previous
+
+    @staticmethod
+    def restore_signal_handlers(previous: dict[int, Any]) -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    def on_signal(self, signum: int, frame: Any) -> None:
+        if self.stop_signal is not None:
+            # A second signal: stop waiting for the disk (the write loop checks the flag between writes).
+            persister.ABORT.set()
+            return
+        self.stop_signal = signum
+
+    # shutdown on a signal ---------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """SIGTERM/SIGINT: finish (or, past shutdown_timeout, abandon) the persist in flight, persist the
+        newest snapshot every local rank holds if disk lacks it and time is left, then let go of the slots
+        only if nothing in them is newer than disk and no rank of the job still runs. One log line says
+        what happened."""
+        name = signal.Signals(self.stop_signal or signal.SIGTERM).name
+        timeout = self.settings.shutdown_timeout
+        deadline = time.monotonic() + timeout
+        done: list[str] = []
+        self.given_up_on_stop = False
+        if self.scheduler.inflight is not None:
+            done.append(self._wait_inflight(deadline))
+        self.watcher.scan(relist_every=0)
+        common = self.watcher.common_steps()
+        if common and common[0] > self.scheduler.floor():
+            done.append(self._persist_newest(common[0], deadline))
+        alive = [proc.rank for proc in self.watcher.ranks.values() if proc.alive()]
+        newest_now = self.watcher.common_steps()
+        persisted = self.scheduler.persisted
+        on_disk = not newest_now or (persisted is not None and newest_now[0] <= persisted)
+        if alive:
+            done.append(f"slots kept: rank(s) {alive} still run")
+        elif on_disk:
+            self.unlink_slots()
+            self.ended_cleanly = True
+            done.append("slots unlinked (everything in them is on disk)")
+        else:
+            done.append(f"slots kept in {self.settings.shm_dir}: step {newest_now[0]} is newer than disk "
+                        f"({persisted}); resume from them by restarting the job, or remove them with "
+                        f"`easyckpt clean --job-id {self.settings.job_id}`")
+        # A warning only when something is left undone (memory newer than disk, a persist abandoned or failed).
+        level = logging.INFO if self.ended_cleanly or (alive and on_disk and not self.given_up_on_stop) else logging.WARNING
+        logger.log(level, "agent stopped by %s (shutdown_timeout=%gs, %.1fs used): %s; exiting with 0", name, timeout,
+                   timeout - max(0.0, deadline - time.monotonic()), "; ".join(done))
+
+    def _persist_newest(self, newest: int, deadline: float) -> str:
+        """Persist ``newest`` (every local rank holds it, disk lacks it) before ``deadline``; says what happened."""
+        scheduler = self.scheduler
+        if self.cluster.peers is not None:
+            return f"step {newest} not persisted (a multi-node iteration needs every node's files)"
+        if time.monotonic() >= deadline:
+            return f"no time left to persist step {newest} (shutdown_timeout={self.settings.shutdown_timeout:g}s)"
+        scheduler.claims.release(lambda s: s != newest)
+        if scheduler.claim_newest(newest):
+            self.watcher.scan(relist_every=0)   # the claimed slots' metadata for the persister
+            scheduler.start_ready()
+        if scheduler.inflight is not None:
+            return self._wait_inflight(deadline)
+        return f"step {newest} could not be claimed (a rank was rewriting its slot) or its metadata was unreadable"
+
+    def _wait_inflight(self, deadline: float) -> str:
+        """Wait for the persist in flight until ``deadline``, then abandon it; says which happened."""
+        scheduler = self.scheduler
+        assert scheduler.inflight is not None
+        step, future = scheduler.inflight
+        try:
+            future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            return self._abandon_inflight(step, future)
+        except Exception as exc:  # noqa: BLE001 -- a persist fails in many ways; logged by abandon_inflight
+            scheduler.abandon_inflight(step, exc)
+            self.given_up_on_stop = True
+            return f"the persist of step {step} failed ({exc})"
+        scheduler.finish_inflight()
+        return f"finished the persist of step {step}"
+
+    def _abandon_inflight(self, step: int, future: concurrent.futures.Future[Any]) -> str:
+        """shutdown_timeout ran out: tell the writers to stop and wait (bounded) until they did."""
+        scheduler = self.scheduler
+        persister.ABORT.set()
+        try:   # the writers stop at their next write (at most one 4 MiB piece, or one fsync, away)
+            future.result(timeout=ABORT_TIMEOUT)
+        except concurrent.futures.TimeoutError:
+            scheduler.inflight = None
+            self.given_up_on_stop = True
+            self.hung_writer = True
+            return (f"the persist of step {step} did not stop within {ABORT_TIMEOUT:g}s of being abandoned "
+                    f"(abort timeout; a write or fsync hangs): its temporary directory may be left in "
+                    f"{self.settings.save_dir} and is removed by the next agent")
+        except persister.PersistAborted as exc:
+            exc.__traceback__ = None   # its frames hold the writers' locals: nothing may pin the slots' maps
+        except Exception as exc:  # noqa: BLE001 -- a persist fails in many ways; logged by abandon_inflight
+            scheduler.abandon_inflight(step, exc)
+            self.given_up_on_stop = True
+            return f"the persist of step {step} failed ({exc})"
+        else:   # it was past its last write when told to stop
+            scheduler.finish_inflight()
+            return f"finished the persist of step {step} (past shutdown_timeout: it was too far along to stop)"
+        scheduler.abandon_inflight(step)
+        self.given_up_on_stop = True
+        persisted = scheduler.persisted
+        return (f"the persist of step {step} was abandoned when shutdown_timeout ran out: its temporary "
+                f"directory was removed, newest on disk: {'nothing' if persisted is None else 'step ' + str(persisted)}")
+
+    # exit without a signal ---------------------------------------------------------------------------------
+    def should_exit(self) -> bool:
+        """Whether the loop ends now: every local rank finished, or none has been alive for idle_timeout."""
+        if self.scheduler.busy() or self.cluster.awaiting_stages():
+            return False
+        if self.watcher.all_said_bye():
+            return self._all_finished()
+        if self.watcher.any_alive():
+            self.no_rank_since = None
+            return False
+        now = time.monotonic()
+        self.no_rank_since = self.no_rank_since or now
+        idle_timeout = self.settings.idle_timeout
+        if now - self.no_rank_since < idle_timeout:
+            return False
+        newest = self.watcher.common_steps()
+        persisted = self.scheduler.persisted
+        if not newest or (persisted is not None and newest[0] <= persisted):
+            logger.info("no rank alive for %.0fs and the newest snapshot is on disk: exiting", idle_timeout)
+            self.unlink_slots()
+            self.ended_cleanly = True
+        else:
+            logger.warning("no rank alive for %.0fs; step %d is only in memory, its slots are kept in %s",
+                           idle_timeout, newest[0], self.settings.shm_dir)
+        return True
+
+    def _all_finished(self) -> bool:
+        failure = self.scheduler.failure
+        in_memory = newest_in_memory(self.watcher)
+        if failure is not None and in_memory is not None and in_memory > self.scheduler.durable():
+            # The ranks' close() was told (PersistError); what only memory holds stays there.
+            settings = self.settings
+            logger.warning("every local rank finished, but persisting failed (%s): step %d is only in memory, so "
+                           "the job's slots are kept in %s (easyckpt-%s-*). Fix the disk and run the job again to "
+                           "resume from them; `easyckpt status %s` shows them and how to remove them",
+                           failure.describe(), in_memory, settings.shm_dir, settings.job_id, settings.save_dir)
+            self.protection.release()
+            return True
+        logger.info("every local rank finished cleanly: exiting")
+        self.unlink_slots()
+        self.ended_cleanly = True
+        return True
+
+    def unlink_slots(self) -> None:
+        """The job's memory is no longer needed: let go of it, remove its slots and the control block."""
+        self.protection.release()
+        self.watcher.close()
+        for path in list_slots(self.settings.shm_dir, self.settings.job_id).values():
+            path.unlink(missing_ok=True)
+            logger.info("unlinked %s", path)
+        self.protection.control.close(unlink=True)

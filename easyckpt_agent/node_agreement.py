@@ -1,0 +1,134 @@
+"""This node's side of the job-wide agreement (invariants 9 and 12): its state out, the leader's verdict in.
+
+Every round of a multi-node job, :meth:`NodeAgreement.agree` describes the node in a ``NodeState`` (the
+steps every local rank holds, the steps held on every local rank, the predecessor's steps backed up here,
+the persist in flight, the newest due step it took and those it could not) and hands it to
+``easyckpt_agent.jobwide`` (the leader decides over every node's state with ``agreement.decide``). It then carries
+out the newest verdict: it claims the due step the leader says to take (once: :meth:`take`), logs each due
+step passed over once (``Announcements``), holds what ``agreement.plan_holds`` says (``RoleHolds``, through
+``easyckpt_agent.protection``), and adopts the job-safe and node-safe steps as far as this node holds them. The
+rules are ``easyckpt_agent.agreement``'s; this module only feeds them and carries out what they return.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from easyckpt_agent import agreement
+from easyckpt_agent.agreement import NodeState, Verdict
+from easyckpt_agent.cluster import NodeReplication
+from easyckpt_agent.protection import Protection
+from easyckpt_agent.roles import Announcements
+from easyckpt_agent.scheduler import PersistScheduler, PersistSettings
+from easyckpt_agent.watcher import SlotInfo, Watcher
+
+logger = logging.getLogger(__name__)
+
+
+class NodeAgreement:
+    def __init__(self, *, settings: PersistSettings, cluster: NodeReplication, protection: Protection,
+                 scheduler: PersistScheduler, watcher: Watcher, announced: Announcements) -> None:
+        self.settings = settings
+        self.cluster = cluster
+        self.protection = protection
+        self.scheduler = scheduler
+        self.watcher = watcher
+        # The newest due step the leader said to take (acted on once) and those this node could not take, and
+        # the due steps passed over job-wide.
+        self.took = -1
+        self.lost: set[int] = set()
+        self.announced = announced
+
+    def agree(self, ranks: set[int], held: dict[int, dict[int, SlotInfo]], common: frozenset[int]) -> None:
+        """Tell the leader this node's state, and carry out the newest verdict: persist the due step it takes,
+        hold the steps it protects, hear the due steps it passed over."""
+        peers = self.cluster.peers
+        assert peers is not None
+        protection, roles, scheduler = self.protection, self.protection.roles, self.scheduler
+        protection.join_job()
+        interval = self.settings.save_storage_interval
+        state = NodeState(self.settings.node_id, local=agreement.newest(common),
+                          held=agreement.newest(self.held_everywhere(ranks)),
+                          backed=agreement.newest(self.cluster.backed_up() or ()), busy=scheduler.inflight_step(),
+                          took=self.took, lost=agreement.newest(self.lost))
+        verdict = self.cluster.jobwide.exchange(state, peers, interval=interval,
+                                                committed=self.cluster.complete if peers.is_leader else None)
+        persisting = set(scheduler.held_steps())
+        present = set(common) | roles.steps
+        decided = max(scheduler.floor(), verdict.decided if verdict is not None else -1)
+        due = agreement.due_to_hold(present, interval=interval, decided=decided)
+        if verdict is None:
+            # Nothing heard from the leader yet (or since a resume): what is held stays held, and a due step
+            # is held for the leader to decide.
+            plan = sorted(roles.steps, reverse=True)
+            plan += [due] if due is not None and due not in plan else []
+            roles.apply(plan[:max(0, self.watcher.slots_per_rank() - 1 - len(persisting))], ranks, held,
+                        skip=persisting)
+            return
+        self.take(verdict, ranks, held)
+        self.announced.hear(verdict, interval)
+        floor = agreement.persist_floor(verdict, present)
+        persisting |= {floor} if floor is not None else set()
+        plan = agreement.plan_holds(slots=self.watcher.slots_per_rank(), persisting=persisting, due=due,
+                                    job_safe=verdict.job_safe, candidate=verdict.candidate,
+                                    node_safe=verdict.node_safe, present=present)
+        if set(plan) - persisting != roles.steps:
+            protection.control.begin_move()   # ranks that find no free slot meanwhile wait for the move, not skip
+        if roles.apply(plan, ranks, held, skip=persisting):
+            logger.debug("holding %s for the job (plan %s, persisting %s; verdict %s)", sorted(roles.steps), plan,
+                         sorted(persisting), verdict)
+        protection.set_job_steps(verdict.job_safe, verdict.node_safe, self.held_everywhere(ranks))
+        self.cluster.safe_step = protection.safe
+
+    def take(self, verdict: Verdict, ranks: set[int], held: dict[int, dict[int, SlotInfo]]) -> None:
+        """The leader said to persist due step ``verdict.take`` on every node (acted on once)."""
+        step = verdict.take
+        if step is None or step <= self.took:
+            return
+        self.took = step
+        scheduler = self.scheduler
+        if step <= scheduler.floor() or step in scheduler.claims or step == scheduler.inflight_step():
+            return
+        if scheduler.inflight is not None:
+            why = f"its persister is busy with step {scheduler.inflight_step()}"
+        else:
+            why = "" if scheduler.claims.claim_all(step, ranks, held) else "a local rank no longer holds it"
+        if why:
+            self.lost.add(step)
+            logger.warning("the leader said to persist due step %d on every node, but this node cannot: %s", step, why)
+
+    def held_everywhere(self, ranks: set[int]) -> set[int]:
+        """Steps whose slots this agent holds on every local rank (for the job, a persist or a claim)."""
+        inflight = self.scheduler.inflight_step()
+        return (set(self.protection.roles.steps) | self.scheduler.claims.on_every(ranks)
+                | ({inflight} if inflight is not None else set()))
+
+    def decided(self) -> int:
+        """Due steps at or below this are decided (on disk, persisting, claimed or passed over): ranks spare
+        their newest due step above it (``easyckpt.snapshot.slot_choice``)."""
+        scheduler = self.scheduler
+        verdict = self.cluster.jobwide.verdict if self.cluster.peers is not None else None
+        return max(scheduler.floor(), scheduler.last_passed, max(scheduler.claims, default=-1),
+                   scheduler.inflight_step() or -1, verdict.decided if verdict is not None else -1)
+
+    def rewind(self, step: int) -> None:
+        """The job resumed at ``step``. Step numbers of the abandoned timeline come again on the new one: nothing
+        of theirs is taken, lost or passed over, and the job-wide agreement starts again from what every node
+        holds now."""
+        self.took = min(self.took, step)
+        self.lost = {s for s in self.lost if s <= step}
+        self.announced.forget_after(step)
+        self.cluster.jobwide.rewind(step, decided=self.scheduler.floor())
+
+    def status(self, newest: int | None) -> dict[str, Any]:
+        """What a failure now would cost: ``newest`` (the newest step a local rank committed), and how far the
+        job-safe step (a rank kill) and, across nodes, the node-safe step (a node loss) trail it."""
+        multi = self.cluster.peers is not None
+        verdict = self.cluster.jobwide.verdict if multi else None
+        node_safe = self.protection.node_safe
+        return {"newest_step": newest, "job_safe_lag": agreement.lag(newest, self.protection.safe),
+                "node_safe_step": node_safe if multi else None,
+                "node_safe_lag": agreement.lag(newest, node_safe) if multi else None,
+                "passed_over": list(self.announced.recent), "took": self.took if multi else None,
+                "verdict_age": time.monotonic() - self.cluster.jobwide.verdict_at if verdict is not None else None}

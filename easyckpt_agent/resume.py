@@ -1,0 +1,114 @@
+"""A rank resumed at a step: a new timeline begins (invariant 10), and every part of the agent forgets the old one.
+
+Ranks send RESUME after ``load()``, every rank the same step. :meth:`Resume.resume` has the agent that commits
+iterations (the only one of a single-node job, the leader of a multi-node one) move newer iterations aside
+(``easyckpt_agent.timeline``); every agent then forgets newer steps, so that the new timeline's are persisted again
+whatever numbers the abandoned one reached: the newest step on disk and the step given up on
+(``PersistScheduler.rewind``), the leader's committed step, this node's shards in an abandoned stage, the due
+steps taken, lost and passed over (``NodeAgreement.rewind``), claims and requests of newer steps, and holds
+of newer steps or of snapshots the rank could not invalidate (``Protection.rewind``). Only the first of the
+ranks' calls moves anything; the others find nothing newer left. Those snapshots of the abandoned timeline are
+invalidated once nothing holds them (:meth:`Resume.invalidate_abandoned`, every round while there are any), so
+that no later load, in this process or after a crash, takes them for the job's memory.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from easyckpt_agent import policy
+from easyckpt_agent.cluster import NodeReplication
+from easyckpt_agent.node_agreement import NodeAgreement
+from easyckpt_agent.persister import AuditLog, drop_own_shards, stage_steps
+from easyckpt_agent.protection import Protection
+from easyckpt_agent.scheduler import PersistScheduler
+from easyckpt_agent.timeline import DiskTimeline
+from easyckpt_agent.watcher import Watcher
+from easyckpt_wire import layout
+from easyckpt_wire.records import ResumeReply
+
+logger = logging.getLogger(__name__)
+
+
+class Resume:
+    def __init__(self, *, save_dir: Path, node_id: str, audit: AuditLog, timeline: DiskTimeline, watcher: Watcher,
+                 scheduler: PersistScheduler, protection: Protection, agreement: NodeAgreement,
+                 cluster: NodeReplication, publish: Callable[[], None]) -> None:
+        self.save_dir = save_dir
+        self.node_id = node_id
+        self.audit = audit
+        self.timeline = timeline
+        self.watcher = watcher
+        self.scheduler = scheduler
+        self.protection = protection
+        self.agreement = agreement
+        self.cluster = cluster
+        self.publish = publish
+
+    def resume(self, rank: int, step: int, stale: Iterable[Iterable[int]]) -> ResumeReply:
+        """``rank`` resumed at ``step``. Newer iterations are moved aside (by the agent that commits them),
+        newer steps are forgotten here so that the new timeline's are persisted again, and the rank's
+        snapshots of newer steps that it could not invalidate (``stale``: [slot, generation] that this agent
+        held) are ignored and let go. The reply's error says what could not be moved."""
+        for slot, generation in stale:
+            self.watcher.abandoned.add((rank, slot, generation))
+        commits = self.cluster.peers is None or self.cluster.peers.is_leader
+        moved, tracker, error = self._move_aside(rank, step, commits)
+        complete = [s for s, _ in layout.complete_iterations(self.save_dir)]
+        scheduler = self.scheduler
+        before = scheduler.rewind(step, complete)
+        if before != (scheduler.persisted, scheduler.given_up):
+            logger.info("rank %d resumed at step %d: a new timeline; newest step on disk %s -> %s (steps after it "
+                        "are persisted again)", rank, step, before[0], scheduler.persisted)
+        if self.cluster.complete is not None and self.cluster.complete > step:
+            self.cluster.complete = policy.tracker_after_resume(complete, step)
+        inflight = scheduler.inflight_step()
+        if not commits:
+            self._drop_stale_shards(step, inflight)
+        self.agreement.rewind(step)
+        # Not the persist in flight: it reads its slots until it finishes (and then publishes nothing).
+        scheduler.claims.release(lambda s: s > step and s != inflight)
+        for wanted in [s for s in scheduler.flushes.wanted if s > step]:
+            scheduler.flushes.give_up(wanted, f"the job resumed at step {step}: step {wanted} was abandoned")
+        if self.protection.rewind(step):
+            self.cluster.safe_step = None
+        self.publish()
+        return ResumeReply(moved, tracker, scheduler.persisted, error)
+
+    def _move_aside(self, rank: int, step: int, commits: bool) -> tuple[list[int], int | None, str | None]:
+        """Move the iterations newer than ``step`` aside (``commits``: this agent publishes iterations);
+        returns (steps moved, the step the tracker names, what went wrong)."""
+        try:
+            result = self.timeline.abandon_after(step, commits=commits)
+        except OSError as exc:
+            error = (f"could not move the iterations newer than step {step} aside in {self.save_dir}: {exc}; an "
+                     "automatic load follows the tracker, fix the directory and resume again")
+            logger.error("rank %d resumed at step %d: %s", rank, step, error)
+            return [], layout.read_tracker(self.save_dir), error
+        return result.moved, result.tracker, None
+
+    def _drop_stale_shards(self, step: int, inflight: int | None) -> None:
+        """A shard of this node that an abandoned persist left in a stage must not complete the new timeline's
+        iteration of that number (the leader drops whole stages; this covers a late one)."""
+        for staged in stage_steps(self.save_dir):
+            if staged > step and staged != inflight:   # the one in flight is dropped once it finishes
+                drop_own_shards(self.save_dir, staged, self.node_id, sorted(self.watcher.local_ranks()), self.audit)
+
+    def invalidate_abandoned(self) -> None:
+        """Snapshots of an abandoned timeline that their rank could not invalidate (this agent held them):
+        invalidate each once nothing holds it, so that no later load, in this process or after a crash,
+        takes it for the job's memory."""
+        for rank, slot, generation in sorted(self.watcher.abandoned):
+            info = self.watcher.slots.get((rank, slot))
+            if info is None or self.protection.holds.reasons.get(id(info.map)) or not info.map.try_lock(exclusive=True):
+                continue
+            try:
+                header = info.map.header()
+                if header.committed and header.generation == generation:
+                    info.map.invalidate()
+                    logger.info("invalidated rank %d's slot %d with step %d of the abandoned timeline", rank, slot,
+                                header.step)
+            finally:
+                info.map.unlock()
+            self.watcher.abandoned.discard((rank, slot, generation))
