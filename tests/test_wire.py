@@ -145,7 +145,8 @@ def test_misspelled_fault_point_stops_the_process_at_import(tmp_path: Path) -> N
 
 def test_every_registered_fault_point_is_fired_in_the_code_and_by_a_test() -> None:
     root = Path(__file__).parents[1]
-    code = "\n".join(p.read_text() for d in ("easyckpt", "easyckpt_agent", "easyckpt_wire") for p in (root / d).rglob("*.py"))
+    packages = ("easyckpt", "easyckpt_agent", "easyckpt_wire")
+    code = "\n".join(p.read_text() for d in packages for p in (root / d).rglob("*.py"))
     fired = set(re.findall(r'fault_point\("([A-Za-z0-9_.]+)"', code))
     assert fired == set(faults.POINTS), (fired ^ set(faults.POINTS))
     tests = "\n".join(p.read_text() for p in (root / "tests").glob("test_*.py") if p.name != "test_wire.py")
