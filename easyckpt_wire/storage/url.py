@@ -17,6 +17,9 @@ from typing import cast
 SCHEMES = ("a POSIX path", "s3://bucket/prefix")   # what a save_dir may be
 _URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+# A URL whose "//" was lost: ``Path("s3://b/p")`` prints as ``s3:/b/p``, and a typo gives ``s3:b/p``. Taken as a
+# local path it would quietly become a folder named "s3:" in the working directory.
+_MANGLED_RE = re.compile(r"^(s3|s3a|gs|gcs|hdfs|az|abfs|abfss|oss|cos|http|https|file):(/?)(?!/)(.*)$", re.IGNORECASE)
 
 
 class UnsupportedLocation(ValueError):
@@ -33,6 +36,13 @@ def split_url(text: str) -> tuple[str, str] | None:
     included: the caller takes ``/x``). Raises UnsupportedLocation for any other scheme or a malformed URL."""
     match = _URL_RE.match(text)
     if match is None:
+        mangled = _MANGLED_RE.match(text)
+        if mangled is not None:
+            scheme, rest = mangled.group(1).lower(), mangled.group(3)
+            fixed = f"file:///{rest.lstrip('/')}" if scheme == "file" else f"{scheme}://{rest}"
+            raise UnsupportedLocation(f"{text}: looks like the URL {fixed} with its '//' lost (a pathlib.Path turns "
+                                      f"'s3://b/p' into 's3:/b/p'): pass the URL as a string, or a local path that "
+                                      f"does not start with '{mangled.group(1)}:' (./{text} if you mean one)")
         return None
     scheme, rest = match.group(1).lower(), match.group(2)
     if scheme == "file":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+from pathlib import Path
 
 import pytest
 import s3server
@@ -37,6 +38,17 @@ def test_urls_are_parsed_once_and_other_schemes_refused_naming_the_ones_that_wor
         assert bad in str(caught.value)
     with pytest.raises(UnsupportedLocation, match="a POSIX path or s3://bucket/prefix"):
         open_storage("gs://b/p")
+
+
+def test_a_url_that_lost_its_slashes_is_refused_not_taken_for_a_local_folder(tmp_path: Path) -> None:
+    """``Path("s3://b/p")`` is ``s3:/b/p``: taken as a path it would become a folder named ``s3:`` in the working
+    directory. The error names the URL it looks like; a path that only contains such a part stays a path."""
+    for bad, fixed in ((str(Path("s3://my-bucket/run")), "s3://my-bucket/run"), ("s3:my-bucket", "s3://my-bucket"),
+                       ("file:/tmp/x", "file:///tmp/x"), ("GS:/b/p", "gs://b/p")):
+        with pytest.raises(UnsupportedLocation, match="with its '//' lost") as caught:
+            location(bad)
+        assert fixed in str(caught.value) and bad in str(caught.value)
+    assert location(tmp_path / "s3:" / "run") == tmp_path / "s3:" / "run"
 
 
 def test_a_large_file_is_a_multipart_upload_read_back_by_ranges(store: s3.S3Storage) -> None:
