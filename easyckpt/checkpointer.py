@@ -14,7 +14,7 @@ import os
 import sys
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import psutil
@@ -304,6 +304,28 @@ class Checkpointer:
         persist is not retried, so ``step`` will not reach disk unless a newer step does."""
         word = self.slots.agent_word()
         return word is not None and word.failure is not None and word.failure.step >= step
+
+    def revive_agent(self, persist: Collection[int] = ()) -> bool:
+        """Replace a node agent that is gone now, for a wait on the disk that no snapshot will interrupt (the end
+        of training, before ``close()``): the ranks replace a dead agent only when they next snapshot or flush.
+        The new agent adopts the slots and persists the newest due step every local rank holds; ``persist``
+        names the steps this rank asked the dead agent to persist (those requests died with it), asked again.
+        Waits at most ``agent_start_timeout`` for the new agent to answer. True when an agent runs."""
+        if self._closed:
+            raise RuntimeError("revive_agent() after close(): create a new Checkpointer")
+        if self.agent.alive():
+            return True
+        if not self.config.start_agent:
+            return False
+        logger.warning("rank %d: the easyckpt agent of job %s is gone; starting a new one to persist steps %s "
+                       "(see %s)", self.rank, self.config.job_id, sorted(persist) or "due in memory",
+                       self.agent.job_dir / "agent.log")
+        self.agent.ensure(force=True)
+        if not self.agent.wait_ready(self.config.agent_start_timeout):
+            return False
+        for step in sorted(persist):
+            self.agent.flush(step, wait=False, timeout=0)
+        return True
 
     def wait(self) -> None:
         """Block until the last snapshot's copy is in shared memory.

@@ -237,6 +237,41 @@ def test_plain_trainer_resumes_from_a_wrapper_checkpoint(env: Env, reference: tu
     assert_continues_exactly(plain, reference[0], 10)
 
 
+def test_a_run_resumed_at_max_steps_trains_no_further_step(env: Env) -> None:
+    """A finished run started again (torchrun restarting ranks whose close() failed, say) resumes at its last
+    step and trains nothing. The Trainer checks max_steps only after a step: with 8 steps per epoch, step 20
+    lies inside the third epoch, which it fast-forwarded into and trained step 21 of (as a plain Trainer
+    resumed from checkpoint-20 does: fault soak, seed 101, fault 19 trained steps 21 and 22 of max_steps=20)."""
+    output_dir = env.tmp_path / "hf"
+    first = run_to_end(HFJob(env, output_dir, env.tmp_path / "first"))
+    assert all(sorted(first.losses(rank)) == list(range(1, STEPS + 1)) for rank in range(2))
+    exported = sorted(p.name for p in output_dir.glob("checkpoint-*"))
+
+    again = run_to_end(HFJob(env, output_dir, env.tmp_path / "again", resume="newest"))
+    for report in resumed_at(again):
+        assert (report["step"], report["global_step"]) == (STEPS, STEPS), report
+    assert again.losses(0) == again.losses(1) == {}, "a step past max_steps was trained"
+    assert f"done at step {STEPS}" in again.log()
+    assert f"resumed at step {STEPS}, and max_steps is {STEPS}: nothing left to train" in again.log()
+    assert sorted(p.name for p in output_dir.glob("checkpoint-*")) == exported
+
+
+def test_the_agent_killed_at_the_end_of_training_is_replaced_and_the_export_written(env: Env) -> None:
+    """The node agent dies persisting the last step (20), while rank 0 drains the exports and rank 1 waits for
+    it in the Trainer's end-of-training collective: no snapshot comes to replace the agent, so the drain does,
+    and checkpoint-20 is written at once. It waited export_timeout (600 s) for it before (fault soak, seed 101,
+    fault 99: the agent killed at step 7 of a run that ended within the second after)."""
+    output_dir = env.tmp_path / "hf"
+    fired = env.tmp_path / "fault-fired"
+    job = run_to_end(HFJob(env, output_dir, env.tmp_path / "out", extra_env={
+        "EASYCKPT_FAULT": f"agent.persist.after_file@{STEPS}", "EASYCKPT_FAULT_ONCE": str(fired)}))
+    assert fired.exists(), "the agent was not killed while persisting the last step"
+    assert f"is gone; starting a new one to persist steps [{STEPS}]" in job.log(), job.log()[-4000:]
+    complete = {p.name for p in output_dir.iterdir() if p.name.startswith("checkpoint-")}
+    assert complete == {f"checkpoint-{s}" for s in range(SAVE_STEPS, STEPS + 1, SAVE_STEPS)}
+    assert not layout.export_holds(output_dir / "easyckpt"), "every export hold is released"
+
+
 @pytest.mark.parametrize("point", ["hf.export.before_rename", "hf.export.mid_write"])
 def test_torn_checkpoints_are_never_chosen(env: Env, reference: tuple[HFJob, Path], point: str) -> None:
     """Rank 0 dies (SIGKILL at a named fault point) while writing or publishing checkpoint-10; two more

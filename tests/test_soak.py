@@ -66,10 +66,6 @@ class TornRun(AssertionError):
     """A replayed fault's run came back torn (and nothing worse)."""
 
 
-# raises=TornRun: the hang this fault found, or anything else going wrong, still fails the test
-OPEN_HF_PAST_MAX_STEPS = pytest.mark.xfail(strict=True, raises=TornRun, reason=(
-    "open: an HF job whose ranks torchrun restarts after close() failed (the disk full to the end) resumes at "
-    "global step 20 of max_steps=20 and trains step 21, then 22 (seed 101, fault 19): torn against the reference"))
 REPLAYS = [
     pytest.param(["--smoke", "--seed", "11"], 1, "a byte flipped in latest_checkpointed_iteration.txt: read_tracker "
                  "raised UnicodeDecodeError, so every agent died at start-up and load() failed instead of passing the "
@@ -82,8 +78,11 @@ REPLAYS = [
                  "(which the resumed state, digest checked, already holds)", id="101-8"),
     pytest.param(["--seed", "101"], 19, "the disk full to the end of a 2-node HF job: the TrainerWrapper's export "
                  "thread waited export_timeout (600 s) for each step whose persist had failed, holding up the end of "
-                 "training (hung); fixed, but the job then shows the open bug of OPEN_HF_PAST_MAX_STEPS",
-                 id="101-19", marks=OPEN_HF_PAST_MAX_STEPS),
+                 "training (hung); then, restarted by torchrun after close() failed, it resumed at global step 20 "
+                 "of max_steps=20 and trained steps 21 and 22 (torn)", id="101-19"),
+    pytest.param(["--seed", "101"], 99, "the agent killed at step 7 of a short 2-rank HF run, and no snapshot after "
+                 "it to replace the agent: the end of training waited export_timeout (600 s) for the exports of "
+                 "steps 10, 15 and 20 that no agent would write (hung)", id="101-99"),
     pytest.param(["--seed", "7"], 5, "the agent killed while the job ran: a rank's replacement agent that lost the "
                  "start-up race took the lock after the job's agent had exited and waited out its idle timeout (an "
                  "agent and its control block left behind)", id="7-5"),

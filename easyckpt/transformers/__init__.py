@@ -28,7 +28,11 @@ What it does, and why this way:
   read of the state through tmpfs (memory bandwidth); the directory is removed after the first step.
   When a complete ``checkpoint-N`` is newer than anything easyckpt holds (e.g. written by a plain
   Trainer), it wins. A path still works as in the Trainer; ``None``/``False`` is a fresh start (and
-  drops this job's old snapshots from memory so that they cannot be mistaken for this run's).
+  drops this job's old snapshots from memory so that they cannot be mistaken for this run's). A run
+  resumed at (or past) ``max_steps`` trains nothing more: the Trainer itself checks ``max_steps`` only
+  after a step, so when ``max_steps`` is not a multiple of the steps per epoch it would fast-forward into
+  the unfinished epoch and train one step past the end (a plain Trainer resumed from its last
+  ``checkpoint-N`` does, in transformers 5.23).
 
 * **Persist with the agent, export Trainer-native folders.** With ``save_strategy="steps"`` the
   Checkpointer's ``save_storage_interval`` is ``save_steps``: the node agent persists those snapshots to
@@ -65,7 +69,10 @@ with ``push_to_hub`` the checkpoints are not pushed at each save. A ``checkpoint
 agent has persisted the step and the export is done, so a callback's ``on_save`` may run before the
 folder exists (``best_model_checkpoint`` names it already, and rotation keeps it); training waits for
 the pending exports before the Trainer's end-of-training work (``load_best_model_at_end``, the last
-``save_total_limit`` pass).
+``save_total_limit`` pass). While it waits, a node agent that died is replaced (checked once a second; the
+new one adopts the slots, persists the newest due step and is asked again for the steps the exports wait
+for); when none can be started, the exports still waited for give up at once with a warning naming each
+step, instead of waiting ``export_timeout``.
 
 The package: ``wrapper`` (TrainerWrapper: the hooks, snapshots, saves), ``snapshot`` (the state taken
 from the live Trainer), ``resume`` (choosing and staging the state to resume from), ``folders``

@@ -50,6 +50,8 @@ class Exporter:
         self.requests: queue.Queue[int | None] = queue.Queue()
         self.idle = threading.Condition()
         self.outstanding = 0
+        self.pending: set[int] = set()     # requested steps whose export is not done (nor given up) yet
+        self.abandoned: str | None = None  # why no export waits any more for a step to be persisted
         self.exported: list[int] = []
         self.failed: dict[int, str] = {}
         self.cancelled: set[int] = set()   # requested steps that will never be persisted (no snapshot was taken)
@@ -62,6 +64,7 @@ class Exporter:
         self.hold(step)
         with self.idle:
             self.outstanding += 1
+            self.pending.add(step)
         self.requests.put(step)
 
     def hold(self, step: int) -> None:
@@ -77,6 +80,16 @@ class Exporter:
         """A requested step some rank could not snapshot: the agent will never persist it, so the export stops
         waiting for it (it would otherwise wait ``timeout``, holding up the end of training)."""
         self.cancelled.add(step)
+
+    def waiting(self) -> list[int]:
+        """The requested steps whose export is not done yet, oldest first."""
+        with self.idle:
+            return sorted(self.pending)
+
+    def abandon(self, why: str) -> None:
+        """Nothing will persist the steps still waited for (``why``): every export that waits, or will, for its
+        iteration to be complete gives up at once."""
+        self.abandoned = why
 
     def drain(self, timeout: float) -> bool:
         """Wait until every requested export is done (or given up); False on timeout."""
@@ -108,6 +121,7 @@ class Exporter:
                 self.release(step)
                 with self.idle:
                     self.outstanding -= 1
+                    self.pending.discard(step)
                     self.idle.notify_all()
 
     def _wait_complete(self, step: int) -> Path | None:
@@ -130,6 +144,12 @@ class Exporter:
                 # export_timeout each on a full disk (fault soak, seed 101, fault 19)
                 logger.warning("no checkpoint-%d: the node agent could not persist step %d (see easyckpt status and "
                                "the agent log: a full disk?)", step, step)
+                return None
+            if self.abandoned is not None:
+                # waiting out the timeout for a step nothing will persist held up the end of training for
+                # export_timeout (fault soak, seed 101, fault 99: the agent killed late in a short run)
+                logger.warning("no checkpoint-%d: step %d is not persisted and will not be: %s", step, step,
+                               self.abandoned)
                 return None
             if any(s > step for s in done) and not layout.present(path):
                 logger.warning("step %d was never persisted to %s (a newer iteration is complete): no checkpoint-%d",

@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 _NEVER = 1 << 40           # save_storage_interval = save_mem_interval * _NEVER: memory only
 VERDICT_BYTES = 2048       # one rank's verdict as JSON, gathered for a synchronous save
+AGENT_CHECK = 1.0          # seconds between looks for a dead node agent while the end of training drains exports
 
 
 def check_world_size(trainer: Trainer) -> None:
@@ -168,6 +169,13 @@ class TrainerWrapper:
         self._original_mlse = trainer._maybe_log_save_evaluate
         trainer._maybe_log_save_evaluate = self._maybe_log_save_evaluate   # type: ignore[method-assign]
         trainer._save_checkpoint = self._save_checkpoint                   # type: ignore[method-assign]
+        # The Trainer checks max_steps only after a step: resumed at its last step (max_steps not a multiple
+        # of the steps per epoch) it fast-forwards into the unfinished epoch and trains one more. With no
+        # batch handed out there, it trains none (fault soak, seed 101, fault 19: restarted after close()
+        # failed, an HF job trained steps 21 and 22 of max_steps=20).
+        self._original_batches = trainer.get_batch_samples
+        trainer.get_batch_samples = self._get_batch_samples                # type: ignore[method-assign]
+        self._trained_out = False   # this train() resumed at (or past) max_steps: nothing is left to train
         self.guard: StepGuard | None = None
         if self.skipper is not None or use_checkpoint_health_monitor:
             self.guard = StepGuard(trainer, self.skipper, health=use_checkpoint_health_monitor,
@@ -222,6 +230,8 @@ class TrainerWrapper:
         finished = False
         undo: fsdp.ShardedResume | None = None
         loaded: _OnTrainBegin | None = None
+        at_end = _OnTrainBegin(self._stop_if_trained_out)
+        self.trainer.add_callback(at_end)
         try:
             if self.trainer.args.should_save:
                 self.folders.clean_stale()
@@ -243,9 +253,27 @@ class TrainerWrapper:
                 undo.undo()
             if loaded is not None:
                 self.trainer.remove_callback(loaded)
+            self.trainer.remove_callback(at_end)
+            self._trained_out = False
             # The end of training: close() makes the newest snapshot durable (final_persist) and raises
             # PersistError when the disk refused it, unless training itself failed (that error goes on).
             self._finish(raise_errors=finished)
+
+    def _stop_if_trained_out(self) -> None:
+        """At the start of training, with the resumed state loaded: at (or past) max_steps there is nothing
+        left to train, as the Trainer itself sees when max_steps is a multiple of the steps per epoch."""
+        trainer = self.trainer
+        state = trainer.state
+        self._trained_out = 0 < state.max_steps <= state.global_step
+        if self._trained_out:
+            trainer.control.should_training_stop = True
+            logger.warning("resumed at step %d, and max_steps is %d: nothing left to train", state.global_step,
+                           state.max_steps)
+
+    def _get_batch_samples(self, *args: Any, **kwargs: Any) -> tuple[list[Any], Any]:
+        if self._trained_out:
+            return [], None   # no batch, so no step; every rank alike (each resumed at the same step)
+        return self._original_batches(*args, **kwargs)
 
     def _on_abort(self) -> None:
         """Too many spikes in a row: make the newest snapshot (the last step before them) durable first."""
@@ -287,6 +315,8 @@ class TrainerWrapper:
 
     # hooks on the Trainer ---------------------------------------------------------------------------
     def _maybe_log_save_evaluate(self, *args: Any, **kwargs: Any) -> None:
+        if self._trained_out:
+            return   # the epoch's end with no step trained in it: nothing to log, save or evaluate
         if self.guard is not None:
             self.guard.end_of_step()
         self._original_mlse(*args, **kwargs)
@@ -441,10 +471,25 @@ class TrainerWrapper:
 
     # end of training --------------------------------------------------------------------------------
     def _drain(self) -> None:
-        if self.ckpt is not None:
-            self.ckpt.wait()   # a save's persist request goes out when its copy is committed: now, not never
-        if self._exporter is not None and not self._exporter.drain(self.export_timeout):
-            logger.warning("checkpoint exports still pending after %.0fs", self.export_timeout)
+        """Wait (``export_timeout``) for the exports asked for. Before ``close()`` no snapshot will come to
+        replace a node agent that died (the ranks do that at a snapshot, at most once a second), so this wait
+        does, once a second: without that it waited export_timeout for an agent that never came (fault soak,
+        seed 101, fault 99: the agent killed at step 7 of a run that ended within that second)."""
+        ckpt, exporter = self.ckpt, self._exporter
+        if ckpt is not None:
+            ckpt.wait()   # a save's persist request goes out when its copy is committed: now, not never
+        if exporter is None:
+            return
+        deadline = time.monotonic() + self.export_timeout
+        while not exporter.drain(min(AGENT_CHECK, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                logger.warning("checkpoint exports still pending after %.0fs (export_timeout): %s",
+                               self.export_timeout, ", ".join(f"checkpoint-{s}" for s in exporter.waiting()))
+                return
+            if ckpt is not None and exporter.abandoned is None and not ckpt.revive_agent(exporter.waiting()):
+                exporter.abandon(f"no easyckpt agent runs for job {ckpt.config.job_id} and none could be started "
+                                 f"(see {ckpt.agent.job_dir / 'agent.log'}); the snapshots stay in shared memory, "
+                                 "and close() tries once more to persist the newest")
 
     def _finish(self, *, raise_errors: bool = True) -> None:
         if self._resumer is not None:

@@ -36,3 +36,24 @@ def test_an_export_still_waits_while_nothing_failed(tmp_path: Path) -> None:
         exporter.cancel(10)
         assert exporter.drain(60.0)
         exporter.stop()
+
+
+
+def test_exports_abandoned_at_the_end_of_training_stop_waiting_at_once(tmp_path: Path) -> None:
+    """The node agent was killed and none could be started (fault soak, seed 101, fault 99: the agent killed at
+    step 7 of a run that ended a second later; the end of training waited export_timeout for checkpoint-10, 15
+    and 20): the exports give up at once, also one requested after."""
+    exporter = Exporter(cast(Any, None), tmp_path, timeout=120.0)
+    try:
+        for step in (10, 15):
+            exporter.request(step)
+        assert exporter.waiting() == [10, 15] and not exporter.drain(0.2)
+        started = time.monotonic()
+        exporter.abandon("no easyckpt agent runs")
+        exporter.request(20)
+        assert exporter.drain(60.0), "the exports still wait for an agent that is gone"
+        assert time.monotonic() - started < 30.0
+        assert exporter.failed == {10: "not persisted", 15: "not persisted", 20: "not persisted"}
+        assert exporter.waiting() == [] and not exporter.exported
+    finally:
+        exporter.stop()
