@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from easyckpt.checkpointer import Checkpointer, FlushResult
     from easyckpt.config import CheckpointerConfig
     from easyckpt.health import DataSkipper, TrainingAborted
+    from easyckpt.node.client import AgentElsewhereError
     from easyckpt.node.persist_watch import PersistError
     from easyckpt.recovery import LoadError, LoadResult, StateMismatchError
     from easyckpt.snapshot.slots import ShmSpaceError
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from easyckpt_wire.owner import SaveDirInUseError
 
 __all__ = [
+    "AgentElsewhereError",
     "CheckpointCorruptError",
     "CheckpointFormatError",
     "Checkpointer",
@@ -45,7 +47,7 @@ _LAZY = {
     "DataSkipper": "easyckpt.health", "TrainingAborted": "easyckpt.health",
     "LoadResult": "easyckpt.recovery", "LoadError": "easyckpt.recovery", "StateMismatchError": "easyckpt.recovery",
     "ShmSpaceError": "easyckpt.snapshot.slots",
-    "PersistError": "easyckpt.node.persist_watch",
+    "PersistError": "easyckpt.node.persist_watch", "AgentElsewhereError": "easyckpt.node.client",
     "CheckpointCorruptError": "easyckpt.storage",
     "CheckpointFormatError": "easyckpt_wire.layout",
     "SaveDirInUseError": "easyckpt_wire.owner",

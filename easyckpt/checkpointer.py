@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from easyckpt.config import CheckpointerConfig
 from easyckpt.logs import apply_env_level, notice
-from easyckpt.node.client import AgentClient
+from easyckpt.node.client import AgentClient, check_running_agent
 from easyckpt.node.lag_gate import LagGate
 from easyckpt.node.persist_watch import PersistError, PersistWatch, describe_failure
 from easyckpt.node.replicas import introduce
@@ -91,6 +91,10 @@ class Checkpointer:
                            self.rank, self.world_size)
         config = self.config
         assert config.shm_dir is not None and config.job_id is not None
+        # Before this process registers anywhere (an owner claim that the agent reads would count as one more
+        # rank death): a running agent of this job that watches another shm_dir is refused.
+        check_running_agent(protocol.runtime_dir(config.job_id), job_id=config.job_id, shm_dir=config.shm_dir,
+                            rank=self.rank)
         # Before anything touches the slots or says HELLO: a second live run on this save_dir must fail
         # here, not resume out of the first one's memory and write into it (owner.SaveDirInUseError).
         owner.claim(protocol.runtime_dir(config.job_id), config.job_id, self.rank, config.save_dir)

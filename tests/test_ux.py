@@ -311,3 +311,24 @@ def test_two_ranks_starting_agents_at_once_log_one_start(env: Env, caplog: pytes
     finally:
         for client in clients:
             client.detach()
+
+
+def test_a_rerun_with_another_shm_dir_beside_the_first_runs_agent_is_refused_at_once(env: Env) -> None:
+    """A run killed at step 3 leaves its agent alive (it keeps the snapshots for a restart until its idle timeout).
+    Rerun with another EASYCKPT_SHM_DIR, the same save_dir means the same job and so that agent, which watches the
+    first directory: it would never see the rerun's snapshots, and close() used to wait close_timeout (600 s) for
+    a persist that never came. The rerun is refused before it writes anything, naming both directories and the
+    fix; rerun with the first directory, it resumes from that agent's memory (step 3, or 2 if the kill cut the copy)."""
+    first = loop(env, env.save_dir, 10, kill_at=3)
+    assert first.returncode == -signal.SIGKILL, first.stderr
+    other = env.tmp_path / "other-shm"
+    other.mkdir()
+    second = loop(env, env.save_dir, 10, EASYCKPT_SHM_DIR=str(other))
+    assert second.returncode == 1 and "AgentElsewhereError" in second.stderr, second.stderr
+    said = second.stderr.strip().splitlines()[-1]
+    assert f"watches shared memory in {env.shm_dir}" in said and f"this run's shm_dir is {other}" in said, said
+    assert f"Run with shm_dir {env.shm_dir}" in said and "easyckpt clean" in said, said
+    assert list(other.iterdir()) == [], "refused before any slot was written"
+    third = loop(env, env.save_dir, 10)
+    assert third.returncode == 0 and "ended at step 9" in third.stdout, third.stderr
+    assert re.search(r"resumed at step [23] from memory", third.stderr), third.stderr   # 3 unless its copy was cut

@@ -295,6 +295,34 @@ class AgentClient:
         self.waker.close()
 
 
+class AgentElsewhereError(RuntimeError):
+    """The job's agent that already runs watches another shared-memory directory than this rank writes to."""
+
+
+def check_running_agent(job_dir: Path, *, job_id: str, shm_dir: Path, rank: int, timeout: float = 5.0) -> None:
+    """Before a rank writes a slot: an agent of this job that already runs (an earlier run's, kept alive for a
+    restart until its idle timeout) must watch this rank's ``shm_dir``. One that watches another would never see
+    this run's snapshots, and ``close()`` would wait ``close_timeout`` for a persist that never comes (a rerun
+    with another EASYCKPT_SHM_DIR). An agent that does not answer in ``timeout`` is left to the usual checks."""
+    if not protocol.agent_running(job_dir):
+        return
+    try:
+        report = query_status(job_dir, timeout)
+    except (AgentTimeout, ProtocolError, OSError):
+        return
+    theirs = report.get("shm_dir")
+    if not isinstance(theirs, str) or Path(theirs).resolve() == shm_dir.resolve():
+        return
+    idle = report.get("idle_exit_in")
+    when = f"it exits by itself in {idle:.0f}s, " if isinstance(idle, (int, float)) else ""
+    raise AgentElsewhereError(
+        f"rank {rank}: the easyckpt agent of job {job_id} (pid {report.get('pid')}), still running from an earlier "
+        f"run on {report.get('save_dir')}, watches shared memory in {theirs}, but this run's shm_dir is {shm_dir} "
+        f"(EASYCKPT_SHM_DIR or shm_dir=): it would never see this run's snapshots. Run with shm_dir {theirs} to "
+        f"resume from its memory, or stop it first ({when}or `kill {report.get('pid')}`; then "
+        f"`easyckpt clean {report.get('save_dir')}` frees its memory)")
+
+
 def query_status(job_dir: Path, timeout: float = 5.0) -> dict[str, Any]:
     """Ask the agent of one job on this node (its runtime directory) for its view (``easyckpt status``)."""
     try:
