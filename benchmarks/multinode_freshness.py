@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "backup_ms": [round(statistics.median(whole["backup_ms"]), 1), round(pct(whole["backup_ms"], 0.99)
                                                                                       or 0, 1)],
                    "due": len(whole["due"]), "due_persisted": len(whole["persisted_due"]),
-                   "passed_over": whole["passed"], "faults": faults}
+                   "passed_over": {str(step): why for step, why in whole["passed"].items()}, "faults": faults}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "faults"}), flush=True)
     finally:
