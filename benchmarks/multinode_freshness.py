@@ -122,9 +122,13 @@ def uninterrupted(args: argparse.Namespace, work: Path, idle: float) -> dict[str
     due = list(range(0, args.steps, args.interval))
     step_ms = 1000 * wall / args.steps
     backups = sampler.backup_ms()
+    # A due step still undecided when the job ended (its agents starved of CPU for the step or two after it) is
+    # neither persisted nor announced: close() persists the newest step instead. Counted apart, never as persisted.
+    final = max(committed, default=-1)
+    superseded = [s for s in due if s not in committed and s not in passed and final - args.interval < s < final]
     return {"wall_s": wall, "step_ms": step_ms, "job_lags": sampler.job_lags, "node_lags": sampler.node_lags,
             "backup_ms": backups, "due": due, "persisted_due": [s for s in due if s in committed],
-            "passed": passed}
+            "passed": passed, "superseded": superseded}
 
 
 def faulted(args: argparse.Namespace, work: Path, idle: float, kind: str, at: int) -> dict[str, Any]:
@@ -188,7 +192,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    "backup_ms": [round(statistics.median(whole["backup_ms"]), 1), round(pct(whole["backup_ms"], 0.99)
                                                                                       or 0, 1)],
                    "due": len(whole["due"]), "due_persisted": len(whole["persisted_due"]),
-                   "passed_over": {str(step): why for step, why in whole["passed"].items()}, "faults": faults}
+                   "passed_over": {str(step): why for step, why in whole["passed"].items()},
+                   "superseded_by_the_final_persist": whole["superseded"], "faults": faults}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "faults"}), flush=True)
     finally:

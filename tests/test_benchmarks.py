@@ -278,5 +278,9 @@ def test_multinode_freshness_benchmark_smoke(env: Env, tmp_path: Path) -> None:
         ["--idle-ms", "0", "--faults", "0", "--steps", "12", "--seed", "3", "--json", str(out)])
     assert json.loads(out.read_text()) == result
     (row,) = result["rows"]
-    assert row["due"] == 3 and row["due_persisted"] + len(row["passed_over"]) >= row["due"]
+    # every due step persisted or announced as passed over, but for one the end of the run overtook (close()
+    # persisted the newest step instead): agents starved of CPU by four ranks on two cores may not decide it in time
+    superseded = row["superseded_by_the_final_persist"]
+    assert row["due"] == 3 and row["due_persisted"] + len(row["passed_over"]) + len(superseded) >= row["due"], row
+    assert superseded in ([], [10]), row
     assert row["job_safe_lag"][0] is not None and row["backup_ms"][0] > 0
