@@ -199,16 +199,18 @@ def main() -> None:
                 pass
             if args.step_idle:
                 time.sleep(args.step_idle)   # stands in for GPU compute: leaves the CPU to the node agents
+            # The digests of this step go out before its snapshot: a job killed right after the snapshot (a
+            # lost node) may resume at this step, and the test compares the resumed state with these digests.
+            if step % (args.digest_every or args.save_storage_interval) == 0:
+                full = full_digests(model, optimizer)
+                if rank == 0:
+                    (out / f"full-{step}.json").write_text(json.dumps(full))
             ckpt.save_if_needed(step, training_state(model, optimizer, step))
             if step == args.kill_at and rank == args.kill_rank:
                 ckpt.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
             log.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
             log.flush()
-            if step % (args.digest_every or args.save_storage_interval) == 0:
-                full = full_digests(model, optimizer)
-                if rank == 0:
-                    (out / f"full-{step}.json").write_text(json.dumps(full))
     ckpt.close()
     dist.destroy_process_group()
 
