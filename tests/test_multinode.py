@@ -241,7 +241,7 @@ def test_corrupted_replica_is_caught(cluster: Cluster, reference: Cluster) -> No
     (they take rank 1's copy instead); rank 0 can only come back from disk, so everyone does, and
     nobody resumes a wrong state."""
     job = cluster()
-    run_until_killed(job)
+    run_until_killed(job, 12, 18)   # step 10 is due before the kill: usually the disk has a step to fall back to
     # What is corrupted must be what node 0's agent checksummed (every snapshot it can: a snapshot flipped before
     # its agent hashed it would be hashed flipped, and no checksum could tell): a precondition of the fault, not
     # a wait for the job's protection.
@@ -274,8 +274,15 @@ def test_corrupted_replica_is_caught(cluster: Cluster, reference: Cluster) -> No
     assert len(flipped) >= 2, f"rank 0 should hold two or three snapshots on node 0, found {flipped}"
     on_disk = layout.read_tracker(job.env.save_dir)
     reports = finish(job)
-    step = check_exact(job, reference, reports)
-    assert step >= on_disk and {r["source"] for r in reports} == {"disk"}, (on_disk, reports)
+    if on_disk is None and all(r["step"] is None for r in reports):
+        # On a loaded machine no step may have reached disk whole before node 1 was lost (seen in CI: the tracker
+        # was empty at the kill). Then the only right outcome is that every rank starts over.
+        assert {r["source"] for r in reports} == {None}, reports
+        for rank in range(job.world):
+            assert job.losses(rank) == reference.losses(rank), f"rank {rank}: the rerun from scratch differs"
+    else:
+        step = check_exact(job, reference, reports)
+        assert step >= (on_disk or 0) and {r["source"] for r in reports} == {"disk"}, (on_disk, reports)
     assert "does not match the checksum" in job.log(0), "rank 0 must notice its own corrupted memory"
     assert "trying another copy" in job.log(1), "node 1's ranks must skip the corrupted copy"
 
