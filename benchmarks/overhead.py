@@ -37,6 +37,7 @@ from common import write_result
 from torch import nn
 
 import easyckpt
+from easyckpt.snapshot.state import flatten
 
 TARGET_CUDA = 0.03
 
@@ -126,7 +127,7 @@ def run_mode(args: argparse.Namespace, directory: Path, with_ckpt: bool) -> dict
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    _, refs, _ = easyckpt.snapshot.state.flatten({"model": model.state_dict(), "optim": optimizer.state_dict()})
+    _, refs, _ = flatten({"model": model.state_dict(), "optim": optimizer.state_dict()})
     return sum(ref.nbytes for ref in refs)
 
 

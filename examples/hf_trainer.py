@@ -39,7 +39,7 @@ import torch.distributed as dist
 import xxhash
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-import easyckpt.snapshot.state
+from easyckpt.snapshot.state import flatten
 from easyckpt.transformers import TrainerWrapper
 
 VOCAB, SEQ = 64, 16
@@ -73,7 +73,7 @@ def state_digest(model: torch.nn.Module, optimizer: Any) -> str:
     if not isinstance(optim.get("state"), dict):   # DeepSpeed ZeRO: this rank's partition, with DeepSpeed objects
         from easyckpt.transformers.zero import portable
         optim = portable(optim)
-    _, refs, values = easyckpt.snapshot.state.flatten({"model": model.state_dict(), "optim": optim})
+    _, refs, values = flatten({"model": model.state_dict(), "optim": optim})
     for ref, value in zip(refs, values):
         digest.update(ref.name.encode())
         digest.update(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())

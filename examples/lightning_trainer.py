@@ -37,8 +37,8 @@ import xxhash
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-import easyckpt.snapshot.state
 from easyckpt.lightning import EasyCkpt
+from easyckpt.snapshot.state import flatten
 
 FEATURES, SAMPLES, BATCH = 16, 64, 4
 
@@ -102,7 +102,7 @@ def digest(trainer: pl.Trainer) -> str:
     """xxh3-128 over every tensor of the model and optimizer, in order: equal digests mean equal bits."""
     hasher = xxhash.xxh3_128()
     state = {"model": trainer.lightning_module.state_dict(), "optim": [o.state_dict() for o in trainer.optimizers]}
-    _, refs, values = easyckpt.snapshot.state.flatten(state)
+    _, refs, values = flatten(state)
     for ref, value in zip(refs, values):
         hasher.update(ref.name.encode())
         hasher.update(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())

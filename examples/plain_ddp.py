@@ -36,6 +36,7 @@ import xxhash
 from torch.nn.parallel import DistributedDataParallel
 
 import easyckpt
+from easyckpt.snapshot.state import flatten
 
 
 def write_report(path: Path, report: dict[str, object]) -> None:
@@ -66,7 +67,7 @@ def batch(position: int, rank: int, vocab: int = 64) -> tuple[torch.Tensor, torc
 def state_digest(state: dict) -> str:
     """xxh3-128 over every tensor of model and optimizer, in order: equal digests mean equal bits."""
     digest = xxhash.xxh3_128()
-    _, refs, values = easyckpt.snapshot.state.flatten({"model": state["model"], "optim": state["optim"]})
+    _, refs, values = flatten({"model": state["model"], "optim": state["optim"]})
     for ref, value in zip(refs, values):
         digest.update(ref.name.encode())
         digest.update(value.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
