@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 import easyckpt
+from easyckpt.snapshot.state import flatten
 
 PEERS = ("torch_save", "safetensors", "dcp_save", "dcp_async")
 
@@ -77,25 +78,30 @@ def sync(device: str) -> None:
 
 
 def measure(size_mb: float, repeats: int, directory: Path, copy_threads: int = 1, device: str = "cpu",
-            peers: tuple[str, ...] = PEERS) -> dict[str, Any]:
+            peers: tuple[str, ...] = PEERS, cuda_copy_streams: int = 2) -> dict[str, Any]:
     state = gpt_like_state(size_mb, device=device)
     sync(device)
-    _, refs, values = easyckpt.snapshot.state.flatten(state)
+    _, refs, values = flatten(state)
     flat = {ref.name: value for ref, value in zip(refs, values)}
-    ckpt = easyckpt.Checkpointer(directory / "ckpt", 1, 10**9, 1, start_agent=False, copy_threads=copy_threads)
-    launches, fulls = [], []
+    ckpt = easyckpt.Checkpointer(directory / "ckpt", 1, 10**9, 1, start_agent=False, copy_threads=copy_threads,
+                                 cuda_copy_streams=cuda_copy_streams)
+    every_launch, every_full, phases = [], [], []
     try:
-        for step in range(2 + 2 * repeats):
+        # The first snapshot into each slot allocates and touches it (and pins it on CUDA), once per job: the
+        # steady state is every save after each slot was written once, the first save is reported on its own.
+        first_round = ckpt.slots.count
+        for step in range(first_round + 2 * repeats):
             ckpt.wait()  # untimed: in training the next step's compute hides the copy
             sync(device)
             start = time.perf_counter()
             ckpt.save_if_needed(step, state)
             launched = time.perf_counter()
+            phases.append(ckpt.stager.last_launch_phases)
             ckpt.wait()
-            if step >= 2:  # the first two allocate and touch the slots, once per job
-                launches.append(launched - start)
-                fulls.append(time.perf_counter() - start)
-        launch, full = statistics.median(launches), statistics.median(fulls)
+            every_launch.append(launched - start)
+            every_full.append(time.perf_counter() - start)
+        launch = statistics.median(every_launch[first_round:])
+        full = statistics.median(every_full[first_round:])
         skipped = ckpt.stats()["skipped"]
     finally:
         ckpt.close()
@@ -108,6 +114,9 @@ def measure(size_mb: float, repeats: int, directory: Path, copy_threads: int = 1
         if "safetensors" in peers else nan
     dcp_save, dcp_async, stager = measure_dcp(state, directory, repeats, peers)
     return {"device": device, "dcp_async_stager": stager, "bytes": sum(ref.nbytes for ref in refs), "tensors": len(flat),
+            "cuda_copy_streams": cuda_copy_streams, "easyckpt_first_launch_s": every_launch[0],
+            "easyckpt_first_launch_copy_s": every_full[0], "easyckpt_every_launch_s": every_launch,
+            "easyckpt_every_launch_copy_s": every_full, "easyckpt_every_launch_phases": phases,
             "easyckpt_launch_s": launch,
             "easyckpt_launch_copy_s": full, "torch_save_fsync_s": torch_save, "safetensors_fsync_s": st_save,
             "dcp_save_s": dcp_save, "dcp_async_save_s": dcp_async, "easyckpt_skipped": skipped,
@@ -180,25 +189,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--copy-threads", type=int, default=1, help="easyckpt's CPU copy threads")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the state lives")
-    parser.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS),
+    parser.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS),
                         help="which peers to time (the slow ones dominate the run at 10 GB)")
+    parser.add_argument("--cuda-copy-streams", type=int, default=2, help="easyckpt's CUDA copy streams")
     parser.add_argument("--dir", type=Path, default=None, help="where torch.save/safetensors write (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        rows = [measure(size, args.repeats, Path(tmp), args.copy_threads, args.device, tuple(args.peers))
-                for size in args.sizes_mb]
+        rows = [measure(size, args.repeats, Path(tmp), args.copy_threads, args.device, tuple(args.peers),
+                        args.cuda_copy_streams) for size in args.sizes_mb]
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                "device": args.device, "python": platform.python_version()}
     if args.device == "cuda":
         machine["gpu"] = torch.cuda.get_device_name()
-    print(f"{'MB':>7} {'tensors':>7} {'launch ms':>9} {'+copy ms':>9} {'torch.save':>10} {'safetensors':>11} "
+    print(f"{'MB':>7} {'tensors':>7} {'1st launch':>10} {'launch ms':>9} {'+copy ms':>9} {'torch.save':>10} "
+          f"{'safetensors':>11} "
           f"{'dcp.save':>9} {'dcp.async':>9} {'save/launch':>11} {'async/launch':>12} {'save/+copy':>10} "
           f"{'async/+copy':>11}")
     for row in rows:
-        print(f"{row['bytes'] / 1e6:7.0f} {row['tensors']:7d} {row['easyckpt_launch_s'] * 1e3:9.2f} "
+        print(f"{row['bytes'] / 1e6:7.0f} {row['tensors']:7d} {row['easyckpt_first_launch_s'] * 1e3:10.2f} "
+              f"{row['easyckpt_launch_s'] * 1e3:9.2f} "
               f"{row['easyckpt_launch_copy_s'] * 1e3:9.1f} {row['torch_save_fsync_s'] * 1e3:10.1f} "
               f"{row['safetensors_fsync_s'] * 1e3:11.1f} {row['dcp_save_s'] * 1e3:9.1f} "
               f"{row['dcp_async_save_s'] * 1e3:9.1f} {row['ratio_torch_save_over_launch']:11.0f} "

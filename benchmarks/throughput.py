@@ -54,6 +54,7 @@ import torch
 from common import poll, write_result
 
 import easyckpt
+from easyckpt.snapshot.state import flatten
 from easyckpt_wire import layout, owner
 from easyckpt_wire.shm import shm_dir
 
@@ -74,6 +75,9 @@ def _blocking() -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+PATHS = ("copy", "memory", "disk")   # --paths: the snapshot copy; load from memory; persist and load from disk
 
 
 def to_device(value: Any, device: str) -> Any:
@@ -279,10 +283,12 @@ class RawCopy:
 
 
 def measure_memory(state: dict[str, Any], size_mb: float, dim: int, nbytes: int, repeats: int, copy_repeats: int,
-                   directory: Path, device: str, copy_threads: int = 1) -> tuple[dict[str, Any], dict[str, Any], int]:
+                   directory: Path, device: str, copy_threads: int = 1, cuda_copy_streams: int = 2,
+                   recovery: bool = True) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
     """Snapshot copy vs raw copy; then load() from memory in new processes while the writer holds its slots."""
-    values = [v for v in easyckpt.snapshot.state.flatten(state)[2] if isinstance(v, torch.Tensor)]
-    ck = easyckpt.Checkpointer(directory / "mem", 1, 10**9, 1, start_agent=False, copy_threads=copy_threads)
+    values = [v for v in flatten(state)[2] if isinstance(v, torch.Tensor)]
+    ck = easyckpt.Checkpointer(directory / "mem", 1, 10**9, 1, start_agent=False, copy_threads=copy_threads,
+                               cuda_copy_streams=cuda_copy_streams)
     try:
         raw_copy = RawCopy(values, device)
         times, raw_times = [], []
@@ -298,7 +304,10 @@ def measure_memory(state: dict[str, Any], size_mb: float, dim: int, nbytes: int,
                 raw_times.append(raw_copy())  # interleaved: both see the same machine load
         del raw_copy
         skipped = ck.stats()["skipped"]
-        copy = entry("snapshot_copy", nbytes, times, nbytes, raw_times, skipped=skipped)
+        copy = entry("snapshot_copy", nbytes, times, nbytes, raw_times, skipped=skipped,
+                     cuda_copy_streams=cuda_copy_streams)
+        if not recovery:
+            return copy, None, skipped
         index, _header = ck.slots.committed()[last]
         slot_file = ck.slots.path(index)
         # The readers stand in for a restarted rank, which finds its predecessor gone: the writer gives up
@@ -409,13 +418,15 @@ def measure_disk(state: dict[str, Any], size_mb: float, dim: int, repeats: int, 
 
 
 def measure(size_mb: float, dim: int, repeats: int, copy_repeats: int, directory: Path, device: str,
-            persist_timeout: float, copy_threads: int = 1) -> dict[str, Any]:
+            persist_timeout: float, copy_threads: int = 1, cuda_copy_streams: int = 2,
+            paths: tuple[str, ...] = PATHS) -> dict[str, Any]:
     state = make_state(size_mb, device, dim)
-    _, refs, _ = easyckpt.snapshot.state.flatten(state)
+    _, refs, _ = flatten(state)
     nbytes = sum(ref.nbytes for ref in refs)
     copy, memory, skipped = measure_memory(state, size_mb, dim, nbytes, repeats, copy_repeats, directory, device,
-                                           copy_threads)
-    persist, disk = measure_disk(state, size_mb, dim, repeats, directory, device, persist_timeout)
+                                           copy_threads, cuda_copy_streams, recovery="memory" in paths)
+    persist, disk = measure_disk(state, size_mb, dim, repeats, directory, device, persist_timeout) \
+        if "disk" in paths else (None, None)
     return {"bytes": nbytes, "tensors": len(refs), "snapshot_copy": copy, "persist": persist,
             "recovery_memory": memory, "recovery_disk": disk, "snapshot_skipped": skipped}
 
@@ -439,6 +450,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="hidden size of the GPT-like state (one layer is ~100 MB at 1024; use e.g. 128 for tiny runs)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the state lives")
     parser.add_argument("--copy-threads", type=int, default=1, help="easyckpt's CPU copy threads")
+    parser.add_argument("--cuda-copy-streams", type=int, default=2, help="easyckpt's CUDA copy streams")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS),
+                        help="which paths to measure (the snapshot copy always runs; at the largest sizes the "
+                             "persist and the loads take minutes)")
     parser.add_argument("--dir", type=Path, default=None,
                         help="parent of the temporary save_dirs (default: the system temp dir); "
                              "put it on the disk to measure")
@@ -453,18 +468,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         directory = Path(tmp)
         info = machine(args.device, directory)
         rows = [measure(size, args.dim, args.repeats, args.copy_repeats, directory, args.device, args.persist_timeout,
-                        args.copy_threads) for size in args.sizes_mb]
+                        args.copy_threads, args.cuda_copy_streams, tuple(args.paths)) for size in args.sizes_mb]
     names = {"snapshot_copy": "snapshot copy", "persist": "persist", "recovery_memory": "recovery (memory)",
              "recovery_disk": "recovery (disk)"}
     print(f"{'MB':>8} {'path':<18} {'easyckpt s':>11} {'GB/s':>7} {'raw s':>9} {'raw GB/s':>9} {'ratio':>6} {'target':>7}")
     for row in rows:
         for key, name in names.items():
             cell = row[key]
+            if cell is None:
+                continue
             target = cell["target"]
             verdict = "" if target is None else (f">={target:.2f} " + ("ok" if cell["ratio"] >= target else "MISS"))
             print(f"{row['bytes'] / 1e6:8.0f} {name:<18} {cell['easyckpt_s']:11.4f} {cell['easyckpt_gbps']:7.2f} "
                   f"{cell['raw_s']:9.4f} {cell['raw_gbps']:9.2f} {cell['ratio']:6.2f} {verdict}")
-    resident = [row["recovery_disk"]["resident_after_drop"] for row in rows]
+    resident = [row["recovery_disk"]["resident_after_drop"] for row in rows if row["recovery_disk"]]
     print(f"note: {CACHE_NOTE} (here: {resident}); save_dir on {info['dir_fs']}, slots on {info['shm_fs']}")
     result = {"benchmark": "throughput", "machine": info, "device": args.device, "repeats": args.repeats,
               "copy_repeats": args.copy_repeats, "dim": args.dim,

@@ -41,6 +41,9 @@ class CheckpointerConfig:
     slots: int | None = None
     pin_timeout: float = 60.0            # HF Trainer: longest a due snapshot that found no free slot retries
     copy_threads: int = 1                # CPU copy threads: more copies faster, but takes cores from training
+    # CUDA state: side streams the device-to-host copy is spread over (tensors over 64 MiB split into pieces
+    # across them), so the copy is not one stream's queue of thousands of copies one after the other
+    cuda_copy_streams: int = 2
     replicate_unique: bool = True        # multi-node: the buddy node also keeps large tensors no other node holds
     peer_timeout: float = 10.0           # multi-node: one request to another node's agent
     # multi-node: save_if_needed waits (bounded by a few step times, said once per episode) while the node-safe
@@ -56,7 +59,8 @@ class CheckpointerConfig:
 
     def __post_init__(self) -> None:
         self.save_dir = location(self.save_dir)   # a URL of a scheme with no storage here is refused now
-        for name in ("save_mem_interval", "save_storage_interval", "max_ckpt_num", "copy_threads"):
+        for name in ("save_mem_interval", "save_storage_interval", "max_ckpt_num", "copy_threads",
+                     "cuda_copy_streams"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")

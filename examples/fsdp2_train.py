@@ -20,6 +20,9 @@ tensor's global shape too; only the placements differ, which the resharded load 
 
     torchrun --nproc-per-node=4 examples/fsdp2_train.py --save-dir /tmp/ckpt2d --out /tmp/run2d --tp 2
     torchrun --nproc-per-node=2 examples/fsdp2_train.py --save-dir /tmp/ckpt2d --out /tmp/run1d --steps 10
+
+``--device cuda`` trains on the GPUs (rank r on GPU r mod the GPU count; NCCL for CUDA tensors, gloo for the
+rest) and also saves and restores the CUDA RNG (dropout on the GPU draws from it).
 """
 from __future__ import annotations
 
@@ -80,16 +83,21 @@ def dp_mesh(tp: int) -> DeviceMesh | None:
     world = dist.get_world_size()
     if world % tp:
         raise SystemExit(f"--tp {tp} does not divide the world size {world}")
-    return init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))["dp"]
+    return init_device_mesh(DEVICE.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))["dp"]
+
+
+DEVICE = torch.device("cpu")   # --device: set once in main(), before anything is built
 
 
 def build(tp: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)   # the same full weights on every rank before fully_shard splits them
-    model = TinyLM()
+    model = TinyLM().to(DEVICE)
     mesh = dp_mesh(tp)
     if mesh is not None:
         root = mesh._get_root_mesh()
         parallelize_module(model.mlp, root["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    if mesh is None and DEVICE.type == "cuda":
+        mesh = init_device_mesh("cuda", (dist.get_world_size(),))
     fully_shard(model.block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -114,7 +122,7 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 def batch(position: int, rank: int, vocab: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 * position + rank)
     tokens = torch.randint(0, vocab, (4, 12), generator=generator)
-    return tokens[:, :-1], tokens[:, 1:]
+    return tokens[:, :-1].to(DEVICE), tokens[:, 1:].to(DEVICE)
 
 
 def full_digests(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str]:
@@ -125,16 +133,21 @@ def full_digests(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
     digests = {}
     for name, value in found.items():
         full = value.full_tensor() if isinstance(value, DTensor) else value
-        digests[name] = xxhash.xxh3_128_hexdigest(full.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        digests[name] = xxhash.xxh3_128_hexdigest(
+            full.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy())
     return digests
 
 
 def training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> dict[str, Any]:
-    return {"model": model.state_dict(), "optim": optimizer.state_dict(), "rng": torch.get_rng_state(),
-            "data_position": step + 1, "step": step}
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict(), "rng": torch.get_rng_state(),
+             "data_position": step + 1, "step": step}
+    if DEVICE.type == "cuda":
+        state["cuda_rng"] = torch.cuda.get_rng_state(DEVICE)
+    return state
 
 
 def main() -> None:
+    global DEVICE
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--save-dir", required=True)
     parser.add_argument("--out", required=True)
@@ -149,10 +162,16 @@ def main() -> None:
                         help="write full-<step>.json every this many steps (default: --save-storage-interval)")
     parser.add_argument("--dcp-check", default=None, help="an iteration_N directory to load with dcp.load first")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (2-D mesh dp x tp when > 1)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
     logging.basicConfig(level=os.environ.get("EASYCKPT_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s rank%(process)d %(name)s: %(message)s")
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(DEVICE)
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+    else:
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -179,6 +198,8 @@ def main() -> None:
         model.load_state_dict(result.state["model"])
         optimizer.load_state_dict(result.state["optim"])
         torch.set_rng_state(result.state["rng"])
+        if DEVICE.type == "cuda":
+            torch.cuda.set_rng_state(result.state["cuda_rng"].cpu(), DEVICE)
         start = result.state["data_position"]
     digests = full_digests(model, optimizer) if result.step is not None else {}
     if rank == 0:

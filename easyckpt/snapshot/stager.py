@@ -2,10 +2,12 @@
 
 ``snapshot`` only flattens the state (plain values are captured right away), picks and locks a slot,
 and launches the copy: on CPU a background thread copies (torch's copy releases the GIL); on CUDA
-the slot is pinned once with cudaHostRegister and the device-to-host copies are queued on a side
-stream behind one event. The copy must finish before the optimizer next changes the parameters, so
-``wait`` runs from a global optimizer step pre-hook and at the start of the next snapshot; only then
-is the slot committed (header COMMITTED, even generation) and unlocked.
+the training thread only records an event on its stream, and the copy thread pins the slot once with
+cudaHostRegister and queues the device-to-host copies on side streams behind that event (so the save
+call pays for no per-tensor launch and no registration of a fresh slot). The copy must finish before the
+optimizer next changes the parameters, so ``wait`` runs from a global optimizer step pre-hook and at the
+start of the next snapshot; only then is the slot committed (header COMMITTED, even generation) and
+unlocked.
 """
 from __future__ import annotations
 
@@ -41,6 +43,26 @@ _META_HEADROOM = 64 << 10  # plain values (e.g. a growing log history) may grow 
 _LARGE = 1 << 20           # tensors from this size on are copied by numpy, in chunks, on copy_threads threads
 _CHUNK = 16 << 20
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CUDA_PIECE = 64 << 20     # CUDA tensors over this size are split into pieces of it across the copy streams
+
+
+def copy_lanes(sizes: list[int], lanes: int, piece: int = _CUDA_PIECE,
+               whole: frozenset[int] = frozenset()) -> list[list[tuple[int, int, int]]]:
+    """Spread byte ranges of tensors of ``sizes`` over ``lanes`` streams: (tensor, start, end) per piece.
+
+    Tensors over ``piece`` bytes are cut into pieces of that size, except those in ``whole`` (not contiguous);
+    the pieces go largest first to the lane with the fewest bytes so far (LPT), so the lanes end together
+    even when one tensor is most of the state.
+    """
+    items = [(i, start, min(start + (size if i in whole else piece), size)) for i, size in enumerate(sizes)
+             for start in (range(0, max(size, 1), piece) if i not in whole else (0,))]
+    items.sort(key=lambda item: item[1] - item[2])
+    loads, out = [0] * lanes, [[] for _ in range(lanes)]   # type: list[int], list[list[tuple[int, int, int]]]
+    for item in items:
+        lane = loads.index(min(loads))
+        out[lane].append(item)
+        loads[lane] += item[2] - item[1]
+    return out
 
 
 def _copy_chunk(pair: tuple[numpy.ndarray, numpy.ndarray]) -> None:
@@ -105,13 +127,14 @@ class Stager:
         self._hook: RemovableHandle | None = None
         self.owed: _Owed | None = None
         self._owed_hook: RemovableHandle | None = None
-        self._cuda_stream: Any = None
+        self._cuda_streams: list[Any] = []
         self._registered: dict[int, int] = {}                    # slot index -> registered address
         self.skipped = 0
         self._skips = Episode(logger)
         self.committed = 0
         self.last_commit_step: int | None = None
         self.last_copy_seconds = 0.0
+        self.last_launch_phases: dict[str, float] = {}
         proc = psutil.Process()
         self._pid, self._pid_start = proc.pid, proc.create_time()
 
@@ -181,17 +204,24 @@ class Stager:
         plan = self._plan(refs)
         meta = self._meta(plan, step, skeleton, health)
         needed = slot_size(plan.data_len, len(meta) + _META_HEADROOM)
+        planned = time.perf_counter()
         write = self.slots.write(needed, before_remap=self._drop_views)
         if write is None:
             return False
+        locked = time.perf_counter()
         self._skips.end("rank %d: snapshots resume at step %d after skips", self.rank, step)
         try:
             dst = self._slot_views(write.index, write.slot, plan)
-            event = self._launch_cuda(dst, values) if self._uses_cuda(values) else None
-            future = self.pool.submit(self._finish_copy, step, write, plan, meta, dst, values, event, started)
+            ready = self._cuda_ready(values)
+            future = self.pool.submit(self._finish_copy, step, write, plan, meta, dst, values, ready, started)
         except BaseException:
             write.close()
             raise
+        ended = time.perf_counter()
+        # Where the save call's time went (benchmarks/blocking.py reports it): flatten + plan + metadata, taking
+        # and locking a slot (a first use allocates it), and the views + the launch.
+        self.last_launch_phases = {"flatten_plan_meta_s": planned - started, "slot_s": locked - planned,
+                                   "views_launch_s": ended - locked}
         self.pending = _Pending(step, write.index, persist, future)
         if self._hook is None:
             self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
@@ -316,25 +346,46 @@ class Stager:
         self._views.pop(index, None)
         self._tensor_views.pop(index, None)
 
-    def _uses_cuda(self, values: list[Any]) -> bool:
-        return any(isinstance(v, torch.Tensor) and v.is_cuda for v in values)
-
-    def _launch_cuda(self, dst: list[Any], values: list[Any]) -> Any:
-        """Queue device-to-host copies on a side stream, ordered after the work already queued."""
-        if self._cuda_stream is None:
-            self._cuda_stream = torch.cuda.Stream()
-        for index in list(self._views):
-            self._register(index)
-        stream = self._cuda_stream
-        stream.wait_stream(torch.cuda.current_stream())
-        pairs = [(t, v) for t, v in zip(dst, values) if isinstance(v, torch.Tensor) and v.is_cuda]
-        with torch.cuda.stream(stream):
-            if pairs:
-                # One call for the whole list: Python overhead per tensor stays far below a launch.
-                torch._foreach_copy_([t for t, _ in pairs], [v for _, v in pairs], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
+    def _cuda_ready(self, values: list[Any]) -> Any:
+        """An event on the training thread's stream: the copies wait for the work queued before the save call.
+        None when no value lives on a CUDA device."""
+        device = next((v.device for v in values if isinstance(v, torch.Tensor) and v.is_cuda), None)
+        if device is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
         return event
+
+    def _copy_cuda(self, index: int, dst: list[Any], values: list[Any], ready: Any) -> list[Any]:
+        """Copy thread: pin the slot (once) and queue the device-to-host copies on the side streams behind
+        ``ready``; returns one event per stream."""
+        pairs = [(t, v) for t, v in zip(dst, values) if isinstance(v, torch.Tensor) and v.is_cuda]
+        device = pairs[0][1].device
+        with torch.cuda.device(device):
+            while len(self._cuda_streams) < self.config.cuda_copy_streams:
+                self._cuda_streams.append(torch.cuda.Stream(device))
+            self._register(index)
+            sizes = [v.numel() * v.element_size() for _, v in pairs]
+            whole = frozenset(i for i, (t, v) in enumerate(pairs) if not (t.is_contiguous() and v.is_contiguous()))
+            events = []
+            for stream, lane in zip(self._cuda_streams, copy_lanes(sizes, len(self._cuda_streams), whole=whole)):
+                targets, sources = [], []
+                for i, start, end in lane:
+                    target, value = pairs[i]
+                    if end - start < sizes[i]:
+                        target = target.reshape(-1).view(torch.uint8)[start:end]
+                        value = value.reshape(-1).view(torch.uint8)[start:end]
+                    targets.append(target)
+                    sources.append(value)
+                stream.wait_event(ready)
+                with torch.cuda.stream(stream):
+                    if targets:
+                        # One call per stream: Python overhead per tensor stays far below a launch.
+                        torch._foreach_copy_(targets, sources, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                events.append(event)
+        return events
 
     def _register(self, index: int) -> None:
         if index in self._registered:
@@ -355,9 +406,10 @@ class Stager:
             torch.cuda.cudart().cudaHostUnregister(address)
 
     def _finish_copy(self, step: int, write: SlotWrite, plan: _Plan, meta: bytes,
-                     dst: list[Any], values: list[Any], event: Any, started: float) -> float:
-        """Runs on the copy thread: copy what is left, commit and unlock the slot; returns the seconds taken."""
+                     dst: list[Any], values: list[Any], ready: Any, started: float) -> float:
+        """Runs on the copy thread: copy, commit and unlock the slot; returns the seconds taken."""
         with write:
+            events = self._copy_cuda(write.index, dst, values, ready) if ready is not None else []
             cpu = [(t, v) for t, v in zip(dst, values) if isinstance(v, numpy.ndarray) or not v.is_cuda]
             half = len(cpu) // 2
             for number, part in enumerate((cpu[:half], cpu[half:])):
@@ -384,7 +436,7 @@ class Stager:
                 if small:
                     # One call for the many small tensors: torch loops in C++ without the GIL.
                     torch._foreach_copy_([t for t, _ in small], [v for _, v in small])
-            if event is not None:
+            for event in events:
                 event.synchronize()
             fault_point("stager.before_commit", step=step, rank=self.rank)
             write.commit(step, plan.data_len, meta)
