@@ -10,7 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +36,32 @@ from easyckpt_wire.protocol import Kind
 from easyckpt_wire.records import Manifest, PeerTable, RecordError, SlotMeta
 from easyckpt_wire.savedir import AuditLog
 from easyckpt_wire.shm import SlotFormatError
+from easyckpt_wire.storage import open_storage
 from easyckpt_wire.transfer import tensor_checksum
 
 logger = logging.getLogger(__name__)
 
 STAGE_WAIT = 120.0  # how long a leader whose ranks finished waits for other nodes' shards
 COVERAGE_EVERY = 2.0
+
+
+def stage_outlook(step: int, *, own_note: bool, node: str, floor: int, writing: Mapping[str, int | None]) -> str | None:
+    """Why the leader's stage of ``step`` can never be committed, once the leader's ranks are gone and its agent
+    persists and claims nothing (or None: it may still be, wait for it, at most STAGE_WAIT).
+
+    ``own_note``: the leader's own node finished its shards of ``step`` (its note is in the stage); ``floor``:
+    the leader's newest step on disk or given up; ``writing``: each other node's step in flight, from its
+    latest STATE. Only this agent writes its node's shards: with none in flight and no rank left to ask for
+    one, a stage without them stays incomplete for good (its persist failed, e.g. on a full disk). With them,
+    the stage waits for other nodes, unless the leader has since given up a newer step and no node is writing
+    this one (a stage left behind by a persist that failed on another node; a newer stage, which the leader
+    waits for, supersedes it anyway).
+    """
+    if not own_note:
+        return f"node {node} never wrote its shards of step {step} and writes none now"
+    if floor > step and step not in writing.values():
+        return f"node {node} has moved on to step {floor} and no node writes step {step}"
+    return None
 
 
 def _logged(function: Callable[..., Any], *args: Any) -> None:
@@ -88,6 +108,7 @@ class NodeReplication:
         self._stages_at = 0.0
         self._commit_failing = Episode(logger)   # retried every 0.2 s: said once, not five times a second
         self._stage_wait_since: float | None = None
+        self._hopeless_said: list[int] | None = None   # the stages last said to be never committed
         self.safe_step: int | None = None   # the agent's, shown by status
         self.floor = floor                  # the agent's newest step on disk or given up (a new agreement starts there)
         self.jobwide = JobWide(node=node, ctx=ctx, wake=wake)
@@ -117,15 +138,41 @@ class NodeReplication:
             self.replica.stop()
 
     def awaiting_stages(self) -> bool:
-        """Leader: staged steps other nodes are still writing (bounded by STAGE_WAIT once ranks finish)."""
-        if self.peers is None or not self.peers.is_leader:
+        """Leader: staged steps other nodes are still writing (bounded by STAGE_WAIT once ranks finish).
+
+        Asked only while this agent persists and claims nothing (``Lifecycle.should_exit``): once its ranks are
+        gone, a stage that can never be committed (``stage_outlook``) is not waited for."""
+        peers = self.peers
+        if peers is None or not peers.is_leader:
             return False
         pending = [s for s in stage_steps(self.save_dir) if self.complete is None or s > self.complete]
         if not pending:
             return False
         if self.watcher.any_alive():
             self._stage_wait_since = None
+            self._hopeless_said = None
             return True
+        with self.jobwide.lock:
+            writing = {node: state.busy for node, state in self.jobwide.states.items() if node != self.node}
+        store = open_storage(self.save_dir)
+        hopeless = {}
+        for step in pending:
+            try:
+                noted = set(store.stage(layout.iteration_dirname(step)).names())
+            except OSError:   # unreadable now: waited for, as before
+                break
+            why = stage_outlook(step, own_note=layout.node_file_name(self.node) in noted, node=self.node,
+                                floor=self.floor(), writing=writing)
+            if why is None:
+                break
+            hopeless[step] = why
+        else:
+            if self._hopeless_said != sorted(hopeless):
+                self._hopeless_said = sorted(hopeless)
+                logger.warning("the ranks of node %s finished and staged step(s) %s can never be committed (%s): "
+                               "not waiting for them; the next run of the job drops them once a newer step is "
+                               "committed", self.node, sorted(hopeless), "; ".join(hopeless.values()))
+            return False
         now = time.monotonic()
         self._stage_wait_since = self._stage_wait_since or now
         if now - self._stage_wait_since < STAGE_WAIT:

@@ -15,6 +15,8 @@ from agent_slots import JOB, Harness
 from common import poll
 
 from easyckpt_agent import persister
+from easyckpt_agent.agreement import NodeState
+from easyckpt_agent.cluster import stage_outlook
 from easyckpt_agent.lifecycle import Lifecycle, WakePipe
 from easyckpt_wire import layout
 from easyckpt_wire.control import control_path
@@ -197,3 +199,58 @@ def test_no_rank_alive_for_idle_timeout_ends_the_agent(tmp_path: Path, persisted
         assert len(list_slots(node.shm_dir, JOB)) == (0 if persisted else 6)
     finally:
         node.close()
+
+
+def lead_two_nodes(node: Harness, stage_notes: dict[int, list[str]]) -> str:
+    """Make the harness's agent the leader of a two-node job whose stages hold ``stage_notes``; its ranks said
+    goodbye. Returns the leader's node name."""
+    me = node.agent.cluster.node
+    node.agent.cluster.peers = PeerTable("t" * 16, me, me, {me: PeerNode("tcp://127.0.0.1:1", (0, 1)),
+                                                            "other": PeerNode("tcp://127.0.0.1:2", (2, 3))})
+    for step, writers in stage_notes.items():
+        stage = node.save_dir / layout.stage_dirname(step)
+        stage.mkdir(parents=True)
+        for writer in writers:
+            (stage / layout.node_file_name(writer)).write_text("{}")
+    node.ranks.commit_all(0, 3)
+    node.agent.watcher.scan(relist_every=0)
+    for proc in node.agent.watcher.ranks.values():
+        proc.said_bye = True
+    return me
+
+
+def test_a_leader_does_not_wait_for_a_stage_its_own_failed_persist_left(node: Harness,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    # soak seed 101 fault 19: the disk filled while both nodes persisted step 5; the other node's shards made
+    # it, the leader's did not. The leader stayed STAGE_WAIT (120 s) after the job ended, holding its slots.
+    lead_two_nodes(node, {5: ["other"]})
+    node.agent.scheduler.given_up = 20
+    caplog.set_level(logging.WARNING, logger="easyckpt_agent.cluster")
+    assert node.agent.life.should_exit()
+    assert "staged step(s) [5] can never be committed" in caplog.text
+
+
+def test_a_leader_does_not_wait_for_a_stage_another_nodes_failed_persist_left(node: Harness) -> None:
+    lead_two_nodes(node, {5: [node.agent.cluster.node]})
+    node.agent.scheduler.given_up = 20   # the leader failed its own newer persists
+    assert node.agent.life.should_exit()
+
+
+def test_a_leader_waits_for_other_nodes_still_writing_its_stages(node: Harness) -> None:
+    me = lead_two_nodes(node, {5: [node.agent.cluster.node]})
+    node.agent.scheduler.persisted = 5   # the final step: the leader's shards are in, the other node's to come
+    assert not node.agent.life.should_exit()
+    node.agent.scheduler.given_up = 10   # moved on, but the other node says it writes step 5
+    node.agent.cluster.jobwide.states["other"] = NodeState("other", busy=5)
+    assert not node.agent.life.should_exit()
+    node.agent.cluster.jobwide.states["other"] = NodeState("other", busy=None)
+    node.agent.cluster.jobwide.states[me] = NodeState(me, busy=5)   # the leader's own state does not count
+    assert node.agent.life.should_exit()
+
+
+def test_stage_outlook() -> None:
+    assert stage_outlook(5, own_note=False, node="n0", floor=-1, writing={}) is not None
+    assert stage_outlook(5, own_note=False, node="n0", floor=5, writing={"n1": 5}) is not None
+    assert stage_outlook(5, own_note=True, node="n0", floor=5, writing={}) is None
+    assert stage_outlook(5, own_note=True, node="n0", floor=10, writing={"n1": 5}) is None
+    assert stage_outlook(5, own_note=True, node="n0", floor=10, writing={"n1": None}) is not None
