@@ -41,8 +41,8 @@ _SUPPORTED = (
 class TensorRef(NamedTuple):
     """What a writer needs to lay out one tensor's bytes without touching the tensor.
 
-    A NamedTuple, not a frozen dataclass: one is built per tensor in every save call, and the plan's
-    reuse test compares the whole list; both cost a quarter as much (measured at 1904 tensors, issue 31)."""
+    A NamedTuple, not a frozen dataclass: one is built per tensor in every save call and the plan's reuse
+    test compares the whole list, and both are cheaper so (flatten of 1904 tensors: 7.5 -> 5.5 ms, issue 31)."""
 
     name: str
     kind: str  # "torch" or "numpy": which library rebuilds it on load
