@@ -202,6 +202,7 @@ def run_peers(tmp_path: Path, system: str, runs: str, venvs: list[str]) -> dict:
     return row
 
 
+@pytest.mark.extended   # about 4 min with the node-loss one; the peers' figures are benchmarks/README.md's
 @pytest.mark.parametrize("system", ["easyckpt", "dcp", "lm_resiliency", "dlrover", "nvrx"])
 def test_peers_benchmark_smoke(env: Env, tmp_path: Path, system: str) -> None:
     """peers.py at a tiny size, one system against the same job without checkpoints: blocking, overhead, and two
@@ -232,6 +233,7 @@ def test_peers_benchmark_smoke(env: Env, tmp_path: Path, system: str) -> None:
         assert not any((a or {}).get("tensors") for k in kill["kills"] for a in k["aliases"]), "state left in shm"
 
 
+@pytest.mark.extended
 def test_peers_benchmark_node_loss(env: Env, tmp_path: Path) -> None:
     """peers.py's node-loss run for easyckpt: two simulated nodes, node 1 lost whole at a seeded step and replaced;
     the job resumes from memory and the surviving node's replica, and ends bit-exact."""

@@ -1,4 +1,4 @@
-"""The fault soak (benchmarks/soak.py): its 20-fault smoke mode as CI runs it, and a replay of every fault whose
+"""The fault soak (benchmarks/soak.py): its 14-fault smoke mode as CI runs it, and a replay of every fault whose
 seed found a bug (the soak's plan is a pure function of the seed and the fault's index, so ``--only K`` throws
 the very fault again: same kind, configuration, step, moment and variant)."""
 from __future__ import annotations
@@ -27,7 +27,8 @@ def bad(run: dict[str, Any]) -> bool:
 # Not strict: it runs in every CI and reports XPASS when clean. Open (issue 27): in the CI run of 2026-11-26 (seed
 # drawn by the run), 2 of 20 jobs left their node agent running 30 s after the job ended: a flip_disk on plain-1x1
 # whose only iteration the load refused, and node 0 of a disk_full plain-2x1 (node 1's agent said it kept the
-# slots on purpose; node 0's did not). Everything else (torn, hung, failed, steps lost, sources) held.
+# slots on purpose; node 0's did not: the leader waited 120 s for a stage its own failed persist had left, fixed
+# by easyckpt_agent.cluster.stage_outlook). Everything else (torn, hung, failed, steps lost, sources) held.
 class LeakedOnly(AssertionError):
     """Some jobs of the smoke leaked (a process or shared-memory file left 30 s after the job), and nothing worse."""
 
@@ -39,8 +40,8 @@ OPEN_AGENT_OUTLIVES_JOB = pytest.mark.xfail(strict=False, raises=LeakedOnly, rea
 
 @OPEN_AGENT_OUTLIVES_JOB
 @pytest.mark.timeout(1800)
-def test_soak_smoke_twenty_faults(tmp_path: Path) -> None:
-    """20 seeded faults, every available kind, one and two simulated nodes, two jobs side by side: nothing torn,
+def test_soak_smoke_fourteen_faults(tmp_path: Path) -> None:
+    """14 seeded faults, every available kind twice, one and two simulated nodes, two jobs side by side: nothing torn,
     hung, leaked or failed; a rank kill costs at most two steps from memory, a lost node of a 2-node job comes back
     from the surviving node's replicas. A disk_full that could not mount its tmpfs (not root) is "not run", never a
     pass: the test says so. A torn run of the one open gap the soak names (``soak.KNOWN_GAP``: a byte flipped in a
@@ -50,7 +51,7 @@ def test_soak_smoke_twenty_faults(tmp_path: Path) -> None:
     result = soak(["--smoke", "--seed", str(seed), "--jobs", "2", "--json", str(out), "--dir", str(tmp_path / "work")])
     assert json.loads(out.read_text()) == result and result["seed"] == seed and result["complete"]
     runs = result["runs"]
-    assert [run["index"] for run in runs] == list(range(20))
+    assert [run["index"] for run in runs] == list(range(14))
     plan = importlib.import_module("soak_plan")
     assert {run["fault"] for run in runs} == set(plan.available_kinds()), "every kind must be thrown"
     assert "object_store_outage" in result["pending"]
@@ -71,7 +72,7 @@ def test_soak_smoke_twenty_faults(tmp_path: Path) -> None:
         if run["fault"] == "node_loss" and run["config"] == "plain-1x1":
             assert run["source"] in ("disk", "scratch"), run   # the only node's memory is gone
     total = result["table"][-1]
-    assert total["fault"] == "all" and total["runs"] == 20
+    assert total["fault"] == "all" and total["runs"] == 14
     assert total["torn"] == total["torn_known"] and total["hung"] == total["failed"] == 0, total
     leaked = [run for run in runs if run["leaked"]]
     if leaked:
@@ -87,12 +88,14 @@ REPLAYS = [
     pytest.param(["--smoke", "--seed", "11"], 1, "a byte flipped in latest_checkpointed_iteration.txt: read_tracker "
                  "raised UnicodeDecodeError, so every agent died at start-up and load() failed instead of passing the "
                  "tracker over", id="smoke-11-1"),
+    # extended: the lag gate's rule has its unit tests (tests/unit/test_lag_gate.py); the job takes 78 s
     pytest.param(["--smoke", "--seed", "11"], 7, "the leader's agent killed in a 2-node job before the tracker: the "
                  "ranks' lag gates took each other's waits for step time, each wait about 2.7 times the one before, "
-                 "until they stopped each other (the job hung)", id="smoke-11-7"),
+                 "until they stopped each other (the job hung)", id="smoke-11-7", marks=pytest.mark.extended),
+    # extended: a bug of the soak's own judge, not of easyckpt (78-109 s)
     pytest.param(["--seed", "101"], 8, "the soak's own judge: a node frozen inside its snapshot of step 7, lost and "
                  "resumed at 7 from the replicas, was judged failed because one of its ranks never logged step 7 "
-                 "(which the resumed state, digest checked, already holds)", id="101-8"),
+                 "(which the resumed state, digest checked, already holds)", id="101-8", marks=pytest.mark.extended),
     pytest.param(["--seed", "101"], 19, "the disk full to the end of a 2-node HF job: the TrainerWrapper's export "
                  "thread waited export_timeout (600 s) for each step whose persist had failed, holding up the end of "
                  "training (hung); then, restarted by torchrun after close() failed, it resumed at global step 20 "
