@@ -28,7 +28,7 @@ from easyckpt_agent.replica import (
     push_manifests,
     survey_coverage,
 )
-from easyckpt_agent.stages import commit_stage, drop_stage, stage_steps
+from easyckpt_agent.stages import commit_stage, drop_stage, node_finished, stage_steps
 from easyckpt_agent.watcher import Watcher
 from easyckpt_wire import layout, protocol
 from easyckpt_wire.episode import Episode
@@ -36,7 +36,6 @@ from easyckpt_wire.protocol import Kind
 from easyckpt_wire.records import Manifest, PeerTable, RecordError, SlotMeta
 from easyckpt_wire.savedir import AuditLog
 from easyckpt_wire.shm import SlotFormatError
-from easyckpt_wire.storage import open_storage
 from easyckpt_wire.transfer import tensor_checksum
 
 logger = logging.getLogger(__name__)
@@ -154,15 +153,13 @@ class NodeReplication:
             return True
         with self.jobwide.lock:
             writing = {node: state.busy for node, state in self.jobwide.states.items() if node != self.node}
-        store = open_storage(self.save_dir)
         hopeless = {}
         for step in pending:
             try:
-                noted = set(store.stage(layout.iteration_dirname(step)).names())
+                own_note = node_finished(self.save_dir, step, self.node)
             except OSError:   # unreadable now: waited for, as before
                 break
-            why = stage_outlook(step, own_note=layout.node_file_name(self.node) in noted, node=self.node,
-                                floor=self.floor(), writing=writing)
+            why = stage_outlook(step, own_note=own_note, node=self.node, floor=self.floor(), writing=writing)
             if why is None:
                 break
             hopeless[step] = why
