@@ -155,6 +155,7 @@ def main() -> None:
             ballast.copy_(saved)
     report = {"rank": rank, "step": result.step, "source": result.source, "seconds": result.seconds,
               "bytes": result.nbytes, "attempt": attempt, "pid": os.getpid(),
+              "node": os.environ.get("EASYCKPT_NODE_ID"),
               "digest": state_digest(result.state) if result.step is not None else None}
     write_report(out / f"resume-rank{rank}-{len(list(out.glob(f'resume-rank{rank}-*.json')))}.json", report)
     if rank == 0 and result.step is not None:

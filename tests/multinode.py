@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import psutil
 from conftest import ROOT, Env, gone, wait_for
 
 from easyckpt_wire.protocol import job_id_for
@@ -151,9 +152,22 @@ class Cluster:
         paths = sorted(self.out.glob(f"resume-rank{rank}-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
         return [json.loads(p.read_text()) for p in paths]
 
+    def expected_sources(self, reports: list[dict[str, Any]], lost: set[int]) -> list[str]:
+        """Where each rank of the last resume must have loaded from, given the nodes lost whole.
+
+        A rank's own snapshots are in the memory of the node it first ran on. torchrun's c10d rendezvous orders
+        the nodes by (host, launcher pid), so a node that joins anew may take the lower ranks (in CI a pid
+        wrap-around gave the new node 1 ranks 0-1): then the survivors run other ranks than they snapshotted and
+        load them from replicas too, bit for bit the same."""
+        lost_ids = {f"node{node}" for node in lost}
+        first = {rank: self.resumes(rank)[0]["node"] for rank in range(self.world)}
+        return ["memory" if report["node"] == first[rank] and report["node"] not in lost_ids else "replica"
+                for rank, report in enumerate(reports)]
+
     def kill_node(self, node: int, *, wipe: bool = True) -> None:
         """Everything of the node dies at once, as when its machine goes away: torchrun, ranks, agent, memory."""
-        victims = [self.procs[node].pid] + [int((self.out / f"pid-rank{r}").read_text()) for r in self.ranks_of(node)]
+        # The node's processes, not ranks_of(node): after a restart torchrun may have given its ranks to another node.
+        victims = [self.procs[node].pid] + [child.pid for child in psutil.Process(self.procs[node].pid).children(True)]
         agent = self.agent_pid(node)
         for pid in victims + ([agent] if agent else []):
             try:
