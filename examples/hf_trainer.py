@@ -138,6 +138,8 @@ def main() -> None:
     parser.add_argument("--global-norm-spike-count-threshold", type=int, default=None)
     parser.add_argument("--embedding-local-norm-threshold", type=float, default=None,
                         help="checkpoint health monitor on (use_checkpoint_health_monitor=True) with this threshold")
+    parser.add_argument("--save-dir", default=None, help="TrainerWrapper(save_dir=...): a path or s3://bucket/prefix "
+                        "(default <output-dir>/easyckpt)")
     parser.add_argument("--max-ckpt-num", type=int, default=None, help="iterations easyckpt keeps on disk (default 2)")
     parser.add_argument("--deepspeed", default=None, help="a DeepSpeed config file (ZeRO; run with DS_ACCELERATOR=cpu)")
     parser.add_argument("--fsdp", action="store_true", help="TrainingArguments(fsdp='full_shard', fsdp_config="
@@ -215,6 +217,8 @@ def run(args: argparse.Namespace) -> None:
                       embedding_local_norm_threshold=args.embedding_local_norm_threshold)
     if args.max_ckpt_num is not None:
         health["max_ckpt_num"] = args.max_ckpt_num
+    if args.save_dir is not None:
+        health["save_dir"] = args.save_dir
     if args.pin_timeout is not None:
         health["pin_timeout"] = args.pin_timeout
     wrapper = None if args.plain else TrainerWrapper(trainer, save_mem_interval=args.save_mem_interval,

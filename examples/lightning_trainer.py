@@ -148,6 +148,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--save-steps", type=int, default=8, help="ModelCheckpoint(every_n_train_steps=...)")
     parser.add_argument("--save-mem-interval", type=int, default=1)
+    parser.add_argument("--save-dir", default=None, help="EasyCkpt(save_dir=...): a path or s3://bucket/prefix "
+                        "(default <root>/easyckpt)")
     parser.add_argument("--resume", default="last", help="fit(ckpt_path=...): 'last', a .ckpt path, or 'none'")
     parser.add_argument("--plain", action="store_true", help="plain Lightning, without EasyCkpt")
     parser.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp",
@@ -171,7 +173,8 @@ def main() -> None:
                 "global_norm_spike_count_threshold": 2} if args.skip_spikes else {}
         health = {"use_checkpoint_health_monitor": True, "embedding_local_norm_threshold": 1e6} if args.health else {}
         callbacks.insert(0, EasyCkpt(save_mem_interval=args.save_mem_interval,
-                                     log_file_path=str(args.out / "persist.log"), **skip, **health))
+                                     log_file_path=str(args.out / "persist.log"), save_dir=args.save_dir, **skip,
+                                     **health))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     strategy: Any = "ddp" if world > 1 else "auto"
     if args.strategy == "fsdp2":

@@ -102,8 +102,8 @@ def wipe_memory(env: Env) -> None:
 
 
 def killed_run(env: Env, output_dir: Path, out: Path, at_step: int, *, step_seconds: float = 0.15,
-               extra_env: dict[str, str] | None = None) -> HFJob:
-    job = HFJob(env, output_dir, out, step_seconds=step_seconds, extra_env=extra_env)
+               extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None) -> HFJob:
+    job = HFJob(env, output_dir, out, step_seconds=step_seconds, extra_env=extra_env, extra_args=extra_args)
     try:
         job.kill_rank(1, at_step)
         assert job.wait(90) != 0

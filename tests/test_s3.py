@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
 import s3server
-from conftest import ROOT, Env, run_cli, seeded_random, wait_for
+from conftest import ROOT, Env, assert_same, gone, run_cli, seeded_random, wait_for
 from ddp_job import Job
 from s3proxy import FaultProxy
 
@@ -213,3 +214,187 @@ def test_the_server_gone_mid_persist_fails_it_cleanly_and_the_next_due_step_pers
     assert _leftovers(s3_url) == [], "the failed persist's leftovers are gone by the end of the run"
     verified = run_cli("verify", s3_url, env=env)
     assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def test_convert_and_ranks_needed_read_an_s3_save_dir_and_convert_from_dcp_writes_into_one(env: Env, s3_url: str,
+                                                                                          tmp_path: Path) -> None:
+    """`easyckpt convert --to hf|dcp` and `ranks-needed` take the s3:// save_dir as their source, bitwise; `convert
+    --from dcp` writes a new iteration into an s3:// save_dir; a local-only output given as a URL is refused
+    with the fix, and nothing local named "s3:" appears."""
+    import torch
+    from safetensors.torch import load_file
+
+    import easyckpt
+    from easyckpt.tools.convert import full_state, read_dcp
+    from easyckpt_wire.storage import as_path
+
+    os.chdir(tmp_path)
+    gen = torch.Generator().manual_seed(seeded_random().randint(0, 2**31))
+    state = {"model": {"weight": torch.randn(64, 32, generator=gen), "bias": torch.randn(64, generator=gen)},
+             "optim": {"state": {0: {"exp_avg": torch.randn(64, 32, generator=gen)}}}, "step": 3}
+    ck = easyckpt.Checkpointer(s3_url, 1, 1, 2)
+    try:
+        assert ck.save(3, state, persist=True)
+    finally:
+        ck.close()
+    assert [step for step, _ in layout.complete(open_storage(s3_url))] == [3]
+
+    hf = tmp_path / "hf"
+    done = run_cli("convert", "--to", "hf", s3_url, str(hf), env=env)
+    assert done.returncode == 0, done.stderr
+    weights = load_file(hf / "model.safetensors")
+    assert set(weights) == {"weight", "bias"} and all(torch.equal(weights[k], state["model"][k]) for k in weights)
+
+    as_dcp = tmp_path / "dcp"
+    done = run_cli("convert", "--to", "dcp", s3_url, str(as_dcp), env=env)
+    assert done.returncode == 0, done.stderr
+    read = read_dcp(as_dcp)
+    assert torch.equal(read["model"]["weight"], state["model"]["weight"])
+    # DCP keeps keys as strings: the optimizer's param id 0 comes back as "0" (DCP's own round trip does the same)
+    assert torch.equal(read["optim"]["state"]["0"]["exp_avg"], state["optim"]["state"][0]["exp_avg"])
+
+    back = f"{s3_url}-from-dcp"
+    done = run_cli("convert", "--from", "dcp", "--step", "7", str(as_dcp), back, env=env, timeout=180)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert f"{back}/iteration_0000007" in done.stdout, done.stdout
+    again = full_state(as_path(f"{back}/iteration_0000007"))
+    assert torch.equal(again["model"]["bias"], state["model"]["bias"])
+    assert torch.equal(again["optim"]["state"]["0"]["exp_avg"], state["optim"]["state"][0]["exp_avg"])
+
+    needed = run_cli("ranks-needed", s3_url, "--world-size", "2", env=env)
+    assert needed.returncode == 0 and "rank 1: easyckpt-model-" in needed.stdout, needed.stdout + needed.stderr
+
+    for args, side in ((("--to", "hf", s3_url, f"{s3_url}-hf"), "hf destination"),
+                       (("--to", "dcp", s3_url, f"{s3_url}-dcp"), "DCP destination"),
+                       (("--from", "dcp", f"{s3_url}-dcp", str(tmp_path / "local")), "DCP source")):
+        refused = run_cli("convert", *args, env=env)
+        assert refused.returncode == 2 and f"the {side}" in refused.stderr and "local directory" in refused.stderr, (
+            refused.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dcp", "hf"], "a URL was taken for a local path"
+
+
+def test_trainer_wrapper_persists_to_s3_exports_checkpoints_from_it_and_resumes_from_it(env: Env, s3_url: str) -> None:
+    """HF TrainerWrapper(save_dir="s3://...") on 2 ranks at full speed: persisted steps reach the bucket and are
+    exported from it as Trainer-native checkpoint-N folders; after a kill -9 with the node's memory wiped, the
+    rerun resumes from the bucket and continues an uninterrupted plain Trainer's curve exactly."""
+    pytest.importorskip("transformers")
+    from test_hf import SAVE_STEPS, STEPS, HFJob, assert_continues_exactly, killed_run, resumed_at, run_to_end, wipe_memory
+
+    output_dir = env.tmp_path / "hf"
+    at = seeded_random().randint(11, 14)
+    killed_run(env, output_dir, env.tmp_path / "first", at, step_seconds=0.0, extra_args=["--save-dir", s3_url])
+    wipe_memory(env)
+    persisted = [step for step, _ in layout.complete(open_storage(s3_url))]
+    assert persisted and persisted[-1] >= SAVE_STEPS, persisted
+    assert not (output_dir / "easyckpt").exists() and not (ROOT / "s3:").exists(), "a URL was taken for a local path"
+
+    second = run_to_end(HFJob(env, output_dir, env.tmp_path / "second", resume="newest",
+                              extra_args=["--save-dir", s3_url]))
+    newest = persisted[-1]
+    for report in resumed_at(second):
+        assert (report["step"], report["source"], report["path"]) == (
+            newest, "disk", f"{s3_url}/{layout.iteration_dirname(newest)}"), report
+    reference = run_to_end(HFJob(env, env.tmp_path / "plain", env.tmp_path / "plain-out", plain=True))
+    assert_continues_exactly(second, reference, newest)
+
+    exported = {int(p.name.split("-")[1]) for p in output_dir.glob("checkpoint-*")}
+    due = set(range(SAVE_STEPS, STEPS + 1, SAVE_STEPS))
+    # A due step asked for while the previous persist ran, with the ranks killed before it started, gives way
+    # to the failure flush of the newest step (the agent persists newest first): no checkpoint of it.
+    assert exported <= due and due - exported <= {step for step in due if step < newest}, (sorted(exported), newest)
+    assert {SAVE_STEPS, STEPS} <= exported and (output_dir / f"checkpoint-{STEPS}" / "model.safetensors").is_file()
+    assert f"exported {s3_url}/{layout.iteration_dirname(STEPS)} to checkpoint-{STEPS}" in second.log()
+
+
+def test_lightning_callback_persists_to_s3_exports_checkpoints_from_it_and_resumes_from_it(env: Env,
+                                                                                         s3_url: str) -> None:
+    """Lightning DDP with EasyCkpt(save_dir="s3://..."): after a kill -9 with the node's memory wiped,
+    fit(ckpt_path="last") resumes from the bucket and continues a plain Lightning run's curve exactly; the
+    ModelCheckpoint files are exported from the bucket's iterations."""
+    pytest.importorskip("lightning")
+    from test_hf import wipe_memory
+    from test_lightning import SAVE_STEPS, STEPS, LightningJob, assert_continues_exactly, run_to_end
+
+    root = env.tmp_path / "root"
+    at = seeded_random().randint(SAVE_STEPS + 1, 2 * SAVE_STEPS - 1)
+    args = ["--save-dir", s3_url]
+    first = LightningJob(env, root, env.tmp_path / "first", args=[*args, "--kill-rank", "1", "--kill-at", str(at)])
+    try:
+        assert first.wait(120) != 0, "rank 1 was to be killed"
+    finally:
+        first.kill()
+    wipe_memory(env)
+    persisted = [step for step, _ in layout.complete(open_storage(s3_url))]
+    assert persisted and persisted[-1] >= SAVE_STEPS, persisted
+    assert not (root / "easyckpt").exists() and not (ROOT / "s3:").exists(), "a URL was taken for a local path"
+
+    second = run_to_end(LightningJob(env, root, env.tmp_path / "second", args=args))
+    newest = persisted[-1]
+    for rank in range(2):
+        report = second.report(rank)
+        assert report["resumed"]["source"] == "disk" and report["global_step"] == newest, report
+    reference = run_to_end(LightningJob(env, env.tmp_path / "plain-root", env.tmp_path / "plain", args=["--plain"]))
+    assert_continues_exactly(second, reference, newest, STEPS)
+    import torch
+
+    checkpoints = root / "checkpoints"   # every_n_train_steps=8, save_top_k=2, save_last
+    names = sorted(p.name for p in checkpoints.iterdir())
+    assert names == ["epoch=0-step=8.ckpt", "epoch=1-step=16.ckpt", "last.ckpt"], names
+    saved = torch.load(checkpoints / "epoch=1-step=16.ckpt", map_location="cpu", weights_only=False)
+    assert saved["global_step"] == 16 and "state_dict" in saved and "optimizer_states" in saved, sorted(saved)
+    assert [step for step, _ in layout.complete(open_storage(s3_url))][-1] == STEPS, "close() made the last step durable"
+
+
+def test_megatron_persists_to_s3_resumes_from_it_and_converts_it_to_megatron(env: Env, s3_url: str) -> None:
+    """examples/megatron_gpt.py with --save s3://...: after a kill -9 with the node's memory and agent gone, the
+    rerun resumes from the bucket on the uninterrupted run's curve; `convert --to megatron` of the bucket
+    writes a native checkpoint Megatron's loader accepts."""
+    pytest.importorskip("megatron.core")
+    from test_megatron import Job, assert_same_curve
+
+    reference_job = Job(env, env.tmp_path / "reference", save_dir=env.tmp_path / "reference-ckpt")
+    assert reference_job.wait() == 0, reference_job.log()[-3000:]
+    reference = {rank: (reference_job.losses(rank), reference_job.final(rank)) for rank in (0, 1)}
+    env.wait_agent_gone()
+
+    at = seeded_random().randint(8, 14)
+    first = Job(env, env.tmp_path / "run1", save_dir=s3_url)   # type: ignore[arg-type]
+    first.wait_reached(1, at)
+    os.kill(first.pid(1), signal.SIGKILL)
+    assert first.wait() != 0
+    agent = env.agent_pid()
+    if agent is not None:
+        os.kill(agent, signal.SIGKILL)
+        wait_for(lambda: gone(agent), 30, "the killed agent to exit")
+    env.wait_agent_gone()
+    for path in env.slot_files():
+        path.unlink()
+    on_disk = [step for step, _ in layout.complete(open_storage(s3_url))]
+    assert on_disk, "nothing was persisted before the kill"
+
+    second = Job(env, env.tmp_path / "run2", save_dir=s3_url)   # type: ignore[arg-type]
+    assert second.wait() == 0, second.log()[-3000:]
+    for rank in (0, 1):
+        (resume,) = second.resumes(rank)
+        assert resume["source"] == "disk" and resume["iteration"] == max(on_disk), (resume, on_disk)
+    assert_same_curve(second, reference, start=max(on_disk) + 1)
+
+    # The bucket's newest iteration converts to the same Megatron file as a local copy of its objects does
+    # (test_megatron shows Megatron's loader accepts that one).
+    import torch
+
+    store = open_storage(s3_url)
+    newest, name = layout.complete(store)[-1]
+    local = env.tmp_path / "local" / name
+    local.mkdir(parents=True)
+    for entry in store.entries(name):
+        (local / entry.name).write_bytes(store.read(f"{name}/{entry.name}"))
+    converted = {}
+    for source, dst in ((s3_url, env.tmp_path / "from-s3"), (str(local), env.tmp_path / "from-local")):
+        done = run_cli("convert", "--to", "megatron", source, str(dst), env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert (dst / "latest_checkpointed_iteration.txt").read_text() == str(newest)
+        converted[source] = torch.load(dst / f"iter_{newest:07d}" / "mp_rank_00" / "model_optim_rng.pt",
+                                       map_location="cpu", weights_only=False)
+    assert converted[s3_url]["iteration"] == newest
+    assert_same(converted[s3_url], converted[str(local)])

@@ -23,6 +23,7 @@ from easyckpt.lightning.export import Exporter
 from easyckpt.snapshot.state import flatten
 from easyckpt_wire import layout
 from easyckpt_wire.shm import format_bytes
+from easyckpt_wire.storage import as_path
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class EasyCkpt(Callback):
             health_thresholds=checkpointer_kwargs.pop("health_thresholds", None), what="EasyCkpt")
         self.health = use_checkpoint_health_monitor
         self.save_mem_interval = save_mem_interval
-        self.save_dir = Path(save_dir) if save_dir is not None else None
+        self.save_dir = as_path(save_dir) if save_dir is not None else None   # an s3:// URL stays one
         self.save_storage_interval = save_storage_interval
         self.max_ckpt_num = max_ckpt_num
         self.export_timeout = export_timeout

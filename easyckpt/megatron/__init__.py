@@ -41,6 +41,7 @@ from easyckpt.megatron import legacy, skipping, snapshot
 from easyckpt.megatron.legacy import LegacyCheckpointError
 from easyckpt.recovery import LayoutChangedError
 from easyckpt_wire import layout
+from easyckpt_wire.storage import as_path, is_url
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ def initialize_easyckpt(save_mem_interval: int, save_storage_interval: int, max_
                          "megatron.training is not used")
     ckpt = Checkpointer(save_dir, save_mem_interval, save_storage_interval, max_ckpt_num,
                         log_file_path=log_file_path, **kwargs)
-    _ctx = _Context(ckpt=ckpt, save_dir=ckpt.config.save_dir, load_dir=Path(load_dir) if load_dir else None,
+    _ctx = _Context(ckpt=ckpt, save_dir=ckpt.config.save_dir, load_dir=as_path(load_dir) if load_dir else None,
                     args=margs if margs is not None else user_args, megatron_args=margs is not None,
                     trust_legacy_pickle=trust, skipper=skipper, health=use_checkpoint_health_monitor)
     if skipper is not None:
@@ -260,8 +261,13 @@ def _load_elsewhere(ctx: _Context, load_dir: Path, template: dict[str, Any],
     if layout.ITERATION_RE.match(load_dir.name):
         result = ctx.ckpt.load(template, load_dir=load_dir, reshard=concat, announce=False)
         return result.state, LoadInfo(result.step or 0, result.source, result.path, result.seconds), False
-    found = legacy.find(load_dir)
     complete = layout.complete_iterations(load_dir) if load_dir.resolve() != ctx.save_dir else []
+    if is_url(load_dir):   # Megatron's own legacy files are local (torch.load): in a bucket only easyckpt's
+        if complete:
+            result = ctx.ckpt.load(template, load_dir=complete[-1][1], reshard=concat, announce=False)
+            return result.state, LoadInfo(result.step or 0, result.source, result.path, result.seconds), False
+        return None, LoadInfo(0, None), False
+    found = legacy.find(load_dir)
     if complete and found is None:
         result = ctx.ckpt.load(template, load_dir=complete[-1][1], reshard=concat, announce=False)
         return result.state, LoadInfo(result.step or 0, result.source, result.path, result.seconds), False
@@ -299,9 +305,9 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
     args = _args(ctx)
     load_dir = ctx.load_dir
     if ctx.megatron_args and args is not None:
-        load_dir = Path(getattr(args, load_arg)) if getattr(args, load_arg, None) else None
+        load_dir = as_path(getattr(args, load_arg)) if getattr(args, load_arg, None) else None
     elif load_arg != "load" and args is not None and snapshot.get_arg(args, load_arg):
-        load_dir = Path(snapshot.get_arg(args, load_arg))
+        load_dir = as_path(snapshot.get_arg(args, load_arg))
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     if concat:
         _refuse_gated(chunks)

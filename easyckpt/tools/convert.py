@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from easyckpt_wire import layout
-from easyckpt_wire.storage import open_storage
+from easyckpt_wire.storage import UnsupportedLocation, as_path, is_url, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -144,12 +144,26 @@ def _one_process() -> None:
 def cmd_convert(args: argparse.Namespace) -> int:
     """easyckpt -> Megatron legacy, HF safetensors or DCP; DCP -> easyckpt."""
     _one_process()
-    src, dst = Path(args.src), Path(args.dst)
-    if not src.is_dir():
-        print(f"{src} is a file, not a directory" if src.exists() else f"{src}: no such directory", file=sys.stderr)
-        return 2
     if (args.to is None) == (args.from_ is None):
         print("convert: give either --to megatron|hf|dcp or --from dcp", file=sys.stderr)
+        return 2
+    try:
+        src, dst = as_path(args.src), as_path(args.dst)
+    except UnsupportedLocation as exc:
+        print(f"convert: {exc}", file=sys.stderr)
+        return 2
+    # What is read or written through easyckpt's storage may be an s3:// URL: the easyckpt side of either
+    # direction. The other side is a local directory: DCP's FileSystemReader/Writer, safetensors and Megatron's
+    # torch.save write files (convert locally, then upload with the object store's own tool).
+    foreign, side = (src, "source") if args.from_ == "dcp" else (dst, "destination")
+    if is_url(foreign):
+        what = f"the DCP {side}" if args.from_ == "dcp" or args.to == "dcp" else f"the {args.to} {side}"
+        print(f"convert: {what} {foreign} must be a local directory (an s3:// URL is read and written only as an "
+              f"easyckpt save_dir): convert into a local directory, then upload it with your object store's tool "
+              f"(aws s3 cp --recursive)", file=sys.stderr)
+        return 2
+    if not src.is_dir():
+        print(f"{src} is a file, not a directory" if src.exists() else f"{src}: no such directory", file=sys.stderr)
         return 2
     try:
         if args.from_ == "dcp":
@@ -189,7 +203,7 @@ def cmd_ranks_needed(args: argparse.Namespace) -> int:
     _one_process()
 
     try:
-        index, plans = ranks_needed(Path(args.src), args.world_size)
+        index, plans = ranks_needed(as_path(args.src), args.world_size)
     except (layout.CheckpointFormatError, OSError, ValueError) as exc:
         print(f"ranks-needed: {exc}", file=sys.stderr)
         return 1

@@ -33,6 +33,7 @@ from easyckpt.transformers.folders import (
 from easyckpt.transformers.snapshot import STATE_FORMAT
 from easyckpt_wire import layout
 from easyckpt_wire.shm import format_bytes
+from easyckpt_wire.storage import is_url, location
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +110,7 @@ class Resumer:
             return self._resolve_newest()
         if not isinstance(resume, (str, os.PathLike)):
             raise TypeError(f"resume_from_checkpoint must be True, False, None or a path, got {resume!r}")
-        path = Path(resume).expanduser().resolve()
+        path = location(resume)   # a local path, or an s3:// iteration_N of a save_dir
         if not path.exists():
             raise FileNotFoundError(f"resume_from_checkpoint={str(resume)!r} does not exist: pass True to resume from "
                                     f"the newest state of {self.output_dir}, or the path of a checkpoint-N folder")
@@ -199,6 +200,10 @@ class Resumer:
         across_nodes = sharded and self.ckpt.world_size > self.ckpt.local_world_size
         base = self.staging_dir or (self.save_dir if across_nodes else self.ckpt.config.shm_dir)
         assert base is not None
+        if is_url(base):
+            raise ValueError(f"FSDP across nodes stages its resume files where every rank sees them, and save_dir "
+                             f"{base} is an object store: give TrainerWrapper(staging_dir=...) a directory on a file "
+                             "system every node mounts")
         creator = self.ckpt.rank == 0 if across_nodes else self.ckpt.local_rank == 0
         directory = Path(base) / f"{STAGING_PREFIX}{self.ckpt.config.job_id}"
         problem = ""

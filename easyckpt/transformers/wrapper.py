@@ -26,6 +26,7 @@ from easyckpt.transformers.health import STATE_KEY, StepGuard
 from easyckpt.transformers.resume import ResumeInfo, Resumer
 from easyckpt_wire import layout
 from easyckpt_wire.health import RankHealth, combine, rank_verdict
+from easyckpt_wire.storage import location
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +151,8 @@ class TrainerWrapper:
         self.strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
         self.save_steps = self._save_steps(args)
         self.persist_interval = self.save_steps if self.save_steps else save_mem_interval * _NEVER
-        self.save_dir = Path(checkpointer_kwargs.pop("save_dir", self.output_dir / "easyckpt")).expanduser().resolve()
+        # location(): an s3:// URL stays one (Path() would make it the local folder "s3:/bucket/prefix")
+        self.save_dir = location(checkpointer_kwargs.pop("save_dir", self.output_dir / "easyckpt"))
         self.max_ckpt_num = int(checkpointer_kwargs.pop("max_ckpt_num", 2))
         self.log_file_path = checkpointer_kwargs.pop("log_file_path", None)
         staging = checkpointer_kwargs.pop("staging_dir", None)
