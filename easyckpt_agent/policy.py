@@ -66,6 +66,21 @@ def tail_to_persist(common: Collection[int], *, floor: int, interval: int) -> in
     return newest
 
 
+def next_to_persist(ready: Collection[int], asked: Collection[int], *, failing: bool) -> int | None:
+    """Of the claimed steps ready to write, the one to persist now: the newest, except while the job is failing
+    (a rank died without closing) and a rank asked for an older one by name (a Trainer's save step, waiting
+    for its export): then the oldest such first. Written after a newer step it would be older than what is on
+    disk and given up, and a dying job does not ask again (the soak's HF kill lost checkpoint-10 so: step 10
+    asked for while step 5 was written, then the failure flush of step 11 went first)."""
+    if not ready:
+        return None
+    if failing:
+        older = sorted(step for step in ready if step in asked)
+        if older:
+            return older[0]
+    return max(ready)
+
+
 def never_holds(step: int, held: Collection[int], *, ended: bool) -> str:
     """Why a rank holding ``held`` will never hold ``step`` committed; "" while it still may."""
     if step in held:

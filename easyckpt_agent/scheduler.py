@@ -180,21 +180,26 @@ class PersistScheduler:
 
     # the persist in flight ----------------------------------------------------------------------------
     def start_ready(self) -> None:
-        """Start the newest claimed step whose every local rank is claimed and whose metadata is read."""
+        """Start a claimed step whose every local rank is claimed and whose metadata is read: the newest, or
+        (``policy.next_to_persist``) one a rank asked for while the job is failing."""
         if self.inflight is not None:
             return
         ranks = self.watcher.local_ranks()
-        for step in sorted(self.claims, reverse=True):
+        ready: dict[int, list[RankSnapshot]] = {}
+        for step in self.claims:
             claims = self.claims.ranks(step)
             if len(ranks) >= self.watcher.local_world_size and set(claims) >= ranks:
                 metas = {rank: claim.info.meta for rank, claim in claims.items()}
                 if any(meta is None or meta.step != step for meta in metas.values()):
                     continue  # metadata not read yet for this generation: next tick
-                snaps = [RankSnapshot(rank, claim.info.map, meta) for (rank, claim), meta
-                         in zip(claims.items(), metas.values()) if meta is not None]
-                self.inflight_epoch = self.timeline.epoch
-                self.inflight = (step, self.pool.submit(self._persist, step, snaps, self.inflight_epoch))
-                return
+                ready[step] = [RankSnapshot(rank, claim.info.map, meta) for (rank, claim), meta
+                               in zip(claims.items(), metas.values()) if meta is not None]
+        # Across nodes every node must write the same step first (the leader waits for each stage): newest.
+        failing = len(ready) > 1 and not self.multi() and self.watcher.any_died()
+        chosen = policy.next_to_persist(ready, self.flushes.wanted, failing=failing)
+        if chosen is not None:
+            self.inflight_epoch = self.timeline.epoch
+            self.inflight = (chosen, self.pool.submit(self._persist, chosen, ready[chosen], self.inflight_epoch))
 
     def _persist(self, step: int, snaps: list[RankSnapshot], epoch: int) -> PersistStats:
         settings = self.settings

@@ -180,6 +180,10 @@ class Watcher:
                 died.append(proc)
         return died
 
+    def any_died(self) -> bool:
+        """A local rank died without closing (handed to the agent by newly_dead) and has not come back."""
+        return any(proc.reported for proc in self.ranks.values())
+
     def any_alive(self) -> bool:
         return any(proc.alive() for proc in self.ranks.values())
 

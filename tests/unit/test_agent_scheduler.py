@@ -167,3 +167,27 @@ def test_a_resume_forgets_the_newer_steps_of_the_abandoned_timeline(node: Harnes
     scheduler.persisted, scheduler.given_up, scheduler.last_passed = 10, 12, 15
     assert scheduler.rewind(8, [5, 10]) == (10, 12)
     assert (scheduler.persisted, scheduler.given_up, scheduler.last_passed, scheduler.floor()) == (5, -1, -1, 5)
+
+
+def test_a_step_asked_for_goes_to_disk_before_the_failure_flush_of_a_newer_one(node: Harness) -> None:
+    """Step 10 asked for (a Trainer's save step) while step 5 is written, then rank 1 dies and the failure flush
+    claims step 11: 10 is written first, then 11 (newest first would make 10 obsolete: it was given up)."""
+    ranks, scheduler = node.ranks, node.agent.scheduler
+    ranks.commit_all(0, 5)
+    round_(node)
+    assert scheduler.inflight_step() == 5
+    ranks.commit_all(1, 10)
+    for rank in ranks.ranks:
+        scheduler.flushes.request(rank, 10, node.agent.watcher, scheduler.claims, scheduler.durable())
+    ranks.commit_all(2, 11)
+    node.agent.watcher.ranks[1].dead = True   # its process is gone (what alive() concludes of a recycled pid)
+    round_(node)
+    assert scheduler.inflight_step() == 5 and scheduler.failed_ranks == set() and 11 in scheduler.claims
+    node.settle()
+    round_(node)
+    assert scheduler.inflight_step() == 10
+    node.settle()
+    round_(node)
+    assert scheduler.inflight_step() == 11
+    node.settle()
+    assert on_disk(node.save_dir) == [5, 10, 11]

@@ -276,3 +276,10 @@ def test_three_slots_lose_at_most_two_intervals_however_slow_the_persist(ranks: 
     model.kill_all()
     assert model.lost[-1] <= 2, f"resumed {model.lost[-1]} steps behind the kill"
     assert model.skips == 0
+
+
+def test_next_to_persist_is_the_newest_unless_a_failing_job_asked_for_an_older_one() -> None:
+    assert policy.next_to_persist([], {3}, failing=True) is None
+    assert policy.next_to_persist([10, 11], {10, 11}, failing=False) == 11   # a live job: freshest first
+    assert policy.next_to_persist([10, 11, 12], {11, 12}, failing=True) == 11
+    assert policy.next_to_persist([10, 11], set(), failing=True) == 11       # nothing asked for by name
