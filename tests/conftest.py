@@ -178,6 +178,17 @@ def tmpfs(tmp_path: Path) -> Iterator[Any]:
             subprocess.run(["umount", "-l", str(point)], capture_output=True)
 
 
+def wipe_memory(env: Env) -> None:
+    """The node lost its memory: the agent is gone and so are the slot files."""
+    pid = env.agent_pid()
+    if pid is not None:
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: gone(pid), 30, f"agent {pid} to die")
+    env.wait_agent_gone()
+    for path in env.slot_files():
+        path.unlink()
+
+
 def run_cli(*args: str, env: Env, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "easyckpt.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=env.environ())

@@ -13,7 +13,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ pytest.importorskip("transformers", reason="the HF integration needs transformer
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate: pip install -e '.[hf]'")
 
 import torch  # noqa: E402
-from conftest import ROOT, Env, gone, seeded_random, wait_for  # noqa: E402
+from conftest import ROOT, Env, seeded_random, wait_for, wipe_memory  # noqa: E402
 from ddp_job import TORCHRUN, Job, newest_common_committed, slot_states  # noqa: E402
 
 from easyckpt_wire import health, layout  # noqa: E402
@@ -88,17 +87,6 @@ def assert_continues_exactly(resumed: Job, reference: Job, from_step: int, steps
 
 def resumed_at(job: Job) -> list[dict[str, Any]]:
     return [job.resumes(rank)[-1] for rank in range(2)]
-
-
-def wipe_memory(env: Env) -> None:
-    """The node lost its memory: the agent is gone and so are the slot files."""
-    pid = env.agent_pid()
-    if pid is not None:
-        os.kill(pid, signal.SIGKILL)
-        wait_for(lambda: gone(pid), 30, f"agent {pid} to die")
-    env.wait_agent_gone()
-    for path in env.slot_files():
-        path.unlink()
 
 
 def killed_run(env: Env, output_dir: Path, out: Path, at_step: int, *, step_seconds: float = 0.15,

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
-from conftest import ROOT, Env, assert_same, gone, run_cli, seeded_random, wait_for  # noqa: E402
+from conftest import ROOT, Env, assert_same, gone, run_cli, seeded_random, wait_for, wipe_memory  # noqa: E402
 
 from easyckpt_wire import layout  # noqa: E402
 
@@ -150,13 +150,7 @@ def test_memory_wiped_resumes_from_disk_with_identical_losses(env: Env, referenc
     first.wait_reached(1, 13)
     os.kill(first.pid(1), signal.SIGKILL)
     assert first.wait() != 0
-    agent = env.agent_pid()
-    if agent is not None:
-        os.kill(agent, signal.SIGKILL)
-        wait_for(lambda: gone(agent), 30, "the killed agent to exit")
-    env.wait_agent_gone()
-    for path in env.slot_files():
-        path.unlink()
+    wipe_memory(env)
     on_disk = [step for step, _ in layout.complete_iterations(env.save_dir)]
     assert on_disk, "nothing was persisted before the kill"
 

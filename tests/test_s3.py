@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import s3server
-from conftest import ROOT, Env, assert_same, gone, run_cli, seeded_random, wait_for
+from conftest import ROOT, Env, assert_same, run_cli, seeded_random, wait_for, wipe_memory
 from ddp_job import Job
 from s3proxy import FaultProxy
 
@@ -278,7 +278,7 @@ def test_trainer_wrapper_persists_to_s3_exports_checkpoints_from_it_and_resumes_
     exported from it as Trainer-native checkpoint-N folders; after a kill -9 with the node's memory wiped, the
     rerun resumes from the bucket and continues an uninterrupted plain Trainer's curve exactly."""
     pytest.importorskip("transformers")
-    from test_hf import SAVE_STEPS, STEPS, HFJob, assert_continues_exactly, killed_run, resumed_at, run_to_end, wipe_memory
+    from test_hf import SAVE_STEPS, STEPS, HFJob, assert_continues_exactly, killed_run, resumed_at, run_to_end
 
     output_dir = env.tmp_path / "hf"
     at = seeded_random().randint(11, 14)
@@ -312,7 +312,6 @@ def test_lightning_callback_persists_to_s3_exports_checkpoints_from_it_and_resum
     fit(ckpt_path="last") resumes from the bucket and continues a plain Lightning run's curve exactly; the
     ModelCheckpoint files are exported from the bucket's iterations."""
     pytest.importorskip("lightning")
-    from test_hf import wipe_memory
     from test_lightning import SAVE_STEPS, STEPS, LightningJob, assert_continues_exactly, run_to_end
 
     root = env.tmp_path / "root"
@@ -358,17 +357,11 @@ def test_megatron_persists_to_s3_resumes_from_it_and_converts_it_to_megatron(env
     env.wait_agent_gone()
 
     at = seeded_random().randint(8, 14)
-    first = Job(env, env.tmp_path / "run1", save_dir=s3_url)   # type: ignore[arg-type]
+    first = Job(env, env.tmp_path / "run1", save_dir=s3_url, idle="0")   # type: ignore[arg-type]   (full speed)
     first.wait_reached(1, at)
     os.kill(first.pid(1), signal.SIGKILL)
     assert first.wait() != 0
-    agent = env.agent_pid()
-    if agent is not None:
-        os.kill(agent, signal.SIGKILL)
-        wait_for(lambda: gone(agent), 30, "the killed agent to exit")
-    env.wait_agent_gone()
-    for path in env.slot_files():
-        path.unlink()
+    wipe_memory(env)
     on_disk = [step for step, _ in layout.complete(open_storage(s3_url))]
     assert on_disk, "nothing was persisted before the kill"
 

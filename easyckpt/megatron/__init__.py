@@ -262,17 +262,13 @@ def _load_elsewhere(ctx: _Context, load_dir: Path, template: dict[str, Any],
         result = ctx.ckpt.load(template, load_dir=load_dir, reshard=concat, announce=False)
         return result.state, LoadInfo(result.step or 0, result.source, result.path, result.seconds), False
     complete = layout.complete_iterations(load_dir) if load_dir.resolve() != ctx.save_dir else []
-    if is_url(load_dir):   # Megatron's own legacy files are local (torch.load): in a bucket only easyckpt's
-        if complete:
-            result = ctx.ckpt.load(template, load_dir=complete[-1][1], reshard=concat, announce=False)
-            return result.state, LoadInfo(result.step or 0, result.source, result.path, result.seconds), False
-        return None, LoadInfo(0, None), False
-    found = legacy.find(load_dir)
+    bucket = is_url(load_dir)   # Megatron's own legacy files are local (torch.load): in a bucket only easyckpt's
+    found = None if bucket else legacy.find(load_dir)
     if complete and found is None:
         result = ctx.ckpt.load(template, load_dir=complete[-1][1], reshard=concat, announce=False)
         return result.state, LoadInfo(result.step or 0, result.source, result.path, result.seconds), False
     if found is None:
-        other = legacy.other_format(load_dir)
+        other = None if bucket else legacy.other_format(load_dir)
         if other is not None:
             raise LegacyCheckpointError(other)
         return None, LoadInfo(0, None), False
