@@ -39,6 +39,7 @@ from easyckpt_agent.agreement import (  # noqa: E402
     Verdict,
     decide,
     due_to_hold,
+    job_safe_here,
     newest,
     persist_floor,
     plan_holds,
@@ -82,6 +83,7 @@ class Node:
     verdict: Verdict | None = None
     busy: int | None = None
     node_safe: int | None = None     # what the control block says (the verdict's, when held here)
+    adopted: int | None = None       # the job-safe step as far as this node holds it (``Protection.safe``)
     took: int = -1
     lost: set[int] = dataclasses.field(default_factory=set)
     backed: set[int] = dataclasses.field(default_factory=set)   # predecessor's steps backed up here
@@ -120,6 +122,9 @@ class Simulation:
         self.last_verdict: Verdict | None = None
         self.begun = 0
         self.waited_ms = 0.0
+        self.slowest_ms = 0.0     # the longest any agent took to react (the property tests' precondition)
+        self.withdrawn = 0        # verdicts that named no job-safe step after one had been named
+        self.uncovered = 0        # samples at which no step was held on every node
 
     # events ---------------------------------------------------------------------------------------------
     def at(self, when: float, action: Callable[[], None]) -> None:
@@ -134,7 +139,9 @@ class Simulation:
 
     def agent_delay(self, node: Node) -> float:
         mean = self.c.agent_ms * (self.c.slow_factor if node.index == self.c.slow_node else 1.0)
-        return self.rng.expovariate(1.0 / mean) if mean > 0 else 0.0
+        delay = self.rng.expovariate(1.0 / mean) if mean > 0 else 0.0
+        self.slowest_ms = max(self.slowest_ms, delay)
+        return delay
 
     def wake(self, node: Node) -> None:
         if not node.tick_pending and node.alive:
@@ -242,6 +249,8 @@ class Simulation:
         if book.taken is not None and book.taken != self.book.taken:
             self.taken.append(book.taken)
         self.book = book
+        if verdict.job_safe is None and self.last_verdict is not None and self.last_verdict.job_safe is not None:
+            self.withdrawn += 1   # a round in which no step was job-safe any more: a rank kill had no floor
         if verdict == self.last_verdict:
             return
         self.last_verdict = verdict
@@ -266,8 +275,10 @@ class Simulation:
         persisting = {s for s in (node.busy, persist_floor(verdict, local | node.held)) if s is not None}
         due = due_to_hold(local | node.held, interval=self.c.interval, decided=decided)
         plan = plan_holds(slots=self.c.slots, persisting=persisting, job_safe=verdict.job_safe,
-                          candidate=verdict.candidate, node_safe=verdict.node_safe, present=local | node.held, due=due)
+                          candidate=verdict.candidate, node_safe=verdict.node_safe, present=local | node.held, due=due,
+                          adopted=node.adopted)
         node.held = set(plan)
+        node.adopted = job_safe_here(verdict.job_safe, node.held, node.adopted)
         node.published = frozenset(node.held)
         node.node_safe = verdict.node_safe
         node.decided = max(decided, max(persisting, default=-1))
@@ -287,6 +298,8 @@ class Simulation:
         newest_committed = max(self.committed_times, default=None)
         if verdict is None or newest_committed is None:
             return
+        if not set.intersection(*(node.held for node in self.nodes if node.alive)) and self.job_lags:
+            self.uncovered += 1   # no step held on every node at this moment (not the leader's view: the truth)
         self.job_lags.append(newest_committed - (verdict.job_safe if verdict.job_safe is not None else -1))
         self.node_lags.append(newest_committed - (verdict.node_safe if verdict.node_safe is not None else -1))
 
@@ -325,7 +338,8 @@ def run(config: Config, seed: int, fault: str | None = None, fault_step: int | N
     due = [s for s in range(config.steps) if s % config.interval == 0]
     result.update(persisted=sorted(sim.persisted), passed=dict(sorted(sim.passed.items())), due=due,
                   skipped=sim.skipped, job_lags=sim.job_lags, node_lags=sim.node_lags,
-                  waited_ms=sim.waited_ms, elapsed_ms=sim.now)
+                  waited_ms=sim.waited_ms, elapsed_ms=sim.now, slowest_reaction_ms=sim.slowest_ms,
+                  job_safe_withdrawn=sim.withdrawn, uncovered=sim.uncovered)
     return result
 
 
@@ -355,7 +369,8 @@ def table(nodes_list: list[int], seed: int, faults: int, base: Config) -> list[d
             "node_safe_lag_median": statistics.median(whole["node_lags"]),
             "node_safe_lag_p99": pct(whole["node_lags"], 0.99), "node_safe_lag_max": max(whole["node_lags"]),
             "due": len(whole["due"]), "persisted": len(whole["persisted"]), "passed_busy": passed_busy,
-            "passed_other": len(whole["passed"]) - passed_busy, "skipped": whole["skipped"]})
+            "passed_other": len(whole["passed"]) - passed_busy, "skipped": whole["skipped"],
+            "uncovered": whole["uncovered"], "withdrawn": whole["job_safe_withdrawn"]})
     return rows
 
 
@@ -376,7 +391,8 @@ def main() -> None:
     rows = table([int(n) for n in args.nodes.split(",")], seed, args.faults, base)
     header = ["nodes", "rank_kill_lost_median", "rank_kill_lost_max", "node_loss_lost_median", "node_loss_lost_max",
               "job_safe_lag_median", "job_safe_lag_p99", "job_safe_lag_max", "node_safe_lag_median",
-              "node_safe_lag_p99", "node_safe_lag_max", "due", "persisted", "passed_busy", "passed_other", "skipped"]
+              "node_safe_lag_p99", "node_safe_lag_max", "due", "persisted", "passed_busy", "passed_other", "skipped",
+              "uncovered", "withdrawn"]
     print(" | ".join(header))
     for row in rows:
         print(" | ".join(str(row[h]) for h in header))

@@ -156,10 +156,13 @@ def decide_due(states: Mapping[str, NodeState], nodes: Sequence[str], *, interva
     busy = _busy(chosen, book.taken)
     newest_common = max(committed, default=-1)
     take, decided = None, book.decided
-    # The undecided due steps up to the newest common step, oldest first (two at most: a leader that fell
-    # further behind does not announce what it never saw).
-    for step in [s for s in (newest_common // interval * interval - interval, newest_common // interval * interval)
-                 if s >= 0 and s > book.decided]:
+    # Every undecided due step up to the newest common step, oldest first. Not only the newest two: a slow
+    # node's state can move the newest common step by two intervals at once, and a due step left out of this
+    # list would be decided (``decided`` moves past it) without a word, persisted nowhere. The list is short
+    # (``decided`` starts at the newest step on disk, and states list a few steps each); beyond PASSED_KEPT no
+    # verdict could repeat them anyway.
+    first = (book.decided // interval + 1) * interval if book.decided >= 0 else 0
+    for step in range(first, newest_common + 1, interval)[-PASSED_KEPT:]:
         missing = sorted(s.node for s in chosen if step not in s.local and step not in s.held)
         newest = step + interval > newest_common
         if take is not None:
@@ -194,11 +197,19 @@ def decide(states: Mapping[str, NodeState], nodes: Sequence[str], *, interval: i
 
 
 def persist_floor(verdict: Verdict, present: Iterable[int]) -> int | None:
-    """The due step the leader took, kept held by every node until a newer step is job-safe (or it was
-    passed over): while the nodes persist it they move their other hold to the candidate one by one, and it
-    is the step every node holds for sure until the job-safe step is newer than it."""
+    """The due step the leader took, kept held by every node until the leader committed it and a newer step is
+    job-safe (or it was passed over): while the nodes persist it they move their other hold to the candidate
+    one by one, and it is the step every node holds for sure meanwhile.
+
+    Not until the job-safe step alone is newer: a node still writing holds the persisted step and the candidate
+    only (its ranks need a slot to write and one spare), so when the nodes that had finished let the persisted
+    step go as soon as the job-safe step passed it, the nodes held no step in common for a round (the
+    simulation's job-safe lag of 32-47 steps with persists longer than the interval)."""
     take = verdict.take
-    if take is None or take in verdict.passed_steps() or (verdict.job_safe is not None and verdict.job_safe > take):
+    if take is None or take in verdict.passed_steps():
+        return None
+    if verdict.committed is not None and verdict.committed >= take and verdict.job_safe is not None \
+            and verdict.job_safe > take:
         return None
     return take if take in set(present) else None
 
@@ -212,12 +223,16 @@ def due_to_hold(present: Iterable[int], *, interval: int, decided: int) -> int |
 
 
 def plan_holds(*, slots: int, persisting: Iterable[int], job_safe: int | None, candidate: int | None,
-               node_safe: int | None, present: Iterable[int], due: int | None = None, spare: bool = True) -> list[int]:
+               node_safe: int | None, present: Iterable[int], due: int | None = None, spare: bool = True,
+               adopted: int | None = None) -> list[int]:
     """The steps an agent holds on every local rank, in priority order, at most ``slots - 1`` of them.
 
     ``persisting``: steps held for persists (in flight, or claimed): always kept. ``due``: the newest due
     step not decided yet (``due_to_hold``). ``present``: steps every local rank holds committed (or that the
-    agent holds already); a step the ranks no longer hold cannot be held.
+    agent holds already); a step the ranks no longer hold cannot be held. ``adopted``: the job-safe step this
+    node adopted from an earlier verdict (``job_safe_here``): a verdict that names an older one (or none) was
+    decided over states of different ages, and following it would let go of the one step every node still
+    holds (then no node holds an older one either, and the job has no common step for a round).
 
     When ``spare``, four slots or more and no due step held, the roles (job-safe, candidate,
     node-safe) take at most ``slots - 2`` slots: one slot beside the one the ranks write stays free for a due step that the
@@ -241,12 +256,20 @@ def plan_holds(*, slots: int, persisting: Iterable[int], job_safe: int | None, c
     # A node that missed the verdict's job-safe step (its state was a round old when the leader decided) keeps
     # the newest step below it that it has: the others still hold that one, and letting it go leaves the job
     # with no common step until the next rounds.
-    safe_here = max((s for s in here if job_safe is not None and s <= job_safe), default=None)
+    safe_here = job_safe_here(job_safe, here, adopted)
     roles = [candidate, safe_here, node_safe] if persist or slots <= 2 else [safe_here, candidate, node_safe]
     for step in roles:
         if step is not None and step in here and step not in chosen and len(chosen) < limit:
             chosen.append(step)
     return chosen
+
+
+def job_safe_here(job_safe: int | None, held: Iterable[int], adopted: int | None = None) -> int | None:
+    """The job-safe step as far as this node holds it: the newest step of ``held`` at or below the verdict's
+    job-safe step, or at or below the one this node ``adopted`` before when the verdict names an older one
+    (the job-safe step never moves back within a timeline; a verdict over states of different ages can)."""
+    bound = max((s for s in (job_safe, adopted) if s is not None), default=None)
+    return None if bound is None else max((s for s in held if s <= bound), default=None)
 
 
 def lag(newest: int | None, protected: int | None) -> int | None:

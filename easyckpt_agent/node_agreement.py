@@ -72,7 +72,7 @@ class NodeAgreement:
         persisting |= {floor} if floor is not None else set()
         plan = agreement.plan_holds(slots=self.watcher.slots_per_rank(), persisting=persisting, due=due,
                                     job_safe=verdict.job_safe, candidate=verdict.candidate,
-                                    node_safe=verdict.node_safe, present=present)
+                                    node_safe=verdict.node_safe, present=present, adopted=protection.safe)
         if set(plan) - persisting != roles.steps:
             protection.control.begin_move()   # ranks that find no free slot meanwhile wait for the move, not skip
         if roles.apply(plan, ranks, held, skip=persisting):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Iterable
 
-from easyckpt_agent import policy
+from easyckpt_agent import agreement, policy
 from easyckpt_agent.roles import RoleHolds
 from easyckpt_agent.watcher import SlotHolds, SlotInfo, Watcher
 from easyckpt_wire.control import ControlWriter, PersistFailure
@@ -93,8 +93,7 @@ class Protection:
 
     def set_job_steps(self, job_safe: int | None, node_safe: int | None, everywhere: Iterable[int]) -> None:
         """The verdict's steps: the job-safe one as far as this node holds it on every local rank (``everywhere``)."""
-        everywhere = set(everywhere)
-        self.safe = max((s for s in everywhere if job_safe is not None and s <= job_safe), default=None)
+        self.safe = agreement.job_safe_here(job_safe, everywhere, self.safe)
         # The leader's word, held here or not: it says how far the backups have come job-wide, which is what the
         # ranks' max_backup_lag measures (a node-safe step this node let go of for a newer job-safe step is
         # still backed up, and the next one follows within a backup's time).
