@@ -14,13 +14,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from easyckpt.tools.convert import full_state
@@ -31,6 +34,10 @@ logger = logging.getLogger(__name__)
 
 POLL = 0.05          # seconds between looks at save_dir for a persisted iteration
 TENSOR_KEYS = ("state_dict", "optimizer_states")   # taken from the persisted iteration, the rest from the save
+# ``.<file name>.<writer's pid>.easyckpt-tmp``; before 2026-11-27 without the pid.
+TMP_RE = re.compile(r"^\.(?P<name>.+?)(?:\.(?P<pid>\d+))?\.easyckpt-tmp$")
+_cleaned: set[Path] = set()       # directories this process has cleared of dead writers' temporary files
+_cleaned_lock = threading.Lock()
 
 
 @dataclasses.dataclass
@@ -171,7 +178,8 @@ def write_checkpoint(checkpoint: dict[str, Any], path: str, *, guard: Any = None
         return
     final = Path(path.removeprefix("file://"))
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.easyckpt-tmp")
+    clean_stale(final.parent)
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.easyckpt-tmp")
     try:
         with open(tmp, "wb") as handle:
             torch.save(checkpoint, handle)
@@ -183,3 +191,26 @@ def write_checkpoint(checkpoint: dict[str, Any], path: str, *, guard: Any = None
         posix.fsync_dir(final.parent)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def clean_stale(directory: Path) -> None:
+    """Remove the temporary files of a writer that died while exporting (a kill -9 of the job mid-write leaves
+    ``.<name>.<pid>.easyckpt-tmp`` in the ``ModelCheckpoint`` directory for good). Once per directory and
+    process; a file whose writer is still alive on this host is left alone."""
+    with _cleaned_lock:
+        if directory in _cleaned:
+            return
+        _cleaned.add(directory)
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        match = TMP_RE.match(entry.name)
+        if match is None or not entry.is_file():
+            continue
+        pid = match.group("pid")
+        if pid is not None and int(pid) != os.getpid() and psutil.pid_exists(int(pid)):
+            continue
+        logger.info("removing %s, left by a job that died while writing %s", entry, match.group("name"))
+        entry.unlink(missing_ok=True)
