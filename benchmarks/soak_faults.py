@@ -252,10 +252,14 @@ def flip_slot(c: Cluster, f: Fault) -> Strike:
 def flip_disk(c: Cluster, f: Fault) -> Strike:
     c.start_all()
     c.wait_step(f.step)
+    tracker = c.save_dir / "latest_checkpointed_iteration.txt"
+    # The fault's precondition, not a wait for the job: something must be on disk to flip. On a loaded machine the
+    # agent's first persist can come after the drawn step (a CI run found nothing at step 7 of 12, a persist
+    # every 3, and the replay of smoke-11-1 did not fire).
+    c.wait_until(tracker.exists, "the job's first persist (a file to flip)", limit=60.0)
     for node in range(c.config.nodes):
         c.kill_node(node, wipe=True)
     strike = Strike(at=c.newest_all())   # after the kills: the other node runs on until its own
-    tracker = c.save_dir / "latest_checkpointed_iteration.txt"
     text = tracker.read_text().strip() if tracker.exists() else ""
     iteration = next((p for p in c.save_dir.glob("iteration_*") if text.isdigit()
                       and p.name.removeprefix("iteration_").isdigit() and int(p.name[10:]) == int(text)), None)
