@@ -23,11 +23,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 
 from easyckpt.tools.convert import full_state
-from easyckpt_wire import layout
+from easyckpt_wire import layout, owner
 from easyckpt_wire.storage import posix
 
 logger = logging.getLogger(__name__)
@@ -210,7 +209,7 @@ def clean_stale(directory: Path) -> None:
         if match is None or not entry.is_file():
             continue
         pid = match.group("pid")
-        if pid is not None and int(pid) != os.getpid() and psutil.pid_exists(int(pid)):
+        if pid is not None and int(pid) != os.getpid() and owner.process_alive(int(pid), None):
             continue
         logger.info("removing %s, left by a job that died while writing %s", entry, match.group("name"))
         entry.unlink(missing_ok=True)
