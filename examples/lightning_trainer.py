@@ -15,11 +15,12 @@ written as ``<root>/checkpoints/epoch=E-step=N.ckpt`` (and ``last.ckpt``), which
 resumes from (``--plain --resume <root>/checkpoints/last.ckpt``).
 
 The model has dropout and the data is shuffled (``DistributedSampler``), so a resume that lost an RNG state
-or the data position would show. Each rank appends one JSON line per optimizer step to
-``--out/losses-rank<r>.jsonl``: the step, the loss, the ids of the batch's samples, and a digest of the model
-and optimizer state after the step; it writes ``--out/resume-rank<r>-<n>.json`` (where fit() started from,
-and the digest of the state it starts with) at the start of training. Those files are what the tests compare
-with an uninterrupted run.
+or the data position would show. ``--loader stateful`` trains from torchdata's ``StatefulDataLoader`` instead
+(``pip install torchdata``; ``--loader-workers N`` for its worker processes). Each rank appends one JSON line
+per optimizer step to ``--out/losses-rank<r>.jsonl``: the step, the loss, the ids of the batch's samples, and a
+digest of the model and optimizer state after the step; it writes ``--out/resume-rank<r>-<n>.json`` (where
+fit() started from, and the digest of the state it starts with) at the start of training. Those files are what
+the tests compare with an uninterrupted run.
 """
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ class Samples(torch.utils.data.Dataset):
 
 
 class Model(pl.LightningModule):
-    def __init__(self, lr: float = 0.01, spike_at: tuple[int, ...] = (), fsdp2: bool = False) -> None:
+    def __init__(self, lr: float = 0.01, spike_at: tuple[int, ...] = (), fsdp2: bool = False,
+                 stateful_loader: bool = False, loader_workers: int = 0) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1),
@@ -95,6 +97,11 @@ class Model(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
+        if self.hparams.stateful_loader:   # a loader that saves its own position (torchdata)
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            return StatefulDataLoader(Samples(), batch_size=BATCH, shuffle=True,
+                                      num_workers=self.hparams.loader_workers)
         return torch.utils.data.DataLoader(Samples(), batch_size=BATCH, shuffle=True)
 
 
@@ -154,6 +161,10 @@ def main() -> None:
     parser.add_argument("--plain", action="store_true", help="plain Lightning, without EasyCkpt")
     parser.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp",
                         help="fsdp2: ModelParallelStrategy, fully_shard in configure_model")
+    parser.add_argument("--loader", choices=("plain", "stateful"), default="plain",
+                        help="stateful: torchdata's StatefulDataLoader (pip install torchdata), whose position "
+                        "Lightning saves and restores")
+    parser.add_argument("--loader-workers", type=int, default=0, help="the stateful loader's num_workers")
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--spike-at", default="", help="steps (comma-separated) whose loss is scaled by 1e4")
@@ -184,7 +195,8 @@ def main() -> None:
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          log_every_n_steps=1)
     spikes = tuple(int(step) for step in args.spike_at.split(",") if step)
-    model = Model(spike_at=spikes, fsdp2=args.strategy == "fsdp2")
+    model = Model(spike_at=spikes, fsdp2=args.strategy == "fsdp2", stateful_loader=args.loader == "stateful",
+                  loader_workers=args.loader_workers)
     trainer.fit(model, ckpt_path=None if args.resume == "none" else args.resume)
 
 

@@ -9,6 +9,7 @@ that lost an RNG state would show too.
 """
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -139,6 +140,55 @@ def test_kill9_resume_from_memory_then_disk_then_plain_lightning(env: Env, refer
         # Plain Lightning restores no RNG (the dropout masks differ), but the data position of an epoch end is exact
         assert [row["ids"] for _, row in sorted(plain.losses(rank).items())] == \
             [reference.losses(rank)[step]["ids"] for step in range(17, 25)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_dataloader_resumes_mid_epoch_and_at_an_epoch_end_exactly(env: Env, workers: int) -> None:
+    """torchdata's StatefulDataLoader(shuffle=True) under DDP: Lightning shards its sampler through
+    DistributedSamplerWrapper, whose order comes from a generator neither Lightning nor the loader restores, and
+    a plain Lightning resume trains on another order. With EasyCkpt, a seeded kill -9 in the first two epochs
+    resumes from memory, a new job from disk in the third epoch, and a resume at an epoch's end from that
+    iteration, each continuing an uninterrupted plain Lightning run bit for bit (losses, samples, digests).
+    With and without worker processes (a fresh iterator draws the sampler's order twice with them)."""
+    pytest.importorskip("torchdata", reason="the StatefulDataLoader test needs torchdata: pip install torchdata")
+    loader = ["--loader", "stateful", "--loader-workers", str(workers)]
+    reference = run_to_end(LightningJob(env, env.tmp_path / "plain-root", env.tmp_path / "plain", steps=24,
+                                        args=["--plain", "--resume", "none", *loader]))
+    root = env.tmp_path / "root"
+    save_dir = root / "easyckpt"
+    kill_at = seeded_random().randint(2, 2 * SAVE_STEPS - 1)
+    first = LightningJob(env, root, env.tmp_path / "first", args=["--kill-rank", "1", "--kill-at", str(kill_at), *loader])
+    try:
+        assert first.wait(120) != 0, "rank 1 was to be killed"
+    finally:
+        first.kill()
+    newest = newest_common_committed(slot_states(env, save_dir))
+    assert newest is not None and kill_at - 2 <= newest <= kill_at, (newest, kill_at)
+    second = run_to_end(LightningJob(env, root, env.tmp_path / "second", args=loader))
+    for rank in range(2):
+        report = second.report(rank)
+        assert report["resumed"]["source"] == "memory" and report["global_step"] == newest, report
+    assert_continues_exactly(second, reference, newest, STEPS)
+
+    # An epoch's end: ModelCheckpoint(every_n_train_steps=8) persisted step 16, the last batch of epoch 1. A copy
+    # of the save_dir, so that this run's own persists leave the next job's iterations alone.
+    boundary = env.tmp_path / "boundary-root"
+    shutil.copytree(save_dir, boundary / "easyckpt")
+    at_end = run_to_end(LightningJob(env, boundary, env.tmp_path / "boundary",
+                                     args=["--resume", str(boundary / "easyckpt" / layout.iteration_dirname(16)),
+                                           *loader], extra_env={"EASYCKPT_JOB_ID": "boundary"}))
+    for rank in range(2):
+        assert at_end.report(rank)["resumed"] is not None and at_end.report(rank)["global_step"] == 16
+    assert_continues_exactly(at_end, reference, 16, STEPS)
+
+    # A new job resumes from disk at step 20, in the middle of the third epoch: the generator state of an epoch
+    # that began in a resumed run.
+    third = run_to_end(LightningJob(env, root, env.tmp_path / "third", steps=24, args=loader,
+                                    extra_env={"EASYCKPT_JOB_ID": "other"}))
+    for rank in range(2):
+        assert third.report(rank)["resumed"]["source"] == "disk" and third.report(rank)["global_step"] == STEPS
+    assert_continues_exactly(third, reference, STEPS, 24)
+    assert "saved positions" in second.log() + third.log()
 
 
 def test_spikes_are_skipped_on_both_ranks_then_abort_with_the_newest_snapshot_durable(env: Env) -> None:

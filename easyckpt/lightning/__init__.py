@@ -22,7 +22,8 @@ What it does, and why this way:
   dictionary at exactly the points it restores a ``.ckpt`` file, so its version-specific restart logic is
   used, not re-implemented. When easyckpt holds nothing, the ``last.ckpt`` Lightning would have taken, else a
   fresh start. Then the resumed epoch leaves out the batches it had consumed when the loader is a plain
-  ``DataLoader`` (:mod:`easyckpt.lightning.data`; a stateful one is Lightning's to restore) and the RNGs
+  ``DataLoader`` (:mod:`easyckpt.lightning.data`; a stateful one gets its saved state again once the epoch is
+  set, its wrapped sampler's generator from :mod:`easyckpt.lightning.sampling`) and the RNGs
   continue from the snapshot: the loss curve continues bit for bit.
 
 * **Lightning's saves are persisted by the agent.** ``ModelCheckpoint`` keeps deciding when and under

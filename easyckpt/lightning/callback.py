@@ -18,7 +18,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Sin
 from easyckpt.checkpointer import Checkpointer
 from easyckpt.collectives import all_ok
 from easyckpt.health import configure, embedding_local_norm
-from easyckpt.lightning import connector, data, sharded
+from easyckpt.lightning import connector, data, sampling, sharded
 from easyckpt.lightning.export import Exporter
 from easyckpt.snapshot.state import flatten
 from easyckpt_wire import layout
@@ -110,6 +110,8 @@ class EasyCkpt(Callback):
         self._persisted = -1                  # the newest step asked to persist
         self._restored: dict[str, Any] | None = None   # this callback's state from the resumed checkpoint
         self._skipped: list[Any] = []         # loaders whose first batches the resumed epoch leaves out
+        self._loader_states: list[dict[str, Any]] | None = None   # the stateful loaders' states of a resume
+        self._draws: dict[str, sampling.Draws] = {}   # the draws of samplers Lightning wraps (sampling.py)
         self._metrics: tuple[int, dict[str, float]] | None = None
         self._undo: list[Callable[[], None]] = []   # what a skipped step replaced (scheduler steps)
         self._originals: dict[str, Any] = {}  # the strategy's methods this callback wraps during fit
@@ -145,6 +147,10 @@ class EasyCkpt(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._continue_data(trainer)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._draws:   # loaders Lightning created anew (reload_dataloaders_every_n_epochs) are watched too
+            self._draws = sampling.watch(self._loaders(trainer), resumed=True)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         step = trainer.global_step + 1   # the step being taken (Lightning counts it after)
@@ -191,8 +197,11 @@ class EasyCkpt(Callback):
         """This rank's RNGs (Lightning's checkpoint has none: a resume from easyckpt continues them exactly)
         and the data skipper's count, in every snapshot and every ``.ckpt`` Lightning writes."""
         rank = self._trainer.global_rank if self._trainer is not None else 0
-        return {"format": STATE_FORMAT, "rng": {rank: data.portable_rng(_collect_rng_states())},
-                "skipper": self.skipper.state_dict() if self.skipper is not None else None}
+        state = {"format": STATE_FORMAT, "rng": {rank: data.portable_rng(_collect_rng_states())},
+                 "skipper": self.skipper.state_dict() if self.skipper is not None else None}
+        if self._draws:   # the generators of samplers Lightning wraps (easyckpt.lightning.sampling)
+            state["sampling"] = {rank: sampling.record(self._draws)}
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._restored = state_dict
@@ -226,6 +235,8 @@ class EasyCkpt(Callback):
         if template is not None:   # the strategy loads no weights from the dictionary: they are in place now
             sharded.load(trainer.strategy, state)
         self._last_step = result.step
+        fit_state = state.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        self._loader_states = fit_state.get("combined_loader") if isinstance(fit_state, dict) else None
         self.resumed = {"step": result.step, "source": result.source, "path": result.path,
                         "seconds": result.seconds, "nbytes": result.nbytes}
         where = result.path if result.source == "disk" else f"easyckpt://{result.source}/step={result.step}"
@@ -359,14 +370,23 @@ class EasyCkpt(Callback):
         """After a resume: the resumed epoch leaves out the batches it had consumed, and every RNG continues
         from the snapshot (``easyckpt.lightning.data``)."""
         restored, self._restored = self._restored, None
+        loader_states, self._loader_states = self._loader_states, None
+        self._draws = sampling.watch(self._loaders(trainer), resumed=restored is not None)
         if restored is None:
             return
-        rngs = restored.get("rng")
-        rng = rngs.get(trainer.global_rank) if isinstance(rngs, dict) else None
+        rank = trainer.global_rank
+        rngs, records = restored.get("rng"), restored.get("sampling")
+        rng = rngs.get(rank) if isinstance(rngs, dict) else None
+        record = records.get(rank) if isinstance(records, dict) else None
         if rng is None and restored.get("format") == STATE_FORMAT:
             logger.info("rank %d: the resumed checkpoint has no RNG state of this rank (a .ckpt file holds rank "
-                        "0's): the RNGs are not restored", trainer.global_rank)
-        self._skipped = data.continue_after_resume(trainer, rng)
+                        "0's): the RNGs are not restored", rank)
+        self._skipped = data.continue_after_resume(trainer, rng, self._draws, record, loader_states)
+
+    @staticmethod
+    def _loaders(trainer: pl.Trainer) -> list[Any]:
+        combined = trainer.fit_loop._combined_loader
+        return list(combined.flattened) if combined is not None else []
 
     # data skipping --------------------------------------------------------------------------------------
     def _skip_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -407,6 +427,8 @@ class EasyCkpt(Callback):
         for loader in self._skipped:
             data.restore(loader)
         self._skipped = []
+        sampling.unwatch(self._draws)
+        self._draws = {}
         self._unwrap_strategy()
         ckpt, self.ckpt = self.ckpt, None
         try:

@@ -1,9 +1,11 @@
 """The data position and RNGs of a resume: a mid-epoch position for dataloaders Lightning cannot restore itself.
 
 Lightning restores the position of a stateful loader (one with ``state_dict``/``load_state_dict``, such as
-torchdata's ``StatefulDataLoader``) from the fit loop's state, which every snapshot carries; those are left to
-it (under DDP, Lightning 2.6.6's own mid-epoch resume of a ``StatefulDataLoader`` did not give back the
-uninterrupted run's batches when we measured it, with or without easyckpt). A plain
+torchdata's ``StatefulDataLoader``) from the fit loop's state, which every snapshot carries, but in 2.6.6 it
+creates the resumed epoch's iterator before it sets that epoch on the samplers; and under DDP the order of a
+sampler it wraps comes from a generator nobody saves (:mod:`easyckpt.lightning.sampling`). So after Lightning's
+restore, a stateful loader gets its saved state again with the epoch set, its wrapped sampler drawing from the
+recorded generator state, and the iterator is created afresh (:func:`reload`). A plain
 ``DataLoader`` has no state: Lightning resumes its batch counter mid-epoch but iterates the loader from the
 epoch's first batch again (it warns "your dataloader is not resumable"), so the batches after a resume are
 not the ones the uninterrupted run saw. :func:`skip_consumed` makes them so: the resumed epoch's first
@@ -23,6 +25,8 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.seed import _set_rng_states
 from torch.utils.data import DataLoader
+
+from easyckpt.lightning import sampling
 
 logger = logging.getLogger(__name__)
 
@@ -105,40 +109,70 @@ def consumed(trainer: Any) -> int:
     return 0 if count >= trainer.num_training_batches else count
 
 
-def continue_after_resume(trainer: Any, rng: dict[str, Any] | None) -> list[Any]:
+def continue_after_resume(trainer: Any, rng: dict[str, Any] | None, watched: dict[str, sampling.Draws],
+                          saved: dict[str, Any] | None, loader_states: list[dict[str, Any]] | None) -> list[Any]:
     """At the start of a resumed fit (``on_train_start``, before the first batch is drawn): the resumed epoch
-    leaves out the batches it had consumed, unless Lightning restores the loaders itself (stateful ones), and
-    the RNGs (``rng``: this rank's, from the snapshot) continue. Returns the loaders to :func:`restore` at the
-    end of the epoch."""
+    leaves out the batches it had consumed and draws the order the uninterrupted run drew, and the RNGs
+    (``rng``: this rank's, from the snapshot) continue.
+
+    A plain loader's consumed batches are skipped here. A stateful one (``StatefulDataLoader``) is given its
+    saved state (``loader_states``, from Lightning's loop state) again once the resumed epoch is set on its
+    sampler, when Lightning's own restore would get the order wrong (an epoch after the first, or a sampler
+    Lightning wraps: ``watched``, whose generator states the snapshot holds in ``saved``). Returns the loaders to
+    :func:`restore` at the end of the epoch."""
     fit_loop = trainer.fit_loop
     loaders = list(fit_loop._combined_loader.flattened) if fit_loop._combined_loader is not None else []
     fetcher = fit_loop._data_fetcher
     stateful = bool(loaders) and all(is_stateful(loader) for loader in loaders)
     count = consumed(trainer)
+    # the epoch Lightning's fit loop hands the samplers (``epoch_progress.current.processed``); at an epoch's
+    # end, Lightning's restore has already counted the finished epoch processed: the next one
+    epoch = int(getattr(fit_loop.epoch_progress.current, "processed", trainer.current_epoch))
     skipped: list[Any] = []
-    if count and not stateful and fetcher is not None:
-        # the epoch Lightning's fit loop hands the samplers (``epoch_progress.current.processed``)
-        epoch = int(getattr(fit_loop.epoch_progress.current, "processed", trainer.current_epoch))
-        if all(index_skippable(loader) for loader in loaders):
-            for loader in loaders:
-                skip_consumed(loader, count)
-                set_epoch(loader, epoch)
-            skipped = loaders
-            iter(fetcher)   # this epoch's iterator afresh, over the skipping samplers
-            how = "skipped in the sampler"
-        else:
-            iter(fetcher)
-            assert fetcher.iterator is not None
-            drop_from(fetcher.iterator, count)
+    if count and fetcher is not None:
+        if stateful and loader_states and (watched or epoch > 0):
+            reload(loaders, loader_states, epoch)
+            with sampling.drawn_from(watched, saved, mid_epoch=True):
+                iter(fetcher)
+            logger.info("resumed mid-epoch: the loaders' saved positions (batch %d of epoch %d) reloaded once "
+                        "the epoch was set", count, epoch)
+        elif not stateful:
             how = "read and dropped"
-        logger.info("resumed mid-epoch: the first %d batches of epoch %d were %s", count, epoch, how)
+            if all(index_skippable(loader) for loader in loaders):
+                for loader in loaders:
+                    skip_consumed(loader, count)
+                    set_epoch(loader, epoch)
+                skipped = loaders
+                how = "skipped in the sampler"
+            with sampling.drawn_from(watched, saved, mid_epoch=True):
+                iter(fetcher)   # this epoch's iterator afresh (over the skipping samplers)
+            if how == "read and dropped":
+                assert fetcher.iterator is not None
+                drop_from(fetcher.iterator, count)
+            logger.info("resumed mid-epoch: the first %d batches of epoch %d were %s", count, epoch, how)
     if rng is not None:
         _set_rng_states(numpy_rng(rng))
-        if not count and not stateful and fetcher is not None and trainer.current_epoch > 0:
+        if not count and fetcher is not None and trainer.current_epoch > 0:
             # The run resumed at an epoch's end; the uninterrupted run created the next epoch's iterator after
-            # it, drawing the loader's seed from the global RNG: so does this one, in the same order.
-            iter(fetcher)
+            # it, drawing the loader's seed from the global RNG: so does this one, in the same order, with the
+            # next epoch set on the samplers (Lightning does not create it again: it resumes).
+            for loader in loaders:
+                set_epoch(loader, epoch)
+            with sampling.drawn_from(watched, saved, mid_epoch=False):
+                iter(fetcher)
     return skipped
+
+
+def reload(loaders: list[Any], loader_states: list[dict[str, Any]], epoch: int) -> None:
+    """Give each stateful loader its saved state again (Lightning's order: ``CombinedLoader._state_dicts``), with
+    the resumed epoch set on its sampler first: the next ``iter()`` then fast-forwards that epoch's order."""
+    stateful = [loader for loader in loaders if is_stateful(loader)]
+    if len(stateful) != len(loader_states):
+        raise RuntimeError(f"the resumed checkpoint holds {len(loader_states)} dataloader states, the trainer has "
+                           f"{len(stateful)} stateful loaders: define the dataloaders the run was saved with")
+    for loader, state in zip(stateful, loader_states):
+        set_epoch(loader, epoch)
+        loader.load_state_dict(state)
 
 
 def set_epoch(loader: Any, epoch: int) -> None:
