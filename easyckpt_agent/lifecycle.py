@@ -30,6 +30,9 @@ from easyckpt_wire.shm import list_slots
 logger = logging.getLogger(__name__)
 
 ABORT_TIMEOUT = 10.0    # an abandoned persist must stop within this long after its writers are told to
+# The ranks died and left nothing of the job in memory (before their first snapshot, say on a load that refused a
+# damaged checkpoint): a restart gains nothing from the agent waiting idle_timeout, so it leaves sooner.
+EMPTY_IDLE = 10.0
 
 
 class LifeSettings(Protocol):
@@ -227,8 +230,16 @@ class Lifecycle:
         now = time.monotonic()
         self.no_rank_since = self.no_rank_since or now
         idle_timeout = self.settings.idle_timeout
+        empty = self._nothing_kept()
+        if empty:
+            idle_timeout = min(idle_timeout, EMPTY_IDLE)
         if now - self.no_rank_since < idle_timeout:
             return False
+        if empty:
+            logger.info("no rank alive for %.0fs and nothing of the job in memory: exiting", idle_timeout)
+            self.unlink_slots()
+            self.ended_cleanly = True
+            return True
         newest = self.watcher.common_steps()
         persisted = self.scheduler.persisted
         if not newest or (persisted is not None and newest[0] <= persisted):
@@ -239,6 +250,13 @@ class Lifecycle:
             logger.warning("no rank alive for %.0fs; step %d is only in memory, its slots are kept in %s",
                            idle_timeout, newest[0], self.settings.shm_dir)
         return True
+
+    def _nothing_kept(self) -> bool:
+        """Ranks came and went (an agent started ahead of its ranks waits for them as long as ever), none holds
+        a committed step, and no other node may ask this agent for a replica."""
+        peers = self.cluster.peers
+        return (bool(self.watcher.ranks) and newest_in_memory(self.watcher) is None
+                and (peers is None or len(peers.nodes) <= 1))
 
     def _all_finished(self) -> bool:
         failure = self.scheduler.failure

@@ -6,7 +6,10 @@ import os
 import re
 import select
 import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import pytest
 from agent_slots import JOB, Harness
 from common import poll
 
-from easyckpt_agent import persister
+from easyckpt_agent import lifecycle, persister
 from easyckpt_agent.agreement import NodeState
 from easyckpt_agent.cluster import stage_outlook
 from easyckpt_agent.lifecycle import Lifecycle, WakePipe
@@ -254,3 +257,48 @@ def test_stage_outlook() -> None:
     assert stage_outlook(5, own_note=True, node="n0", floor=5, writing={}) is None
     assert stage_outlook(5, own_note=True, node="n0", floor=10, writing={"n1": 5}) is None
     assert stage_outlook(5, own_note=True, node="n0", floor=10, writing={"n1": None}) is not None
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_ranks_that_died_with_nothing_in_memory_end_the_agent_before_idle_timeout(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The soak found it (flip_disk on plain-1x1, seed 4242: 3 of 6 jobs): the job's only iteration was damaged,
+    the load refused it and the ranks died before their first snapshot; their agent then waited the whole
+    idle_timeout (300 s) for a restart that nothing in memory could help. With nothing committed it leaves after
+    EMPTY_IDLE, and takes its slots and control block with it."""
+    monkeypatch.setattr(lifecycle, "EMPTY_IDLE", 0.05)
+    node = Harness(tmp_path, idle_timeout=600)
+    try:
+        life = node.agent.life
+        assert not life.should_exit() and not life._nothing_kept(), "no rank came yet: it waits for them"
+        for rank in (0, 1):
+            node.agent.watcher.register(rank, dead_pid(), None)
+        node.agent.watcher.scan(relist_every=0)
+        assert life._nothing_kept()
+        assert poll(life.should_exit, 10, "EMPTY_IDLE to pass")
+        assert life.ended_cleanly and not list_slots(node.shm_dir, JOB)
+    finally:
+        node.close()
+
+
+def test_a_committed_step_keeps_the_agent_for_idle_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lifecycle, "EMPTY_IDLE", 0.05)
+    node = Harness(tmp_path, idle_timeout=600)
+    try:
+        node.ranks.kill(0)
+        node.ranks.kill(1)
+        node.ranks.commit_all(0, 4)
+        node.agent.watcher.scan(relist_every=0)
+        node.agent.scheduler.failed_ranks.clear()
+        life = node.agent.life
+        deadline = time.monotonic() + 0.5   # ten times EMPTY_IDLE: the step in memory keeps it
+        while time.monotonic() < deadline:
+            assert not life.should_exit()
+        assert not life._nothing_kept() and len(list_slots(node.shm_dir, JOB)) == 6
+    finally:
+        node.close()
