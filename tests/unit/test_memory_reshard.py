@@ -118,7 +118,7 @@ def save_world(shm: Path, job: str, world: int, steps: list[int]) -> None:
         # Each rank of a real world is its own process; here the meshes of the 4 ranks differ only in their
         # (unhashed) own rank, so the shard-spec cache of the previous rank would answer for this one.
         sharding._spec_of.cache_clear()
-        config = CheckpointerConfig(save_dir=shm.parent / "unused", save_mem_interval=1, save_storage_interval=1,
+        config = CheckpointerConfig(save_dir=shm / "unused-save-dir", save_mem_interval=1, save_storage_interval=1,
                                     max_ckpt_num=1, job_id=job, shm_dir=shm, start_agent=False)
         slots = RankSlots(shm, job, rank, world, world, 3)
         stager = Stager(config, slots, rank=rank, world_size=world, local_rank=rank, local_world_size=world)

@@ -50,7 +50,7 @@ def write_snapshots(shm: Path, rank: int, world: int, steps: Mapping[int, RankHe
     from easyckpt.snapshot.slots import RankSlots
     from easyckpt.snapshot.stager import Stager
 
-    config = CheckpointerConfig(save_dir=shm.parent / "unused", save_mem_interval=1, save_storage_interval=1,
+    config = CheckpointerConfig(save_dir=shm / "unused-save-dir", save_mem_interval=1, save_storage_interval=1,
                                 max_ckpt_num=1, job_id=JOB, shm_dir=shm, start_agent=False)
     slots = RankSlots(shm, JOB, rank, world, world, 3)
     stager = Stager(config, slots, rank=rank, world_size=world, local_rank=rank, local_world_size=world)
