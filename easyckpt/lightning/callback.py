@@ -150,7 +150,7 @@ class EasyCkpt(Callback):
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._draws:   # loaders Lightning created anew (reload_dataloaders_every_n_epochs) are watched too
-            self._draws = sampling.watch(self._loaders(trainer), resumed=True)
+            self._draws = sampling.watch(data.train_loaders(trainer), resumed=True)
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         step = trainer.global_step + 1   # the step being taken (Lightning counts it after)
@@ -371,7 +371,7 @@ class EasyCkpt(Callback):
         from the snapshot (``easyckpt.lightning.data``)."""
         restored, self._restored = self._restored, None
         loader_states, self._loader_states = self._loader_states, None
-        self._draws = sampling.watch(self._loaders(trainer), resumed=restored is not None)
+        self._draws = sampling.watch(data.train_loaders(trainer), resumed=restored is not None)
         if restored is None:
             return
         rank = trainer.global_rank
@@ -382,11 +382,6 @@ class EasyCkpt(Callback):
             logger.info("rank %d: the resumed checkpoint has no RNG state of this rank (a .ckpt file holds rank "
                         "0's): the RNGs are not restored", rank)
         self._skipped = data.continue_after_resume(trainer, rng, self._draws, record, loader_states)
-
-    @staticmethod
-    def _loaders(trainer: pl.Trainer) -> list[Any]:
-        combined = trainer.fit_loop._combined_loader
-        return list(combined.flattened) if combined is not None else []
 
     # data skipping --------------------------------------------------------------------------------------
     def _skip_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -121,7 +121,7 @@ def continue_after_resume(trainer: Any, rng: dict[str, Any] | None, watched: dic
     Lightning wraps: ``watched``, whose generator states the snapshot holds in ``saved``). Returns the loaders to
     :func:`restore` at the end of the epoch."""
     fit_loop = trainer.fit_loop
-    loaders = list(fit_loop._combined_loader.flattened) if fit_loop._combined_loader is not None else []
+    loaders = train_loaders(trainer)
     fetcher = fit_loop._data_fetcher
     stateful = bool(loaders) and all(is_stateful(loader) for loader in loaders)
     count = consumed(trainer)
@@ -137,19 +137,19 @@ def continue_after_resume(trainer: Any, rng: dict[str, Any] | None, watched: dic
             logger.info("resumed mid-epoch: the loaders' saved positions (batch %d of epoch %d) reloaded once "
                         "the epoch was set", count, epoch)
         elif not stateful:
-            how = "read and dropped"
-            if all(index_skippable(loader) for loader in loaders):
+            by_index = all(index_skippable(loader) for loader in loaders)
+            if by_index:
                 for loader in loaders:
                     skip_consumed(loader, count)
                     set_epoch(loader, epoch)
                 skipped = loaders
-                how = "skipped in the sampler"
             with sampling.drawn_from(watched, saved, mid_epoch=True):
                 iter(fetcher)   # this epoch's iterator afresh (over the skipping samplers)
-            if how == "read and dropped":
+            if not by_index:
                 assert fetcher.iterator is not None
                 drop_from(fetcher.iterator, count)
-            logger.info("resumed mid-epoch: the first %d batches of epoch %d were %s", count, epoch, how)
+            logger.info("resumed mid-epoch: the first %d batches of epoch %d were %s", count, epoch,
+                        "skipped in the sampler" if by_index else "read and dropped")
     if rng is not None:
         _set_rng_states(numpy_rng(rng))
         if not count and fetcher is not None and trainer.current_epoch > 0:
@@ -161,6 +161,12 @@ def continue_after_resume(trainer: Any, rng: dict[str, Any] | None, watched: dic
             with sampling.drawn_from(watched, saved, mid_epoch=False):
                 iter(fetcher)
     return skipped
+
+
+def train_loaders(trainer: Any) -> list[Any]:
+    """The fit loop's training dataloaders (none before Lightning set them up)."""
+    combined = trainer.fit_loop._combined_loader
+    return list(combined.flattened) if combined is not None else []
 
 
 def reload(loaders: list[Any], loader_states: list[dict[str, Any]], epoch: int) -> None:

@@ -26,7 +26,6 @@ from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 
 logger = logging.getLogger(__name__)
 
-States = dict[str, torch.Tensor]
 SEARCH = 4   # draws from a generator's seed tried to find the one that gave the first epoch's order
 
 
