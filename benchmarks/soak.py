@@ -114,18 +114,6 @@ def run_reference(name: str, shape: Shape, work: Path, timeout: float) -> tuple[
         cluster.cleanup()
 
 
-# Torn runs of an open product gap: still counted torn in the table and the JSON, marked so that a regression
-# elsewhere stands out (tests/test_soak.py fails on any other torn run). Remove once the gap is closed.
-KNOWN_GAP = ("single-node memory resumes verify no tensor bytes: the agent computes tensor checksums only in "
-             "multi-node jobs, so a byte flipped in a committed slot's data is loaded as is")
-
-
-def known_gap(fault: Fault, strike: Strike, record: dict[str, Any]) -> bool:
-    return (fault.kind == "flip_slot" and fault.variant == "data" and CONFIGS[fault.config].nodes == 1
-            and record.get("source") == "memory" and strike.flipped is not None
-            and strike.flipped[1] == record.get("resumed_at"))
-
-
 def run_job(fault: Fault, shape: Shape, ref: Reference, work: Path, timeout: float, keep: bool,
             cpu_of_children: bool = True) -> dict[str, Any]:
     config = CONFIGS[fault.config]
@@ -154,8 +142,6 @@ def run_job(fault: Fault, shape: Shape, ref: Reference, work: Path, timeout: flo
             strike = RUNNERS[fault.kind](cluster, fault)
             codes = cluster.wait_all()
             record.update(judge(cluster, ref, strike, codes))
-            if record["torn"] and known_gap(fault, strike, record):
-                record["known"] = KNOWN_GAP
         except Hung as exc:
             record.update(hung=True, why=[f"hung: still waiting for {exc} after {limit:.0f} s"],
                           tail=cluster.tail(1500))
@@ -188,7 +174,6 @@ def describe(record: dict[str, Any]) -> str:
     else:
         outcome = f"{record['source']} at {record['resumed_at']}, lost {record['lost']}"
     flags = [k.upper().replace("_", " ") for k in ("torn", "hung", "leaked", "failed", "not_run") if record.get(k)]
-    flags += ["(known gap)"] if record.get("known") else []
     if not record.get("fired", True) and not record.get("not_run"):
         flags.append("not fired")
     why = "; ".join(record.get("why", []))[:300]

@@ -138,7 +138,6 @@ def table(runs: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
         rows.append({"fault": kind, "runs": len(mine), **{k: sum(bool(r.get(k)) for r in mine)
                                                           for k in ("torn", "hung", "leaked", "failed", "not_run")},
                      "not_fired": sum(not r.get("fired", True) and not r.get("not_run") for r in mine),
-                     "torn_known": sum(bool(r.get("torn") and r.get("known")) for r in mine),
                      **{s: sum(r.get("source") == s for r in mine) for s in SOURCES},
                      "lost_median": statistics.median(lost) if lost else None, "lost_p99": _quantile(lost, 0.99),
                      "lost_max": max(lost) if lost else None})
@@ -150,8 +149,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             "scratch", "none", "lost median", "lost p99", "lost max"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
-        torn = f"{row['torn']} ({row['torn_known']} known)" if row.get("torn_known") else row["torn"]
-        cells = [row["fault"], row["runs"], torn, row["hung"], row["leaked"], row["failed"], row.get("not_run", 0),
+        cells = [row["fault"], row["runs"], row["torn"], row["hung"], row["leaked"], row["failed"], row.get("not_run", 0),
                  row["not_fired"],
                  *(row[s] for s in SOURCES), *(("-" if row[k] is None else f"{row[k]:g}")
                                                for k in ("lost_median", "lost_p99", "lost_max"))]

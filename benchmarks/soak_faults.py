@@ -235,11 +235,10 @@ def flip_slot(c: Cluster, f: Fault) -> Strike:
             slots[int(f.params["pick"] * len(slots))]
         start, length = {"data": (DATA_OFFSET, data_len), "meta": (meta_offset, meta_len),
                          "header": (0, HEADER_FIELDS)}[f.variant]
-        if c.config.nodes > 1:
-            # A snapshot changed before its agent checksummed it is checksummed changed: no checksum could tell.
-            # This is the fault's precondition, not a wait for the job: the agent hashes every commit at once.
-            c.wait_until(lambda: hashed(c, f.victim, step), f"node agent to checksum rank {f.victim}'s step {step}",
-                         limit=60.0)
+        # A snapshot changed before its agent checksummed it is checksummed changed: no checksum could tell.
+        # This is the fault's precondition, not a wait for the job: the agent hashes every commit at once.
+        c.wait_until(lambda: hashed(c, f.victim, step), f"node agent to checksum rank {f.victim}'s step {step}",
+                     limit=60.0)
         offset = start + int(f.params["fraction"] * length)
         flip_byte(path, offset, f.params["mask"])
         strike.flipped = (f.victim, step)

@@ -160,7 +160,8 @@ class Checkpointer:
         result = load(slots=self.slots, save_dir=self.config.save_dir, rank=self.rank, world_size=self.world_size,
                       template=state_dict, load_dir=location(load_dir) if load_dir is not None else None,
                       timeout=self.config.load_timeout, peers=self.peers, peer_timeout=self.config.peer_timeout,
-                      allow_unhealthy=allow_unhealthy, reshard=reshard)
+                      allow_unhealthy=allow_unhealthy, reshard=reshard,
+                      checksums=functools.partial(self.agent.checksums, timeout=self.config.peer_timeout))
         # In this rank's slot (memory, or pulled from a replica): a process that ends without a snapshot of its
         # own must still make it durable. A step read from disk is durable already; one resharded from another
         # world's memory is in no slot of this world, so this world's agent has nothing of it to persist.

@@ -96,12 +96,16 @@ class NodeReplication:
         # the loop's priority, not niced like persisting, or a node whose CPU training takes whole would back up
         # steps long after they were taken.
         self.hasher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hash")
+        # On one node the checksums only verify a later read from memory: niced like persisting, so that hashing
+        # never takes CPU from training (a snapshot not hashed yet is read unverified, and the read says so).
+        self.verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hash-verify",
+                                                              initializer=lower_priority)
         self.surveyor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="survey", initializer=lower_priority)
         self.hashing: set[tuple[int, int, int]] = set()     # (rank, slot, generation) queued or hashed
         self.pushed: set[int] = set()     # steps handed to the buddy (the hash thread's)
         self._push_courier = Courier(ctx)   # used by the hash thread only
         self.puller = BuddyPuller(self.holdings, lambda: self.peers)
-        self._hash_maps = MapCache()
+        self._hash_maps = {True: MapCache(), False: MapCache()}   # the hasher's and the verifier's (one thread each)
         self.coverage: dict[str, Any] | None = None
         self._coverage_at = 0.0
         self._stages_at = 0.0
@@ -113,8 +117,10 @@ class NodeReplication:
         self.jobwide = JobWide(node=node, ctx=ctx, wake=wake)
 
     def tick(self) -> None:
+        # Hashed on one node too: the checksums verify a read from memory (a byte flipped in a slot after its
+        # commit is refused, not trained on); only the push to a buddy and the stage commits need peers.
+        self._hash_and_push()
         if self.peers is not None:
-            self._hash_and_push()
             self._commit_stages()
 
     def status(self) -> dict[str, Any]:
@@ -129,6 +135,7 @@ class NodeReplication:
 
     def close(self) -> None:
         self.hasher.shutdown(wait=True, cancel_futures=True)
+        self.verifier.shutdown(wait=True, cancel_futures=True)
         self.surveyor.shutdown(wait=True, cancel_futures=True)
         self._push_courier.close()
         self.jobwide.close()
@@ -261,19 +268,20 @@ class NodeReplication:
             key = (rank, slot, header.generation)
             if key not in self.hashing:
                 self.hashing = {k for k in self.hashing if k[:2] != (rank, slot)} | {key}
-                self.hasher.submit(_logged, self._hash, rank, slot, info.path, info.meta, header.generation)
+                multi = self.peers is not None
+                (self.hasher if multi else self.verifier).submit(_logged, self._hash, self._hash_maps[multi], rank, slot,
+                                                                 info.path, info.meta, header.generation)
         self.holdings.forget_local(live)
         now = time.monotonic()
         if now - self._coverage_at > COVERAGE_EVERY:
             self._coverage_at = now
             self.surveyor.submit(_logged, self._refresh_coverage)
 
-    def _hash(self, rank: int, slot: int, path: Path, meta: SlotMeta, generation: int) -> None:
-        maps = self._hash_maps
+    def _hash(self, maps: MapCache, rank: int, slot: int, path: Path, meta: SlotMeta, generation: int) -> None:
         try:
             if maps.get(path).generation() != generation:
                 return   # rewritten while it waited in the queue: hashing it would be wasted
-            entry = build_manifest(maps.get(path), meta, generation, self.node)
+            entry = build_manifest(maps.get(path), meta, generation, self.node, inline=self.peers is not None)
         except (OSError, SlotFormatError) as exc:
             logger.warning("cannot hash %s: %s", path, exc)
             return

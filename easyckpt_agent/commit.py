@@ -15,7 +15,7 @@ import time
 import traceback
 from typing import Any
 
-from easyckpt_agent.rankfiles import RankSnapshot, bytes_needed
+from easyckpt_agent.rankfiles import RankSnapshot, SlotChanged, bytes_needed
 from easyckpt_wire import layout
 from easyckpt_wire.faults import fault_point
 from easyckpt_wire.health import NEUTRAL, RankHealth
@@ -94,6 +94,8 @@ def failure(exc: BaseException, step: int, where: str, needed: int | None, free:
     The traceback's frames are cleared: they hold views of the slots, which must not outlive the persist."""
     if isinstance(exc, PersistFailed):
         return exc
+    if isinstance(exc, SlotChanged):
+        return PersistFailed(step, exc.path, 0, str(exc))
     if not isinstance(exc, OSError):
         return None
     traceback.clear_frames(exc.__traceback__)

@@ -40,6 +40,18 @@ class RankSnapshot:
     rank: int
     slot: SlotMap
     meta: SlotMeta
+    # The xxh3-128 of each tensor that the agent took of this very slot write after its commit (None: not hashed
+    # yet): the persist compares the checksums it computes anyway, so bytes changed in shared memory since the
+    # commit are never written to storage with a checksum that vouches for them.
+    checksums: tuple[bytes, ...] | None = None
+
+
+class SlotChanged(ValueError):
+    """A tensor's bytes in a slot no longer match the checksum the agent took after its commit."""
+
+    def __init__(self, path: object, text: str) -> None:
+        self.path = str(path)
+        super().__init__(text)
 
 
 class PersistAborted(RuntimeError):
@@ -173,9 +185,13 @@ def _header(snap: RankSnapshot, entries: list[tuple[int, TensorEntry]], step: in
                               "data_offsets": [position, position + entry.nbytes]}
         position += entry.nbytes
         with snap.slot.data(entry.offset, entry.nbytes) as view:
-            digest = xxhash.xxh3_128_hexdigest(view)
+            digest = xxhash.xxh3_128_digest(view)
+        if snap.checksums is not None and index < len(snap.checksums) and snap.checksums[index] != digest:
+            raise SlotChanged(snap.slot.path, f"tensor {entry.name!r} of rank {snap.rank}'s step {step} no longer "
+                              "matches the checksum the agent took after its commit (shared memory changed or "
+                              "corrupted since): not persisted")
         record = _record(index, entry, file_name)
-        record[layout.CHECKSUM_ALGO] = digest
+        record[layout.CHECKSUM_ALGO] = digest.hex()
         records.append(record)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-(8 + len(blob)) % PAGE)  # JSON allows the padding; safetensors readers skip it

@@ -157,6 +157,12 @@ class Holdings:
             entry = self.local.get((rank, slot))
             return entry is not None and entry.generation == generation
 
+    def checksums_of(self, path: Path, generation: int) -> tuple[bytes, ...] | None:
+        """The checksums taken of this write (``generation``) of the local slot at ``path``; None if not hashed."""
+        with self.lock:
+            return next((e.manifest.checksums for e in self.local.values()
+                         if e.path == path and e.generation == generation), None)
+
     def manifest(self, rank: int, step: int) -> Manifest | None:
         with self.lock:
             for entry in self.local.values():
@@ -176,18 +182,20 @@ class Holdings:
         return copies[copy] if copy < len(copies) else ("none", None)
 
 
-def build_manifest(slot: SlotMap, meta: SlotMeta, generation: int, node: str) -> LocalManifest | None:
-    """Hash every tensor of a committed slot, keeping a copy of the small ones (up to ``INLINE_TOTAL`` in all);
-    None if the slot was rewritten meanwhile."""
+def build_manifest(slot: SlotMap, meta: SlotMeta, generation: int, node: str, *,
+                   inline: bool = True) -> LocalManifest | None:
+    """Hash every tensor of a committed slot, keeping a copy of the small ones (up to ``INLINE_TOTAL`` in all,
+    for the PUSH to a buddy: none when ``inline`` is off, on one node); None if the slot was rewritten
+    meanwhile."""
     checksums: list[bytes] = []
     where: dict[bytes, tuple[int, int]] = {}
-    inline: dict[bytes, bytes] = {}
-    budget = INLINE_TOTAL
+    kept: dict[bytes, bytes] = {}
+    budget = INLINE_TOTAL if inline else 0
     for entry in meta.tensors:
         with slot.data(entry.offset, entry.nbytes) as view:
             checksum = tensor_checksum(view)
-            if entry.nbytes <= min(INLINE_BYTES, budget) and checksum not in inline:
-                inline[checksum] = bytes(view)
+            if entry.nbytes <= min(INLINE_BYTES, budget) and checksum not in kept:
+                kept[checksum] = bytes(view)
                 budget -= entry.nbytes
         checksums.append(checksum)
         where.setdefault(checksum, (entry.offset, entry.nbytes))
@@ -195,7 +203,7 @@ def build_manifest(slot: SlotMap, meta: SlotMeta, generation: int, node: str) ->
         return None   # the copies too may be of the next snapshot
     manifest = Manifest.of(meta, checksums, node, generation)
     manifest.to_wire()   # encoded here, in the hash thread, not by the server thread at each request
-    return LocalManifest(slot.path, generation, meta.step, manifest, where, inline)
+    return LocalManifest(slot.path, generation, meta.step, manifest, where, kept)
 
 
 class MapCache:

@@ -61,7 +61,8 @@ class PersistSettings(Protocol):
 
 class PersistScheduler:
     def __init__(self, *, settings: PersistSettings, save_dir: Path, audit: AuditLog, timeline: DiskTimeline,
-                 watcher: Watcher, holds: SlotHolds, announced: Announcements, multi: Callable[[], bool]) -> None:
+                 watcher: Watcher, holds: SlotHolds, announced: Announcements, multi: Callable[[], bool],
+                 checksums_of: Callable[[Path, int], tuple[bytes, ...] | None] = lambda path, generation: None) -> None:
         self.settings = settings
         self.save_dir = save_dir
         self.audit = audit
@@ -69,6 +70,7 @@ class PersistScheduler:
         self.watcher = watcher
         self.announced = announced
         self.multi = multi   # whether the job spans nodes (PEERS arrived): then this node writes shards only
+        self.checksums_of = checksums_of   # the agent's checksums of a slot write, which the persist checks
         self.claims = Claims(holds)
         self.flushes = FlushRequests()
         # The newest step of the current timeline on disk (what a load follows: the tracker, invariant 10);
@@ -192,8 +194,8 @@ class PersistScheduler:
                 metas = {rank: claim.info.meta for rank, claim in claims.items()}
                 if any(meta is None or meta.step != step for meta in metas.values()):
                     continue  # metadata not read yet for this generation: next tick
-                ready[step] = [RankSnapshot(rank, claim.info.map, meta) for (rank, claim), meta
-                               in zip(claims.items(), metas.values()) if meta is not None]
+                ready[step] = [RankSnapshot(rank, claim.info.map, meta, self.checksums_of(claim.info.path, claim.generation))
+                               for (rank, claim), meta in zip(claims.items(), metas.values()) if meta is not None]
         # Across nodes every node must write the same step first (the leader waits for each stage): newest.
         failing = len(ready) > 1 and not self.multi() and self.watcher.any_died()
         chosen = policy.next_to_persist(ready, self.flushes.wanted, failing=failing)

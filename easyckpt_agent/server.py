@@ -96,7 +96,8 @@ class Agent:
         self.announced = Announcements()   # due steps passed over (single node: while a persist ran)
         self.scheduler = PersistScheduler(settings=config, save_dir=self.save_dir, audit=self.audit,
                                           timeline=self.timeline, watcher=self.watcher, holds=self.protection.holds,
-                                          announced=self.announced, multi=lambda: self.cluster.peers is not None)
+                                          announced=self.announced, multi=lambda: self.cluster.peers is not None,
+                                          checksums_of=lambda path, gen: self.cluster.holdings.checksums_of(path, gen))
         self.wake = WakePipe()
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -119,7 +120,7 @@ class Agent:
                               protection=self.protection, cluster=self.cluster)
         self._handlers: dict[Kind, Handler] = {
             Kind.HELLO: self._hello, Kind.BYE: self._bye, Kind.FLUSH: self._flush, Kind.RESUME: self._on_resume,
-            Kind.STATUS: self._status, Kind.PING: self._ping, Kind.PEERS: self._peers}
+            Kind.STATUS: self._status, Kind.PING: self._ping, Kind.PEERS: self._peers, Kind.MANIFEST: self._manifest}
 
     @property
     def ended_cleanly(self) -> bool:
@@ -293,6 +294,20 @@ class Agent:
         self._send(identity, protocol.reply(True, id=request_id, **PingReply(
             os.getpid(), self.config.node_id, endpoint, token).to_wire()))
 
+    def _manifest(self, identity: bytes, request_id: Any, message: dict[str, Any]) -> None:
+        # A local rank about to read its own slot: the checksums this agent took of it when it was committed.
+        manifest = self.cluster.holdings.manifest(message["rank"], message["step"])
+        if manifest is None:
+            self._send(identity, protocol.reply(False, id=request_id, error=f"rank {message['rank']}'s snapshot of "
+                                                f"step {message['step']} is not hashed here (yet)"))
+            return
+        try:   # 16 bytes a tensor: past the control socket's usual 1 MiB for ranks with ~60,000 tensors
+            blob = protocol.encode(Kind.REPLY, limit=protocol.MAX_PEER_MESSAGE_BYTES, ok=True, id=request_id,
+                                   generation=manifest.generation, checksums=list(manifest.checksums))
+        except ProtocolError as exc:
+            blob = protocol.reply(False, id=request_id, error=f"checksums of step {message['step']}: {exc}")
+        self._send(identity, blob)
+
     def _peers(self, identity: bytes, request_id: Any, message: dict[str, Any]) -> None:
         problem = self.cluster.set_peers(message)
         self._send(identity, protocol.reply(problem is None, id=request_id, error=problem))
@@ -319,7 +334,7 @@ class Agent:
             slots.append({"rank": rank, "slot": slot, "path": str(info.path), "bytes": info.map.size,
                           "state": header.state.name if header else "UNREADABLE",
                           "step": header.step if header else None,
-                          # multi-node: the agent has checksummed this very snapshot (a read of it is verified)
+                          # the agent has checksummed this very snapshot (a read of it is verified)
                           "hashed": header is not None and self.cluster.holdings.has_hashed(rank, slot, header.generation)})
         ranks = [{"rank": p.rank, "pid": p.pid, "alive": p.alive(), "finished": p.said_bye}
                  for p in sorted(self.watcher.ranks.values(), key=lambda p: p.rank)]

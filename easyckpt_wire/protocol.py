@@ -25,7 +25,9 @@ Session of a rank (``easyckpt.node.client.AgentClient``), in order:
 4. any number of ``FLUSH`` (``save(persist=True)`` once the step is committed, or ``flush()``);
 5. ``BYE`` at ``close()`` (wait=True), or wait=False when the process leaves without it.
 
-Tools send ``STATUS``, ``PING`` and ``PEERS`` without a ``HELLO`` (:func:`request_agent`). Recovering
+Before it reads its own slot from memory, a rank sends ``MANIFEST`` on the ipc socket too (the checksums its
+agent took of that slot after the commit). Tools send ``STATUS``, ``PING`` and ``PEERS`` without a ``HELLO``
+(:func:`request_agent`). Recovering
 ranks and agents send the tcp kinds (``LIST``, ``MANIFEST``, ``FETCH``, ``PUSH``, ``STATE``, ``VERDICT``) with the
 job token.
 
@@ -43,7 +45,8 @@ STATUS    the agent's status map (``Agent.status``, free-form: it is for people)
 PING      ``pid``, ``node``, ``endpoint``, ``token`` (once set): :class:`~easyckpt_wire.records.PingReply`
 PEERS     ``error`` (None when the table was adopted, with ``ok=False`` otherwise)
 LIST      ``node``, ``steps`` (one :class:`~easyckpt_wire.records.ListRow` each, newest first)
-MANIFEST  ``manifest`` (:class:`~easyckpt_wire.records.Manifest`), or ``ok=False`` with ``error``
+MANIFEST  tcp: ``manifest`` (:class:`~easyckpt_wire.records.Manifest`); ipc: ``generation`` and ``checksums``
+          (up to :data:`MAX_PEER_MESSAGE_BYTES`); or ``ok=False`` with ``error``
 FETCH     ``xxh64`` of the chunk plus one raw data frame; ``ok=False`` with ``error``, and ``code``
           :data:`NO_COPY` when the agent holds no such copy of the tensor
 PUSH      nothing (optional ``blobs``: [[checksum, bytes], ...], the small tensors of the manifests, so that

@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, Env, assert_same, run_cli, save_and_persist, wait_for
+from conftest import ROOT, Env, assert_same, run_cli, save_and_persist, seeded_random, wait_for
 
 import easyckpt
 from easyckpt_wire import layout
+from easyckpt_wire.shm import DATA_OFFSET
 
 
 def realistic_state(seed: int = 0) -> dict[str, Any]:
@@ -444,3 +445,39 @@ def test_a_rank_dying_of_an_exception_is_a_failure_not_a_goodbye(env: Env) -> No
     log = (env.job_dir() / "agent.log").read_text()
     assert "died without closing" in log and "said goodbye" not in log
     assert env.agent_alive() and len(env.slot_files()) == 3, "memory is kept until agent_idle_timeout"
+
+
+def test_a_byte_flipped_in_a_committed_slot_is_refused_and_an_older_step_loaded(env: Env) -> None:
+    """One node, the agent alive: a byte of the newest snapshot's tensor data changed in shared memory after the
+    agent checksummed it is caught by the read (never trained on), and the load moves on to the step before,
+    bit for bit; a flush of that step is refused rather than written to disk with a checksum that vouches for the
+    changed bytes. The flipped byte and its mask come from a printed seed."""
+    rng = seeded_random()
+    ck = make(env, save_storage_interval=100)   # nothing due after step 0: every load below is from memory
+    states = {step: {"w": torch.arange(4096, dtype=torch.float32) * step, "step": step} for step in range(1, 4)}
+    try:
+        for step, state in states.items():
+            ck.save_if_needed(step, state)
+        ck.wait()
+        # The fault's precondition: the agent hashed step 3's snapshot (it does at once after the commit).
+        slot = wait_for(lambda: _hashed_slot(env, ck.slots.count, 3), 30, "the agent to checksum step 3")
+        offset, mask = DATA_OFFSET + rng.randrange(4096 * 4), 1 << rng.randrange(8)
+        with open(slot["path"], "r+b") as handle:
+            handle.seek(offset)
+            old = handle.read(1)[0]
+            handle.seek(offset)
+            handle.write(bytes([old ^ mask]))
+        flushed = ck.flush(timeout=60)
+        assert flushed.step == 3 and not flushed.durable, flushed
+        assert "no longer matches the checksum the agent took after its commit" in (flushed.error or ""), flushed
+        assert 3 not in complete_steps(env)
+        result = ck.load()
+        assert (result.step, result.source) == (2, "memory"), (result.step, result.source)
+        assert_same(states[2], result.state)
+    finally:
+        ck.close(raise_errors=False)   # its final persist of step 3 is refused again
+
+
+def _hashed_slot(env: Env, count: int, step: int) -> dict[str, Any] | None:
+    report = _status_with_slots(env, count)
+    return next((s for s in report["slots"] if s["step"] == step and s["hashed"]), None) if report else None

@@ -152,7 +152,8 @@ class AgentClient:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 64)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_MESSAGE_BYTES)
+        # The agent's checksums of a large rank's snapshot (MANIFEST) can pass 1 MiB; the socket is local (ipc).
+        self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_PEER_MESSAGE_BYTES)
         self.sock.connect(protocol.agent_endpoint(self.job_dir))
         self.send(Kind.HELLO, rank=self.rank, pid=os.getpid(), world_size=self.world_size,
                   local_world_size=self.local_world_size, **self.hello_fields)
@@ -188,7 +189,7 @@ class AgentClient:
                                        f"answering (agent log: {self.job_dir / 'agent.log'})")
                 continue
             try:
-                _, message = protocol.decode(self.sock.recv())
+                _, message = protocol.decode(self.sock.recv(), limit=protocol.MAX_PEER_MESSAGE_BYTES)
             except ProtocolError as exc:
                 logger.warning("rank %d: dropped a malformed reply from the agent: %s", self.rank, exc)
                 continue
@@ -240,6 +241,23 @@ class AgentClient:
             logger.warning("%s; iterations newer than step %d in %s stay until the agent hears of the resume",
                            exc, step, self.save_dir)
             return None
+
+    def checksums(self, step: int, *, timeout: float) -> tuple[int, list[bytes]] | str:
+        """(slot generation, tensor checksums) the agent took of this rank's snapshot of ``step`` when it was
+        committed, to verify a read from memory; otherwise why not (no agent, not hashed yet, no answer)."""
+        if not self.alive():
+            return f"no easyckpt agent runs for job {self.job_id}"
+        try:
+            reply = self.request(Kind.MANIFEST, timeout, rank=self.rank, step=step)
+        except AgentTimeout as exc:
+            return str(exc)
+        generation, checksums = reply.get("generation"), reply.get("checksums")
+        if not reply.get("ok"):
+            return str(reply.get("error", "the agent refused"))
+        if type(generation) is not int or not isinstance(checksums, list) or not all(
+                isinstance(c, bytes) and len(c) == protocol.CHECKSUM_BYTES for c in checksums):
+            return f"malformed MANIFEST reply from the agent: generation {generation!r:.40}, checksums {checksums!r:.80}"
+        return generation, checksums
 
     def _drain(self) -> None:
         while self.sock is not None:

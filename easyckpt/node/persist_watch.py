@@ -68,10 +68,13 @@ class PersistWatch:
         failure = view.failure
         if failure is not None and self.failure is None:
             self.episodes += 1
+            # An OSError is the storage's (a full or read-only disk); anything else (errno 0: a snapshot whose bytes
+            # changed since its commit) is not fixed there.
+            fix = (f"free space on or repair the file system of save_dir {self.save_dir}, and persists resume"
+                   if failure.errno else "persists go on")
             self._say("rank %d: %s. Training goes on and the snapshots stay in memory (newest step on disk: %s); "
-                      "free space on or repair the file system of save_dir %s, and persists resume at the next due "
-                      "step (said once per episode; the agent log has each failure)",
-                      self.rank, failure.describe(), view.persisted, self.save_dir)
+                      "%s at the next due step (said once per episode; the agent log has each failure)",
+                      self.rank, failure.describe(), view.persisted, fix)
         elif failure is None and self.failure is not None:
             self._say("rank %d: persists succeed again: step %s is on disk (%d persist(s) failed meanwhile)",
                       self.rank, view.persisted, view.failures - self._failures_before)

@@ -23,7 +23,7 @@ from easyckpt.collectives import all_gather_ints
 from easyckpt.node import replicas as replica
 from easyckpt.recovery.candidates import agree
 from easyckpt.recovery.disk import StorageTier
-from easyckpt.recovery.memory import OwnMemoryTier, ReplicaTier
+from easyckpt.recovery.memory import Checksums, OwnMemoryTier, ReplicaTier
 from easyckpt.recovery.reshard import OtherWorldTier
 from easyckpt.recovery.results import LayoutChangedError, LoadError, LoadResult, StateMismatchError
 from easyckpt.recovery.template import Template, template_targets
@@ -40,13 +40,15 @@ _OK, _RETRY, _FATAL = 0, 1, 2
 
 def build_tiers(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, load_dir: Path | None = None,
                 timeout: float = 120.0, peers: PeerTable | None = None, peer_timeout: float = 10.0,
-                reshard: bool = True) -> list[Tier]:
-    """The tiers of one load, cheapest first: only storage for an explicit ``load_dir``."""
+                reshard: bool = True, checksums: Checksums | None = None) -> list[Tier]:
+    """The tiers of one load, cheapest first: only storage for an explicit ``load_dir``. ``checksums``: the node
+    agent's checksums of this rank's snapshots (``AgentClient.checksums``), which verify a read from memory."""
     if load_dir is not None:
         return [StorageTier(save_dir, rank=rank, world_size=world_size, load_dir=load_dir, reshard=reshard)]
     # One survey of the agents serves both tiers that read from them.
     survey = replica.survey(peers, peer_timeout) if peers is not None else None
-    tiers: list[Tier] = [OwnMemoryTier(slots, rank=rank, timeout=timeout, peers=peers, peer_timeout=peer_timeout)]
+    tiers: list[Tier] = [OwnMemoryTier(slots, rank=rank, timeout=timeout, peers=peers, peer_timeout=peer_timeout,
+                                       checksums=checksums)]
     if peers is not None:
         tiers.append(ReplicaTier(peers, slots, rank=rank, survey=survey, timeout=timeout, peer_timeout=peer_timeout))
     if reshard:
@@ -130,11 +132,12 @@ def _walk(tiers: Sequence[Tier], ordered: list[tuple[int, str]], template: Templ
 
 def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, template: Any = None,
          load_dir: Path | None = None, timeout: float = 120.0, peers: PeerTable | None = None,
-         peer_timeout: float = 10.0, allow_unhealthy: bool = False, reshard: bool = True) -> LoadResult:
+         peer_timeout: float = 10.0, allow_unhealthy: bool = False, reshard: bool = True,
+         checksums: Checksums | None = None) -> LoadResult:
     """Collective: the newest step every rank can get, from the cheapest tier that has it (see the module)."""
     started = time.perf_counter()
     tiers = build_tiers(slots=slots, save_dir=save_dir, rank=rank, world_size=world_size, load_dir=load_dir,
-                        timeout=timeout, peers=peers, peer_timeout=peer_timeout, reshard=reshard)
+                        timeout=timeout, peers=peers, peer_timeout=peer_timeout, reshard=reshard, checksums=checksums)
     offers = {tier.source: tier.offer() for tier in tiers}
     _say_offers(offers, rank)
     ordered = agree(offers, rank=rank, world_size=world_size, save_dir=save_dir, allow_unhealthy=allow_unhealthy)

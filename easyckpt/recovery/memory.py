@@ -1,8 +1,10 @@
 """The tiers that read through this rank's own slots in this node's shared memory.
 
 * **Own memory** (:class:`OwnMemoryTier`): this rank's committed slots (the process died, the node lives). The
-  cheapest tier: a read is a copy out of shared memory, verified against the node agent's checksums when a
-  multi-node agent has taken them.
+  cheapest tier: a read is a copy out of shared memory, every tensor verified against the checksums the node
+  agent took of that very snapshot after its commit (a byte changed in the slot since is refused and the ladder
+  moves on); unverified, and said so, when the agent has not hashed it (it died, or the kill came within
+  milliseconds of the commit).
 * **Replicas** (:class:`ReplicaTier`): this rank's state held by node agents on other nodes (this node lost its
   memory, or the rank came back on another node). A read pulls the snapshot into one of this rank's own slots,
   every tensor checked against its checksum (``easyckpt.node.replicas`` does the pulling), then reads it from there
@@ -11,7 +13,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -25,6 +27,9 @@ from easyckpt_wire.records import PeerTable
 from easyckpt_wire.shm import SlotFormatError, format_bytes
 
 logger = logging.getLogger(__name__)
+
+# step -> (slot generation, tensor checksums) the node agent took of this rank's snapshot, or why there are none
+Checksums = Callable[[int], "tuple[int, list[bytes]] | str"]
 
 
 def memory_health(slots: RankSlots, steps: Sequence[int], timeout: float) -> dict[int, RankHealth]:
@@ -51,6 +56,9 @@ def read_slot(slots: RankSlots, step: int, template: Template, timeout: float,
         check_template(meta.tensors, template, step, "memory")
         if expected is not None and expected[0] == read.generation:
             read.verify(expected[1])
+        elif expected is not None:
+            logger.info("rank %d: step %d read from memory unverified: the agent's checksums are of another write of "
+                        "slot %s", meta.rank, step, read.path.name)
         values, nbytes = [], 0
         for entry in meta.tensors:
             if entry.nbytes == 0:
@@ -71,9 +79,9 @@ class OwnMemoryTier:
     collective = False
 
     def __init__(self, slots: RankSlots, *, rank: int, timeout: float, peers: PeerTable | None = None,
-                 peer_timeout: float = 10.0) -> None:
+                 peer_timeout: float = 10.0, checksums: Checksums | None = None) -> None:
         self.slots, self.rank, self.timeout = slots, rank, timeout
-        self.peers, self.peer_timeout = peers, peer_timeout
+        self.peers, self.peer_timeout, self.checksums = peers, peer_timeout, checksums
 
     def offer(self) -> Offer:
         return Offer.of(memory_health(self.slots, list(self.slots.committed()), self.timeout).items())
@@ -82,9 +90,15 @@ class OwnMemoryTier:
         return step in self.slots.committed()
 
     def read(self, step: int, template: Template) -> Loaded:
-        # Multi-node: this node's agent hashed the slot for its buddy; the same checksums verify this read.
-        expected = (replica.own_checksums(self.peers, self.rank, step, self.peer_timeout)
-                    if self.peers is not None else None)
+        expected: tuple[int, list[bytes]] | None = None
+        if self.checksums is not None:   # from this node's agent over its control socket
+            found = self.checksums(step)
+            if isinstance(found, str):
+                logger.info("rank %d: step %d read from memory unverified: %s", self.rank, step, found)
+            else:
+                expected = found
+        elif self.peers is not None:   # from this node's agent's replica server
+            expected = replica.own_checksums(self.peers, self.rank, step, self.peer_timeout)
         return read_slot(self.slots, step, template, self.timeout, expected, self.source)
 
 

@@ -139,6 +139,30 @@ def test_a_failed_persist_is_one_line_naming_the_path_and_publishes_nothing(save
     close(snaps)
 
 
+def test_a_persist_checks_the_agents_checksums_and_refuses_bytes_changed_since_the_commit(save_dir: Path,
+                                                                                         slots: Path) -> None:
+    """With the checksums the agent took after the commit, an unchanged slot persists as before; one changed
+    byte in a rank's tensor fails the persist in one line naming the slot, tensor, rank and step, and publishes
+    nothing (never a file whose checksum vouches for the changed bytes)."""
+    snaps = snapshots(slots, 5)
+    taken = [tuple(xxhash.xxh3_128_digest(tensors(s.rank, 5)[e.name].tobytes()) for e in s.meta.tensors)
+             for s in snaps]
+    checked = [dataclasses.replace(s, checksums=c) for s, c in zip(snaps, taken)]
+    persister.persist(save_dir, 5, checked, AuditLog(save_dir))
+    assert_holds(save_dir / layout.iteration_dirname(5), 5)
+    victim = checked[1].meta.tensors[-1]
+    with checked[1].slot.data(victim.offset, victim.nbytes) as view:
+        view[victim.nbytes // 2] ^= 0x10
+    with pytest.raises(persister.PersistFailed) as caught:
+        persister.persist(save_dir, 6, [dataclasses.replace(s, meta=dataclasses.replace(s.meta, step=6))
+                                        for s in checked], AuditLog(save_dir))
+    text = caught.value.describe()
+    assert caught.value.path == str(checked[1].slot.path) and caught.value.errno == 0, text
+    assert f"tensor {victim.name!r} of rank 1's step 6 no longer matches the checksum" in text, text
+    assert [step for step, _ in layout.complete_iterations(save_dir)] == [5] and layout.read_tracker(save_dir) == 5
+    close(snaps)
+
+
 def test_a_persist_that_cannot_fit_is_refused_before_a_byte_is_written(tmpfs, slots: Path) -> None:  # type: ignore[no-untyped-def]
     save_dir = tmpfs("size=64k")
     snaps = snapshots(slots, 5)
