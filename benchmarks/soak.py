@@ -3,7 +3,7 @@
     python benchmarks/soak.py --faults 1000 --seed 7 --json soak-7.json          # a thousand faults
     python benchmarks/soak.py --faults 1000 --seed 7 --json soak-7.json --resume-from soak-7.json   # go on
     python benchmarks/soak.py --merge soak-7.json soak-8.json --json soak.json   # add up split soaks
-    python benchmarks/soak.py --smoke --json smoke.json                          # 14 faults, the CI mode
+    python benchmarks/soak.py --smoke --json smoke.json                          # 16 faults, the CI mode
     python benchmarks/soak.py --seed 7 --only 412 --json replay.json             # replay one fault
     python benchmarks/soak.py --faults 100 --seed 8 --jobs 3 --json soak-8.json  # three jobs side by side
 
@@ -13,8 +13,10 @@ the seed. Each job is compared with one uninterrupted reference run of its confi
 loss or state differs; **hung** if it outlives its deadline; **leaked** if processes or shared-memory files of the
 job are left after it ends; **failed** if it did not end as it should. A progress line per job; the table and the
 JSON at the end (the JSON is rewritten after every job, so an interrupted soak can ``--resume-from`` it).
-Kinds the product cannot take yet (the object-store outage) are named as pending, never thrown; a disk_full
-whose tmpfs cannot be mounted (not root) is "not run", with why, never a pass.
+An object_store_outage job persists to an ``s3://`` save_dir on a local S3 server (moto's server mode, one per
+soak, ``soak_store``) through a fault proxy that goes down inside a persist. Kinds the product cannot take yet
+would be named as pending, never thrown; a disk_full whose tmpfs cannot be mounted (not root) is "not run", with
+why, never a pass.
 """
 from __future__ import annotations
 
@@ -42,8 +44,8 @@ from soak_faults import DISK_MB, RUNNERS, STOP_BEYOND, Strike, tmpfs  # noqa: E4
 from soak_job import Cluster, Hung  # noqa: E402
 from soak_plan import CONFIGS, KINDS, Fault, Shape, available_kinds, check_names, plan  # noqa: E402
 
-# 14: every kind twice (kinds come in blocks, soak_plan.plan); 20 took 6.5 min of CI's 90 (2026-11-26)
-SMOKE = {"faults": 14, "configs": ["plain-1x1", "plain-2x1"], "steps": 12, "interval": 3}
+# 16: every kind twice (kinds come in blocks, soak_plan.plan); 20 took 6.5 min of CI's 90 (2026-11-26)
+SMOKE = {"faults": 16, "configs": ["plain-1x1", "plain-2x1"], "steps": 12, "interval": 3}
 LEAK_GRACE = 30.0     # seconds a job's agents get to exit and free their memory once its ranks ended
 SETTINGS = ("seed", "kinds", "configs", "steps", "interval")
 
@@ -56,7 +58,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume-from", type=Path, default=None, help="a JSON of an interrupted soak: run its missing faults")
     p.add_argument("--merge", type=Path, nargs="+", default=None, help="add up the JSONs of several soaks; runs nothing")
     p.add_argument("--only", type=int, action="append", default=None, help="run only fault K of the seed (repeatable)")
-    p.add_argument("--smoke", action="store_true", help="14 faults on 1x1 and 2x1 plain jobs of 12 steps (CI)")
+    p.add_argument("--smoke", action="store_true", help="16 faults on 1x1 and 2x1 plain jobs of 12 steps (CI)")
     p.add_argument("--kinds", default=None, help="fault kinds to draw from, comma separated (default: every kind "
                    "the product can take)")
     p.add_argument("--configs", default=None, help=f"job configurations, comma separated (of {', '.join(CONFIGS)})")
@@ -115,7 +117,7 @@ def run_reference(name: str, shape: Shape, work: Path, timeout: float) -> tuple[
 
 
 def run_job(fault: Fault, shape: Shape, ref: Reference, work: Path, timeout: float, keep: bool,
-            cpu_of_children: bool = True) -> dict[str, Any]:
+            cpu_of_children: bool = True, seed: int = 0) -> dict[str, Any]:
     config = CONFIGS[fault.config]
     started, cpu = time.monotonic(), children_cpu()
     limit = timeout * (1.5 if config.api == "hf" else 1.0) + (fault.hold_s + STOP_BEYOND[config.api]
@@ -135,12 +137,20 @@ def run_job(fault: Fault, shape: Shape, ref: Reference, work: Path, timeout: flo
                 # never counted as passed: the table shows it under "not run", with why
                 record.update(not_run=True, fired=False, why=[str(exc)], seconds=round(time.monotonic() - started, 1))
                 return record
-        cluster = Cluster(config, root, shape=shape, deadline=started + limit, disk=disk)
+        store = None
+        if fault.kind == "object_store_outage":
+            import soak_store  # here: moto and boto3 (the test extra) only for the jobs that use them
+
+            store = soak_store.job_store(seed, fault.index)
+            stack.callback(store.close)
+        cluster = Cluster(config, root, shape=shape, deadline=started + limit, disk=disk, store=store)
         stack.callback(cluster.cleanup)
         strike = Strike(at=None)
         try:
             strike = RUNNERS[fault.kind](cluster, fault)
             codes = cluster.wait_all()
+            if store is not None:
+                store.proxy.come_back()   # for the judge: the tracker and `easyckpt verify` read the store
             record.update(judge(cluster, ref, strike, codes))
         except Hung as exc:
             record.update(hung=True, why=[f"hung: still waiting for {exc} after {limit:.0f} s"],
@@ -153,6 +163,8 @@ def run_job(fault: Fault, shape: Shape, ref: Reference, work: Path, timeout: flo
             if strike.expect_error:   # a failed final persist: the agents keep the only copy, and say so
                 kept = cluster.kept()
                 files = [f for f in files if str(Path(f).parent) not in kept]
+                # an agent whose ranks died (not closed) keeps it for their restart, agent_idle_timeout long
+                procs = [p for p in procs if not any(f"--shm-dir {d}" in p for d in kept)]
                 record["kept"] = sorted(kept)
             if procs or files:
                 record.update(leaked=True, leftovers=procs + files)
@@ -254,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     def job(fault: Fault, ref: Future[Reference]) -> None:
         record = run_job(fault, shapes[fault.config], ref.result(), work, args.job_timeout, args.keep,
-                         cpu_of_children=args.jobs == 1)
+                         cpu_of_children=args.jobs == 1, seed=seed)
         with lock:
             runs.append(record)
             runs.sort(key=lambda run: run["index"])   # the JSON lists the faults in the order they were asked for

@@ -15,6 +15,8 @@ from typing import Any
 from soak_faults import Strike
 from soak_job import Cluster
 
+from easyckpt_wire import layout
+
 KEYS = {"plain": ("loss", "digest"), "hf": ("loss", "digest", "py_rand", "np_rand", "learning_rate", "grad_norm")}
 TIERS = ("memory", "replica", "disk")        # a resume is as stale as its stalest rank's source
 SOURCES = ("memory", "replica", "disk", "scratch", "none")
@@ -32,6 +34,8 @@ def reference_rows(cluster: Cluster) -> Reference:
 
 
 def tracker(cluster: Cluster) -> int | None:
+    if cluster.store is not None:   # straight from the store (soak_store set this process's endpoint)
+        return layout.read_tracker(cluster.location)  # type: ignore[arg-type]  (a URL: open_storage takes it)
     try:
         text = (cluster.save_dir / "latest_checkpointed_iteration.txt").read_text().strip()
     except OSError:

@@ -285,7 +285,39 @@ def flip_disk(c: Cluster, f: Fault) -> Strike:
     return strike
 
 
+def object_store_outage(c: Cluster, f: Fault) -> Strike:
+    """The caller gave the cluster an ``s3://`` save_dir behind a fault proxy (``Cluster(store=...)``); the store
+    comes back after the job ends in any case (``run_job``), so that the judge can read it."""
+    proxy = c.store.proxy
+    c.start_all()
+    c.wait_step(f.step)
+    with proxy.lock:   # inside the next persist: its ``write``-th object under an iteration
+        proxy.down_at = proxy.writes + f.params["write"]
+    c.wait_until(lambda: proxy.went_down.is_set() or c.ended(), "the object store to go down inside a persist")
+    strike = Strike(at=c.newest_all(), resume=f.variant == "crash", verify=True)
+    if not proxy.went_down.is_set():
+        strike.fired = False
+        strike.notes.append("the job ended before its next persist wrote that many objects")
+        return strike
+    strike.notes.append(f"the store went down at object write {proxy.writes} of the job, at step {strike.at}")
+    if f.variant != "never":
+        c.wait_until(lambda: c.reached(min(strike.at + f.after, c.shape.last)) or c.ended(),
+                     f"the ranks to log step {strike.at + f.after} with the store down")
+    if c.ended() or f.variant == "never":   # the store down to the end: the last persist fails, and must say so
+        strike.expect_error = "PersistError"
+        strike.resume = False
+        return strike
+    if f.variant == "crash":
+        for node in range(c.config.nodes):
+            c.kill_node(node, wipe=True)
+        strike.at = c.newest_all()
+    proxy.come_back()
+    if f.variant == "crash":
+        c.start_all(fresh=True)
+    return strike
+
+
 RUNNERS: dict[str, Callable[[Cluster, Fault], Strike]] = {
     "rank_kill": rank_kill, "node_loss": node_loss, "agent_kill": agent_kill, "rank_stop": rank_stop,
-    "disk_full": disk_full, "flip_slot": flip_slot, "flip_disk": flip_disk,
+    "disk_full": disk_full, "flip_slot": flip_slot, "flip_disk": flip_disk, "object_store_outage": object_store_outage,
 }

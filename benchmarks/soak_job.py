@@ -74,7 +74,10 @@ def signal_pid(pid: int | None, signum: signal.Signals) -> bool:
 class Cluster:
     """``config.nodes`` simulated nodes sharing one save_dir ("shared storage") and one output directory."""
 
-    def __init__(self, config: Config, root: Path, *, shape: Shape, deadline: float, disk: Path | None = None) -> None:
+    def __init__(self, config: Config, root: Path, *, shape: Shape, deadline: float, disk: Path | None = None,
+                 store: Any = None) -> None:
+        """``disk``: a tmpfs to put save_dir on; ``store``: a ``soak_store.JobStore`` whose ``s3://`` URL is the
+        save_dir instead (plain jobs), reached through its fault proxy."""
         self.config = config
         self.shape = shape
         self.deadline = deadline
@@ -83,13 +86,18 @@ class Cluster:
         self.out.mkdir(parents=True, exist_ok=True)
         base = disk or root
         steps = shape.last - shape.first + 1
+        self.store = store
         if config.api == "plain":
             self.save_dir = base / "ckpt"
-            self.args = ["--save-dir", str(self.save_dir), "--out", str(self.out), "--steps", str(steps),
+            self.location = store.url if store is not None else str(self.save_dir)   # what the job and the CLI get
+            self.args = ["--save-dir", self.location, "--out", str(self.out), "--steps", str(steps),
                          "--save-storage-interval", str(shape.interval), "--max-ckpt-num", "2",
                          "--grad-sync", "flat", "--peer-timeout", str(PEER_TIMEOUT)]
         else:
+            if store is not None:
+                raise ValueError("an s3:// save_dir is for plain jobs: the HF example writes under --output-dir")
             self.save_dir = base / "hf" / "easyckpt"
+            self.location = str(self.save_dir)
             self.args = ["--output-dir", str(base / "hf"), "--out", str(self.out), "--steps", str(steps),
                          "--save-steps", str(shape.interval), "--save-total-limit", "2", "--max-ckpt-num", "2",
                          "--resume"]
@@ -115,6 +123,7 @@ class Cluster:
                    # addresses (pytorch/pytorch#135712); a store of their own per attempt avoids that
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                    PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+        env.update(self.store.environ() if self.store is not None else {})
         env.update(extra or {})
         return env
 
@@ -253,7 +262,7 @@ class Cluster:
 
     def status(self, node: int) -> list[dict[str, Any]] | None:
         """``easyckpt status --json`` as the node sees it (None when its agent does not answer)."""
-        proc = subprocess.run([sys.executable, "-m", "easyckpt.cli", "status", "--save-dir", str(self.save_dir),
+        proc = subprocess.run([sys.executable, "-m", "easyckpt.cli", "status", "--save-dir", self.location,
                                "--json"], capture_output=True, text=True, env=self.environ(node),
                               timeout=max(5.0, min(60.0, self.left())))
         try:
@@ -263,7 +272,7 @@ class Cluster:
         return report if isinstance(report, list) else None
 
     def verify(self) -> tuple[bool, str]:
-        proc = subprocess.run([sys.executable, "-m", "easyckpt.cli", "verify", str(self.save_dir)],
+        proc = subprocess.run([sys.executable, "-m", "easyckpt.cli", "verify", self.location],
                               capture_output=True, text=True, env=self.environ(0),
                               timeout=max(5.0, min(120.0, self.left())))
         return proc.returncode == 0, (proc.stdout + proc.stderr)[-1500:]
@@ -277,7 +286,7 @@ class Cluster:
             with contextlib.suppress(psutil.Error):
                 if (proc.info["environ"] or {}).get("EASYCKPT_RUNTIME_DIR") in runtimes \
                         and proc.info["status"] != psutil.STATUS_ZOMBIE:
-                    procs.append(f"{proc.info['pid']} {' '.join(proc.info['cmdline'] or [])[:160]}")
+                    procs.append(f"{proc.info['pid']} {' '.join(proc.info['cmdline'] or [])[:400]}")
         files = [str(p) for d in self.shm.values() if d.exists() for p in d.iterdir()]
         return procs, files
 

@@ -90,7 +90,7 @@ class Fault:
     variant: str = ""
     victim: int = 0
     hold_s: float = 0.0                       # rank_stop: how long the rank stays frozen
-    after: int = 0                            # disk_full: steps between filling the disk and the follow-up
+    after: int = 0                            # disk_full, outage: steps between the fault and the follow-up
     params: dict[str, Any] = dataclasses.field(default_factory=dict)   # byte flips: where and which bits
 
     def label(self) -> str:
@@ -159,8 +159,12 @@ def _flip_disk(rng: random.Random, config: Config, shape: Shape) -> dict[str, An
     return {"step": shape.strike(rng), "moment": "external", "variant": target, "params": _flip(rng)}
 
 
-def _not_yet(rng: random.Random, config: Config, shape: Shape) -> dict[str, Any]:
-    raise AssertionError("an unavailable kind is never drawn")
+def _object_store_outage(rng: random.Random, config: Config, shape: Shape) -> dict[str, Any]:
+    # armed from ``step``: the store goes down at the ``write``-th object written under an iteration after it, inside
+    # the next persist; back ``after`` steps later, after every node was lost (crash), or never
+    return {"step": rng.randint(shape.first + 2, shape.last - shape.interval - 3), "moment": "persist",
+            "variant": rng.choice(["recover", "crash", "never"]), "after": rng.randint(2, 4),
+            "params": {"write": rng.randint(1, 3)}}
 
 
 KINDS: dict[str, Kind] = {k.name: k for k in (
@@ -178,8 +182,10 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          draw=_flip_slot),
     Kind(name="flip_disk", what="every node lost with its memory, then a byte flipped in the newest persisted "
                                 "iteration (or its tracker) before the resume", draw=_flip_disk),
-    Kind(name="object_store_outage", what="the object store refusing requests during a persist", draw=_not_yet,
-         unavailable="needs s3:// save_dirs (issue 26, not built yet)"),
+    Kind(name="object_store_outage", what="an s3:// save_dir's object store down in the middle of a persist "
+                                          "(connections dropped and refused): back a few steps later, after every "
+                                          "node was lost meanwhile, or never", draw=_object_store_outage,
+         applies=lambda config: config.api == "plain"),
 )}
 
 

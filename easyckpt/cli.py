@@ -161,8 +161,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 2
     save_dir, _, one = _iterations(target)
     results = checks.verify(target)
-    bad = 0
+    bad = incomplete = 0
     for _step, path, problem in results:
+        if problem == checks.INCOMPLETE:
+            print(f"{path.name}: INCOMPLETE: no {layout.METADATA} (a persist under way, or one that failed: never "
+                  f"loaded; `easyckpt clean` removes a dead writer's)")
+            incomplete += 1
+            continue
         print(f"{path.name}: {'OK' if problem is None else 'DAMAGED: ' + problem}")
         bad += problem is not None
     if not results:
@@ -170,8 +175,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     health_problems = [] if one else _verify_health(save_dir)
     for problem in health_problems:
         print(f"{health.HEALTH_FILE}: BAD: {problem}")
-    print(f"{len(results) - bad} ok, {bad} damaged" + (f", {len(health_problems)} health index problem(s)"
-                                                       if health_problems else ""))
+    print(f"{len(results) - bad - incomplete} ok, {bad} damaged" + (f", {incomplete} incomplete" if incomplete else "")
+          + (f", {len(health_problems)} health index problem(s)" if health_problems else ""))
     return 1 if bad or health_problems else 0
 
 
@@ -200,8 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Reads every tensor of every iteration (or of the one given): dtype, shape "
                                         "and byte range in each safetensors file against metadata.json, and every "
                                         "byte against its xxh3-128 checksum; checks health_ckpts.json against the "
-                                        "iterations. Prints OK or DAMAGED with the file and the tensor per iteration. "
-                                        "Exit 0 when all is well, 1 on damage, 2 when DIR is not a directory.")
+                                        "iterations. Prints OK or DAMAGED with the file and the tensor per iteration, "
+                                        "or INCOMPLETE for one without its commit marker (a persist under way or one "
+                                        "that failed: never loaded, not damage). Exit 0 when all is well, 1 on "
+                                        "damage, 2 when DIR is not a directory.")
     verify.add_argument("dir", metavar="DIR", help="a save_dir, or one iteration_N directory in it")
     verify.set_defaults(func=cmd_verify)
     status = sub.add_parser(

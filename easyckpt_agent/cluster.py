@@ -110,6 +110,8 @@ class NodeReplication:
         self._coverage_at = 0.0
         self._stages_at = 0.0
         self._commit_failing = Episode(logger)   # retried every 0.2 s: said once, not five times a second
+        self._list_failing = Episode(logger)     # the same for listing the stages (the store down)
+        self._list_pause = 0.0                   # seconds between two tries to list them while that fails
         self._stage_wait_since: float | None = None
         self._hopeless_said: list[int] | None = None   # the stages last said to be never committed
         self.safe_step: int | None = None   # the agent's, shown by status
@@ -143,20 +145,37 @@ class NodeReplication:
         if self.replica is not None:
             self.replica.stop()
 
+    def ranks_alive(self) -> None:
+        """The job runs: a wait for stages that its ranks' end started is over."""
+        self._stage_wait_since = None
+        self._hopeless_said = None
+
     def awaiting_stages(self) -> bool:
         """Leader: staged steps other nodes are still writing (bounded by STAGE_WAIT once ranks finish).
 
-        Asked only while this agent persists and claims nothing (``Lifecycle.should_exit``): once its ranks are
+        Asked only while this agent persists and claims nothing and its ranks said goodbye or are gone
+        (``Lifecycle.should_exit``; a running job's leader would list its store every round): once its ranks are
         gone, a stage that can never be committed (``stage_outlook``) is not waited for."""
         peers = self.peers
         if peers is None or not peers.is_leader:
             return False
-        pending = [s for s in stage_steps(self.save_dir) if self.complete is None or s > self.complete]
+        try:
+            pending = [s for s in stage_steps(self.save_dir) if self.complete is None or s > self.complete]
+        except OSError as exc:
+            if self.watcher.any_alive():
+                return True   # the store down while the job runs: the stages are looked at again
+            # The ranks gone and the store unreachable: no stage can be committed now, and a wait would only keep
+            # the agent from its exit (which keeps the memory the failed persists left as the only copy).
+            if self._hopeless_said != [-1]:
+                self._hopeless_said = [-1]
+                logger.warning("the ranks of node %s finished and the staged steps in %s cannot be read (%s): not "
+                               "waiting for them; the next run of the job commits or drops them", self.node,
+                               self.save_dir, exc)
+            return False
         if not pending:
             return False
         if self.watcher.any_alive():
-            self._stage_wait_since = None
-            self._hopeless_said = None
+            self.ranks_alive()
             return True
         with self.jobwide.lock:
             writing = {node: state.busy for node, state in self.jobwide.states.items() if node != self.node}
@@ -325,7 +344,19 @@ class NodeReplication:
         if self.peers is None or not self.peers.is_leader or now - self._stages_at < 0.2:
             return
         self._stages_at = now
-        for step in sorted(stage_steps(self.save_dir)):
+        try:
+            staged = sorted(stage_steps(self.save_dir))
+        except OSError as exc:   # the store down or unreachable: the stages wait there, and so does their commit
+            # Each try takes the client's retries (seconds) out of the loop that answers the ranks: tried again
+            # after a pause that doubles up to 30 s, not every 0.2 s.
+            self._list_pause = min(30.0, max(1.0, 2 * self._list_pause))
+            self._stages_at = time.monotonic() + self._list_pause
+            self._list_failing.hit("cannot list the staged steps in %s: %s (tried again after pauses of up to 30 s "
+                                   "until it works)", self.save_dir, exc)
+            return
+        self._list_pause = 0.0
+        self._list_failing.end("the staged steps in %s can be listed again", self.save_dir)
+        for step in staged:
             if self.complete is not None and step <= self.complete:
                 drop_stage(self.save_dir, step, self.audit, f"superseded by complete step {self.complete}")
                 continue

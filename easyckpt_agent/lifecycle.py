@@ -220,15 +220,21 @@ class Lifecycle:
     # exit without a signal ---------------------------------------------------------------------------------
     def should_exit(self) -> bool:
         """Whether the loop ends now: every local rank finished, or none has been alive for idle_timeout."""
-        if self.scheduler.busy() or self.cluster.awaiting_stages():
+        if self.scheduler.busy():
+            return False
+        if not self.watcher.all_said_bye() and self.watcher.any_alive():
+            # Before the stages are looked at: the leader would list its store every round of a running job.
+            self.no_rank_since = None
+            self.cluster.ranks_alive()
+            return False
+        if self.cluster.awaiting_stages():
             return False
         if self.watcher.all_said_bye():
             return self._all_finished()
-        if self.watcher.any_alive():
-            self.no_rank_since = None
-            return False
         now = time.monotonic()
-        self.no_rank_since = self.no_rank_since or now
+        if self.no_rank_since is None:
+            self.no_rank_since = now
+            self._say_kept_for_a_restart()
         idle_timeout = self.settings.idle_timeout
         empty = self._nothing_kept()
         if empty:
@@ -250,6 +256,17 @@ class Lifecycle:
             logger.warning("no rank alive for %.0fs; step %d is only in memory, its slots are kept in %s",
                            idle_timeout, newest[0], self.settings.shm_dir)
         return True
+
+    def _say_kept_for_a_restart(self) -> None:
+        """The ranks died while persisting fails: said once as the wait starts (not idle_timeout later), so that
+        whoever looks finds why the agent and its memory outlive the job."""
+        failure, in_memory = self.scheduler.failure, newest_in_memory(self.watcher)
+        if failure is None or in_memory is None or in_memory <= self.scheduler.durable():
+            return
+        settings = self.settings
+        logger.warning("no rank alive, and persisting fails (%s): step %d is only in memory, so the job's slots are "
+                       "kept in %s (easyckpt-%s-*) for a restart to resume from, for %.0f s (agent_idle_timeout)",
+                       failure.describe(), in_memory, settings.shm_dir, settings.job_id, settings.idle_timeout)
 
     def _nothing_kept(self) -> bool:
         """Ranks came and went (an agent started ahead of its ranks waits for them as long as ever), none holds

@@ -256,6 +256,11 @@ class PersistScheduler:
         if isinstance(exc, PersistFailed):
             self.persist_failed(step, exc)
             return
+        if isinstance(exc, OSError):   # the storage's (the multi-node stage path raises it as it is): one line
+            traceback.clear_frames(exc.__traceback__)   # its frames hold views of the slots
+            self.persist_failed(step, PersistFailed(step, exc.filename or self.save_dir, exc.errno or 0,
+                                                    exc.strerror or str(exc)))
+            return
         # not the disk: a bug, worth its traceback (once per failure)
         logger.exception("persist of step %d to %s failed", step, self.save_dir)
         traceback.clear_frames(exc.__traceback__)   # its frames hold views of the slots
@@ -326,4 +331,11 @@ class PersistScheduler:
 
 
 def _tracked_head(save_dir: Path) -> int | None:
-    return wire_timeline.head([s for s, _ in layout.complete_iterations(save_dir)], layout.read_tracker(save_dir))
+    try:
+        return wire_timeline.head([s for s, _ in layout.complete_iterations(save_dir)], layout.read_tracker(save_dir))
+    except OSError as exc:
+        # The store down or unreachable as the agent starts (a replacement agent mid-job): the snapshots in memory
+        # still need an agent; persists try the store again, and the first one that works says what is there.
+        logger.warning("cannot read what %s holds (%s): the newest step on disk is taken as unknown; persists try "
+                       "again at the next due step", save_dir, exc)
+        return None

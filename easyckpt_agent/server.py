@@ -141,8 +141,12 @@ class Agent:
         os.chmod(socket_path, 0o600)
         if self.config.serve_peers:
             self.cluster.start_server()
-        for path in clean_leftovers(self.save_dir, self.audit):
-            logger.info("removed leftover %s", path)
+        try:
+            for path in clean_leftovers(self.save_dir, self.audit):
+                logger.info("removed leftover %s", path)
+        except OSError as exc:   # the store down as the agent starts: the ranks' memory still needs it
+            logger.warning("cannot look for what dead writers left in %s (%s): the next persist does", self.save_dir,
+                           exc)
         logger.info("agent pid %d serving job %s: save_dir=%s shm_dir=%s", os.getpid(), self.config.job_id,
                     self.save_dir, self.config.shm_dir)
         wake = self.wake.open(self.config.job_dir)

@@ -136,6 +136,23 @@ def test_verify_exits_1_on_damage_naming_iteration_and_file(persisted: Env) -> N
     assert run_cli("verify", str(persisted.save_dir / "iteration_0000002"), env=persisted).returncode == 1
 
 
+def test_verify_says_incomplete_for_an_iteration_without_its_marker_and_damaged_for_a_broken_one(
+        persisted: Env) -> None:
+    """No commit marker (a persist under way, or a failed one on an object store, whose files are written in place):
+    INCOMPLETE, never loaded, not damage (exit 0); a marker that does not parse is damage (exit 1)."""
+    save_dir = persisted.save_dir
+    no_marker = save_dir / "iteration_0000006"
+    no_marker.mkdir()
+    (no_marker / layout.COMMON).write_text("{}")
+    proc = run_cli("verify", str(save_dir), env=persisted)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "INCOMPLETE" in row(proc.stdout, "iteration_0000006:") and "2 ok, 0 damaged, 1 incomplete" in proc.stdout
+    (no_marker / layout.METADATA).write_text("{ truncated")
+    proc = run_cli("verify", str(save_dir), env=persisted)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "DAMAGED" in row(proc.stdout, "iteration_0000006:") and "2 ok, 1 damaged" in proc.stdout
+
+
 def test_verify_of_a_missing_dir_exits_2(env: Env) -> None:
     missing = env.tmp_path / "nope"
     proc = run_cli("verify", str(missing), env=env)

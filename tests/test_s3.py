@@ -17,6 +17,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -391,3 +393,25 @@ def test_megatron_persists_to_s3_resumes_from_it_and_converts_it_to_megatron(env
                                        map_location="cpu", weights_only=False)
     assert converted[s3_url]["iteration"] == newest
     assert_same(converted[s3_url], converted[str(local)])
+
+
+def test_an_agent_started_while_the_object_store_is_down_serves_its_node_and_says_so(env: Env,
+                                                                                      s3_url: str) -> None:
+    """A replacement agent starting mid-job while the store is unreachable (the soak's object_store_outage found
+    every agent of the job crash-looping at start-up): it starts, says once what it cannot read, answers its
+    ranks, and exits on its idle timeout like any other."""
+    proxy = FaultProxy(os.environ["AWS_ENDPOINT_URL_S3"], seed=0)
+    proxy.go_down()
+    environ = {**env.environ(), **s3server.env(proxy.url)}
+    agent = subprocess.Popen([sys.executable, "-m", "easyckpt_agent", "--save-dir", s3_url, "--shm-dir",
+                              str(env.shm_dir), "--idle-timeout", "5"], env=environ, cwd=str(ROOT),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = agent.communicate(timeout=120)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+    assert agent.returncode == 0, out[-3000:]
+    assert f"cannot read what {s3_url} holds" in out and "persists try again at the next due step" in out, out[-3000:]
+    assert f"cannot look for what dead writers left in {s3_url}" in out and "serving job" in out, out[-3000:]
+    assert "no rank alive for" in out and "Traceback" not in out, out[-3000:]

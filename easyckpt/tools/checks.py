@@ -192,12 +192,17 @@ def verify_iteration(iteration_dir: Path) -> str | None:
     return None
 
 
+# An iteration with no commit marker: a persist under way, or one that failed (on an object store its files are
+# written in place); never loaded, so not damage. ``easyckpt clean`` (or the next persist) removes a dead one.
+INCOMPLETE = f"incomplete: no {layout.METADATA}"
+
+
 def verify(save_dir: Path) -> list[tuple[int, Path, str | None]]:
     """Every iteration of ``save_dir`` (or the one ``iteration_N`` directory given), fully read; (step, path,
-    problem or None) for each, oldest first."""
+    problem or None) for each, oldest first; ``INCOMPLETE`` for one without its commit marker."""
     if layout.ITERATION_RE.match(save_dir.name):
         rows = [row for row in layout.list_iterations(save_dir.parent) if row[1].name == save_dir.name]
     else:
         rows = layout.list_iterations(save_dir)
-    return [(step, path, verify_iteration(path) if complete else f"incomplete: no {layout.METADATA}")
+    return [(step, path, verify_iteration(path) if complete else INCOMPLETE)
             for step, path, complete in rows]
