@@ -406,8 +406,9 @@ def test_incomplete_iteration_is_never_loaded_and_listed_incomplete(env: Env, tw
         assert "INCOMPLETE" in line and "complete" not in line.replace("INCOMPLETE", "")
         line4 = next(row for row in listing.stdout.splitlines() if row.startswith("iteration_0000004"))
         assert "complete" in line4 and "INCOMPLETE" not in line4
+        # Not damage: a persist under way or one that failed, never loaded (an object store writes in place)
         verify = run_cli("verify", str(env.save_dir), env=env)
-        assert verify.returncode == 1 and "iteration_0000099: DAMAGED: incomplete" in verify.stdout, verify.stdout
+        assert verify.returncode == 0 and "iteration_0000099: INCOMPLETE" in verify.stdout, verify.stdout
     finally:
         ck.close()
     env.wait_agent_gone()
