@@ -640,3 +640,6 @@ def test_fetch_of_a_corrupted_copy_raises_fetch_error(replica: Replica, where: s
     other, other_sum = replica.tensor("model/b")
     assert bytes(fetch(replica.endpoint, other, other_sum)) == saved_bytes(replica.state["model"]["b"])
     assert replica.ck.agent.request(Kind.PING, 10.0)["pid"] == replica.env.agent_pid()
+    # Nor is it written to disk: the end of the run's persist of that step is refused, and close() says so.
+    with pytest.raises(easyckpt.PersistError, match="no longer matches the checksum the agent took after its commit"):
+        replica.ck.close()
