@@ -25,6 +25,7 @@ from easyckpt_agent.protection import Protection
 from easyckpt_agent.scheduler import PersistScheduler
 from easyckpt_agent.watcher import Watcher
 from easyckpt_wire import protocol
+from easyckpt_wire.control import PersistFailure
 from easyckpt_wire.shm import list_slots
 
 logger = logging.getLogger(__name__)
@@ -257,13 +258,20 @@ class Lifecycle:
                            idle_timeout, newest[0], self.settings.shm_dir)
         return True
 
+    def _only_in_memory(self) -> tuple[PersistFailure, int] | None:
+        """(the persist failure, the newest step in memory) while persisting fails and that step is on no disk."""
+        failure, in_memory = self.scheduler.failure, newest_in_memory(self.watcher)
+        if failure is None or in_memory is None or in_memory <= self.scheduler.durable():
+            return None
+        return failure, in_memory
+
     def _say_kept_for_a_restart(self) -> None:
         """The ranks died while persisting fails: said once as the wait starts (not idle_timeout later), so that
         whoever looks finds why the agent and its memory outlive the job."""
-        failure, in_memory = self.scheduler.failure, newest_in_memory(self.watcher)
-        if failure is None or in_memory is None or in_memory <= self.scheduler.durable():
+        kept = self._only_in_memory()
+        if kept is None:
             return
-        settings = self.settings
+        (failure, in_memory), settings = kept, self.settings
         logger.warning("no rank alive, and persisting fails (%s): step %d is only in memory, so the job's slots are "
                        "kept in %s (easyckpt-%s-*) for a restart to resume from, for %.0f s (agent_idle_timeout)",
                        failure.describe(), in_memory, settings.shm_dir, settings.job_id, settings.idle_timeout)
@@ -276,11 +284,10 @@ class Lifecycle:
                 and (peers is None or len(peers.nodes) <= 1))
 
     def _all_finished(self) -> bool:
-        failure = self.scheduler.failure
-        in_memory = newest_in_memory(self.watcher)
-        if failure is not None and in_memory is not None and in_memory > self.scheduler.durable():
+        kept = self._only_in_memory()
+        if kept is not None:
             # The ranks' close() was told (PersistError); what only memory holds stays there.
-            settings = self.settings
+            (failure, in_memory), settings = kept, self.settings
             logger.warning("every local rank finished, but persisting failed (%s): step %d is only in memory, so "
                            "the job's slots are kept in %s (easyckpt-%s-*). Fix the disk and run the job again to "
                            "resume from them; `easyckpt status %s` shows them and how to remove them",
