@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -11,6 +12,8 @@ from easyckpt_wire import protocol
 from easyckpt_wire.health import check_thresholds
 from easyckpt_wire.shm import MAX_SLOTS, check_job_id, shm_dir
 from easyckpt_wire.storage import is_url, location, open_storage
+
+logger = logging.getLogger(__name__)
 
 SLOTS_ENV = "EASYCKPT_SLOTS"
 MIN_SLOTS = 2
@@ -160,7 +163,32 @@ def check_object_store(save_dir: Path) -> None:
             check()
     except OSError as exc:
         endpoint = getattr(store, "endpoint", "?")
-        raise type(exc)(exc.errno, f"save_dir {save_dir} cannot be used (endpoint {endpoint}): {exc.strerror or exc}. "
+        reason = str(exc.strerror or exc).rstrip(".")
+        reason += "" if reason.endswith(("?", "!")) else "."
+        restart = _restart_count()
+        if restart and _transient(exc):
+            # The store answered this job's first workers (they passed this check), so an unreachable one now is
+            # an outage, not a wrong setting; refusing to start would end the job, whose state this node's memory
+            # (or a replica) still holds. The agent retries its persists until the store is back.
+            logger.warning("save_dir %s cannot be reached now (endpoint %s): %s This is restart %d of this job's "
+                           "workers, so the store answered before: going on; the state is loaded from memory or "
+                           "replicas, and persists fail until the store is back", save_dir, endpoint, reason, restart)
+            return
+        raise type(exc)(exc.errno, f"save_dir {save_dir} cannot be used (endpoint {endpoint}): {reason} "
                         "The endpoint comes from AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (or endpoint_url in "
                         "~/.aws/config), the credentials from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or AWS_PROFILE, "
                         "the region from AWS_REGION or AWS_DEFAULT_REGION", str(save_dir)) from None
+
+
+def _restart_count() -> int:
+    """torchrun's count of this worker group's restarts (0: the first start, or no torchrun)."""
+    try:
+        return max(0, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
+    except ValueError:
+        return 0
+
+
+def _transient(exc: OSError) -> bool:
+    """An unreachable or overloaded store, as opposed to a missing bucket or refused credentials."""
+    return isinstance(exc, ConnectionError | TimeoutError) or exc.errno in (errno.EAGAIN, errno.ECONNREFUSED,
+                                                                         errno.ETIMEDOUT, errno.ECONNRESET)

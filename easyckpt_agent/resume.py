@@ -55,7 +55,16 @@ class Resume:
             self.watcher.abandoned.add((rank, slot, generation))
         commits = self.cluster.peers is None or self.cluster.peers.is_leader
         moved, tracker, error = self._move_aside(rank, step, commits)
-        complete = [s for s, _ in layout.complete_iterations(self.save_dir)]
+        try:
+            complete = [s for s, _ in layout.complete_iterations(self.save_dir)]
+        except OSError as exc:
+            # The store down as torchrun restarts the workers: the new timeline still starts here (the rewind
+            # below needs no listing: a step persisted at or below ``step`` stands, a newer one is forgotten).
+            complete = []
+            if error is None:
+                error = f"cannot list {self.save_dir}: {exc}"
+                logger.warning("rank %d resumed at step %d: %s; persists of the new timeline go on once it answers",
+                               rank, step, error)
         scheduler = self.scheduler
         before = scheduler.rewind(step, complete)
         if before != (scheduler.persisted, scheduler.given_up):
@@ -65,7 +74,11 @@ class Resume:
             self.cluster.complete = policy.tracker_after_resume(complete, step)
         inflight = scheduler.inflight_step()
         if not commits:
-            self._drop_stale_shards(step, inflight)
+            try:
+                self._drop_stale_shards(step, inflight)
+            except OSError as exc:   # the leader drops whole stages newer than the resume once it can list them
+                logger.warning("rank %d resumed at step %d: cannot look for this node's shards of newer steps in %s: "
+                               "%s", rank, step, self.save_dir, exc)
         self.agreement.rewind(step)
         # Not the persist in flight: it reads its slots until it finishes (and then publishes nothing).
         scheduler.claims.release(lambda s: s > step and s != inflight)
@@ -85,7 +98,11 @@ class Resume:
             error = (f"could not move the iterations newer than step {step} aside in {self.save_dir}: {exc}; an "
                      "automatic load follows the tracker, fix the directory and resume again")
             logger.error("rank %d resumed at step %d: %s", rank, step, error)
-            return [], layout.read_tracker(self.save_dir), error
+            try:
+                tracker = layout.read_tracker(self.save_dir)
+            except OSError:   # the same store, still down: the reply says what could not be moved all the same
+                tracker = None
+            return [], tracker, error
         return result.moved, result.tracker, None
 
     def _drop_stale_shards(self, step: int, inflight: int | None) -> None:

@@ -247,7 +247,15 @@ class Agent:
         if handler is None:
             logger.warning("dropped a %s message: not a request", kind.name)
             return
-        handler(identity, message.get("id"), message)
+        try:
+            handler(identity, message.get("id"), message)
+        except Exception as exc:
+            # One request must not take the agent down with it: the ranks' snapshots in memory would be left with
+            # no agent to persist or serve them (a store read during a RESUME once did, while the store was down).
+            logger.exception("%s request of rank %s failed in the agent (a bug; the agent goes on)", kind.name,
+                             message.get("rank"))
+            self._send(identity, protocol.reply(False, id=message.get("id"),
+                                                error=f"the agent failed on {kind.name}: {type(exc).__name__}: {exc}"))
 
     def _hello(self, identity: bytes, request_id: Any, message: dict[str, Any]) -> None:
         rank = message["rank"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,6 +50,8 @@ class MotoServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        # Its log's folder goes with it (one per test session was left in /tmp for good).
+        shutil.rmtree(self.log.parent, ignore_errors=True)
 
 
 _SERVER: MotoServer | None = None

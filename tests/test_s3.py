@@ -218,6 +218,41 @@ def test_the_server_gone_mid_persist_fails_it_cleanly_and_the_next_due_step_pers
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
 
+def test_workers_restarted_while_the_store_is_down_resume_from_memory_and_persist_once_it_is_back(
+        env: Env, s3_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 dies while the object store is unreachable; torchrun restarts both workers. Their start-up check
+    of the store fails as it would for a wrong endpoint, but a restarted worker's store answered before, so it
+    says so and goes on: both resume from this node's memory (not a crash loop that ends the job), and the
+    persists work again once the store is back."""
+    kill_at = seeded_random().randint(6, STEPS - 8)
+    proxy = _proxied(monkeypatch)
+    monkeypatch.setenv("EASYCKPT_S3_MAX_ATTEMPTS", "2")
+    monkeypatch.setenv("EASYCKPT_S3_TIMEOUT", "3")
+    try:
+        job = Job(env, s3_url, env.tmp_path / "job", steps=STEPS, save_storage_interval=INTERVAL, max_restarts=1,
+                  extra_args=["--kill-at", str(kill_at), "--kill-rank", "1", "--kill-signal", "STOP"])
+        killed = job.out / "killed-rank1"
+        wait_for(lambda: killed.exists() or job.proc.poll() is not None, 120, f"rank 1 to stop at step {kill_at}")
+        assert job.proc.poll() is None, job.log()[-3000:]
+        proxy.go_down()
+        os.kill(job.pid(1), signal.SIGKILL)
+        wait_for(lambda: len(job.resumes(1)) > 1 or job.proc.poll() is not None, 120, "the restarted rank 1 to resume")
+        proxy.come_back()
+        assert job.wait(300) == 0, job.log()[-3000:]
+    finally:
+        proxy.close()
+    resumed = [job.resumes(rank)[-1] for rank in range(2)]
+    assert {r["source"] for r in resumed} == {"memory"}, resumed
+    assert {r["step"] for r in resumed} <= {kill_at - 1, kill_at} and resumed[0]["step"] == resumed[1]["step"], \
+        (kill_at, resumed)
+    log = job.log()
+    assert f"save_dir {s3_url} cannot be reached now" in log and "restart 1 of this job's workers" in log, log[-3000:]
+    agents = _agent_log(env)
+    assert "exited before answering" not in log and "Traceback" not in agents, agents[-6000:]
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3server.server().url)
+    assert layout.tracker(open_storage(s3_url)) == STEPS - 1, "close() persisted the last step once the store was back"
+
+
 def test_convert_and_ranks_needed_read_an_s3_save_dir_and_convert_from_dcp_writes_into_one(env: Env, s3_url: str,
                                                                                           tmp_path: Path) -> None:
     """`easyckpt convert --to hf|dcp` and `ranks-needed` take the s3:// save_dir as their source, bitwise; `convert

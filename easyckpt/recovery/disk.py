@@ -38,12 +38,20 @@ class StorageTier:
         self.reshard = reshard
         self.base = load_dir.parent if load_dir is not None else save_dir
         self.steps: list[int] = []
-        self.unreadable = ""   # why load_dir cannot be loaded here (said when no rank can load it)
+        self.unreadable = ""   # why load_dir, or save_dir's listing, cannot be read here (said when nothing loads)
 
     def offer(self) -> Offer:
         if self.load_dir is None:
-            self.steps = storage.newest_first(self.save_dir)
-            return Offer.of(storage.disk_health(self.save_dir, self.steps).items())
+            try:
+                self.steps = storage.newest_first(self.save_dir)
+                return Offer.of(storage.disk_health(self.save_dir, self.steps).items())
+            except OSError as exc:
+                # An object store down (or a file system failing) must not take the memory tiers with it: a
+                # worker that torchrun restarts during an outage resumes from memory. ``load`` refuses to start
+                # from scratch when no other tier has a step either (the checkpoints may be there, unseen).
+                self.steps, self.unreadable = [], f"save_dir {self.save_dir} cannot be listed: {exc}"
+                logger.warning("rank %d: %s; only memory and replicas are looked at", self.rank, self.unreadable)
+                return Offer()
         try:
             self.steps = [storage.iteration_step(self.load_dir)]
         except CheckpointFormatError as exc:  # decided with the other ranks in the agreement: nobody may hang

@@ -160,6 +160,12 @@ def load(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int, templa
         unreadable = next((t.unreadable for t in tiers if isinstance(t, StorageTier)), "")
         raise LoadError(f"load_dir {load_dir} cannot be loaded by every rank: "
                         f"{unreadable or 'another rank cannot read it, see its log'}")
+    unlisted = next((t.unreadable for t in tiers if isinstance(t, StorageTier) and t.unreadable), "")
+    if unlisted:
+        # Starting from scratch now would train over checkpoints that are there but cannot be seen.
+        raise LoadError(f"rank {rank}: nothing to resume from in memory or replicas, and {unlisted}. Not starting "
+                        "from scratch while the checkpoints there cannot be seen: bring the storage back (or fix "
+                        "its settings) and start the job again")
     # No "fresh start" here: a caller may resume from elsewhere (TrainerWrapper: a checkpoint-N folder).
     logger.info("rank %d: nothing to resume from in memory or in %s (load() returns step None)", rank, save_dir)
     return LoadResult(None, None, None)

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
+import socket
 from pathlib import Path
 
 import pytest
 import s3server
 
+from easyckpt import config
 from easyckpt_wire import layout
 from easyckpt_wire.storage import StorageURL, UnsupportedLocation, as_path, location, open_storage, s3, url
 from easyckpt_wire.storage.s3client import S3Settings
@@ -141,6 +144,30 @@ def test_errors_are_os_errors_naming_the_url_and_the_fix(store: s3.S3Storage) ->
     assert gone.value.filename == store.where("nothing")
     store.check()   # the bucket is there and writable: no error, nothing left
     assert store.entries() == []
+
+
+
+def test_a_restarted_worker_goes_on_when_the_store_is_unreachable_but_never_when_the_bucket_is_missing(
+        store: s3.S3Storage, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Start-up's check of an s3:// save_dir (``config.check_object_store``): an unreachable store stops a first
+    start (a wrong endpoint looks the same), but torchrun's restart of workers whose store answered before goes
+    on, saying so, to resume from memory; a missing bucket stops a restart as well."""
+    with socket.socket() as probe:   # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        down = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    monkeypatch.setenv("EASYCKPT_S3_MAX_ATTEMPTS", "1")
+    url_down = location(f"s3://{store.bucket}/runs/x")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", down)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    with pytest.raises(ConnectionError, match=f"save_dir {url_down} cannot be used .*AWS_ENDPOINT_URL_S3"):
+        config.check_writable(url_down)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    with caplog.at_level(logging.WARNING, logger="easyckpt.config"):
+        config.check_writable(url_down)
+    assert f"save_dir {url_down} cannot be reached now" in caplog.text and "restart 2 of this job's workers" in caplog.text
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3server.server().url)
+    with pytest.raises(FileNotFoundError, match="create it"):
+        config.check_writable(location("s3://no-such-bucket-x/p"))
 
 
 def test_easyckpt_clean_removes_a_dead_writers_iteration_and_status_reads_the_bucket(store: s3.S3Storage, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,6 +33,7 @@ from easyckpt.recovery import LoadError, StateMismatchError
 from easyckpt.snapshot.slots import RankSlots
 from easyckpt_wire import layout
 from easyckpt_wire.health import NEUTRAL
+from easyckpt_wire.storage import location
 
 Opener = Callable[[], RankSlots]
 
@@ -153,3 +155,31 @@ def test_a_rank_whose_memory_is_gone_pulls_its_step_from_a_replica(env: Env, slo
     finally:
         shutil.rmtree(lost, ignore_errors=True)
         agents.close()
+
+
+
+def test_a_save_dir_that_cannot_be_listed_leaves_memory_and_never_starts_from_scratch(
+        env: Env, slots: Opener, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An object store down while torchrun restarts the workers (here: an endpoint nobody listens on): memory
+    still resumes, with a warning naming save_dir; with nothing in memory either the load refuses rather than
+    return step None, which would train from scratch over checkpoints it could not see."""
+    pytest.importorskip("boto3")
+    with socket.socket() as probe:   # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for key, value in {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+                       "EASYCKPT_S3_MAX_ATTEMPTS": "1"}.items():
+        monkeypatch.setenv(key, value)
+    down = location("s3://bucket/runs/a")
+    with caplog.at_level(logging.WARNING, logger="easyckpt.recovery"):
+        with pytest.raises(LoadError, match=r"nothing to resume from in memory or replicas, and save_dir "
+                                            r"s3://bucket/runs/a cannot be listed: .*Not starting from scratch"):
+            recovery.load(slots=slots(), save_dir=down, rank=0, world_size=1, timeout=5.0, peer_timeout=5.0)
+    write_snapshots(env.shm_dir, 0, 1, no_health([3, 5]))
+    with caplog.at_level(logging.WARNING, logger="easyckpt.recovery"):
+        result = recovery.load(slots=slots(), save_dir=down, rank=0, world_size=1, template=template(),
+                               timeout=5.0, peer_timeout=5.0)
+    assert (result.step, result.source) == (5, "memory")
+    assert_same(state_at(5), result.state)
+    assert "rank 0: save_dir s3://bucket/runs/a cannot be listed" in caplog.text, caplog.text
