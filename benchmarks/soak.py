@@ -159,13 +159,10 @@ def run_job(fault: Fault, shape: Shape, ref: Reference, work: Path, timeout: flo
             record.update(failed=True, why=[f"{type(exc).__name__}: {exc}"], tail=cluster.tail(1500))
         record.update(at=strike.at, fired=strike.fired, notes=record.get("notes", []) + strike.notes)
         if not record["hung"] and not record["failed"]:
-            procs, files = cluster.wait_clean(LEAK_GRACE)
-            if strike.expect_error:   # a failed final persist: the agents keep the only copy, and say so
-                kept = cluster.kept()
-                files = [f for f in files if str(Path(f).parent) not in kept]
-                # an agent whose ranks died (not closed) keeps it for their restart, agent_idle_timeout long
-                procs = [p for p in procs if not any(f"--shm-dir {d}" in p for d in kept)]
-                record["kept"] = sorted(kept)
+            # a failed final persist: the agents keep the only copy, and say so
+            procs, files = cluster.wait_clean(LEAK_GRACE, kept=strike.expect_error)
+            if strike.expect_error:
+                record["kept"] = sorted(cluster.kept())
             if procs or files:
                 record.update(leaked=True, leftovers=procs + files)
         bad = any(record[k] for k in ("torn", "hung", "leaked", "failed"))

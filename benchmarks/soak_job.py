@@ -299,11 +299,19 @@ class Cluster:
                 said |= set(re.findall(r"so the job's slots are kept in (\S+)", log.read_text(errors="replace")))
         return said
 
-    def wait_clean(self, grace: float) -> tuple[list[str], list[str]]:
-        """After a job ends its agents exit and remove their slots: what is still there after ``grace``."""
+    def wait_clean(self, grace: float, *, kept: bool = False) -> tuple[list[str], list[str]]:
+        """After a job ends its agents exit and remove their slots: what is still there after ``grace``. With
+        ``kept``, an agent that said it keeps its node's slots (a failed final persist: the newest step is only in
+        memory) is no leftover, nor are those slots: the wait ends once everything else is gone, not after the
+        whole grace."""
         end = time.monotonic() + grace
         while True:
             procs, files = self.leftovers()
+            if kept:
+                dirs = self.kept()
+                files = [f for f in files if str(Path(f).parent) not in dirs]
+                # an agent whose ranks died (not closed) keeps them for their restart, agent_idle_timeout long
+                procs = [p for p in procs if not any(f"--shm-dir {d}" in p for d in dirs)]
             if (not procs and not files) or time.monotonic() > end:
                 return procs, files
             time.sleep(0.05)   # polling interval against a deadline

@@ -129,7 +129,12 @@ def _agent_kill(rng: random.Random, config: Config, shape: Shape) -> dict[str, A
         step = rng.choice(due) + rng.randint(2, 3)
     else:                   # armed from this step: the next persist that starts is hit at that point
         step = rng.randint(shape.first + 2, shape.last - shape.interval - 2)
-    return {"step": step, "victim": rng.randrange(config.nodes), "moment": moment}
+    victim = rng.randrange(config.nodes)
+    if moment in ("before_marker", "before_tracker"):
+        # Only the leader's agent (node 0's) writes a multi-node job's marker and tracker: armed on another node,
+        # the fault never fired. Drawn all the same, so that every later draw of a seed stays what it was.
+        victim = 0
+    return {"step": step, "victim": victim, "moment": moment}
 
 
 def _rank_stop(rng: random.Random, config: Config, shape: Shape) -> dict[str, Any]:

@@ -202,4 +202,8 @@ def _committed(save_dir: Path, step: int) -> bool:
     """Whether ``iteration_<step>`` is published: its directory on POSIX (renamed into place whole); its commit
     object on an object store, where the files are under the final prefix before it is written."""
     store, key = open_storage(save_dir), layout.iteration_dirname(step)
-    return layout.committed(store, key) if is_url(save_dir) else store.is_dir(key)
+    try:
+        return layout.committed(store, key) if is_url(save_dir) else store.is_dir(key)
+    except OSError as exc:   # the store gone since the persist (asked from the agent's loop: it must not end it)
+        logger.warning("cannot tell whether %s is committed: %s; the flush is answered 'not yet'", store.where(key), exc)
+        return False
