@@ -278,10 +278,16 @@ class Lifecycle:
 
     def _nothing_kept(self) -> bool:
         """Ranks came and went (an agent started ahead of its ranks waits for them as long as ever), none holds
-        a committed step, and no other node may ask this agent for a replica."""
-        peers = self.cluster.peers
-        return (bool(self.watcher.ranks) and newest_in_memory(self.watcher) is None
-                and (peers is None or len(peers.nodes) <= 1))
+        a committed step, and this agent holds no backup of another node's ranks (one node, or a job whose
+        memory is empty everywhere: a multi-node job whose load refused its only iteration waited idle_timeout on
+        every node)."""
+        if not self.watcher.ranks or newest_in_memory(self.watcher) is not None:
+            return False
+        peers, holdings = self.cluster.peers, self.cluster.holdings
+        if peers is None or len(peers.nodes) <= 1:
+            return True
+        with holdings.lock:
+            return not holdings.backups
 
     def _all_finished(self) -> bool:
         kept = self._only_in_memory()

@@ -87,6 +87,8 @@ class TornRun(AssertionError):
 # so the replays of faults found before then name that list.
 BEFORE_OUTAGE = ["--kinds", "rank_kill,node_loss,agent_kill,rank_stop,disk_full,flip_slot,flip_disk"]
 
+# The eight kinds of the 1000-fault soak begun on 2026-11-27 (seed 20261127).
+ALL_KINDS_20261127 = [*BEFORE_OUTAGE[1].split(","), "object_store_outage"]
 REPLAYS = [
     pytest.param(["--smoke", "--seed", "11", *BEFORE_OUTAGE], 1,
                  "a byte flipped in latest_checkpointed_iteration.txt: read_tracker "
@@ -130,6 +132,10 @@ REPLAYS = [
                  "a byte flipped in the only iteration: the load refused it and the ranks died before their first "
                  "snapshot; their agent waited the whole idle_timeout (300 s) with nothing in memory (an agent and "
                  "its control block left behind)", id="4242-flip_disk-2"),
+    pytest.param(["--seed", "20261127", "--kinds", ",".join(ALL_KINDS_20261127)], 57,
+                 "the same refused load in a 2-node job (plain-2x2): the early exit was for one node only, so both "
+                 "agents waited their whole idle_timeout with nothing in memory and no backup (leaked)",
+                 id="20261127-57", marks=pytest.mark.extended),
 ]
 
 

@@ -23,7 +23,7 @@ from easyckpt_agent.cluster import stage_outlook
 from easyckpt_agent.lifecycle import Lifecycle, WakePipe
 from easyckpt_wire import layout
 from easyckpt_wire.control import control_path
-from easyckpt_wire.records import PeerNode, PeerTable
+from easyckpt_wire.records import Manifest, PeerNode, PeerTable, SlotMeta
 from easyckpt_wire.shm import list_slots
 
 
@@ -280,6 +280,33 @@ def test_ranks_that_died_with_nothing_in_memory_end_the_agent_before_idle_timeou
             node.agent.watcher.register(rank, dead_pid(), None)
         node.agent.watcher.scan(relist_every=0)
         assert life._nothing_kept()
+        assert poll(life.should_exit, 10, "EMPTY_IDLE to pass")
+        assert life.ended_cleanly and not list_slots(node.shm_dir, JOB)
+    finally:
+        node.close()
+
+
+def test_a_multi_node_agent_with_nothing_in_memory_leaves_early_unless_it_holds_another_nodes_backup(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The soak found it (flip_disk on plain-2x2, seed 20261127, fault 57): the same refused load in a 2-node job
+    left both agents waiting their whole idle_timeout. With no backup of another node's ranks either, nothing
+    this agent holds can help a restart; a backup (another node's only way back after a node loss) keeps it."""
+    monkeypatch.setattr(lifecycle, "EMPTY_IDLE", 0.05)
+    node = Harness(tmp_path, idle_timeout=600)
+    try:
+        node.agent.cluster.peers = PeerTable("t" * 16, "n0", "n0", {"n0": PeerNode("tcp://127.0.0.1:1", (0, 1)),
+                                                                    "n1": PeerNode("tcp://127.0.0.1:2", (2, 3))})
+        life = node.agent.life
+        for rank in (0, 1):
+            node.agent.watcher.register(rank, dead_pid(), None)
+        node.agent.watcher.scan(relist_every=0)
+        assert life._nothing_kept(), "no step in memory and no backup held"
+        meta = SlotMeta(job=JOB, rank=2, world_size=4, local_rank=0, local_world_size=2, pid=None, pid_start=None,
+                        skeleton_version=1, tensors=(), step=4, skeleton=None, created=0.0)
+        backup = Manifest(meta=meta, checksums=(), node="n1", generation=1)
+        node.agent.cluster.holdings.backups[(2, 4)] = backup
+        assert not life._nothing_kept(), "a backup of node n1's rank 2 may be asked for"
+        del node.agent.cluster.holdings.backups[(2, 4)]
         assert poll(life.should_exit, 10, "EMPTY_IDLE to pass")
         assert life.ended_cleanly and not list_slots(node.shm_dir, JOB)
     finally:
