@@ -294,7 +294,7 @@ def object_store_outage(c: Cluster, f: Fault) -> Strike:
     with proxy.lock:   # inside the next persist: its ``write``-th object under an iteration
         proxy.down_at = proxy.writes + f.params["write"]
     c.wait_until(lambda: proxy.went_down.is_set() or c.ended(), "the object store to go down inside a persist")
-    strike = Strike(at=c.newest_all(), resume=f.variant == "crash", verify=True)
+    strike = Strike(at=c.newest_all(), resume=f.variant == "crash" or f.params.get("kill", -1) >= 0, verify=True)
     if not proxy.went_down.is_set():
         strike.fired = False
         strike.notes.append("the job ended before its next persist wrote that many objects")
@@ -311,6 +311,18 @@ def object_store_outage(c: Cluster, f: Fault) -> Strike:
         for node in range(c.config.nodes):
             c.kill_node(node, wipe=True)
         strike.at = c.newest_all()
+    victim = f.params.get("kill", -1)
+    if f.variant == "recover" and victim >= 0:
+        # torchrun restarts the workers while the store is still down: they resume from memory (start-up's store
+        # check only warns on a restart), and the store comes back once they did
+        strike.at = c.newest_all()
+        if signal_pid(c.rank_pid(victim), signal.SIGKILL):
+            strike.notes.append(f"rank {victim} SIGKILLed at step {strike.at} with the store down")
+            c.wait_until(lambda: len(c.resumes(victim)) > 1 or c.ended(),
+                         f"rank {victim}'s restarted worker to resume with the store down")
+        else:
+            strike.resume = False
+            strike.notes.append(f"rank {victim} was gone before its kill with the store down")
     proxy.come_back()
     if f.variant == "crash":
         c.start_all(fresh=True)

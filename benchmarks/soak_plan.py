@@ -167,9 +167,14 @@ def _flip_disk(rng: random.Random, config: Config, shape: Shape) -> dict[str, An
 def _object_store_outage(rng: random.Random, config: Config, shape: Shape) -> dict[str, Any]:
     # armed from ``step``: the store goes down at the ``write``-th object written under an iteration after it, inside
     # the next persist; back ``after`` steps later, after every node was lost (crash), or never
-    return {"step": rng.randint(shape.first + 2, shape.last - shape.interval - 3), "moment": "persist",
-            "variant": rng.choice(["recover", "crash", "never"]), "after": rng.randint(2, 4),
-            "params": {"write": rng.randint(1, 3)}}
+    fault = {"step": rng.randint(shape.first + 2, shape.last - shape.interval - 3), "moment": "persist",
+             "variant": rng.choice(["recover", "crash", "never"]), "after": rng.randint(2, 4),
+             "params": {"write": rng.randint(1, 3)}}
+    # recover: half the time a rank is SIGKILLed while the store is down, so that torchrun restarts the workers
+    # into the outage (they must resume from memory). Drawn last: every earlier draw of a seed stays what it was.
+    kill = rng.randrange(config.world) if rng.random() < 0.5 else -1
+    fault["params"]["kill"] = kill if fault["variant"] == "recover" else -1
+    return fault
 
 
 KINDS: dict[str, Kind] = {k.name: k for k in (
