@@ -29,6 +29,7 @@ import platform
 import random
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -226,6 +227,29 @@ def settle(args: argparse.Namespace, prior: dict[str, Any]) -> dict[str, Any]:
     return settings
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Any:
+    """Ctrl-C and SIGTERM stop a soak alike: no new job starts, those under way end and clean up, and the JSON
+    keeps every finished job (``--resume-from`` runs the rest). SIGINT is set here because a shell starts a
+    background command (``soak.py ... &``) with SIGINT ignored, and Python then leaves it ignored: such a soak
+    could only be killed, leaving its jobs' processes and memory behind. The handlers before are restored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    for signum in before:
+        signal.signal(signum, _interrupt)
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
     if args.merge:
@@ -278,9 +302,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         refs = {name: pool.submit(reference, name) for name in dict.fromkeys(f.config for f in faults)}
         futures = [pool.submit(job, fault, refs[fault.config]) for fault in faults]
         try:
-            for future in futures:
-                future.result()
-        except BaseException:   # Ctrl-C or a broken reference: the jobs under way end and clean up, no new one starts
+            with stop_on_signals():
+                for future in futures:
+                    future.result()
+        except BaseException as exc:   # a stop signal or a broken reference: the jobs under way end and clean up
+            if isinstance(exc, KeyboardInterrupt):
+                print(f"stopping ({exc or 'Ctrl-C'}): the jobs under way end and clean up, no new one starts; "
+                      f"--resume-from {args.json} runs the rest", flush=True)
             pool.shutdown(wait=True, cancel_futures=True)
             raise
     result.update(complete=True, duration_s=round(base + time.monotonic() - started, 1), table=table(runs),
