@@ -36,6 +36,21 @@ def seeded_random() -> random.Random:
     return random.Random(seed)
 
 
+def s3_endpoint_down(monkeypatch: pytest.MonkeyPatch) -> str:
+    """Point S3 clients at 127.0.0.1 on a port where nothing listens (an object store that is down), one try per
+    request and test credentials; returns that endpoint."""
+    import socket
+
+    with socket.socket() as probe:   # a port that was free a moment ago: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    for key, value in {"AWS_ENDPOINT_URL_S3": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+                       "EASYCKPT_S3_MAX_ATTEMPTS": "1"}.items():
+        monkeypatch.setenv(key, value)
+    return endpoint
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, interval: float = 0.02) -> Any:
     """Poll ``predicate`` until it returns something truthy; fail naming ``what`` after ``timeout``."""
     try:

@@ -1,16 +1,19 @@
 """easyckpt_agent.claims: persist claims as flocks on real slot files, and the ranks' FLUSH/BYE requests and answers."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from agent_slots import JOB, FakeRanks, decode_reply, held
+from conftest import s3_endpoint_down
 
 from easyckpt_agent.claims import Claims, FlushRequests, never_holds
 from easyckpt_agent.watcher import SlotHolds, Watcher
 from easyckpt_wire import layout
+from easyckpt_wire.storage import location
 
 
 class Node:
@@ -129,6 +132,21 @@ def test_flush_waiters_hear_that_the_step_is_on_disk_or_why_not(node: Node, tmp_
     flushes.bye_waiters.append((b"c", 3))
     flushes.answer_byes(node.send, persisted=7, failure=None)
     assert node.sent[-1][0] == b"c" and node.sent[-1][1]["ok"] and flushes.bye_waiters == []
+
+
+def test_a_flush_answered_while_the_store_is_down_says_not_committed_instead_of_raising(
+        node: Node, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The answer runs in the agent's loop: a store that went down since the persist (here an s3:// save_dir whose
+    endpoint nobody listens on) must not end the loop; the waiter hears the step persisted, not yet committed."""
+    pytest.importorskip("boto3")
+    s3_endpoint_down(monkeypatch)
+    node.flushes.waiters.append((b"a", 1, 7))
+    with caplog.at_level(logging.WARNING, logger="easyckpt_agent.claims"):
+        node.flushes.answer(node.send, persisted=7, save_dir=location("s3://bucket/runs/a"), given_up=-1,
+                            failure=None)
+    (identity, reply), = node.sent
+    assert identity == b"a" and reply["ok"] and reply["persisted"] == 7 and not reply["committed"], reply
+    assert "cannot tell whether s3://bucket/runs/a/iteration_0000007 is committed" in caplog.text, caplog.text
 
 
 def test_a_requested_step_some_rank_will_never_hold_is_given_up(node: Node) -> None:

@@ -9,11 +9,11 @@ import errno
 import json
 import logging
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import s3server
+from conftest import s3_endpoint_down
 
 from easyckpt import config
 from easyckpt_wire import layout
@@ -152,12 +152,8 @@ def test_a_restarted_worker_goes_on_when_the_store_is_unreachable_but_never_when
     """Start-up's check of an s3:// save_dir (``config.check_object_store``): an unreachable store stops a first
     start (a wrong endpoint looks the same), but torchrun's restart of workers whose store answered before goes
     on, saying so, to resume from memory; a missing bucket stops a restart as well."""
-    with socket.socket() as probe:   # a port that was free a moment ago: nothing listens there
-        probe.bind(("127.0.0.1", 0))
-        down = f"http://127.0.0.1:{probe.getsockname()[1]}"
-    monkeypatch.setenv("EASYCKPT_S3_MAX_ATTEMPTS", "1")
+    s3_endpoint_down(monkeypatch)
     url_down = location(f"s3://{store.bucket}/runs/x")
-    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", down)
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     with pytest.raises(ConnectionError, match=f"save_dir {url_down} cannot be used .*AWS_ENDPOINT_URL_S3"):
         config.check_writable(url_down)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Env, assert_same, seeded_random
+from conftest import Env, assert_same, s3_endpoint_down, seeded_random
 from tiers_sources import (
     JOB,
     UNHEALTHY,
@@ -164,13 +163,7 @@ def test_a_save_dir_that_cannot_be_listed_leaves_memory_and_never_starts_from_sc
     still resumes, with a warning naming save_dir; with nothing in memory either the load refuses rather than
     return step None, which would train from scratch over checkpoints it could not see."""
     pytest.importorskip("boto3")
-    with socket.socket() as probe:   # a port that was free a moment ago: nothing listens there
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    for key, value in {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-                       "EASYCKPT_S3_MAX_ATTEMPTS": "1"}.items():
-        monkeypatch.setenv(key, value)
+    s3_endpoint_down(monkeypatch)
     down = location("s3://bucket/runs/a")
     with caplog.at_level(logging.WARNING, logger="easyckpt.recovery"):
         with pytest.raises(LoadError, match=r"nothing to resume from in memory or replicas, and save_dir "
