@@ -75,7 +75,8 @@ class NodeReplication:
     def __init__(self, *, node: str, bind_host: str, port: int, save_dir: Path, audit: AuditLog, watcher: Watcher,
                  ctx: zmq.Context, max_ckpt_num: Callable[[], int], complete: int | None,
                  port_file: Path | None = None, rotate: Callable[[int], Any] | None = None,
-                 wake: Callable[[], None] = lambda: None, floor: Callable[[], int] = lambda: -1) -> None:
+                 wake: Callable[[], None] = lambda: None, floor: Callable[[], int] = lambda: -1,
+                 stored_at: Callable[[], float] = lambda: 0.0) -> None:
         self.wake = wake
         self.node = node
         self.rotate = rotate   # the agent's timeline-aware rotation (abandoned iterations first)
@@ -112,6 +113,11 @@ class NodeReplication:
         self._commit_failing = Episode(logger)   # retried every 0.2 s: said once, not five times a second
         self._list_failing = Episode(logger)     # the same for listing the stages (the store down)
         self._list_pause = 0.0                   # seconds between two tries to list them while that fails
+        self._list_failed_at = 0.0               # when listing them last failed (monotonic)
+        # When this agent's last persist reached the store (monotonic): one after a failed listing means the store
+        # is back, and the stages are listed at once instead of after the rest of the pause (up to 30 s, in which
+        # the job's end could come before the commit of its final step).
+        self.stored_at = stored_at
         self._stage_wait_since: float | None = None
         self._hopeless_said: list[int] | None = None   # the stages last said to be never committed
         self.safe_step: int | None = None   # the agent's, shown by status
@@ -341,7 +347,11 @@ class NodeReplication:
         finished just as the final step's did is committed too, not dropped as superseded); drop stages older
         than a committed step that never completed."""
         now = time.monotonic()
-        if self.peers is None or not self.peers.is_leader or now - self._stages_at < 0.2:
+        if self.peers is None or not self.peers.is_leader:
+            return
+        if self._list_pause and self.stored_at() > self._list_failed_at:
+            self._stages_at = 0.0   # a persist reached the store since listing failed: it is back
+        if now - self._stages_at < 0.2:
             return
         self._stages_at = now
         try:
@@ -350,7 +360,8 @@ class NodeReplication:
             # Each try takes the client's retries (seconds) out of the loop that answers the ranks: tried again
             # after a pause that doubles up to 30 s, not every 0.2 s.
             self._list_pause = min(30.0, max(1.0, 2 * self._list_pause))
-            self._stages_at = time.monotonic() + self._list_pause
+            self._list_failed_at = time.monotonic()
+            self._stages_at = self._list_failed_at + self._list_pause
             self._list_failing.hit("cannot list the staged steps in %s: %s (tried again after pauses of up to 30 s "
                                    "until it works)", self.save_dir, exc)
             return

@@ -77,6 +77,7 @@ class PersistScheduler:
         # a newer complete iteration is of an abandoned timeline, or lost the race with the tracker.
         self.persisted: int | None = _tracked_head(save_dir)
         self.last_persist: PersistStats | None = None
+        self.stored_at = 0.0   # when a persist last reached the store (monotonic): the stage listing's backoff ends
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="persist", initializer=lower_priority)
         self.inflight: tuple[int, concurrent.futures.Future[PersistStats]] | None = None
         self.inflight_epoch = 0   # the timeline's epoch when the persist in flight started
@@ -268,6 +269,7 @@ class PersistScheduler:
 
     def _succeeded(self, step: int, stats: PersistStats) -> None:
         self.persisted = step if self.persisted is None else max(step, self.persisted)
+        self.stored_at = time.monotonic()
         self.last_persist = stats
         if self.failure is not None:
             logger.warning("persists succeed again: step %d is on disk after %d failed persist(s) since %s",

@@ -110,7 +110,8 @@ class Agent:
                                        ctx=self.ctx, max_ckpt_num=lambda: self.config.max_ckpt_num,
                                        complete=self.scheduler.persisted, port_file=config.job_dir / "agent.port",
                                        rotate=lambda keep: self.timeline.rotate(self.config.max_ckpt_num, keep),
-                                       wake=self.wake.wake, floor=self.scheduler.floor)
+                                       wake=self.wake.wake, floor=self.scheduler.floor,
+                                       stored_at=lambda: self.scheduler.stored_at)
         self.agreement = NodeAgreement(settings=config, cluster=self.cluster, protection=self.protection,
                                        scheduler=self.scheduler, watcher=self.watcher, announced=self.announced)
         self.resumer = Resume(save_dir=self.save_dir, node_id=config.node_id, audit=self.audit, timeline=self.timeline,

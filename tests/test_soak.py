@@ -136,6 +136,11 @@ REPLAYS = [
                  "the same refused load in a 2-node job (plain-2x2): the early exit was for one node only, so both "
                  "agents waited their whole idle_timeout with nothing in memory and no backup (leaked)",
                  id="20261127-57", marks=pytest.mark.extended),
+    pytest.param(["--seed", "1127", "--kinds", ",".join(ALL_KINDS_20261127)], 11,
+                 "the store down in a 2x2 job and a rank killed meanwhile: the store came back and both nodes persisted "
+                 "the final step, but the leader listed its stages only at the end of the pause its failed listings "
+                 "had grown to (20 s): the job ended with no step committed (failed)", id="1127-11",
+                 marks=pytest.mark.extended),
 ]
 
 

@@ -14,8 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import s3server
 from agent_slots import JOB, Harness
 from common import poll
+from conftest import s3_endpoint_down
 
 from easyckpt_agent import lifecycle, persister
 from easyckpt_agent.agreement import NodeState
@@ -25,6 +27,7 @@ from easyckpt_wire import layout
 from easyckpt_wire.control import control_path
 from easyckpt_wire.records import Manifest, PeerNode, PeerTable, SlotMeta
 from easyckpt_wire.shm import list_slots
+from easyckpt_wire.storage import location
 
 
 @pytest.fixture
@@ -220,6 +223,30 @@ def lead_two_nodes(node: Harness, stage_notes: dict[int, list[str]]) -> str:
     for proc in node.agent.watcher.ranks.values():
         proc.said_bye = True
     return me
+
+
+def test_a_leader_lists_its_stages_again_at_once_when_a_persist_reached_the_store_during_its_backoff(
+        node: Harness, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Soak seed 1127 fault 11 (a 2x2 job, the store down, a rank killed meanwhile): the store came back, both
+    nodes persisted the final step, the job ended, and the leader committed it 20 s later, at the end of the pause
+    its failed listings had grown to. A persist that reaches the store since the last failed listing ends the
+    pause; without one the leader does not list again before the pause is over."""
+    server = s3server.server()
+    lead_two_nodes(node, {})
+    cluster = node.agent.cluster
+    cluster.save_dir = location(f"s3://{s3server.bucket(server.url)}/ckpt")
+    s3_endpoint_down(monkeypatch)
+    caplog.set_level(logging.INFO, logger="easyckpt_agent.cluster")
+    cluster._commit_stages()
+    assert f"cannot list the staged steps in {cluster.save_dir}" in caplog.text and cluster._list_pause >= 1.0
+    cluster._list_pause = 30.0   # as after several failures
+    cluster._stages_at = time.monotonic() + 30.0
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", server.url)   # the store is back
+    cluster._commit_stages()
+    assert "can be listed again" not in caplog.text, "still in the pause, and no persist reached the store since"
+    node.agent.scheduler.stored_at = time.monotonic()
+    cluster._commit_stages()
+    assert f"the staged steps in {cluster.save_dir} can be listed again" in caplog.text and cluster._list_pause == 0.0
 
 
 def test_a_leader_does_not_wait_for_a_stage_its_own_failed_persist_left(node: Harness,
