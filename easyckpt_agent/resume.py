@@ -13,6 +13,7 @@ that no later load, in this process or after a crash, takes them for the job's m
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -54,17 +55,21 @@ class Resume:
         for slot, generation in stale:
             self.watcher.abandoned.add((rank, slot, generation))
         commits = self.cluster.peers is None or self.cluster.peers.is_leader
-        moved, tracker, error = self._move_aside(rank, step, commits)
-        try:
-            complete = [s for s, _ in layout.complete_iterations(self.save_dir)]
-        except OSError as exc:
-            # The store down as torchrun restarts the workers: the new timeline still starts here (the rewind
-            # below needs no listing: a step persisted at or below ``step`` stands, a newer one is forgotten).
-            complete = []
-            if error is None:
-                error = f"cannot list {self.save_dir}: {exc}"
-                logger.warning("rank %d resumed at step %d: %s; persists of the new timeline go on once it answers",
-                               rank, step, error)
+        moved, tracker, error, down = self._move_aside(rank, step, commits)
+        # The store down as torchrun restarts the workers: the new timeline still starts here (the rewind below
+        # needs no listing: a step persisted at or below ``step`` stands, a newer one is forgotten). Once a call
+        # found it unreachable the others are not tried: each would take the client's retries (seconds) out of
+        # the loop that answers the ranks.
+        complete: list[int] = []
+        if not down:
+            try:
+                complete = [s for s, _ in layout.complete_iterations(self.save_dir)]
+            except OSError as exc:
+                down = _unreachable(exc)
+                if error is None:
+                    error = f"cannot list {self.save_dir}: {exc}"
+                    logger.warning("rank %d resumed at step %d: %s; persists of the new timeline go on once it "
+                                   "answers", rank, step, error)
         scheduler = self.scheduler
         before = scheduler.rewind(step, complete)
         if before != (scheduler.persisted, scheduler.given_up):
@@ -73,7 +78,7 @@ class Resume:
         if self.cluster.complete is not None and self.cluster.complete > step:
             self.cluster.complete = policy.tracker_after_resume(complete, step)
         inflight = scheduler.inflight_step()
-        if not commits:
+        if not commits and not down:
             try:
                 self._drop_stale_shards(step, inflight)
             except OSError as exc:   # the leader drops whole stages newer than the resume once it can list them
@@ -89,21 +94,23 @@ class Resume:
         self.publish()
         return ResumeReply(moved, tracker, scheduler.persisted, error)
 
-    def _move_aside(self, rank: int, step: int, commits: bool) -> tuple[list[int], int | None, str | None]:
+    def _move_aside(self, rank: int, step: int, commits: bool) -> tuple[list[int], int | None, str | None, bool]:
         """Move the iterations newer than ``step`` aside (``commits``: this agent publishes iterations);
-        returns (steps moved, the step the tracker names, what went wrong)."""
+        returns (steps moved, the step the tracker names, what went wrong, whether the store is unreachable)."""
         try:
             result = self.timeline.abandon_after(step, commits=commits)
         except OSError as exc:
+            down = _unreachable(exc)
+            fix = "they stay until a resume finds the store up" if down else "fix the directory and resume again"
             error = (f"could not move the iterations newer than step {step} aside in {self.save_dir}: {exc}; an "
-                     "automatic load follows the tracker, fix the directory and resume again")
+                     f"automatic load follows the tracker, {fix}")
             logger.error("rank %d resumed at step %d: %s", rank, step, error)
-            try:
-                tracker = layout.read_tracker(self.save_dir)
-            except OSError:   # the same store, still down: the reply says what could not be moved all the same
-                tracker = None
-            return [], tracker, error
-        return result.moved, result.tracker, None
+            tracker = None
+            if not down:
+                with contextlib.suppress(OSError):   # the reply says what could not be moved all the same
+                    tracker = layout.read_tracker(self.save_dir)
+            return [], tracker, error, down
+        return result.moved, result.tracker, None, False
 
     def _drop_stale_shards(self, step: int, inflight: int | None) -> None:
         """A shard of this node that an abandoned persist left in a stage must not complete the new timeline's
@@ -129,3 +136,8 @@ class Resume:
             finally:
                 info.map.unlock()
             self.watcher.abandoned.discard((rank, slot, generation))
+
+
+def _unreachable(exc: OSError) -> bool:
+    """The store did not answer (down, or no route): its next calls would not either, each after its retries."""
+    return isinstance(exc, ConnectionError | TimeoutError)

@@ -6,12 +6,14 @@ from pathlib import Path
 
 import pytest
 from agent_slots import JOB, Harness
+from conftest import s3_endpoint_down
 
 from easyckpt_wire import layout
 from easyckpt_wire.control import ControlReader, control_path
 from easyckpt_wire.protocol import Kind
 from easyckpt_wire.records import PeerNode, PeerTable
 from easyckpt_wire.shm import SlotState
+from easyckpt_wire.storage import location, open_storage
 
 
 @pytest.fixture
@@ -53,6 +55,36 @@ def test_a_resume_moves_newer_iterations_aside_once_and_the_new_timeline_is_pers
     assert node.sent[-1][1]["moved"] == [] and node.sent[-1][1]["persisted"] == 10
     persist(node, 2, 15)   # the new timeline's step 15 reaches disk, whatever the abandoned one reached
     assert on_disk(node.save_dir) == [5, 10, 15]
+
+
+def test_a_resume_while_the_store_is_down_starts_the_new_timeline_and_tries_the_store_once(
+        node: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun restarted the workers while the object store was unreachable (the soak's outage with a rank killed
+    in it): the RESUME once ended the agent (a tracker read outside the error handling). It is answered with what
+    could not be moved, the new timeline starts all the same, and the store is tried once, not once per listing:
+    each try takes the client's retries out of the loop that answers the ranks."""
+    for slot, step in enumerate((5, 10)):
+        persist(node, slot, step)
+    agent = node.agent
+    s3_endpoint_down(monkeypatch)
+    down = location("s3://bucket/ckpt")
+    for part in (agent.resumer, agent.timeline):
+        part.save_dir = down
+    agent.timeline.store = open_storage(down)
+    calls: list[str] = []
+    from botocore.client import BaseClient
+
+    real = BaseClient._make_api_call
+    monkeypatch.setattr(BaseClient, "_make_api_call", lambda self, name, params: calls.append(name) or real(
+        self, name, params))
+    node.request(b"r0", Kind.RESUME, rank=0, step=5, stale=[], id=1)
+    reply = node.sent[-1][1]
+    assert not reply["ok"] and "could not move the iterations newer than step 5 aside in s3://bucket/ckpt" in \
+        reply["error"] and "until a resume finds the store up" in reply["error"], reply
+    assert len(calls) == 1, f"the store was tried {len(calls)} times: {calls}"
+    # the new timeline starts: step 10 of the abandoned one no longer counts as on disk (what is, is unknown while
+    # the store is down), and step 10's hold goes back to the ranks
+    assert agent.scheduler.persisted is None and agent.protection.safe is None, agent.scheduler.persisted
 
 
 def test_snapshots_a_rank_could_not_invalidate_are_let_go_and_invalidated_once_free(node: Harness) -> None:
