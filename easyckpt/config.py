@@ -33,7 +33,7 @@ class CheckpointerConfig:
     shm_dir: Path | None = None          # default: EASYCKPT_SHM_DIR, else /dev/shm
     start_agent: bool = True             # False: never spawn one (tests, or an agent you run yourself)
     agent_idle_timeout: float = 300.0    # the agent exits this long after the last rank of the job died (10 s at
-    #                                      most when they left nothing in memory and the job has one node)
+    #                                      most when they left nothing in memory and it holds no other node's backup)
     agent_start_timeout: float = 30.0    # __init__ waits this long at most for the agent to answer
     load_timeout: float = 120.0          # reading a slot that another process holds for writing
     close_timeout: float = 600.0         # close() waiting for the agent to persist the newest snapshot
