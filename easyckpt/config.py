@@ -11,7 +11,7 @@ from pathlib import Path
 from easyckpt_wire import protocol
 from easyckpt_wire.health import check_thresholds
 from easyckpt_wire.shm import MAX_SLOTS, check_job_id, shm_dir
-from easyckpt_wire.storage import is_url, location, open_storage
+from easyckpt_wire.storage import is_url, location, open_storage, unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def check_object_store(save_dir: Path) -> None:
         reason = str(exc.strerror or exc).rstrip(".")
         reason += "" if reason.endswith(("?", "!")) else "."
         restart = _restart_count()
-        if restart and _transient(exc):
+        if restart and unavailable(exc):
             # The store answered this job's first workers (they passed this check), so an unreachable one now is
             # an outage, not a wrong setting; refusing to start would end the job, whose state this node's memory
             # (or a replica) still holds. The agent retries its persists until the store is back.
@@ -186,9 +186,3 @@ def _restart_count() -> int:
         return max(0, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
     except ValueError:
         return 0
-
-
-def _transient(exc: OSError) -> bool:
-    """An unreachable or overloaded store, as opposed to a missing bucket or refused credentials."""
-    return isinstance(exc, ConnectionError | TimeoutError) or exc.errno in (errno.EAGAIN, errno.ECONNREFUSED,
-                                                                         errno.ETIMEDOUT, errno.ECONNRESET)

@@ -28,6 +28,7 @@ from easyckpt_agent.timeline import DiskTimeline
 from easyckpt_agent.watcher import Watcher
 from easyckpt_wire import layout
 from easyckpt_wire.records import ResumeReply
+from easyckpt_wire.storage import unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,7 @@ class Resume:
             try:
                 complete = [s for s, _ in layout.complete_iterations(self.save_dir)]
             except OSError as exc:
-                down = _unreachable(exc)
+                down = unavailable(exc)
                 if error is None:
                     error = f"cannot list {self.save_dir}: {exc}"
                     logger.warning("rank %d resumed at step %d: %s; persists of the new timeline go on once it "
@@ -100,7 +101,7 @@ class Resume:
         try:
             result = self.timeline.abandon_after(step, commits=commits)
         except OSError as exc:
-            down = _unreachable(exc)
+            down = unavailable(exc)
             fix = "they stay until a resume finds the store up" if down else "fix the directory and resume again"
             error = (f"could not move the iterations newer than step {step} aside in {self.save_dir}: {exc}; an "
                      f"automatic load follows the tracker, {fix}")
@@ -136,8 +137,3 @@ class Resume:
             finally:
                 info.map.unlock()
             self.watcher.abandoned.discard((rank, slot, generation))
-
-
-def _unreachable(exc: OSError) -> bool:
-    """The store did not answer (down, or no route): its next calls would not either, each after its retries."""
-    return isinstance(exc, ConnectionError | TimeoutError)

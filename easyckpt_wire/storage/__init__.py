@@ -6,6 +6,7 @@ The layout written over this protocol (iterations, tracker, audit, health index,
 """
 from __future__ import annotations
 
+import errno
 import os
 import threading
 
@@ -22,7 +23,7 @@ from easyckpt_wire.storage.url import (
     split_url,
 )
 
-__all__ = ["BlobReader", "BlobWriter", "Entry", "Leftover", "Pending", "PosixStorage", "Storage", "SCHEMES",
+__all__ = ["unavailable", "BlobReader", "BlobWriter", "Entry", "Leftover", "Pending", "PosixStorage", "Storage", "SCHEMES",
            "StorageLike", "StorageURL", "UnsupportedLocation", "as_path", "is_url", "location",
            "open_storage"]
 
@@ -33,6 +34,13 @@ StorageLike = Storage | str | os.PathLike[str]
 _OPENED: dict[tuple[str, ...], Storage] = {}
 _CLIENT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_REGION", "AWS_DEFAULT_REGION")
 _OPENED_LOCK = threading.Lock()
+
+
+def unavailable(exc: OSError) -> bool:
+    """The store did not answer, or kept refusing for load (after the client's retries), as opposed to a missing
+    bucket or refused credentials: its next calls would most likely fail the same way, each after its retries."""
+    return isinstance(exc, ConnectionError | TimeoutError) or exc.errno in (errno.EAGAIN, errno.ECONNREFUSED,
+                                                                         errno.ETIMEDOUT, errno.ECONNRESET)
 
 
 def open_storage(where: StorageLike) -> Storage:
