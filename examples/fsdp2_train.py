@@ -9,7 +9,7 @@ iteration was written by another world size and reshards it from disk through
 
 Each rank appends ``{"step", "loss"}`` per step to ``--out/losses-rank<r>.jsonl``; rank 0 writes
 ``--out/full-<step>.json`` (xxh3-128 of every ``full_tensor()`` of model and optimizer state) for each
-persisted step and ``--out/resume-<n>.json`` after a load, which is what tests/test_fsdp.py compares.
+persisted step and ``--out/resume-<n>.json`` after a load, which is what tests/jobs/test_fsdp.py compares.
 ``--dcp-check DIR`` first loads that iteration with plain ``dcp.load`` into a fresh model and writes its
 digests to ``--out/dcp.json``.
 

@@ -29,13 +29,13 @@ and the fused gradient-norm kernel are CUDA-only, so those two are done by torch
 own OptimizerParamScheduler, and the loop steps the scheduler only when ``optimizer.step()`` reports a
 successful update, as Megatron's train_step does. With ``--cuda`` the script
 uses megatron-core's DistributedDataParallel and get_megatron_optimizer (``--use-distributed-optimizer``
-for the sharded optimizer); ``tests/test_megatron.py`` runs that path where CUDA is available.
+for the sharded optimizer); ``tests/integrations/test_megatron.py`` runs that path where CUDA is available.
 
 ``--tp 2`` splits every layer over two tensor-parallel ranks (megatron-core's parallel layers run on gloo
 too); the remaining ranks are data-parallel, and gradients are averaged over the data-parallel group.
 
 ``--concat`` resumes with ``load_checkpoint(..., concat=True)``: a save of another ``--tp`` or number of ranks
-(``tests/test_megatron_concat.py``); ``--dump-full`` writes the state gathered over the tensor-parallel group
+(``tests/integrations/test_megatron_concat.py``); ``--dump-full`` writes the state gathered over the tensor-parallel group
 and a fixed batch's loss after the load and at the end, to compare them.
 
 ``--native-save-at N --native-save-dir D`` additionally writes, at iteration N, a native Megatron legacy

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# The benchmarks' shared helpers (tests/test_benchmarks.py loads the benchmarks, which import it as ``common``).
+# The benchmarks' shared helpers (tests/jobs/test_benchmarks.py loads the benchmarks, which import it as ``common``).
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import poll  # noqa: E402
@@ -95,7 +96,7 @@ class Env:
 
     def vars(self) -> dict[str, str]:
         # The agent log stays for the tests' post-mortems: an agent that ended cleanly would remove its runtime
-        # directory, log included (tests/test_shutdown.py unsets this to check that).
+        # directory, log included (tests/agent/test_shutdown.py unsets this to check that).
         return {"EASYCKPT_SHM_DIR": str(self.shm_dir), "EASYCKPT_RUNTIME_DIR": str(self.runtime_dir),
                 "EASYCKPT_KEEP_AGENT_LOG": "1"}
 
@@ -269,3 +270,13 @@ def one_rank(tmp_path: Path) -> Any:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def state_at(step: int) -> dict[str, Any]:
+    """A small training state whose every tensor depends on ``step`` (so steps are distinguishable)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1000 + step)
+    model = OrderedDict(weight=torch.randn(4, 8, generator=gen), bias=torch.randn(4, generator=gen))
+    optim = {"state": {0: {"exp_avg": torch.randn(4, 8, generator=gen)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    return {"model": model, "optim": optim, "step": step}

@@ -1,4 +1,4 @@
-"""A one-rank training job for tests/test_failures.py: a real process with a Checkpointer, driven by files.
+"""A one-rank training job for tests/jobs/test_failures.py: a real process with a Checkpointer, driven by files.
 
     python tests/failure_job.py --save-dir DIR --out OUT --steps 25 --pause-at 12,15
 

@@ -1,4 +1,4 @@
-"""A 2-rank training loop with data skipping (run under torchrun by tests/test_skip.py).
+"""A 2-rank training loop with data skipping (run under torchrun by tests/jobs/test_skip.py).
 
 The loop is the plain one a user writes (README, "Data skipping")::
 

@@ -1,4 +1,4 @@
-"""Fast in-process tests of the policy modules that tests/unit/test_policy.py and tests/test_timeline.py leave out:
+"""Fast in-process tests of the policy modules that tests/unit/test_policy.py and tests/agent/test_timeline.py leave out:
 ``easyckpt_wire.episode`` (log a repeated condition once), ``easyckpt.node.persist_watch`` (a rank's view of the
 agent's persists), and the abandoned-directory names of ``easyckpt_wire.timeline``.
 """

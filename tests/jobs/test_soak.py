@@ -109,7 +109,7 @@ REPLAYS = [
                  "thread waited export_timeout (600 s) for each step whose persist had failed, holding up the end of "
                  "training (hung); then, restarted by torchrun after close() failed, it resumed at global step 20 "
                  "of max_steps=20 and trained steps 21 and 22 (torn)", id="101-19"),
-    # extended: tests/test_agent.py::test_a_byte_flipped_in_a_committed_slot_is_refused_and_an_older_step_loaded
+    # extended: tests/agent/test_agent.py::test_a_byte_flipped_in_a_committed_slot_is_refused_and_an_older_step_loaded
     # catches the same flip in 5 s
     pytest.param(["--seed", "101", *BEFORE_OUTAGE], 34,
                  "a byte flipped in the tensor bytes of a committed slot of a single-node job "

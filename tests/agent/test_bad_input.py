@@ -10,7 +10,6 @@ import logging
 import os
 import random
 import shutil
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ import msgpack
 import pytest
 import torch
 import zmq
-from conftest import Env, assert_same, run_cli, save_and_persist, wait_for
+from conftest import Env, assert_same, run_cli, save_and_persist, state_at, wait_for
 
 import easyckpt
 from easyckpt_wire import layout, protocol, timeline
@@ -35,14 +34,6 @@ def make_ck(env: Env, save_dir: Path | None = None, **overrides: Any) -> easyckp
                                   agent_idle_timeout=30.0)
     kwargs.update(overrides)
     return easyckpt.Checkpointer(save_dir if save_dir is not None else env.save_dir, **kwargs)
-
-
-def state_at(step: int) -> dict[str, Any]:
-    """A small training state whose every tensor depends on ``step`` (so steps are distinguishable)."""
-    gen = torch.Generator().manual_seed(1000 + step)
-    model = OrderedDict(weight=torch.randn(4, 8, generator=gen), bias=torch.randn(4, generator=gen))
-    optim = {"state": {0: {"exp_avg": torch.randn(4, 8, generator=gen)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
-    return {"model": model, "optim": optim, "step": step}
 
 
 def iteration(save_dir: Path, step: int) -> Path:

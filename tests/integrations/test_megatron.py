@@ -425,7 +425,7 @@ def test_gpt_model_state_round_trips_through_memory(env: Env, megatron_world: No
         np.random.seed(999)
         tracker.set_states({})
         args.consumed_train_samples = 0
-        # concat=True on the layout that saved it: the plain load (tests/test_megatron_concat.py changes layouts)
+        # concat=True on the layout that saved it: the plain load (test_megatron_concat.py changes layouts)
         assert em.load_checkpoint(fresh, fresh_optimizer, fresh_scheduler, concat=True) == (2, 123)
         assert em.last_load().source == "memory"
         assert_same(fresh[0].state_dict(), expected["model0"])

@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import ROOT
 
 from easyckpt_agent import persister
 from easyckpt_agent.persister import AuditLog, clean_leftovers
 from easyckpt_wire import faults, layout
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def make_dir(path: Path, text: str) -> Path:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from conftest import ROOT
 
 from easyckpt_wire import faults, layout, protocol, shm
 from easyckpt_wire.protocol import Kind, ProtocolError
@@ -129,7 +130,7 @@ def test_fault_point_fires_only_where_named(tmp_path: Path) -> None:
     """In a real process: the non-matching, already-fired and unarmed cases pass; the named one is SIGKILL."""
     once = tmp_path / "fired"
     once.touch()
-    env = {**os.environ, faults.ENV: "agent.persist.after_file@3", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, faults.ENV: "agent.persist.after_file@3", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", _FIRE, str(once), str(tmp_path / "not-armed")], env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
@@ -137,19 +138,19 @@ def test_fault_point_fires_only_where_named(tmp_path: Path) -> None:
 
 
 def test_misspelled_fault_point_stops_the_process_at_import(tmp_path: Path) -> None:
-    env = {**os.environ, faults.ENV: "agent.persist.befor_marker@10", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, faults.ENV: "agent.persist.befor_marker@10", "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", "import easyckpt_wire.faults"], env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "names no fault point" in proc.stderr, proc.stderr
 
 
 def test_every_registered_fault_point_is_fired_in_the_code_and_by_a_test() -> None:
-    root = Path(__file__).parents[1]
+    root = ROOT
     packages = ("easyckpt", "easyckpt_agent", "easyckpt_wire")
     code = "\n".join(p.read_text() for d in packages for p in (root / d).rglob("*.py"))
     fired = set(re.findall(r'fault_point\("([A-Za-z0-9_.]+)"', code))
     assert fired == set(faults.POINTS), (fired ^ set(faults.POINTS))
-    tests = "\n".join(p.read_text() for p in (root / "tests").glob("test_*.py") if p.name != "test_wire.py")
+    tests = "\n".join(p.read_text() for p in (root / "tests").rglob("test_*.py") if p.name != "test_wire.py")
     untested = [point for point in faults.POINTS if point not in tests]
     assert not untested, f"fault points no test fires: {untested}"
 

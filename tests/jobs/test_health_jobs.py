@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Env, assert_same, save_and_persist, wait_for
-from test_bad_input import state_at
+from conftest import Env, assert_same, save_and_persist, state_at, wait_for
 
 import easyckpt
 from easyckpt.recovery import LoadError
