@@ -20,9 +20,9 @@ pytest.importorskip("transformers", reason="the HF integration needs transformer
 pytest.importorskip("deepspeed", reason="needs DeepSpeed: DS_BUILD_OPS=0 pip install -e '.[deepspeed]'")
 
 import torch  # noqa: E402
-from conftest import Env, seeded_random, wait_for  # noqa: E402
+from conftest import Env, seeded_random, wait_for, wipe_memory  # noqa: E402
 from ddp_job import newest_common_committed, slot_states  # noqa: E402
-from test_hf import HFJob, assert_continues_exactly, resumed_at, run_to_end, wipe_memory  # noqa: E402
+from hf_job import HFJob, assert_continues_exactly, resumed_at, run_to_end  # noqa: E402
 
 from easyckpt_wire import layout  # noqa: E402
 

@@ -19,8 +19,8 @@ pytest.importorskip("transformers", reason="the HF integration needs transformer
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate: pip install -e '.[hf]'")
 
 import torch  # noqa: E402
-from conftest import ROOT, Env, seeded_random  # noqa: E402
-from test_hf import STEPS, HFJob, assert_continues_exactly, resumed_at, run_to_end, wipe_memory  # noqa: E402
+from conftest import ROOT, Env, seeded_random, wipe_memory  # noqa: E402
+from hf_job import STEPS, HFJob, assert_continues_exactly, resumed_at, run_to_end  # noqa: E402
 
 from easyckpt_wire import layout  # noqa: E402
 

@@ -10,65 +10,21 @@ that lost an RNG state would show too.
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 pytest.importorskip("lightning", reason="the Lightning integration needs lightning: pip install -e '.[lightning]'")
 
 import torch  # noqa: E402
-from conftest import ROOT, Env, seeded_random  # noqa: E402
-from ddp_job import TORCHRUN, Job, newest_common_committed, slot_states  # noqa: E402
+from conftest import Env, seeded_random  # noqa: E402
+from ddp_job import newest_common_committed, slot_states  # noqa: E402
+from lightning_job import SAVE_STEPS, SCRIPT, STEPS, LightningJob, assert_continues_exactly, run_to_end  # noqa: E402
 
 from easyckpt_wire import layout  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-SCRIPT = ROOT / "examples" / "lightning_trainer.py"
-STEPS = 20           # 8 batches per epoch and rank: the runs cross two epoch boundaries
-SAVE_STEPS = 8       # ModelCheckpoint(every_n_train_steps=8, save_top_k=2, save_last=True)
-
-
-class LightningJob(Job):
-    """examples/lightning_trainer.py under torchrun; the loss/resume/pid files are those Job reads."""
-
-    def __init__(self, env: Env, root: Path, out: Path, *, steps: int = STEPS, args: list[str] | None = None,
-                 extra_env: dict[str, str] | None = None, strategy: str = "ddp") -> None:
-        self.out = out
-        self.nproc = 2
-        out.mkdir(parents=True, exist_ok=True)
-        self.log_path = out / "torchrun.log"
-        command = TORCHRUN + ["--standalone", "--nproc-per-node=2", "--max-restarts=0", str(SCRIPT), "--root",
-                              str(root), "--out", str(out), "--steps", str(steps), "--save-steps", str(SAVE_STEPS),
-                              "--strategy", strategy, *(args or [])]
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(ROOT),
-                                     env=env.environ(EASYCKPT_LOG_LEVEL="INFO", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-                                                     **(extra_env or {})))
-
-    def report(self, rank: int) -> dict[str, Any]:
-        return self.resumes(rank)[-1]
-
-
-def run_to_end(job: LightningJob, timeout: float = 120) -> LightningJob:
-    try:
-        assert job.wait(timeout) == 0, job.log()[-4000:]
-    finally:
-        job.kill()
-    return job
-
-
-def assert_continues_exactly(resumed: Job, reference: Job, from_step: int, steps: int) -> None:
-    for rank in range(2):
-        ours, theirs = resumed.losses(rank), reference.losses(rank)
-        assert sorted(ours) == list(range(from_step + 1, steps + 1)), f"rank {rank} ran steps {sorted(ours)}"
-        for step, row in ours.items():
-            for key in ("loss", "ids", "digest", "lr", "epoch"):
-                assert row[key] == theirs[step][key], f"rank {rank} step {step}: {key} {row[key]!r} != {theirs[step][key]!r}"
-
 
 @pytest.fixture(scope="module", params=["ddp", "fsdp2"])
 def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, LightningJob]:

@@ -21,8 +21,8 @@ pytestmark = pytest.mark.slow
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
 
 from conftest import Env  # noqa: E402
+from megatron_job import Job  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from test_megatron import Job  # noqa: E402
 
 
 def _run(env: Env, out: Path, *, iters: int, tp: int, nproc: int, concat: bool) -> Job:

@@ -377,7 +377,7 @@ def test_megatron_end_of_training_is_on_disk(env: Env) -> None:
     """examples/megatron_gpt.py, 12 iterations with save_storage_interval=5: finalize_easyckpt() makes the
     last iteration (12) durable and tracked, as Megatron saves its final state; the slots are released."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
-    from test_megatron import Job as MegatronJob
+    from megatron_job import Job as MegatronJob
 
     job = MegatronJob(env, env.tmp_path / "run", save_dir=env.save_dir, iters=12, storage_interval=5)
     assert job.wait(timeout=180) == 0, job.log()[-3000:]
@@ -391,7 +391,7 @@ def test_hf_end_of_training_is_on_disk(env: Env) -> None:
     wrapper's close() makes the final step (20) durable in the easyckpt save_dir; the slots are released."""
     pytest.importorskip("transformers", reason="the HF integration needs transformers: pip install -e '.[hf]'")
     pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate: pip install -e '.[hf]'")
-    from test_hf import STEPS, HFJob, run_to_end
+    from hf_job import STEPS, HFJob, run_to_end
 
     output_dir = env.tmp_path / "hf"
     run_to_end(HFJob(env, output_dir, env.tmp_path / "run", save_strategy="no"), timeout=240)

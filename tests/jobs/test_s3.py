@@ -315,7 +315,7 @@ def test_trainer_wrapper_persists_to_s3_exports_checkpoints_from_it_and_resumes_
     exported from it as Trainer-native checkpoint-N folders; after a kill -9 with the node's memory wiped, the
     rerun resumes from the bucket and continues an uninterrupted plain Trainer's curve exactly."""
     pytest.importorskip("transformers")
-    from test_hf import SAVE_STEPS, STEPS, HFJob, assert_continues_exactly, killed_run, resumed_at, run_to_end
+    from hf_job import SAVE_STEPS, STEPS, HFJob, assert_continues_exactly, killed_run, resumed_at, run_to_end
 
     output_dir = env.tmp_path / "hf"
     at = seeded_random().randint(11, 14)
@@ -349,7 +349,7 @@ def test_lightning_callback_persists_to_s3_exports_checkpoints_from_it_and_resum
     fit(ckpt_path="last") resumes from the bucket and continues a plain Lightning run's curve exactly; the
     ModelCheckpoint files are exported from the bucket's iterations."""
     pytest.importorskip("lightning")
-    from test_lightning import SAVE_STEPS, STEPS, LightningJob, assert_continues_exactly, run_to_end
+    from lightning_job import SAVE_STEPS, STEPS, LightningJob, assert_continues_exactly, run_to_end
 
     root = env.tmp_path / "root"
     at = seeded_random().randint(SAVE_STEPS + 1, 2 * SAVE_STEPS - 1)
@@ -386,7 +386,7 @@ def test_megatron_persists_to_s3_resumes_from_it_and_converts_it_to_megatron(env
     rerun resumes from the bucket on the uninterrupted run's curve; `convert --to megatron` of the bucket
     writes a native checkpoint Megatron's loader accepts."""
     pytest.importorskip("megatron.core")
-    from test_megatron import Job, assert_same_curve
+    from megatron_job import Job, assert_same_curve
 
     reference_job = Job(env, env.tmp_path / "reference", save_dir=env.tmp_path / "reference-ckpt")
     assert reference_job.wait() == 0, reference_job.log()[-3000:]

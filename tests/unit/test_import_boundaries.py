@@ -75,3 +75,16 @@ def test_the_rule_sees_a_violation(tmp_path: Path) -> None:
     probe.write_text("from .slots import _hidden\nimport torch\nfrom easyckpt_wire import layout\n")
     found = imports(probe, root=tmp_path)
     assert (1, "easyckpt_wire.slots", ["_hidden"]) in found and (2, "torch", []) in found
+
+
+def test_no_test_module_imports_a_test_module_of_another_tier() -> None:
+    """The tiers are folders (``tests/unit``, ``agent``, ``jobs``, ``integrations``) that run alone: a test module
+    that imported another tier's test module would find it only when both tiers were collected in one run. Shared
+    helpers live in ``tests/`` itself."""
+    tests = ROOT / "tests"
+    tiers = {path.stem: path.parent.name for path in tests.glob("*/test_*.py")}
+    assert {"unit", "agent", "jobs", "integrations"} <= set(tiers.values()), sorted(set(tiers.values()))
+    wrong = [f"{where(path, line)} imports {module} of tests/{tiers[module]}/"
+             for path in sorted(tests.glob("*/test_*.py")) for line, module, _ in imports(path, tests)
+             if module in tiers and tiers[module] != path.parent.name]
+    assert not wrong, "move what is shared into a helper module in tests/:\n" + "\n".join(wrong)
