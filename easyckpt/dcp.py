@@ -141,7 +141,7 @@ def build_index(path: Path, step: int, world_size: int,
                 ranks: Callable[[int], tuple[Any, int, Iterable[SavedRange]]]) -> CheckpointIndex:
     """The saved world as DCP sees it, from each rank's (skeleton, number of tensors, tensors): a DTensor's
     ShardSpec gives its global shape and offsets; a plain tensor is whole. Used for an iteration on disk
-    (``checkpoint_index``) and for the saved world's snapshots in memory (``easyckpt.memory_reshard``)."""
+    (``checkpoint_index``) and for the saved world's snapshots in memory (``easyckpt.recovery.reshard``)."""
     tensors: dict[str, SavedTensor] = {}
     values: dict[str, Any] = {}
     keys: dict[int, dict[str, str]] = {}

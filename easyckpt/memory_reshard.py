@@ -5,6 +5,8 @@ The planning and discovery are ``easyckpt.recovery.worlds``, the reading and its
 """
 from __future__ import annotations
 
+import warnings
+
 from easyckpt.recovery.reshard import (
     LocalSnapshot,
     MemoryReader,
@@ -49,3 +51,7 @@ __all__ = [
     "memory_index", "merge", "open_sources", "pick", "private_records", "read", "release_old_world",
     "summary", "this_nodes_agent",
 ]
+
+warnings.warn("easyckpt.memory_reshard moved: import its planning and discovery from easyckpt.recovery.worlds and its "
+              "reading (MemoryReader, OtherWorldTier, read) from easyckpt.recovery.reshard", DeprecationWarning,
+              stacklevel=2)

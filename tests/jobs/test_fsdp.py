@@ -113,7 +113,7 @@ def test_kill9_then_resume_on_fewer_ranks_reshards_from_memory(env: Env, referen
                                                                nproc: int) -> None:
     """4 ranks train, rank 1 is SIGKILLed (the others end with it): the 4 ranks' slots stay in this node's shared
     memory. A job of 2 (or 3) ranks reshards the newest step every old rank holds straight from those slots
-    (dcp.load's planning over easyckpt.memory_reshard.MemoryReader), not from disk: every full tensor equals
+    (dcp.load's planning over easyckpt.recovery.reshard.MemoryReader), not from disk: every full tensor equals
     the saved one bitwise, and training goes on."""
     ref_out, _ = reference
     kill_at = killed_run(env, 4)

@@ -16,8 +16,9 @@ from conftest import seeded_random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from easyckpt import memory_reshard as mr
-from easyckpt.memory_reshard import LOCAL, Candidate, Held
+from easyckpt.recovery import reshard
+from easyckpt.recovery import worlds as mr
+from easyckpt.recovery.worlds import LOCAL, Candidate, Held
 
 # planning -----------------------------------------------------------------------------------------------------
 
@@ -245,5 +246,17 @@ def test_a_slot_rewritten_after_planning_fails_the_read_not_the_state(shm: Path)
         slot.close()
     template = template_targets({"model": {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(ROWS)}})
     with pytest.raises(SlotFormatError, match="rank 1's snapshot of step 7 changed"):
-        mr.read(found, candidate, rank=0, world_size=1, template=template, peers=None, timeout=5.0, peer_timeout=5.0)
+        reshard.read(found, candidate, rank=0, world_size=1, template=template, peers=None, timeout=5.0, peer_timeout=5.0)
     assert torch.equal(template["model/w"].into, torch.zeros(ROWS, COLS))   # nothing was copied in
+
+
+def test_the_old_module_name_still_forwards_and_says_where_the_names_went() -> None:
+    """``easyckpt.memory_reshard`` moved into ``easyckpt.recovery``; code that imports the old name keeps working and
+    is told where to import from."""
+    import importlib
+    import sys
+
+    sys.modules.pop("easyckpt.memory_reshard", None)
+    with pytest.warns(DeprecationWarning, match="easyckpt.recovery.worlds"):
+        old = importlib.import_module("easyckpt.memory_reshard")
+    assert old.Candidate is Candidate and old.read is reshard.read and old.MemoryReader is reshard.MemoryReader
