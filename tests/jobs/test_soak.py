@@ -24,22 +24,6 @@ def bad(run: dict[str, Any]) -> bool:
     return any(run[flag] for flag in FLAGS)
 
 
-# Not strict: it runs in every CI and reports XPASS when clean. Open (issue 27): in the CI run of 2026-11-26 (seed
-# drawn by the run), 2 of 20 jobs left their node agent running 30 s after the job ended: a flip_disk on plain-1x1
-# whose only iteration the load refused (fixed 2026-11-27: ranks that died with nothing in memory let the agent
-# leave after lifecycle.EMPTY_IDLE; replay 4242-flip_disk-2), and node 0 of a disk_full plain-2x1 (node 1's agent
-# said it kept the slots on purpose; node 0's did not: the leader waited 120 s for a stage its own failed persist
-# had left, fixed by easyckpt_agent.cluster.stage_outlook). Kept until a CI run shows neither again.
-class LeakedOnly(AssertionError):
-    """Some jobs of the smoke leaked (a process or shared-memory file left 30 s after the job), and nothing worse."""
-
-
-OPEN_AGENT_OUTLIVES_JOB = pytest.mark.xfail(strict=False, raises=LeakedOnly, reason=(
-    "open: a node agent sometimes outlives a job that ended on a refused load or a full disk by more than the "
-    "judge's 30 s (2 of 20 in CI, 2026-11-26)"))
-
-
-@OPEN_AGENT_OUTLIVES_JOB
 @pytest.mark.timeout(1800)
 def test_soak_smoke_sixteen_faults(tmp_path: Path) -> None:
     """16 seeded faults, every kind twice (an object-store outage on an s3:// save_dir among them), one and two
@@ -55,8 +39,7 @@ def test_soak_smoke_sixteen_faults(tmp_path: Path) -> None:
     plan = importlib.import_module("soak_plan")
     assert {run["fault"] for run in runs} == set(plan.available_kinds()), "every kind must be thrown"
     assert result["pending"] == {}
-    # a leak alone is the open gap named above: counted, and raised as LeakedOnly after every other check
-    regressions = [run for run in runs if run["torn"] or run["hung"] or run["failed"]]
+    regressions = [run for run in runs if bad(run)]
     assert not regressions, json.dumps(regressions, indent=1)[:6000]
     not_run = [run for run in runs if run["not_run"]]
     assert all(run["fault"] == "disk_full" and run["why"] for run in not_run), not_run
@@ -72,10 +55,7 @@ def test_soak_smoke_sixteen_faults(tmp_path: Path) -> None:
             assert run["source"] in ("disk", "scratch"), run   # the only node's memory is gone
     total = result["table"][-1]
     assert total["fault"] == "all" and total["runs"] == 16
-    assert total["torn"] == total["hung"] == total["failed"] == 0, total
-    leaked = [run for run in runs if run["leaked"]]
-    if leaked:
-        raise LeakedOnly(json.dumps(leaked, indent=1)[:6000])
+    assert total["torn"] == total["hung"] == total["leaked"] == total["failed"] == 0, total
 
 
 # (the soak's arguments, the fault's index, the bug it found): each fault is replayed with the settings it ran with
