@@ -326,4 +326,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:   # a stop asked for: the line above said how to resume, a traceback would add nothing
+        sys.exit(130)
