@@ -25,7 +25,7 @@ from easyckpt.tools import checks
 from easyckpt_wire import health, layout, timeline
 from easyckpt_wire.layout import CheckpointFormatError
 from easyckpt_wire.records import ShardSpec
-from easyckpt_wire.storage import BlobReader, Storage
+from easyckpt_wire.storage import BlobReader, Storage, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +69,27 @@ def newest_first(save_dir: Path) -> list[int]:
         logger.warning("%s names iteration %d, which is missing or incomplete; using the newest complete "
                        "iteration (%s) instead", save_dir / layout.TRACKER, tracker, steps[0] if steps else "none")
     elif steps and len(steps) < len(complete):
-        logger.info("%s: iterations %s are newer than the tracked one (%d): an abandoned timeline, or a persist "
-                    "that died before it updated the tracker; not loaded", save_dir,
-                    sorted(set(complete) - set(steps)), steps[0])
+        newer = sorted(set(complete) - set(steps))
+        published = _published_untracked(save_dir, tracker, complete)
+        if published is not None:
+            logger.warning("%s names iteration %d, but iteration %d was published after it by a persist that died "
+                           "before it updated the tracker (%s says so): loading from iteration %d",
+                           save_dir / layout.TRACKER, tracker, published, layout.AUDIT_LOG, published)
+            return timeline.load_order(complete, published)
+        logger.info("%s: iterations %s are newer than the tracked one (%d): an abandoned timeline, or the tracker set "
+                    "back by hand; not loaded", save_dir, newer, steps[0])
     return steps
+
+
+def _published_untracked(save_dir: Path, tracker: int | None, complete: list[int]) -> int | None:
+    """``timeline.published_untracked`` over save_dir's audit log (None when it cannot be read: the tracker stands)."""
+    try:
+        text = open_storage(save_dir).read(layout.AUDIT_LOG).decode("utf-8", errors="replace")
+    except OSError as exc:
+        logger.info("%s: cannot read %s (%s): iterations newer than the tracked one are not loaded", save_dir,
+                    layout.AUDIT_LOG, exc)
+        return None
+    return timeline.published_untracked(text.splitlines(), tracker, complete)
 
 
 def iteration_health(iteration_dir: Path) -> health.RankHealth | None:

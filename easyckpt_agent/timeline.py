@@ -74,8 +74,10 @@ class DiskTimeline:
         victims = policy.abandoned_by_resume(on_disk, resumed)
         head = policy.tracker_after_resume(on_disk, resumed)
         # The tracker first: should the agent die between the two, a load already follows the new timeline
-        # and the next resume moves the rest aside.
-        if layout.tracker(store) != head:
+        # and the next resume moves the rest aside. Written again when it already names ``head`` but newer
+        # iterations go aside: its record then tells a load that they were abandoned, not published by a persist
+        # that died before the tracker (``easyckpt_wire.timeline.published_untracked``).
+        if layout.tracker(store) != head or victims:
             if head is None:
                 remove_tracker(store, self.audit, resumed=resumed,
                                reason=f"resumed at step {resumed}: no iteration at or below it on disk")

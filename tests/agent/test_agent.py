@@ -176,11 +176,12 @@ def test_agent_killed_mid_write_leaves_nothing_loadable_and_is_cleaned_up(env: E
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
-def test_agent_killed_before_the_tracker_update_leaves_the_tracked_step_loadable(
+def test_agent_killed_before_the_tracker_update_the_published_step_is_loaded(
         env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
-    """SIGKILL after iteration 10 is renamed into place but before the tracker names it: the tracker is the
-    commit point, so a load from disk follows it to step 5 (never a half-committed state); the next agent
-    goes on, and the next due step is persisted, tracked and loaded."""
+    """SIGKILL after iteration 10 is renamed into place but before the tracker names it: iteration 10 is whole
+    and durable, and the audit log shows that nothing touched the tracker since its publication, so a load from
+    disk takes it, not the tracked step 5 (seed 1127, fault 221 of the soak: with step 5 damaged, the job could
+    not start at all); the next agent goes on, and the next due step is persisted, tracked and loaded."""
     monkeypatch.setenv("EASYCKPT_FAULT", "agent.persist.before_tracker@10")
     monkeypatch.setenv("EASYCKPT_FAULT_ONCE", str(env.tmp_path / "fault-fired"))
     ck = make(env, save_storage_interval=5, max_ckpt_num=5)
@@ -190,7 +191,8 @@ def test_agent_killed_before_the_tracker_update_leaves_the_tracked_step_loadable
         assert complete_steps(env) == [0, 5, 10] and layout.read_tracker(env.save_dir) == 5
 
         result = load_from_disk_only(env, monkeypatch)
-        assert (result.step, result.source, result.state["step"]) == (5, "disk", 5)
+        assert (result.step, result.source, result.state["step"]) == (10, "disk", 10)
+        assert layout.read_tracker(env.save_dir) == 5, "a load only reads: the tracker is mended by the resume"
         step = train_until_a_new_agent(ck, env, first_agent, 10)
         due = (step // 5 + 1) * 5
         save_and_persist(ck, env, due, {"w": torch.full((1000,), float(due)), "step": due})

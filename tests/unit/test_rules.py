@@ -4,13 +4,16 @@ agent's persists), and the abandoned-directory names of ``easyckpt_wire.timeline
 """
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from easyckpt.node.persist_watch import PersistError, PersistWatch, describe_failure
-from easyckpt_wire import timeline
+from easyckpt_wire import layout, timeline
 from easyckpt_wire.control import ControlView, PersistFailure
 from easyckpt_wire.episode import Episode
 
@@ -79,3 +82,80 @@ def test_abandoned_dirnames_sort_by_time_and_are_found_again(tmp_path: Path) -> 
     (tmp_path / first / "not-an-iteration").mkdir()
     found = timeline.abandoned_iterations(tmp_path)
     assert [(name, step) for name, step, _ in found] == [(first, 120)]
+
+
+# --- an iteration published after the tracker's last update (timeline.published_untracked) ------------------------
+def _record(op: str, step: int | None, path: str) -> str:
+    return json.dumps({"time": 0.0, "pid": 1, "op": op, "path": path, **({} if step is None else {"step": step})})
+
+
+class _SaveDir:
+    """What the agent's writes leave in a save_dir and its audit log, and what a load should then take."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.complete: set[int] = set()
+        self.tracker: int | None = None    # what the tracker file says
+        self.recorded: int | None = None   # what the audit log's last tracker record says
+        self.died: int | None = None       # the newest iteration published by a persist that died before the tracker
+
+    def expected(self) -> int | None:
+        """A load takes ``died`` over the tracker, unless the tracker was changed by hand since its last record."""
+        return self.died if self.tracker == self.recorded else None
+
+    def _track(self, step: int | None) -> None:
+        self.tracker = self.recorded = step
+        self.died = None
+        if step is None:
+            self.lines.append(_record("tracker-remove", None, "/s/latest_checkpointed_iteration.txt"))
+        else:
+            self.lines.append(_record("tracker", step, "/s/latest_checkpointed_iteration.txt"))
+
+    def persist(self, step: int, *, dies_before_tracker: bool) -> None:
+        self.lines.append(_record("write", step, f"/s/{layout.iteration_dirname(step)}"))
+        self.complete.add(step)
+        if dies_before_tracker:
+            self.died = step
+        else:
+            self._track(step)
+
+    def resume(self, at: int, *, dies_before_move: bool) -> None:
+        """The tracker first (written when it changes or newer iterations go aside), then those iterations aside
+        (timeline.DiskTimeline._move_aside)."""
+        head = max((s for s in self.complete if s <= at), default=None)
+        if head != self.tracker or any(s > at for s in self.complete):
+            self._track(head)
+        if not dies_before_move:
+            for step in sorted(s for s in self.complete if s > at):
+                self.lines.append(_record("abandon", step, f"/s/{layout.iteration_dirname(step)}"))
+                self.complete.discard(step)
+
+    def set_back_by_hand(self) -> None:
+        older = sorted(s for s in self.complete if self.tracker is not None and s < self.tracker)
+        if older:
+            self.tracker = older[-1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["persist", "persist-dies", "resume", "resume-dies", "by-hand", "torn"]),
+                          st.integers(1, 4)), max_size=25))
+def test_only_an_iteration_whose_persist_died_before_the_tracker_is_taken_over_the_tracker(
+        events: list[tuple[str, int]]) -> None:
+    """Any history of persists (some dying between the publish and the tracker), resumes (some dying between
+    the tracker and the move aside), rollbacks by hand and a torn last line: the rule names exactly the iteration
+    whose persist died after the tracker's last update, and nothing after a resume or a rollback."""
+    save = _SaveDir()
+    step = -1
+    for kind, by in events:
+        if kind.startswith("persist"):
+            step = max(step, *save.complete) + by if save.complete else step + by
+            save.persist(step, dies_before_tracker=kind == "persist-dies")
+        elif kind.startswith("resume") and save.complete:
+            step = max(0, step - by)
+            save.resume(step, dies_before_move=kind == "resume-dies")
+        elif kind == "by-hand":
+            save.set_back_by_hand()
+        elif kind == "torn":
+            save.lines.append('{"time": 1.0, "op": "wri')
+    found = timeline.published_untracked(save.lines, save.tracker, save.complete)
+    assert found == save.expected(), (events, save.lines)

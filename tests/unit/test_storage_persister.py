@@ -236,16 +236,21 @@ print("persisted", flush=True)
                                    "agent.persist.before_tracker"])
 def test_a_persist_killed_at_a_named_point(save_dir: Path, slots: Path, point: str) -> None:
     """kill -9 of the persisting process: before the marker nothing new is visible and the next start cleans
-    the temporary directory; after the publish the iteration is whole, the tracker still names the older one,
-    and a load follows the tracker (invariant 10)."""
+    the temporary directory; after the publish the iteration is whole and the tracker still names the older one:
+    a load takes the published one (the audit log shows that its persist died before the tracker), unless the
+    tracker was set back by hand since (a rollback: the tracker wins)."""
+    persister.persist(save_dir, 3, snapshots(slots, 3), AuditLog(save_dir))
     persister.persist(save_dir, 4, snapshots(slots, 4), AuditLog(save_dir))
     proc = subprocess.run([sys.executable, "-c", _PERSIST, str(save_dir), str(slots), "5"], capture_output=True,
                           text=True, timeout=120, env={**os.environ, faults.ENV: f"{point}@5",
                                                        "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE}"})
     assert proc.returncode == -signal.SIGKILL, (proc.stdout, proc.stderr)
     published = point == "agent.persist.before_tracker"
-    assert [s for s, _ in layout.complete_iterations(save_dir)] == ([4, 5] if published else [4])
-    assert layout.read_tracker(save_dir) == 4 and storage.newest_first(save_dir) == [4]
+    assert [s for s, _ in layout.complete_iterations(save_dir)] == ([3, 4, 5] if published else [3, 4])
+    assert layout.read_tracker(save_dir) == 4 and storage.newest_first(save_dir) == ([5, 4, 3] if published else [4, 3])
+    if published:   # a tracker set back by hand after the crash is a rollback: followed, the newer ones left alone
+        (save_dir / layout.TRACKER).write_text("3\n")
+        assert storage.newest_first(save_dir) == [3], "a tracker changed by hand since its last record wins"
     removed = persister.clean_leftovers(save_dir, AuditLog(save_dir))
     assert [Path(p).name.startswith(".tmp-iteration_0000005-") for p in removed] == ([] if published else [True])
     assert sorted(p.name for p in save_dir.iterdir() if p.name.startswith(".")) == []
