@@ -55,6 +55,7 @@ class Exporter:
         self.exported: list[int] = []
         self.failed: dict[int, str] = {}
         self.cancelled: set[int] = set()   # requested steps that will never be persisted (no snapshot was taken)
+        self.passed: set[int] = set()      # exports given up because the agent passed their due step over
         self.thread = threading.Thread(target=self._run, name="easyckpt-hf-export", daemon=True)
         self.thread.start()
 
@@ -80,6 +81,27 @@ class Exporter:
         """A requested step some rank could not snapshot: the agent will never persist it, so the export stops
         waiting for it (it would otherwise wait ``timeout``, holding up the end of training)."""
         self.cancelled.add(step)
+
+    def ask_again_if_persisted(self) -> list[int]:
+        """The exports given up because the agent passed their due step over, whose iteration is complete now
+        (the end of training persists the newest snapshot whatever its step: the last save step, as often as not),
+        asked for again; returns their steps. Without it a run whose last save step was passed over ended with
+        that step on disk and no checkpoint-N of it, where a plain Trainer writes one (CI, 2026-11-27)."""
+        with self.idle:
+            passed, self.passed = sorted(self.passed), set()
+        if not passed:
+            return []
+        try:
+            done = {step for step, _ in layout.complete_iterations(self.save_dir)}
+        except OSError as exc:
+            logger.warning("cannot list %s for the iterations of %s (%s): no checkpoint of them", self.save_dir,
+                           ", ".join(f"checkpoint-{s}" for s in passed), exc)
+            return []
+        again = [step for step in passed if step in done]
+        for step in again:
+            logger.info("checkpoint-%d: the end of training made step %d durable after all: exporting it", step, step)
+            self.request(step)
+        return again
 
     def waiting(self) -> list[int]:
         """The requested steps whose export is not done yet, oldest first."""
@@ -138,6 +160,8 @@ class Exporter:
             if step in self.passed_over():
                 logger.warning("no checkpoint-%d: the node agent passed over due step %d (a persist was still running; "
                                "see its log) and will not persist it", step, step)
+                with self.idle:
+                    self.passed.add(step)
                 return None
             if self.persist_failed(step):
                 # not retried: waiting out the timeout for every such step held up the end of training for

@@ -502,6 +502,8 @@ class TrainerWrapper:
             if ckpt is not None:
                 ckpt.close(raise_errors=raise_errors)
         finally:
+            if self._exporter is not None:
+                self._exporter.ask_again_if_persisted()
             self._drain()
             if self._exporter is not None:
                 self._exporter.stop()

@@ -1,6 +1,7 @@
 """The HF wrapper's export thread (``easyckpt.transformers.export``): what makes it stop waiting for an iteration."""
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any, cast
@@ -55,5 +56,26 @@ def test_exports_abandoned_at_the_end_of_training_stop_waiting_at_once(tmp_path:
         assert time.monotonic() - started < 30.0
         assert exporter.failed == {10: "not persisted", 15: "not persisted", 20: "not persisted"}
         assert exporter.waiting() == [] and not exporter.exported
+    finally:
+        exporter.stop()
+
+
+def test_a_passed_over_save_step_that_the_end_of_training_persisted_is_exported_after_all(tmp_path: Path) -> None:
+    """The agent passed due steps 15 and 20 over (a persist still ran), and the exports gave them up; then close()
+    persisted the newest snapshot, step 20 (CI, 2026-11-27: the run ended with iteration 20 on disk and no
+    checkpoint-20, which a plain Trainer writes). Asked again, only 20 is exported: 15 is on disk nowhere."""
+    exporter = Exporter(cast(Any, None), tmp_path, timeout=120.0, passed_over=lambda: frozenset({15, 20}))
+    try:
+        for step in (15, 20):
+            exporter.request(step)
+        assert exporter.drain(60.0) and exporter.failed == {15: "not persisted", 20: "not persisted"}
+        final = tmp_path / layout.iteration_dirname(20)   # what close()'s final persist leaves
+        final.mkdir()
+        (final / layout.METADATA).write_text(json.dumps({"format": layout.METADATA_FORMAT, "format_version": 1,
+                                                         "step": 20}))
+        assert exporter.ask_again_if_persisted() == [20]
+        assert exporter.drain(60.0)
+        assert exporter.failed[20] != "not persisted", "the export of 20 did not read the iteration"
+        assert exporter.ask_again_if_persisted() == [], "asked once only"
     finally:
         exporter.stop()
