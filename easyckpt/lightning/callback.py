@@ -146,6 +146,7 @@ class EasyCkpt(Callback):
         self._persisted = -1
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        data.start_next_epoch_as_uninterrupted(trainer)
         self._continue_data(trainer)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

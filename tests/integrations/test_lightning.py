@@ -98,6 +98,34 @@ def test_kill9_resume_from_memory_then_disk_then_plain_lightning(env: Env, refer
             [reference.losses(rank)[step]["ids"] for step in range(17, 25)]
 
 
+@pytest.mark.parametrize("reference", ["ddp"], indirect=True)
+def test_a_run_resumed_at_an_epoch_end_saves_states_that_resume_exactly(env: Env,
+                                                                         reference: tuple[str, LightningJob]) -> None:
+    """A run resumed at an epoch's end (step 8, the last batch of epoch 0) goes on to save step 16, the end of
+    epoch 1; a resume from that iteration continues the uninterrupted run exactly. Lightning 2.6 alone leaves the
+    first epoch after such a resume uncounted as started, so step 16's state named epoch 1 where it was epoch 2:
+    the resume drew epoch 1's order again (CI, seed 304718819). The exported .ckpt holds the uninterrupted run's
+    epoch counts, so a plain Lightning resume from it is right too."""
+    reference = reference[1]   # type: ignore[assignment]
+    root = env.tmp_path / "root"
+    save_dir = root / "easyckpt"
+    run_to_end(LightningJob(env, root, env.tmp_path / "to-8", steps=SAVE_STEPS))
+    resumed = run_to_end(LightningJob(env, root, env.tmp_path / "to-20"))
+    for rank in range(2):
+        assert resumed.report(rank)["global_step"] == SAVE_STEPS, resumed.report(rank)
+    assert_continues_exactly(resumed, reference, SAVE_STEPS, STEPS)
+    ours = torch.load(root / "checkpoints" / "epoch=1-step=16.ckpt", map_location="cpu", weights_only=False)
+    theirs = torch.load(reference.out.parent / "root" / "checkpoints" / "epoch=1-step=16.ckpt", map_location="cpu",
+                        weights_only=False)
+    assert ours["loops"]["fit_loop"]["epoch_progress"] == theirs["loops"]["fit_loop"]["epoch_progress"]
+
+    at_end = run_to_end(LightningJob(env, root, env.tmp_path / "from-16",
+                                     args=["--resume", str(save_dir / layout.iteration_dirname(2 * SAVE_STEPS))]))
+    for rank in range(2):
+        assert at_end.report(rank)["resumed"]["source"] == "disk" and at_end.report(rank)["global_step"] == 16
+    assert_continues_exactly(at_end, reference, 2 * SAVE_STEPS, STEPS)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_stateful_dataloader_resumes_mid_epoch_and_at_an_epoch_end_exactly(env: Env, workers: int) -> None:
     """torchdata's StatefulDataLoader(shuffle=True) under DDP: Lightning shards its sampler through
