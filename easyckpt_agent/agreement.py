@@ -234,10 +234,14 @@ def plan_holds(*, slots: int, persisting: Iterable[int], job_safe: int | None, c
     decided over states of different ages, and following it would let go of the one step every node still
     holds (then no node holds an older one either, and the job has no common step for a round).
 
-    When ``spare``, four slots or more and no due step held, the roles (job-safe, candidate,
-    node-safe) take at most ``slots - 2`` slots: one slot beside the one the ranks write stays free for a due step that the
-    agent has not seen yet (the ranks spare it, ``easyckpt.snapshot.slot_choice``), so that a starved agent still
-    finds it. While a persist runs, its
+    When ``spare``, four slots or more and no due step held, the job-safe step and the candidate take at most
+    ``slots - 2`` slots: one slot beside the one the ranks write stays free for a due step that the agent has not
+    seen yet (the ranks spare it, ``easyckpt.snapshot.slot_choice``), so that a starved agent still finds it. A
+    node-safe step older than both takes that slot while it trails them: it is the only step a node loss can
+    resume from (the survivors' ranks must still hold it), and without a hold the ranks overwrite it within two
+    snapshots while the backup of a newer step is on its way (CI, test_lost_node_resumes_from_replicas...: node 1
+    lost at step 23, the survivors held [23, 22, 20, 19], the newest backed-up step was gone, and every rank
+    resumed from disk at 15). A due step being decided still comes first. While a persist runs, its
     step is the job's floor (every node holds it), so the candidate comes before the job-safe step;
     otherwise the job-safe step is the floor and is kept until the candidate is job-safe."""
     persist = sorted(set(persisting), reverse=True)
@@ -259,7 +263,8 @@ def plan_holds(*, slots: int, persisting: Iterable[int], job_safe: int | None, c
     safe_here = job_safe_here(job_safe, here, adopted)
     roles = [candidate, safe_here, node_safe] if persist or slots <= 2 else [safe_here, candidate, node_safe]
     for step in roles:
-        if step is not None and step in here and step not in chosen and len(chosen) < limit:
+        cap = slots - 1 if step == node_safe else limit
+        if step is not None and step in here and step not in chosen and len(chosen) < cap:
             chosen.append(step)
     return chosen
 

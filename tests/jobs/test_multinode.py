@@ -158,8 +158,13 @@ def test_uninterrupted_run_persists_every_due_step(reference: Cluster) -> None:
 
 
 @pytest.mark.parametrize("which", [0, 1])
-def test_lost_node_resumes_from_replicas_at_the_kill_step_or_the_one_before(cluster: Cluster, reference: Cluster,
-                                                                             which: int) -> None:
+def test_lost_node_resumes_from_replicas_at_most_two_steps_back(cluster: Cluster, reference: Cluster,
+                                                                which: int) -> None:
+    """Node 1 lost whole at a seeded step: every rank resumes from memory or replicas (never from disk), at most
+    two steps back (invariant 9: two snapshot intervals plus the backup's lag; on this machine the backup lags by a
+    step at most when the two cores are busy). CI, 2026-11-27: node 1 lost at 23, the survivors held [23, 22,
+    20, 19], the node-safe step's slots had been let go, and every rank resumed from disk at 15: a node-safe step
+    that trails is now held (``agreement.plan_holds``)."""
     at = FAULT_STEPS[which]
     job = cluster(extra_args=node_loss_args(NODES, RANKS_PER_NODE, at))
     job.start_all()
@@ -167,8 +172,8 @@ def test_lost_node_resumes_from_replicas_at_the_kill_step_or_the_one_before(clus
     reports = wait_all(job)
     step = check_exact(job, reference, reports)
     print(f"node 1 lost at step {at}, resumed at {step} from {[r['source'] for r in reports]}")
-    assert at - 1 <= step <= at, f"node 1 lost at step {at}, resumed at {step}"
     assert [r["source"] for r in reports] == job.expected_sources(reports, lost={NODES - 1}), reports
+    assert at - 2 <= step <= at, f"node 1 lost at step {at}, resumed at {step}"
     log = job.log(1)
     assert "pulled step" in log and "served" in log and "GB/s" in log, "the log must say who served what"
     never_skipped(job)
