@@ -104,6 +104,7 @@ class Env:
         env = dict(os.environ)
         env.update(self.vars())
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+        env["PYTHONFAULTHANDLER"] = "1"   # a hung job's processes print every thread's stack on SIGABRT (dump_stacks)
         env.update(extra)
         return env
 

@@ -1,6 +1,7 @@
 """Drive examples/plain_ddp.py under a real torchrun: launch, watch progress, kill ranks, read results."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
 from conftest import ROOT, Env, wait_for
 
 from easyckpt_wire.shm import SlotFormatError, SlotMap, list_slots
@@ -40,11 +42,12 @@ class Job:
         try:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            # What CI prints is all a post-mortem gets: the job's and the agent's last lines
+            # What CI prints is all a post-mortem gets: where each rank hung, the job's and the agent's last lines
+            dump_stacks(self.proc.pid)
             agents = "".join(f"\n--- {log}:\n" + log.read_text()[-3000:]
                              for log in Path(os.environ.get("EASYCKPT_RUNTIME_DIR", "/nonexistent")).glob("*/agent.log"))
             raise AssertionError(f"{self.log_path.parent.name}: the job did not end within {timeout:.0f}s\n"
-                                 f"{self.log()[-3000:]}{agents}") from None
+                                 f"{self.log()[-12000:]}{agents}") from None
         finally:
             self._log.close()
 
@@ -82,6 +85,19 @@ class Job:
                  f"rank {rank} to reach step {at_step}")
         assert self.proc.poll() is None, f"job ended before step {at_step}:\n{self.log()[-3000:]}"
         os.kill(self.pid(rank), signal.SIGKILL)
+
+
+def dump_stacks(pid: int, timeout: float = 10) -> None:
+    """Make every process under ``pid`` (torchrun's ranks and their data loader workers) print each thread's Python
+    stack into the job's log, and die: ``Env.environ`` sets PYTHONFAULTHANDLER, so SIGABRT prints them first."""
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.send_signal(signal.SIGABRT)
+    psutil.wait_procs(children, timeout=timeout)
 
 
 def slot_states(env: Env, save_dir: Path) -> dict[int, list[tuple[str, int, int]]]:
