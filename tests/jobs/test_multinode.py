@@ -182,7 +182,11 @@ def test_lost_node_resumes_from_replicas_at_most_two_steps_back(cluster: Cluster
 @pytest.mark.parametrize("which", [0, 1])
 def test_killed_rank_resumes_from_memory_at_the_kill_step_or_the_one_before(cluster: Cluster, reference: Cluster,
                                                                              which: int) -> None:
-    """Only rank 3 (node 1) is SIGKILLed; node 1 and its memory live on, both torchruns restart their workers."""
+    """Only rank 3 (node 1) is SIGKILLed; node 1 and its memory live on, both torchruns restart their workers.
+    Every rank resumes from memory, or reads the step through the agents when its own slot already holds a newer
+    snapshot: while a node-safe step trails, the agents hold it in the fourth slot, and a rank that took a step
+    more than the killed one wrote it over its previous step (its agent serves the shared tensors from the other
+    local rank's slot, the buddy the rank-private bytes; CI, 2026-11-27: rank 2 so at step 18). Never from disk."""
     at = FAULT_STEPS[which]
     job = cluster(extra_args=["--kill-at", str(at), "--kill-rank", str(WORLD - 1)])
     job.start_all(max_restarts=1)
@@ -190,7 +194,7 @@ def test_killed_rank_resumes_from_memory_at_the_kill_step_or_the_one_before(clus
     step = check_exact(job, reference, reports)
     print(f"rank {WORLD - 1} killed at step {at}, resumed at {step}")
     assert at - 1 <= step <= at, f"rank {WORLD - 1} killed at step {at}, resumed at {step}"
-    assert {r["source"] for r in reports} == {"memory"}, reports
+    assert {r["source"] for r in reports} <= {"memory", "replica"}, reports
     never_skipped(job)
 
 
