@@ -36,7 +36,12 @@ from easyckpt_wire.transfer import FetchError, NoCopyError, PeerClient, PeerErro
 logger = logging.getLogger(__name__)
 
 _FIELD = 256          # bytes per rank for "node\nendpoint" in the exchange
-CANDIDATE_STEPS = 2   # replica steps considered per rank, like the two slots of memory
+# Replica steps considered per rank: every step an agent lists (it keeps each peer rank's two newest backups and
+# those of every step its own ranks hold, a handful). Not only the newest two: a node loss resumes from a step the
+# survivors still hold, often the node-safe step a few steps back, while the two newest backups are of steps the
+# survivors have overwritten (CI, 2026-11-27: backups of 8 and 9 planned, the survivors held 10, 6, 5 and 0, and
+# the job went to disk at 0 although node-safe step 5 was held and backed up). A plan costs one small request.
+CANDIDATE_STEPS = 8
 MAX_COPIES = 8        # copies of one tensor tried on one node (DP ranks of a node hold the same tensors)
 
 
