@@ -239,10 +239,12 @@ def plan_holds(*, slots: int, persisting: Iterable[int], job_safe: int | None, c
     seen yet (the ranks spare it, ``easyckpt.snapshot.slot_choice``), so that a starved agent still finds it. A
     node-safe step older than both takes that slot while it trails them: it is the only step a node loss can
     resume from (the survivors' ranks must still hold it), and without a hold the ranks overwrite it within two
-    snapshots while the backup of a newer step is on its way (CI, test_lost_node_resumes_from_replicas...: node 1
-    lost at step 23, the survivors held [23, 22, 20, 19], the newest backed-up step was gone, and every rank
-    resumed from disk at 15). A due step being decided still comes first. While a persist runs, its
-    step is the job's floor (every node holds it), so the candidate comes before the job-safe step;
+    snapshots while the backup of a newer step is on its way, and a node loss finds no step both in the
+    survivors' memory and backed up (CI, test_lost_node_resumes_from_replicas...: node 1 lost at step 23, the
+    survivors held [23, 22, 20, 19], every rank resumed from disk at 15; the replica planner's two-step limit,
+    ``easyckpt.node.replicas.CANDIDATE_STEPS``, could do the same). A due step being decided still comes first.
+    While a persist runs, its step is the job's floor (every node holds it), so the candidate comes before the
+    job-safe step;
     otherwise the job-safe step is the floor and is kept until the candidate is job-safe."""
     persist = sorted(set(persisting), reverse=True)
     here = set(present) | set(persist)
