@@ -109,25 +109,24 @@ def consumed(trainer: Any) -> int:
     return 0 if count >= trainer.num_training_batches else count
 
 
-def start_next_epoch_as_uninterrupted(trainer: Any) -> bool:
+def start_next_epoch_as_uninterrupted(trainer: Any) -> None:
     """A resume from a state saved at the last batch end of an epoch: Lightning's ``reset`` counts that epoch
     finished, but the restart stage it set stays until the end of the *next* epoch, whose start then skips the
     ``on_train_epoch_start`` hooks and the ready/started counts (lightning 2.6: ``_FitLoop.on_advance_start``). The
     counts saved later are then one epoch behind, and a resume from such a state sets the wrong epoch on the
     samplers (another order than the uninterrupted run). Called at ``on_train_start`` (after ``reset``): clears the
-    stage, so the next epoch starts as it did in the uninterrupted run. True when it did."""
+    stage, so the next epoch starts as it did in the uninterrupted run."""
     fit_loop = trainer.fit_loop
     epoch_loop = fit_loop.epoch_loop
     if not (getattr(fit_loop, "restarted_mid_epoch", False) and epoch_loop.restarted_on_train_batch_end
             and epoch_loop.batch_progress.is_last_batch):
-        return False
+        return
     progress = fit_loop.epoch_progress.current
     if not progress.ready == progress.started == progress.processed == progress.completed:
-        return False   # not the counts Lightning's reset leaves after an epoch's last batch: leave them alone
+        return   # not the counts Lightning's reset leaves after an epoch's last batch: leave them alone
     fit_loop.reset_restart_stage()
     logger.info("resumed at the end of epoch %d: the next epoch starts as in the uninterrupted run (its "
                 "on_train_epoch_start hooks run)", progress.processed - 1)
-    return True
 
 
 def continue_after_resume(trainer: Any, rng: dict[str, Any] | None, watched: dict[str, sampling.Draws],
