@@ -1,6 +1,6 @@
 """Resume on another world size straight from the saved world's memory: moved into the recovery package.
 
-The planning and discovery are ``easyckpt.recovery.worlds``, the reading and its tier
+The planning, discovery and tier are ``easyckpt.recovery.worlds``, the reading
 ``easyckpt.recovery.reshard``; this module keeps the names it always had importable.
 """
 from __future__ import annotations
@@ -11,7 +11,6 @@ from easyckpt.recovery.reshard import (
     LocalSnapshot,
     MemoryReader,
     OldSnapshot,
-    OtherWorldTier,
     ReplicaSnapshot,
     load_into,
     memory_index,
@@ -28,6 +27,7 @@ from easyckpt.recovery.worlds import (
     Held,
     LocalSlot,
     MemoryReshardError,
+    OtherWorldTier,
     Reachable,
     add_replicas,
     agree,
@@ -53,5 +53,5 @@ __all__ = [
 ]
 
 warnings.warn("easyckpt.memory_reshard moved: import its planning and discovery from easyckpt.recovery.worlds and its "
-              "reading (MemoryReader, OtherWorldTier, read) from easyckpt.recovery.reshard", DeprecationWarning,
+              "reading (MemoryReader, read) from easyckpt.recovery.reshard", DeprecationWarning,
               stacklevel=2)

@@ -24,10 +24,10 @@ from easyckpt.node import replicas as replica
 from easyckpt.recovery.candidates import agree
 from easyckpt.recovery.disk import StorageTier
 from easyckpt.recovery.memory import Checksums, OwnMemoryTier, ReplicaTier
-from easyckpt.recovery.reshard import OtherWorldTier
 from easyckpt.recovery.results import LayoutChangedError, LoadError, LoadResult, StateMismatchError
 from easyckpt.recovery.template import Template, template_targets
 from easyckpt.recovery.tier import RETRYABLE, Loaded, Offer, Tier
+from easyckpt.recovery.worlds import OtherWorldTier
 from easyckpt.snapshot.slots import RankSlots
 from easyckpt.snapshot.state import unflatten
 from easyckpt_wire.records import PeerTable

@@ -30,20 +30,16 @@ from easyckpt.dcp import CheckpointIndex, Chunk, SavedRange, StorageReader, buil
 from easyckpt.node import replicas as replica
 from easyckpt.recovery.results import StateMismatchError
 from easyckpt.recovery.template import Template, check_template, dcp_targets, place, resharded_mismatch
-from easyckpt.recovery.tier import Loaded, Offer, Offered
+from easyckpt.recovery.tier import Loaded
 from easyckpt.recovery.worlds import (
     LOCAL,
-    SOURCE,
     Candidate,
     Held,
     LocalSlot,
     MemoryReshardError,
     Reachable,
-    agreed,
     choose,
     describe_sources,
-    discover,
-    pick,
 )
 from easyckpt.snapshot import sharding
 from easyckpt.snapshot.state import torch_dtype
@@ -381,34 +377,3 @@ def read(found: Reachable, candidate: Candidate, *, rank: int, world_size: int, 
                 f"; the tensors read from {checked} local slots checked against the agent's checksums" if checked else "")
     return Loaded(opened.sources[source].meta.skeleton, values,
                   f"memory of the {saved}-rank world ({describe_sources(chosen)})", nbytes, where)
-
-
-class OtherWorldTier:
-    """Steps a world of another size saved and every rank of this one reaches whole in memory (``worlds``).
-
-    Collective, its offer too: which (step, saved world size) a rank may read depends on every rank reaching
-    every old rank, so ``offer()`` agrees with the other ranks (one small ``all_gather``)."""
-
-    source = SOURCE
-    collective = True
-
-    def __init__(self, directory: Path, job_id: str, *, rank: int, world_size: int, peers: PeerTable | None = None,
-                 survey: replica.Survey | None = None, timeout: float = 120.0, peer_timeout: float = 10.0) -> None:
-        self.directory, self.job_id, self.rank, self.world_size = directory, job_id, rank, world_size
-        self.peers, self.survey, self.timeout, self.peer_timeout = peers, survey, timeout, peer_timeout
-        self.found = Reachable()
-        self.candidates: list[Candidate] = []
-
-    def offer(self) -> Offer:
-        self.found = discover(self.directory, self.job_id, self.world_size, self.peers, self.survey, self.peer_timeout)
-        self.candidates = agreed(self.found, self.world_size)
-        return Offer(tuple(Offered(c.step, c.healthy, (), c.note) for c in self.candidates))
-
-    def holds(self, step: int) -> bool:
-        return any(c.step == step for c in self.candidates)
-
-    def read(self, step: int, template: Template) -> Loaded:
-        if not self.holds(step):
-            raise MemoryReshardError(f"rank {self.rank}: no world of another size left step {step} in memory")
-        return read(self.found, pick(self.candidates, step), rank=self.rank, world_size=self.world_size,
-                    template=template, peers=self.peers, timeout=self.timeout, peer_timeout=self.peer_timeout)

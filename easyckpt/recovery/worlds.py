@@ -29,6 +29,8 @@ from typing import Any, Protocol
 
 from easyckpt.collectives import all_gather_ints
 from easyckpt.node import replicas as replica
+from easyckpt.recovery.template import Template
+from easyckpt.recovery.tier import Loaded, Offer, Offered
 from easyckpt_wire import protocol
 from easyckpt_wire.protocol import ProtocolError
 from easyckpt_wire.records import Manifest, PeerNode, PeerTable, PingReply, RecordError, SlotMeta
@@ -353,3 +355,37 @@ def _slots(directory: Path, job_id: str, skip: Callable[[int], bool] = lambda ra
             yield rank, path, slot
         finally:
             slot.close(drop_exported=True)
+
+
+class OtherWorldTier:
+    """Steps a world of another size saved and every rank of this one reaches whole in memory (``worlds``).
+
+    Collective, its offer too: which (step, saved world size) a rank may read depends on every rank reaching
+    every old rank, so ``offer()`` agrees with the other ranks (one small ``all_gather``)."""
+
+    source = SOURCE
+    collective = True
+
+    def __init__(self, directory: Path, job_id: str, *, rank: int, world_size: int, peers: PeerTable | None = None,
+                 survey: replica.Survey | None = None, timeout: float = 120.0, peer_timeout: float = 10.0) -> None:
+        self.directory, self.job_id, self.rank, self.world_size = directory, job_id, rank, world_size
+        self.peers, self.survey, self.timeout, self.peer_timeout = peers, survey, timeout, peer_timeout
+        self.found = Reachable()
+        self.candidates: list[Candidate] = []
+
+    def offer(self) -> Offer:
+        self.found = discover(self.directory, self.job_id, self.world_size, self.peers, self.survey, self.peer_timeout)
+        self.candidates = agreed(self.found, self.world_size)
+        return Offer(tuple(Offered(c.step, c.healthy, (), c.note) for c in self.candidates))
+
+    def holds(self, step: int) -> bool:
+        return any(c.step == step for c in self.candidates)
+
+    def read(self, step: int, template: Template) -> Loaded:
+        if not self.holds(step):
+            raise MemoryReshardError(f"rank {self.rank}: no world of another size left step {step} in memory")
+        # The reading goes through DCP, whose import (with DTensor's, about a second) every worker would pay at
+        # start-up for a tier that reads in few jobs: imported when it reads.
+        from easyckpt.recovery import reshard
+        return reshard.read(self.found, pick(self.candidates, step), rank=self.rank, world_size=self.world_size,
+                            template=template, peers=self.peers, timeout=self.timeout, peer_timeout=self.peer_timeout)

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from easyckpt_wire.records import ShardSpec
 
@@ -27,7 +26,10 @@ class ShardingError(TypeError):
 
 
 def is_dtensor(value: Any) -> bool:
-    return isinstance(value, DTensor)
+    # No DTensor exists before torch.distributed.tensor is imported; importing it here would cost every process
+    # about a second of start-up (DTensor's op tables), also the many that never shard.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(value, dtensor.DTensor)
 
 
 def local_tensor(value: Any) -> torch.Tensor:
@@ -55,6 +57,7 @@ def _spec_of(spec: Any, coordinate: tuple[int, ...] | None) -> ShardSpec:
     mesh = spec.mesh
     if coordinate is None:
         raise ShardingError(f"this rank is not in the DTensor's mesh {tuple(mesh.shape)}: it holds no shard to save")
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # loaded: a DTensor exists
     _, offsets = compute_local_shape_and_global_offset(spec.shape, mesh, spec.placements)
     # The mesh's rank layout names the writer as a global rank: the same numbering as the saved files'
     # (a submesh, say FSDP's dp dim of a 2-D mesh, lists the global ranks of this rank's group).

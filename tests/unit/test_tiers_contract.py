@@ -40,7 +40,7 @@ def make(env: Env) -> Iterator[Callable[[str, dict[int, RankHealth]], Source]]:
     read by rank 0 of a one-rank job whose shm directory is ``env.shm_dir``."""
     from easyckpt.recovery.disk import StorageTier
     from easyckpt.recovery.memory import OwnMemoryTier, ReplicaTier
-    from easyckpt.recovery.reshard import OtherWorldTier
+    from easyckpt.recovery.worlds import OtherWorldTier
     from easyckpt.snapshot.slots import RankSlots
 
     closers: list[Callable[[], None]] = []
