@@ -133,7 +133,10 @@ class Cluster:
         command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.config.nodes}",
                    f"--node-rank={node}", f"--nproc-per-node={self.config.ranks_per_node}",
                    "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id=soak{self.rdzv}",
-                   f"--rdzv-conf=is_host={1 if node == 0 else 0}", f"--max-restarts={max_restarts}",
+                   # a lost node leaves the rendezvous after 5 missed 1 s heartbeats, not torchrun's 3 x 5 s: the
+                   # survivors restart 10 s sooner (tests/multinode.py says why)
+                   f"--rdzv-conf=is_host={1 if node == 0 else 0},keep_alive_interval=1,keep_alive_max_attempt=5",
+                   f"--max-restarts={max_restarts}",
                    str(SCRIPTS[self.config.api]), *self.args]
         with open(log, "w") as handle:
             self.procs[node] = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,

@@ -21,6 +21,11 @@ from conftest import ROOT, Env, gone, wait_for
 from easyckpt_wire.protocol import job_id_for
 
 SCRIPT = ROOT / "examples" / "plain_ddp.py"
+# A lost node stays a participant of torchrun's rendezvous round until its heartbeats are missed for
+# keep_alive_interval x keep_alive_max_attempt seconds (5 x 3 = 15 by default), and the survivors cannot form the
+# next round before: 15 s of every node-loss test spent waiting, with nothing of easyckpt's running. 1 x 5 still
+# tolerates a torchrun starved of CPU for 4 s; the restart only comes sooner, a harder regime for the agents.
+FAST_RENDEZVOUS = "keep_alive_interval=1,keep_alive_max_attempt=5"
 NODES = 2
 RANKS_PER_NODE = 2
 
@@ -80,7 +85,8 @@ class Cluster:
         command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nodes}", f"--node-rank={node}",
                    f"--nproc-per-node={self.ranks_per_node}", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=multinode",
-                   f"--rdzv-conf=is_host={1 if node == 0 else 0}", f"--max-restarts={max_restarts}",
+                   f"--rdzv-conf=is_host={1 if node == 0 else 0},{FAST_RENDEZVOUS}",
+                   f"--max-restarts={max_restarts}",
                    str(self.script), *self.args]
         with open(log, "w") as handle:
             self.procs[node] = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
