@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -22,6 +23,14 @@ import torch
 import easyckpt
 
 GO_TIMEOUT = 120.0   # longest a pause waits for the test's go file
+
+
+def write_json(path: Path, report: dict[str, object]) -> None:
+    """Whole or not at all: the test reads a pause report as soon as the file exists (CI once read an empty
+    paused-20.json, written but not yet filled)."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(report))
+    os.replace(partial, path)
 
 
 def wait_go(out: Path, step: int) -> None:
@@ -57,7 +66,7 @@ def main() -> None:
     start = 0
     if args.load:
         result = ckpt.load({"model": model, "optim": optim})
-        (out / "resume.json").write_text(json.dumps({"step": result.step, "source": result.source}))
+        write_json(out / "resume.json", {"step": result.step, "source": result.source})
         start = 0 if result.step is None else result.step + 1
     for step in range(start, args.steps):
         model["weight"] += 1
@@ -70,7 +79,7 @@ def main() -> None:
                 report["flush"] = dataclasses.asdict(ckpt.flush())
                 # The agent publishes a failure before it answers the flush: stats() now include it for sure.
                 report["stats"] = ckpt.stats()
-            (out / f"paused-{step}.json").write_text(json.dumps(report))
+            write_json(out / f"paused-{step}.json", report)
             wait_go(out, step)
     outcome: dict[str, object]
     try:
@@ -79,7 +88,7 @@ def main() -> None:
     except easyckpt.PersistError as exc:
         outcome = {"closed": False, "error": str(exc), "step": exc.step, "errno": exc.errno,
                    "persisted": exc.persisted, "failure": exc.failure}
-    (out / "result.json").write_text(json.dumps(outcome))
+    write_json(out / "result.json", outcome)
 
 
 if __name__ == "__main__":
