@@ -14,13 +14,13 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
 import torch
 
 import easyckpt
+from easyckpt_wire.storage.posix import write_file_atomic
 
 GO_TIMEOUT = 120.0   # longest a pause waits for the test's go file
 
@@ -28,9 +28,7 @@ GO_TIMEOUT = 120.0   # longest a pause waits for the test's go file
 def write_json(path: Path, report: dict[str, object]) -> None:
     """Whole or not at all: the test reads a pause report as soon as the file exists (CI once read an empty
     paused-20.json, written but not yet filled)."""
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(report))
-    os.replace(partial, path)
+    write_file_atomic(path, json.dumps(report))
 
 
 def wait_go(out: Path, step: int) -> None:
