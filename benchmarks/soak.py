@@ -53,7 +53,7 @@ SETTINGS = ("seed", "kinds", "configs", "steps", "interval")
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--faults", type=int, default=None, help="how many faults (jobs); default 100, or 20 with --smoke")
+    p.add_argument("--faults", type=int, default=None, help="how many faults (jobs); default 100, or 16 with --smoke")
     p.add_argument("--seed", type=int, default=None, help="the seed every fault is drawn from (default: random, printed)")
     p.add_argument("--json", type=Path, required=True, help="where the result goes (rewritten after every job)")
     p.add_argument("--resume-from", type=Path, default=None, help="a JSON of an interrupted soak: run its missing faults")

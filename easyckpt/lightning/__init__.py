@@ -30,7 +30,9 @@ What it does, and why this way:
   which name to save (``every_n_train_steps``, ``every_n_epochs``, ``train_time_interval``, ``save_top_k``,
   ``monitor``, ``save_last``, ``dirpath``, ``filename``), and ``trainer.save_checkpoint(path)`` works as
   always; but instead of ``torch.save`` on rank 0 while every rank waits, each rank snapshots the state with a
-  request to persist it (``Checkpointer.save(step, state, persist=True)``), and rank 0's export thread
+  request to persist it (``Checkpointer.save(step, state, persist=True)``), taken once the step's saves are
+  over (at the callback's next hook: ``ModelCheckpoint`` writes ``last.ckpt`` after the top-k file, and the
+  snapshot must hold the callbacks' states as the last save left them), and rank 0's export thread
   (:mod:`easyckpt.lightning.export`) writes the ``.ckpt`` file from the persisted iteration: the file a plain
   Lightning ``Trainer`` resumes from and ``load_from_checkpoint`` reads. ``save_top_k``'s removals reach
   the files (or cancel their export). A file appears once the agent has persisted its step: training waits

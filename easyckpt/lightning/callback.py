@@ -6,6 +6,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,17 @@ POLL = 0.05          # seconds between tries for a free slot (a save waits for t
 HPARAMS_KEYS = (pl.LightningModule.CHECKPOINT_HYPER_PARAMS_KEY, pl.LightningModule.CHECKPOINT_HYPER_PARAMS_NAME,
                 pl.LightningModule.CHECKPOINT_HYPER_PARAMS_TYPE)
 STATE_FORMAT = 1
+
+
+@dataclass
+class _Saves:
+    """Lightning's saves of one step, held until the step's last one (ModelCheckpoint writes the top-k file,
+    then ``last.ckpt`` with ``last_model_path`` updated first): the snapshot must carry the callbacks' states as
+    the last save left them, or a resume from it names a stale ``last_model_path`` and Lightning writes
+    ``last-v1.ckpt`` next to ``last.ckpt``."""
+    step: int
+    checkpoint: dict[str, Any]     # the newest save's dictionary: what the snapshot holds
+    files: list[tuple[str, dict[str, Any], dict[str, Any]]] = field(default_factory=list)   # path, dict, extras
 
 
 def check_strategy(trainer: pl.Trainer) -> None:
@@ -115,6 +127,7 @@ class EasyCkpt(Callback):
         self._metrics: tuple[int, dict[str, float]] | None = None
         self._undo: list[Callable[[], None]] = []   # what a skipped step replaced (scheduler steps)
         self._originals: dict[str, Any] = {}  # the strategy's methods this callback wraps during fit
+        self._saves: _Saves | None = None     # Lightning's saves of the current step, not snapshotted yet
         self._hparams_ok: bool | None = None
         connector.install()
 
@@ -150,10 +163,16 @@ class EasyCkpt(Callback):
         self._continue_data(trainer)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._take_saves()
         if self._draws:   # loaders Lightning created anew (reload_dataloaders_every_n_epochs) are watched too
             self._draws = sampling.watch(data.train_loaders(trainer), resumed=True)
 
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._take_saves()
+
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._take_saves()   # a save from inside training_step: before the optimizer changes what it holds
         step = trainer.global_step + 1   # the step being taken (Lightning counts it after)
         if self.health and self.ckpt is not None and self.ckpt.due(step):
             norm = embedding_local_norm(pl_module)
@@ -173,6 +192,8 @@ class EasyCkpt(Callback):
                            batch_idx: int) -> None:
         self._end_skip()
         step = trainer.global_step
+        if self._saves is not None and self._saves.step != step:
+            self._take_saves()
         if step == self._last_step or self.ckpt is None:   # accumulating gradients: no optimizer step yet
             return
         self._last_step = step
@@ -188,10 +209,13 @@ class EasyCkpt(Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
+            self._take_saves()
             self._finish(raise_errors=True)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # The newest snapshot is made durable (close); the exception goes on, a failed persist is only logged.
+        # The other ranks may not be failing with this one: no collective decides the held saves' way here.
+        self._take_saves(agreed=False)
         self._finish(raise_errors=False)
 
     def state_dict(self) -> dict[str, Any]:
@@ -312,24 +336,43 @@ class EasyCkpt(Callback):
     def _save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Instead of ``torch.save`` on rank 0 while every rank waits: the state is snapshotted on every
         rank with a request to persist it, and rank 0's export thread writes ``filepath`` from the persisted
-        iteration. Written synchronously, as Lightning does, only when a rank found no free slot in time."""
-        original = self._originals["save_checkpoint"]
+        iteration. Held until the step's saves are over (:class:`_Saves`): taken at the next hook of this
+        callback, before anything changes the state. Written synchronously, as Lightning does, only when a
+        rank found no free slot in time."""
         ckpt = self.ckpt
         if ckpt is None or ckpt.closed or storage_options is not None:
-            return original(checkpoint, filepath, storage_options=storage_options)
+            return self._originals["save_checkpoint"](checkpoint, filepath, storage_options=storage_options)
         step = int(checkpoint["global_step"])
-        started = self._persist(ckpt, step, checkpoint)
-        if all_ok(started):
+        if self._saves is not None and self._saves.step != step:
+            self._take_saves()
+        if self._saves is None:
+            self._saves = _Saves(step, checkpoint)
+        self._saves.checkpoint = checkpoint
+        self._saves.files.append((str(filepath), checkpoint, self._extras(checkpoint)))
+        return None
+
+    def _take_saves(self, *, agreed: bool = True) -> None:
+        """Snapshot the held saves' step (the newest save's dictionary) and have their files exported from
+        its iteration, or write them synchronously if a rank found no free slot. ``agreed``: every rank is
+        here and decides together (a barrier), else this rank decides alone (an exception on its way)."""
+        saves, self._saves = self._saves, None
+        ckpt = self.ckpt
+        if saves is None or ckpt is None or ckpt.closed:
+            return
+        started = self._persist(ckpt, saves.step, saves.checkpoint)
+        if all_ok(started) if agreed else started:
             if self.exporter is not None:
-                self.exporter.request(step, str(filepath), self._extras(checkpoint))
-            return None
+                for path, _, extras in saves.files:
+                    self.exporter.request(saves.step, path, extras)
+            return
         logger.warning("rank %d: no free slot to snapshot step %d within %gs (pin_timeout) on this rank or another "
-                       "(the agent is still persisting older steps): writing %s synchronously", ckpt.rank, step,
-                       ckpt.config.pin_timeout, filepath)
-        return original(checkpoint, filepath, storage_options=storage_options)
+                       "(the agent is still persisting older steps): writing %s synchronously", ckpt.rank,
+                       saves.step, ckpt.config.pin_timeout, ", ".join(path for path, _, _ in saves.files))
+        for path, checkpoint, _ in saves.files:
+            self._originals["save_checkpoint"](checkpoint, path)
 
     def _persist(self, ckpt: Checkpointer, step: int, checkpoint: dict[str, Any]) -> bool:
-        if step == self._persisted:   # a second file of the same step (save_last): the same iteration
+        if step == self._persisted:   # saves of a step an earlier hook snapshotted already: the same iteration
             return True
         # Under ModelParallelStrategy Lightning's dictionary holds CPU copies (or rank 0's gathered whole state):
         # the snapshot takes every rank's own shards instead.
@@ -362,6 +405,10 @@ class EasyCkpt(Callback):
             return {}
 
     def _remove_checkpoint(self, filepath: Any) -> None:
+        saves = self._saves
+        if saves is not None and any(path == str(filepath) for path, _, _ in saves.files):
+            saves.files = [entry for entry in saves.files if entry[0] != str(filepath)]
+            return   # held, not written yet: now it never is (the step's snapshot is still taken)
         if self.exporter is not None and self.exporter.forget(str(filepath)):
             return   # it was still to be written: now it never is
         self._originals["remove_checkpoint"](filepath)
@@ -415,7 +462,8 @@ class EasyCkpt(Callback):
 
     # the end ------------------------------------------------------------------------------------------
     def wait_exports(self, timeout: float | None = None) -> bool:
-        """Wait until every ``.ckpt`` file asked for so far is written; False on timeout (rank 0; True elsewhere)."""
+        """Wait until every ``.ckpt`` file asked for so far is written; False on timeout (rank 0; True elsewhere).
+        A save of the current step is asked for at this callback's next hook (``_Saves``), not before."""
         return self.exporter is None or self.exporter.drain(self.export_timeout if timeout is None else timeout)
 
     def _finish(self, *, raise_errors: bool) -> None:

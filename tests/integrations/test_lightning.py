@@ -114,6 +114,11 @@ def test_a_run_resumed_at_an_epoch_end_saves_states_that_resume_exactly(env: Env
     for rank in range(2):
         assert resumed.report(rank)["global_step"] == SAVE_STEPS, resumed.report(rank)
     assert_continues_exactly(resumed, reference, SAVE_STEPS, STEPS)
+    # ModelCheckpoint's last_model_path came back with the resume, so step 16 overwrote last.ckpt: the snapshot
+    # of step 8 was once taken at the top-k save, before save_last set it, and a last-v1.ckpt appeared instead.
+    assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["epoch=0-step=8.ckpt", "epoch=1-step=16.ckpt",
+                                                                        "last.ckpt"]
+    assert torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"] == 16
     ours = torch.load(root / "checkpoints" / "epoch=1-step=16.ckpt", map_location="cpu", weights_only=False)
     theirs = torch.load(reference.out.parent / "root" / "checkpoints" / "epoch=1-step=16.ckpt", map_location="cpu",
                         weights_only=False)
