@@ -28,6 +28,23 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import poll  # noqa: E402
 
+_OWN_EXTENSIONS_DIR: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # DeepSpeed on CPU builds its shm op at start-up under TORCH_EXTENSIONS_DIR, guarded by a lock file that a build
+    # killed midway leaves behind for good: every later DeepSpeed job, of this run or any later one, then waits in
+    # FileBaton.wait until its test times out (2026-11-28: one slow build, then six tests). A fresh clone rebuilds
+    # anyway (the venv's path is in the build command), so each test session builds in a directory of its own.
+    if "TORCH_EXTENSIONS_DIR" not in os.environ:
+        os.environ["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="easyckpt-test-torch-extensions-")
+        _OWN_EXTENSIONS_DIR.append(os.environ["TORCH_EXTENSIONS_DIR"])
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for path in _OWN_EXTENSIONS_DIR:
+        shutil.rmtree(path, ignore_errors=True)
+
 
 def seeded_random() -> random.Random:
     """The random source of a test's kill points and interleavings: EASYCKPT_TEST_SEED, or a fresh seed,
