@@ -46,6 +46,27 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+DEEPSPEED_BUILD_TIMEOUT = 600.0   # seconds; 282 s on this 2-vCPU VM beside a 3-job soak (2026-11-28), far less when quiet
+
+
+@pytest.fixture(scope="session")
+def deepspeed_cpu_ops() -> None:
+    """DeepSpeed's CPU shm op, built once before the first DeepSpeed job: each rank would build it at start-up,
+    inside the job's own deadline, and a build cut off there leaves its lock for every later job (above)."""
+    code = ("from deepspeed.accelerator import get_accelerator\n"
+            "builder = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
+            "import deepspeed\n"
+            "if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):\n"
+            "    builder.load()\n")
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                              capture_output=True, text=True, timeout=DEEPSPEED_BUILD_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"building DeepSpeed's CPU shm op in {os.environ['TORCH_EXTENSIONS_DIR']} took over "
+                    f"{DEEPSPEED_BUILD_TIMEOUT:.0f}s (deepspeed_cpu_ops)")
+    assert proc.returncode == 0, f"building DeepSpeed's CPU shm op failed:\n{proc.stdout[-2000:]}{proc.stderr[-3000:]}"
+
+
 def seeded_random() -> random.Random:
     """The random source of a test's kill points and interleavings: EASYCKPT_TEST_SEED, or a fresh seed,
     printed either way so that a failure replays (``EASYCKPT_TEST_SEED=<seed> pytest ...``)."""

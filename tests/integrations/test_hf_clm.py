@@ -70,7 +70,10 @@ def run_to_end(job: ClmJob, timeout: float = 150) -> ClmJob:
 @pytest.mark.timeout(300)
 # zero2 (126 s in CI) is extended: ZeRO-2 under the wrapper is test_hf_deepspeed's; ddp runs the script in CI
 @pytest.mark.parametrize("backend", ["ddp", pytest.param("zero2", marks=pytest.mark.extended)])
-def test_run_clm_style_script_kill9_and_rerun_gives_equal_losses(env: Env, backend: str) -> None:
+def test_run_clm_style_script_kill9_and_rerun_gives_equal_losses(env: Env, backend: str,
+                                                                 request: pytest.FixtureRequest) -> None:
+    if backend == "zero2":
+        request.getfixturevalue("deepspeed_cpu_ops")
     config = ds_config(env.tmp_path, 2) if backend == "zero2" else None
     reference = run_to_end(ClmJob(env, env.tmp_path / "ref", env.tmp_path / "ref-out", deepspeed=config))
     assert sorted(reference.losses(0)) == list(range(1, STEPS + 1))

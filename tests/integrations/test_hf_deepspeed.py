@@ -20,7 +20,7 @@ pytest.importorskip("transformers", reason="the HF integration needs transformer
 pytest.importorskip("deepspeed", reason="needs DeepSpeed: DS_BUILD_OPS=0 pip install -e '.[deepspeed]'")
 
 import torch  # noqa: E402
-from conftest import Env, seeded_random, wait_for, wipe_memory  # noqa: E402
+from conftest import DEEPSPEED_BUILD_TIMEOUT, Env, seeded_random, wait_for, wipe_memory  # noqa: E402
 from ddp_job import newest_common_committed, slot_states  # noqa: E402
 from hf_job import HFJob, assert_continues_exactly, resumed_at, run_to_end  # noqa: E402
 
@@ -65,7 +65,8 @@ def reference(references: dict[int, tuple[HFJob, Path]], tmp_path_factory: pytes
     return references[stage]
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(180 + DEEPSPEED_BUILD_TIMEOUT)   # the first one builds the op (deepspeed_cpu_ops)
+@pytest.mark.usefixtures("deepspeed_cpu_ops")
 # ZeRO-1 (about 100 s with its reference run) is extended: it partitions the optimizer state as ZeRO-2 does
 @pytest.mark.parametrize("stage,tier", [pytest.param(1, "memory", marks=pytest.mark.extended), (2, "memory"),
                                         (2, "disk"), (3, "memory"), (3, "disk")])
@@ -109,7 +110,8 @@ def test_zero_kill9_resumes_with_equal_losses(env: Env, stage: int, tier: str,
     assert re.search(rf"{size}, [\d.]+ s\)", second.log())
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(180 + DEEPSPEED_BUILD_TIMEOUT)   # the first one builds the op (deepspeed_cpu_ops)
+@pytest.mark.usefixtures("deepspeed_cpu_ops")
 @pytest.mark.parametrize("stage", [2, 3])
 def test_plain_deepspeed_trainer_resumes_from_a_wrapper_checkpoint_and_zero_to_fp32_reads_it(
         env: Env, stage: int, references: dict[int, tuple[HFJob, Path]],
