@@ -7,7 +7,8 @@ with ``easyckpt_agent.agreement.decide`` and every agent holds what ``easyckpt_a
 exactly as the
 processes do. What is modelled is time: step times with jitter, the copy, each agent's reaction time (a
 slow agent reacts ``--slow-factor`` times later), the network between agents, the hashing and push of a
-backup, the leader's cost per node, and persists that take ``--persist-ms``.
+backup, the leader's cost per node, and persists that take ``--persist-ms``. ``--backup-ms`` makes backups slow
+(a starved agent hashing late): a backup then fails when its source's ranks overwrote the step before it ended.
 
 Faults are drawn from the seed: a rank kill (every rank restarts; the job resumes at the newest step every
 rank still holds) and a node loss (its memory is gone; the job resumes at the newest step every survivor
@@ -61,6 +62,8 @@ class Config:
     slow_factor: float = 10.0
     net_ms: float = 1.0
     hash_ms: float = 2.0           # hashing and pushing one step's backup
+    backup_ms: float = 0.0         # a backup's further time (mean, exponential; the slow node's times slow_factor):
+    #                                a starved agent's fetch that takes steps, failing if its source overwrote the step
     persist_ms: float = 30.0
     leader_us_per_node: float = 20.0
     max_backup_lag: int = 5        # Checkpointer(max_backup_lag=): ranks wait while the node-safe step trails more
@@ -125,6 +128,7 @@ class Simulation:
         self.slowest_ms = 0.0     # the longest any agent took to react (the property tests' precondition)
         self.withdrawn = 0        # verdicts that named no job-safe step after one had been named
         self.uncovered = 0        # samples at which no step was held on every node
+        self.backups_failed = 0   # backups whose step the source node's ranks overwrote before the fetch ended
 
     # events ---------------------------------------------------------------------------------------------
     def at(self, when: float, action: Callable[[], None]) -> None:
@@ -206,9 +210,19 @@ class Simulation:
         self.wake(node)
         if step in node.local():   # every local rank has it: hash and push the backup to the buddy
             buddy = self.nodes[(node.index + 1) % len(self.nodes)]
-            self.at(self.now + self.c.hash_ms + self.c.net_ms, lambda: self.backup_arrives(buddy, step))
+            self.at(self.now + self.c.hash_ms + self.c.net_ms + self.backup_delay(node),
+                    lambda: self.backup_arrives(node, buddy, step))
 
-    def backup_arrives(self, buddy: Node, step: int) -> None:
+    def backup_delay(self, node: Node) -> float:
+        mean = self.c.backup_ms * (self.c.slow_factor if node.index == self.c.slow_node else 1.0)
+        return self.rng.expovariate(1.0 / mean) if mean > 0 else 0.0
+
+    def backup_arrives(self, source: Node, buddy: Node, step: int) -> None:
+        # The fetch reads the source's slots to its end: a step its ranks overwrote meanwhile (not held) fails,
+        # as the processes' FETCH is refused ("step N ... was overwritten").
+        if self.c.backup_ms > 0 and step not in source.local() | source.held:
+            self.backups_failed += 1
+            return
         if buddy.alive:
             buddy.pushed[step] = self.now
             self.wake(buddy)
@@ -339,7 +353,7 @@ def run(config: Config, seed: int, fault: str | None = None, fault_step: int | N
     result.update(persisted=sorted(sim.persisted), passed=dict(sorted(sim.passed.items())), due=due,
                   skipped=sim.skipped, job_lags=sim.job_lags, node_lags=sim.node_lags,
                   waited_ms=sim.waited_ms, elapsed_ms=sim.now, slowest_reaction_ms=sim.slowest_ms,
-                  job_safe_withdrawn=sim.withdrawn, uncovered=sim.uncovered)
+                  job_safe_withdrawn=sim.withdrawn, uncovered=sim.uncovered, backups_failed=sim.backups_failed)
     return result
 
 
@@ -383,11 +397,14 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--persist-ms", type=float, default=30.0)
     parser.add_argument("--slow-factor", type=float, default=10.0, help="the last node's agent reacts this much later")
+    parser.add_argument("--backup-ms", type=float, default=0.0,
+                        help="a backup's further time, mean ms (a starved agent; the slow node's times --slow-factor)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     print(f"seed {seed}")
-    base = Config(steps=args.steps, slots=args.slots, persist_ms=args.persist_ms, slow_factor=args.slow_factor)
+    base = Config(steps=args.steps, slots=args.slots, persist_ms=args.persist_ms, slow_factor=args.slow_factor,
+                  backup_ms=args.backup_ms)
     rows = table([int(n) for n in args.nodes.split(",")], seed, args.faults, base)
     header = ["nodes", "rank_kill_lost_median", "rank_kill_lost_max", "node_loss_lost_median", "node_loss_lost_max",
               "job_safe_lag_median", "job_safe_lag_p99", "job_safe_lag_max", "node_safe_lag_median",
