@@ -121,6 +121,11 @@ REPLAYS = [
                  "the final step, but the leader listed its stages only at the end of the pause its failed listings "
                  "had grown to (20 s): the job ended with no step committed (failed)", id="1127-11",
                  marks=pytest.mark.extended),
+    # extended: a bug of the soak's own judge, not of easyckpt (104 s in the campaign)
+    pytest.param(["--seed", "1127", "--kinds", ",".join(ALL_KINDS_20261127)], 493,
+                 "the soak's own judge: the object store down from the job's first object write to its end (plain-1x2), "
+                 "the job ended with PersistError as it must, and `easyckpt verify` found no save_dir in the bucket "
+                 "(nothing was ever committed): judged failed", id="1127-493", marks=pytest.mark.extended),
     # extended: the kill lands between the publish and the tracker only now and then;
     # tests/agent/test_agent.py::test_agent_killed_before_the_tracker_update_the_published_step_is_loaded puts it there
     # with a fault point every time
