@@ -24,7 +24,7 @@ from easyckpt.config import CheckpointerConfig
 from easyckpt.logs import apply_env_level, notice
 from easyckpt.node.client import AgentClient, check_running_agent
 from easyckpt.node.lag_gate import LagGate
-from easyckpt.node.persist_watch import PersistError, PersistWatch, describe_failure
+from easyckpt.node.persist_watch import PersistError, PersistWatch, describe_failure, storage_fix
 from easyckpt.node.replicas import introduce
 from easyckpt.recovery import LoadResult, load
 from easyckpt.recovery.worlds import release_old_world
@@ -408,7 +408,7 @@ class Checkpointer:
             f"easyckpt rank {self.rank}: the final snapshot (step {result.step}) could not be made durable in "
             f"{config.save_dir}: {describe_failure(result.failure)}. Nothing is lost: it stays in shared memory "
             f"({config.shm_dir}/easyckpt-{config.job_id}-*) and the newest step on disk is {result.persisted}. "
-            f"Free space on or repair that file system, then run the job again: it resumes from memory and "
+            f"{storage_fix(config.save_dir, start=True)}, then run the job again: it resumes from memory and "
             f"persists again (`easyckpt status {config.save_dir}` shows the slots and how to remove them)",
             step=result.step, save_dir=config.save_dir, persisted=result.persisted, failure=result.failure,
             shm_dir=config.shm_dir)

@@ -14,6 +14,7 @@ from typing import Any
 
 from easyckpt.logs import notice
 from easyckpt_wire.control import ControlView, PersistFailure
+from easyckpt_wire.storage import is_url
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,21 @@ class PersistError(RuntimeError):
     @property
     def errno(self) -> int | None:
         return self.failure.get("errno") if self.failure else None
+
+
+def storage_fix(save_dir: Any, *, start: bool = False) -> str:
+    """What the user fixes when a persist to ``save_dir`` fails with an OSError: an object store is brought back
+    (its endpoint, credentials or bucket), a directory is given space or repaired. ``start``: as a sentence begins."""
+    try:
+        remote = is_url(save_dir)
+    except ValueError:   # a malformed URL (refused at start-up already): said as given
+        remote = True
+    if remote:
+        fix = (f"bring the object store of save_dir {save_dir} back (the server up, AWS_ENDPOINT_URL_S3, the "
+               "credentials and the bucket right)")
+    else:
+        fix = f"free space on or repair the file system of save_dir {save_dir}"
+    return fix[0].upper() + fix[1:] if start else fix
 
 
 def describe_failure(failure: dict[str, Any] | PersistFailure) -> str:
@@ -70,8 +86,7 @@ class PersistWatch:
             self.episodes += 1
             # An OSError is the storage's (a full or read-only disk); anything else (errno 0: a snapshot whose bytes
             # changed since its commit) is not fixed there.
-            fix = (f"free space on or repair the file system of save_dir {self.save_dir}, and persists resume"
-                   if failure.errno else "persists go on")
+            fix = f"{storage_fix(self.save_dir)}, and persists resume" if failure.errno else "persists go on"
             self._say("rank %d: %s. Training goes on and the snapshots stay in memory (newest step on disk: %s); "
                       "%s at the next due step (said once per episode; the agent log has each failure)",
                       self.rank, failure.describe(), view.persisted, fix)
