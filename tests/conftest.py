@@ -53,11 +53,7 @@ DEEPSPEED_BUILD_TIMEOUT = 600.0   # seconds; 282 s on this 2-vCPU VM beside a 3-
 def deepspeed_cpu_ops() -> None:
     """DeepSpeed's CPU shm op, built once before the first DeepSpeed job: each rank would build it at start-up,
     inside the job's own deadline, and a build cut off there leaves its lock for every later job (above)."""
-    code = ("from deepspeed.accelerator import get_accelerator\n"
-            "builder = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
-            "import deepspeed\n"
-            "if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):\n"
-            "    builder.load()\n")
+    code = "from deepspeed.comm.torch import build_shm_op; build_shm_op()"   # what each rank's init_distributed calls
     try:
         proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DS_ACCELERATOR": "cpu"},
                               capture_output=True, text=True, timeout=DEEPSPEED_BUILD_TIMEOUT)
