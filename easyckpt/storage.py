@@ -149,7 +149,7 @@ def rank_entry(iteration_dir: Path, rank: int, world_size: int | None) -> RankEn
     store, key = layout.locate(iteration_dir)
     try:
         info = meta["ranks"][str(rank)]
-        common = json.loads(store.read(f"{key}/{layout.COMMON}" if key else layout.COMMON))
+        common = layout.read_common(store, key, meta)
         skeleton = common["ranks"][str(rank)]["skeleton"]
         # A replicated shard that its group's writer saved has the writer's file and checksum in its record
         # (layout.link_replicas): it reads from there like any other.

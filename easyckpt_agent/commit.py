@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import logging
 import time
 import traceback
@@ -103,8 +102,7 @@ def failure(exc: BaseException, step: int, where: str, needed: int | None, free:
                          free=free)
 
 
-def to_json(payload: Any) -> bytes:
-    return json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
+to_json = layout.dump_json
 
 
 def seal(pending: Pending, step: int, world_size: int, ranks_meta: dict[str, Any], common: dict[str, Any],
@@ -112,10 +110,12 @@ def seal(pending: Pending, step: int, world_size: int, ranks_meta: dict[str, Any
     """``common.json``, then the commit marker: the iteration is complete (still to be published)."""
     # Before anything of the marker: a replicated shard whose writer's file lacks it fails the persist here.
     layout.link_replicas(ranks_meta, f"step {step} in {pending.where}")
-    pending.put(layout.COMMON, to_json({"format": layout.METADATA_FORMAT, "step": step, "ranks": common}))
+    common_bytes = to_json({"format": layout.METADATA_FORMAT, "step": step, "ranks": common})
+    pending.put(layout.COMMON, common_bytes)
     fault_point("agent.persist.before_marker", step=step)
-    pending.seal(layout.METADATA, to_json({
+    pending.seal(layout.METADATA, layout.marker_bytes({
         "format": layout.METADATA_FORMAT, "format_version": layout.METADATA_VERSION, "step": step,
         "world_size": world_size, "framework": "pytorch", "created": time.time(),
         "checksum_algo": layout.CHECKSUM_ALGO, "bytes": nbytes, "health": verdict.to_wire(), "ranks": ranks_meta,
+        layout.COMMON_CHECKSUM: layout.json_checksum(common_bytes),
     }))

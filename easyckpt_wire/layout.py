@@ -32,6 +32,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+import xxhash
+
 from easyckpt_wire.storage import Storage, StorageLike, as_path, open_storage, posix
 
 # The POSIX publishing helpers, here for the callers that know them by these names.
@@ -56,6 +58,11 @@ STAGE_PREFIX = ".stage-iteration_"
 STAGE_RE = re.compile(r"^\.stage-iteration_(\d{7,})$")
 NODE_FILE_RE = re.compile(r"^node-[A-Za-z0-9_.-]{1,64}\.json$")
 CHECKSUM_ALGO = "xxh3_128"
+# The two JSON documents carry checksums too: a flipped byte in a key name still parses, and loaded as is it hands
+# a rank a state under a wrong name. The marker's is over its own bytes without this field (the field is last);
+# common.json's is in the marker. Iterations written before these fields existed are read unchecked.
+MARKER_CHECKSUM = "marker_xxh3_128"
+COMMON_CHECKSUM = "common_xxh3_128"
 ITERATION_RE = re.compile(r"^iteration_(\d{7,})$")
 TMP_RE = re.compile(r"^\.(?:tmp|trash)-iteration_(\d{7,})-(\d+)$")
 ASIDE_RE = re.compile(r"^\.aside-iteration_(\d{7,})-(\d+)$")
@@ -131,12 +138,31 @@ def link_replicas(ranks_meta: dict[str, Any], where: str) -> None:
 
 
 # reading, over a Storage ---------------------------------------------------------------------------------
+def dump_json(payload: Any) -> bytes:
+    """The layout's JSON bytes: compact, so that a parsed document dumps back to the very bytes it was read from."""
+    return json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
+
+
+def json_checksum(raw: bytes) -> str:
+    return xxhash.xxh3_128_hexdigest(raw)
+
+
+def marker_bytes(meta: dict[str, Any]) -> bytes:
+    """A commit marker's bytes, its checksum last (``parse_metadata`` checks it)."""
+    return dump_json({**meta, MARKER_CHECKSUM: json_checksum(dump_json(meta))})
+
+
 def parse_metadata(raw: bytes, where: str) -> dict[str, Any]:
-    """A commit marker's bytes, checked for our format and version (CheckpointFormatError naming ``where``)."""
+    """A commit marker's bytes, checked for our format, version and checksum (CheckpointFormatError naming
+    ``where``); the checksum field is not in what it returns."""
     try:
         meta = json.loads(raw)
     except ValueError as exc:
         raise CheckpointFormatError(f"{where} is unreadable: {exc}") from None
+    if isinstance(meta, dict) and MARKER_CHECKSUM in meta:
+        expected = meta.pop(MARKER_CHECKSUM)
+        if json_checksum(dump_json(meta)) != expected:
+            raise CheckpointFormatError(f"{where} fails its {CHECKSUM_ALGO} checksum: the commit marker is corrupted")
     if not isinstance(meta, dict) or meta.get("format") != METADATA_FORMAT:
         raise CheckpointFormatError(f"{where} is not an easyckpt checkpoint (format {meta.get('format')!r})"
                                     if isinstance(meta, dict) else f"{where} is not a JSON object")
@@ -158,6 +184,23 @@ def metadata(store: Storage, iteration: str = "") -> dict[str, Any]:
     except OSError as exc:
         raise CheckpointFormatError(f"{store.where(key)} is unreadable: {exc}") from None
     return parse_metadata(raw, store.where(key))
+
+
+def read_common(store: Storage, iteration: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """The parsed ``common.json`` of the iteration ``iteration`` (a key, "" as in ``metadata``), checked against
+    the checksum its marker ``meta`` holds: FileNotFoundError when missing, CheckpointFormatError when damaged."""
+    key = f"{iteration}/{COMMON}" if iteration else COMMON
+    raw = store.read(key)
+    expected = meta.get(COMMON_CHECKSUM)
+    if expected is not None and json_checksum(raw) != expected:
+        raise CheckpointFormatError(f"{store.where(key)} fails its {CHECKSUM_ALGO} checksum: it is corrupted")
+    try:
+        common = json.loads(raw)
+    except ValueError as exc:
+        raise CheckpointFormatError(f"{store.where(key)} is unreadable: {exc}") from None
+    if not isinstance(common, dict):
+        raise CheckpointFormatError(f"{store.where(key)} is not a JSON object")
+    return common
 
 
 def read_json(store: Storage, key: str) -> Any:

@@ -170,7 +170,7 @@ def verify_iteration(iteration_dir: Path) -> str | None:
         meta = layout.metadata(store, key)
         step = meta.get("step")
         try:
-            common = json.loads(store.read(_key(key, layout.COMMON)))
+            common = layout.read_common(store, key, meta)
             lacking = [rank for rank in meta["ranks"] if "skeleton" not in common["ranks"][rank]]
             if lacking:
                 return f"{iteration_dir}: {layout.COMMON} lacks the non-tensor state of ranks {lacking}"

@@ -134,6 +134,11 @@ REPLAYS = [
                  "flipped in the tracked iteration 0: the load passed the whole iteration 5 over (newer than the "
                  "tracker) and refused 0, and the job could not start (failed)", id="1127-221",
                  marks=pytest.mark.extended),
+    pytest.param(["--smoke", "--seed", "798013051", "--kinds", ",".join(ALL_KINDS_20261127)], 14,
+                 "a byte flipped inside a key of common.json (\"block.linear2.bias\" became \"bloc9...\"): still "
+                 "valid JSON and not checksummed, so one rank of a 2-node job loaded the newest iteration with its "
+                 "state under a wrong name and died in load_state_dict while the other went on (torn, failed)",
+                 id="798013051-14"),
 ]
 
 

@@ -164,6 +164,33 @@ def test_a_truncated_or_flipped_file_is_named_by_every_reader(persisted: Path) -
         numpy.testing.assert_array_equal(got[name], array)
 
 
+@pytest.mark.parametrize("name,before", [(layout.COMMON, b'"skeleton":{"'), (layout.METADATA, b'"name":"')])
+def test_a_flipped_name_in_a_json_document_is_named_by_every_reader(persisted: Path, name: str, before: bytes) -> None:
+    """A byte flipped inside a name leaves valid JSON (soak 798013051, fault 14: "block" became "bloc9" in
+    common.json and a rank was handed its state under that name): the documents' checksums refuse it."""
+    path = persisted / name
+    raw = path.read_bytes()
+    flipped = bytearray(raw)
+    flipped[raw.index(before) + len(before)] ^= 0x01   # rank 0's first skeleton key, or its first tensor's name
+    json.loads(bytes(flipped))   # still valid JSON: only a checksum can tell
+    path.write_bytes(bytes(flipped))
+    assert "fails its xxh3_128 checksum" in (checks.verify_iteration(persisted) or "")
+    with pytest.raises(layout.CheckpointFormatError, match=f"{name}.* fails its xxh3_128 checksum"):
+        storage.rank_entry(persisted, 0, WORLD)
+    path.write_bytes(raw)
+    assert checks.verify_iteration(persisted) is None
+    assert storage.rank_entry(persisted, 0, WORLD).step == 3
+
+
+def test_documents_of_an_easyckpt_before_their_checksums_are_read_unchecked(persisted: Path) -> None:
+    marker = persisted / layout.METADATA
+    meta = json.loads(marker.read_bytes())
+    del meta[layout.MARKER_CHECKSUM], meta[layout.COMMON_CHECKSUM]
+    marker.write_text(json.dumps(meta, indent=1))   # not even the layout's own spacing
+    assert checks.verify_iteration(persisted) is None
+    assert storage.rank_entry(persisted, 1, WORLD).step == 3
+
+
 # what only POSIX does --------------------------------------------------------------------------------------
 def test_posix_writer_goes_around_the_page_cache_for_aligned_parts(tmp_path: Path) -> None:
     """A page-aligned part at a page-aligned offset goes through an O_DIRECT descriptor (where the file system
