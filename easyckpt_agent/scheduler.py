@@ -48,6 +48,10 @@ from easyckpt_wire.episode import Episode
 
 logger = logging.getLogger(__name__)
 
+# How long a step of a multi-node job waits for PEERS (the ranks send it with their HELLO to an agent that
+# replaced a dead one, and once at start-up after a collective) before its persist fails for want of it.
+PEERS_GRACE = 30.0
+
 
 class PersistSettings(Protocol):
     """What the scheduler reads of the agent's config (``AgentConfig``; the first three follow the ranks' HELLO)."""
@@ -89,6 +93,10 @@ class PersistScheduler:
         self.failures = 0
         self._failures_before = 0   # failures before the episode in progress
         self.passed = Episode(logger, logging.INFO)   # due steps passed over while a persist ran
+        # A step of a job that spans nodes, claimed before any rank told this agent the other nodes (PEERS): an
+        # agent a rank just started hears a rank's FLUSH, or finds due steps in the slots, before the PEERS that
+        # another rank's socket carries. It waits for them, up to PEERS_GRACE seconds.
+        self.no_peers = Episode(logger, logging.INFO)
         self.last_passed = -1
         self.passed_since_claim = False
 
@@ -197,12 +205,26 @@ class PersistScheduler:
                     continue  # metadata not read yet for this generation: next tick
                 ready[step] = [RankSnapshot(rank, claim.info.map, meta, self.checksums_of(claim.info.path, claim.generation))
                                for (rank, claim), meta in zip(claims.items(), metas.values()) if meta is not None]
+        self._wait_for_peers(ready)
         # Across nodes every node must write the same step first (the leader waits for each stage): newest.
         failing = len(ready) > 1 and not self.multi() and self.watcher.any_died()
         chosen = policy.next_to_persist(ready, self.flushes.wanted, failing=failing)
         if chosen is not None:
             self.inflight_epoch = self.timeline.epoch
             self.inflight = (chosen, self.pool.submit(self._persist, chosen, ready[chosen], self.inflight_epoch))
+
+    def _wait_for_peers(self, ready: dict[int, list[RankSnapshot]]) -> None:
+        """Leave out of ``ready`` the steps of other nodes' ranks too while no PEERS arrived, for PEERS_GRACE
+        seconds; past that, a persist says that no rank told the agent (``_persist``)."""
+        partial = [step for step, snaps in ready.items() if len(snaps) != snaps[0].meta.world_size]
+        if self.multi() or not partial:
+            self.no_peers.end("the job's other nodes are known (PEERS): persists of steps %s go ahead", partial)
+            return
+        self.no_peers.hit("steps %s are of a job that spans nodes, and no rank told this agent the other nodes yet "
+                          "(PEERS): they wait for it (at most %.0fs)", partial, PEERS_GRACE)
+        if time.monotonic() - self.no_peers.started < PEERS_GRACE:
+            for step in partial:
+                del ready[step]
 
     def _persist(self, step: int, snaps: list[RankSnapshot], epoch: int) -> PersistStats:
         settings = self.settings

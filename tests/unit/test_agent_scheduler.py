@@ -132,20 +132,35 @@ def test_the_tail_of_a_finished_job_is_persisted_when_its_last_due_step_never_wa
     assert scheduler.persisted == 7
 
 
-def test_a_job_spanning_nodes_writes_shards_only_once_it_knows_its_peers(tmp_path: Path) -> None:
+def test_a_job_spanning_nodes_writes_shards_only_once_it_knows_its_peers(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """An agent that replaced a dead one hears of due steps (or a rank's FLUSH) before the PEERS another rank's
+    socket carries (CI: the final step of test_node_dying_mid_persist failed for want of it): the step waits for
+    PEERS, and only a job that never sends it gets the failure that says so."""
     node = Harness(tmp_path, world_size=4)   # ranks 0 and 1 of a 4-rank job
+    caplog.set_level(logging.INFO, logger="easyckpt_agent.scheduler")
     try:
         node.ranks.commit_all(0, 5)
         scheduler = round_(node)
+        round_(node)
+        assert scheduler.inflight is None and scheduler.failure is None and set(scheduler.claims.ranks(5)) == {0, 1}
+        waits = [r.getMessage() for r in caplog.records if "wait for it" in r.getMessage()]
+        assert waits == ["steps [5] are of a job that spans nodes, and no rank told this agent the other nodes yet "
+                         "(PEERS): they wait for it (at most 30s)"], waits
+        scheduler.multi = lambda: True   # PEERS arrived
+        round_(node)
         node.settle()
-        assert scheduler.failure is not None and "PEERS" in scheduler.failure.text
-        assert scheduler.given_up == 5 and on_disk(node.save_dir) == []
-        scheduler.multi = lambda: True
+        assert scheduler.persisted == 5 and scheduler.failure is None
+        assert (node.save_dir / layout.stage_dirname(5)).is_dir() and on_disk(node.save_dir) == []   # the leader commits
+        assert any("other nodes are known (PEERS)" in r.getMessage() for r in caplog.records)
+        scheduler.multi = lambda: False   # a job whose ranks never send PEERS (another build's): a clear failure
+        monkeypatch.setattr("easyckpt_agent.scheduler.PEERS_GRACE", 0.0)
         node.ranks.commit_all(1, 10)
         round_(node)
         node.settle()
-        assert scheduler.persisted == 10 and scheduler.failure is None
-        assert (node.save_dir / layout.stage_dirname(10)).is_dir() and on_disk(node.save_dir) == []   # the leader commits
+        assert scheduler.failure is not None and "PEERS" in scheduler.failure.text
+        assert scheduler.given_up == 10 and on_disk(node.save_dir) == []
     finally:
         node.close()
 
