@@ -386,10 +386,28 @@ class RankSlots:
                 slot = self.maps[index]
                 if slot is None or slot.try_lock(exclusive=True):
                     return index
-            if attempt or word is None or not word.changing:
+            if attempt or word is None:
                 return None
-            word = self.control.read(wait=MOVE_WAIT)   # the old safe step's slot is free in a moment
+            if word.changing:
+                word = self.control.read(wait=MOVE_WAIT)   # the old safe step's slot is free in a moment
+            elif order:
+                # A slot the word leaves free is flocked all the same: the agent took a claim (a persist) that it
+                # publishes at the end of its round, and has perhaps let go of another step by then (CI: "all 3
+                # slots hold steps the agent keeps (safe step 16, held [])" on a loop of sub-millisecond steps).
+                word = self._next_word(word, MOVE_WAIT)
+            else:
+                return None
         return None
+
+    def _next_word(self, word: ControlView, wait: float) -> ControlView:
+        """The agent's next word after ``word`` (a newer generation), polled for at most ``wait`` seconds."""
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            time.sleep(0.0002)   # polling the control block for the agent's next publish, against a deadline
+            current = self.control.read(wait=max(0.0, deadline - time.monotonic()))
+            if current is not None and current.generation != word.generation and not current.changing:
+                return current
+        return self.control.read() or word
 
     def _let_newest_become_safe(self, word: ControlView) -> ControlView:
         """Freshness with one free slot (the others hold the safe step and a persist): that slot holds this
