@@ -164,6 +164,7 @@ class RankSlots:
         # slot index -> generation of snapshots of an abandoned timeline that could not be invalidated yet
         # (the agent held them): never read as this rank's memory, invalidated as soon as they are free.
         self.abandoned: dict[int, int] = {}
+        self.raced = False   # the last choice found no slot because the agent flocked one it had not published yet
         warn_if_not_memory(directory, rank=rank, first_local=self._first_local())
         for index in existing:
             path = self.path(index)
@@ -378,6 +379,7 @@ class RankSlots:
         word = self.control.read()
         if word is not None:
             word = self._let_newest_become_safe(word)
+        self.raced = False
         for attempt in range(2):
             views = self.views()
             spare = undecided_due(views, every=self.persist_every, decided=word.decided) if word is not None else None
@@ -386,28 +388,13 @@ class RankSlots:
                 slot = self.maps[index]
                 if slot is None or slot.try_lock(exclusive=True):
                     return index
-            if attempt or word is None:
+            # Slots the word leaves free, flocked all the same: the agent took a claim (a persist) that it publishes
+            # at the end of its round. Still a skip (its own newest snapshot stays), but not for want of slots.
+            self.raced = bool(order)
+            if attempt or word is None or not word.changing:
                 return None
-            if word.changing:
-                word = self.control.read(wait=MOVE_WAIT)   # the old safe step's slot is free in a moment
-            elif order:
-                # A slot the word leaves free is flocked all the same: the agent took a claim (a persist) that it
-                # publishes at the end of its round, and has perhaps let go of another step by then (CI: "all 3
-                # slots hold steps the agent keeps (safe step 16, held [])" on a loop of sub-millisecond steps).
-                word = self._next_word(word, MOVE_WAIT)
-            else:
-                return None
+            word = self.control.read(wait=MOVE_WAIT)   # the old safe step's slot is free in a moment
         return None
-
-    def _next_word(self, word: ControlView, wait: float) -> ControlView:
-        """The agent's next word after ``word`` (a newer generation), polled for at most ``wait`` seconds."""
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            time.sleep(0.0002)   # polling the control block for the agent's next publish, against a deadline
-            current = self.control.read(wait=max(0.0, deadline - time.monotonic()))
-            if current is not None and current.generation != word.generation and not current.changing:
-                return current
-        return self.control.read() or word
 
     def _let_newest_become_safe(self, word: ControlView) -> ControlView:
         """Freshness with one free slot (the others hold the safe step and a persist): that slot holds this

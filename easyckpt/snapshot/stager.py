@@ -149,11 +149,15 @@ class Stager:
             return True
         self.skipped += 1
         word = self.slots.agent_word()
-        # Expected with two slots while a persist runs (said once at start-up); with three it is not.
-        self._skips.level = logging.INFO if self.slots.count < 3 else logging.WARNING
-        self._skips.hit("rank %d: snapshot of step %d skipped: all %d slots hold steps the agent keeps (safe "
-                        "step %s, held %s)", self.rank, step, self.slots.count, word.safe if word else None,
-                        sorted(word.held) if word else [])
+        if self.slots.raced:   # a moment's race with the agent's round, no shortage: the next snapshot finds a slot
+            logger.info("rank %d: snapshot of step %d skipped: the agent was taking a slot for a persist as the rank "
+                        "chose one (it says which at the end of its round)", self.rank, step)
+        else:
+            # Expected with two slots while a persist runs (said once at start-up); with three it is not.
+            self._skips.level = logging.INFO if self.slots.count < 3 else logging.WARNING
+            self._skips.hit("rank %d: snapshot of step %d skipped: all %d slots hold steps the agent keeps (safe "
+                            "step %s, held %s)", self.rank, step, self.slots.count, word.safe if word else None,
+                            sorted(word.held) if word else [])
         self.owed = _Owed(step, state, persist, health)
         if self._owed_hook is None:
             self._owed_hook = register_optimizer_step_pre_hook(self._state_moves)
