@@ -131,6 +131,7 @@ class Stager:
         self._registered: dict[int, int] = {}                    # slot index -> registered address
         self.skipped = 0
         self._skips = Episode(logger)
+        self._races = Episode(logger, logging.INFO)   # skips for a moment's race with the agent's round
         self.committed = 0
         self.last_commit_step: int | None = None
         self.last_copy_seconds = 0.0
@@ -150,8 +151,8 @@ class Stager:
         self.skipped += 1
         word = self.slots.agent_word()
         if self.slots.raced:   # a moment's race with the agent's round, no shortage: the next snapshot finds a slot
-            logger.info("rank %d: snapshot of step %d skipped: the agent was taking a slot for a persist as the rank "
-                        "chose one (it says which at the end of its round)", self.rank, step)
+            self._races.hit("rank %d: snapshot of step %d skipped: the agent was taking a slot for a persist as the "
+                            "rank chose one (it says which at the end of its round)", self.rank, step)
         else:
             # Expected with two slots while a persist runs (said once at start-up); with three it is not.
             self._skips.level = logging.INFO if self.slots.count < 3 else logging.WARNING
@@ -214,6 +215,7 @@ class Stager:
             return False
         locked = time.perf_counter()
         self._skips.end("rank %d: snapshots resume at step %d after skips", self.rank, step)
+        self._races.end("rank %d: snapshots resume at step %d after skips that raced the agent", self.rank, step)
         try:
             dst = self._slot_views(write.index, write.slot, plan)
             ready = self._cuda_ready(values)
