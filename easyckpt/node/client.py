@@ -56,6 +56,7 @@ class AgentClient:
         self._proc: subprocess.Popen[bytes] | None = None
         self._settled = True   # whether the fate of the agent this rank started was said (_settle_spawn)
         self._peers: dict[str, Any] | None = None   # the last PEERS sent: a restarted agent gets it again
+        self._introduced_to = ""   # the pid (agent.pid) serving when this rank last sent HELLO (and PEERS)
 
     # liveness ---------------------------------------------------------------------------------------
     def alive(self) -> bool:
@@ -75,6 +76,8 @@ class AgentClient:
         if self.alive():
             if self.sock is None:
                 self._connect()
+            else:
+                self._reintroduce()
             return
         if self.spawn_allowed:
             if self.spawned:
@@ -155,10 +158,28 @@ class AgentClient:
         # The agent's checksums of a large rank's snapshot (MANIFEST) can pass 1 MiB; the socket is local (ipc).
         self.sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_PEER_MESSAGE_BYTES)
         self.sock.connect(protocol.agent_endpoint(self.job_dir))
+        self._introduce()
+
+    def _introduce(self) -> None:
+        self._introduced_to = self._serving_pid()
         self.send(Kind.HELLO, rank=self.rank, pid=os.getpid(), world_size=self.world_size,
                   local_world_size=self.local_world_size, **self.hello_fields)
         if self._peers is not None:
             self.send(Kind.PEERS, **self._peers)
+
+    def _reintroduce(self) -> None:
+        """Another agent took over the job since this rank's HELLO: a replacement another rank started, or a
+        spare this rank started that lost the start-up race, came up late and took the lock of an agent that
+        died. The socket reconnects by itself, but the new agent never heard HELLO or PEERS: without PEERS it
+        cannot persist a multi-node step (it waits PEERS_GRACE, then fails it). Sent again; the pid file is
+        read here at most once a second (``ensure``)."""
+        serving = self._serving_pid()
+        if serving and serving != self._introduced_to:
+            # At start-up the agent this rank just started writes its pid only after the first HELLO: no news.
+            logger.log(logging.INFO if self._introduced_to else logging.DEBUG,
+                       "rank %d: agent pid %s now serves job %s (was %s): introducing this rank to it", self.rank,
+                       serving, self.job_id, self._introduced_to or "?")
+            self._introduce()
 
     # messages ---------------------------------------------------------------------------------------
     def send(self, kind: Kind, **fields: Any) -> int:

@@ -19,10 +19,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ROOT, Env, run_cli, save_and_persist, seeded_random
+from conftest import ROOT, Env, run_cli, save_and_persist, seeded_random, wait_for
 
 import easyckpt
 from easyckpt.node.client import AgentClient
+from easyckpt_wire.protocol import Kind
+from easyckpt_wire.records import PeerNode, PeerTable, PingReply
 from easyckpt_wire.shm import filesystem_type
 
 # The README's plain loop, nothing else: no logging configuration. Optionally it kills itself with SIGKILL
@@ -314,6 +316,45 @@ def test_two_ranks_starting_agents_at_once_log_one_start(env: Env, caplog: pytes
     finally:
         for client in clients:
             client.detach()
+
+
+@pytest.mark.timeout(120)
+def test_an_agent_that_takes_over_the_job_hears_the_ranks_hello_and_peers_again(env: Env) -> None:
+    """CI: node 1's agent was killed 0.25 s into a 2-node job; the spare agent one of its ranks had started
+    in the start-up race came up late, took the lock and served the job, but its ranks' sockets only
+    reconnected: it never heard their HELLO or PEERS, so it could not persist a multi-node step and failed the
+    final one after PEERS_GRACE. A rank now introduces itself again to any agent that took over."""
+    job = "takeover"
+    agent_cmd = [sys.executable, "-m", "easyckpt_agent", "--save-dir", str(env.save_dir), "--job-id", job,
+                 "--shm-dir", str(env.shm_dir), "--idle-timeout", "30"]
+    agents = [subprocess.Popen(agent_cmd, env=env.environ(), cwd=str(ROOT))]
+    client = AgentClient(job_id=job, save_dir=env.save_dir, shm_dir=env.shm_dir, rank=2, world_size=4,
+                         local_world_size=2, idle_timeout=30.0, spawn=False,
+                         hello={"save_storage_interval": 5, "max_ckpt_num": 2, "log_file_path": None, "pid_start": 0.0})
+    try:
+        assert client.wait_ready(30.0)
+        node = PingReply.from_wire(client.request(Kind.PING, 10.0), "PING").node
+        assert node is not None
+        peers = PeerTable("ab" * 16, node, "other", {node: PeerNode("tcp://127.0.0.1:1", (2, 3)),
+                                                     "other": PeerNode("tcp://127.0.0.1:2", (0, 1))}, world_size=4)
+        assert client.request(Kind.PEERS, 10.0, **peers.to_wire()).get("ok")
+
+        def token() -> str | None:
+            return PingReply.from_wire(client.request(Kind.PING, 10.0), "PING").token
+
+        assert token() == peers.token
+        agents[0].send_signal(signal.SIGKILL)
+        agents[0].wait(30)
+        wait_for(lambda: not env.agent_alive(), 30, "the killed agent's lock to be released")
+        agents.append(subprocess.Popen(agent_cmd, env=env.environ(), cwd=str(ROOT)))
+        wait_for(lambda: env.agent_pid() == agents[1].pid, 30, "the second agent to take the job")
+        client.ensure(force=True)   # what every step's save_if_needed does, at most once a second
+        wait_for(lambda: token() == peers.token, 30, "the new agent to adopt the rank's PEERS")
+    finally:
+        client.detach()
+        for agent in agents:
+            agent.kill()
+            agent.wait(30)
 
 
 def test_a_rerun_with_another_shm_dir_beside_the_first_runs_agent_is_refused_at_once(env: Env) -> None:
