@@ -10,7 +10,8 @@ from conftest import ROOT, Env
 from ddp_job import TORCHRUN, Job
 
 SCRIPT = ROOT / "examples" / "lightning_trainer.py"
-STEPS = 20           # 8 batches per epoch and rank: the runs cross two epoch boundaries
+STEPS = 20           # BATCHES_PER_EPOCH batches per epoch and rank: the runs cross two epoch boundaries
+BATCHES_PER_EPOCH = 8   # examples/lightning_trainer.py: 64 samples, batches of 4, 2 ranks
 SAVE_STEPS = 8       # ModelCheckpoint(every_n_train_steps=8, save_top_k=2, save_last=True)
 
 
