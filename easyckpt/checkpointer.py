@@ -32,11 +32,14 @@ from easyckpt.snapshot.slots import RankSlots
 from easyckpt.snapshot.stager import Stager
 from easyckpt_wire import owner, protocol
 from easyckpt_wire.health import RankHealth, rank_verdict
-from easyckpt_wire.records import PeerTable
+from easyckpt_wire.records import FlushReply, PeerTable
 from easyckpt_wire.shm import format_bytes
 from easyckpt_wire.storage import location
 
 logger = logging.getLogger(__name__)
+# How often the end of a multi-node run asks whether the leader committed its final step (a few ms of the agent's
+# time each): it commits a fraction of a second after the last node's files are durable.
+COMMIT_POLL = 0.05
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,7 +48,7 @@ class FlushResult:
 
     step: int | None          # the snapshot asked for (None: this process took none)
     durable: bool             # this node's files of ``step`` (or of a newer step) are fsynced in save_dir
-    committed: bool           # ... and the iteration is complete (multi-node: every node's files are)
+    committed: bool           # ... and the iteration is published and tracked (multi-node: every node's files are)
     persisted: int | None     # the newest step this node's agent has persisted
     seconds: float
     error: str | None = None  # why not durable
@@ -386,10 +389,37 @@ class Checkpointer:
         if not self.config.final_persist or step is None:
             return None
         result = self._flush_step(step, timeout, started, what)
-        if result.durable:
+        if result.durable and not result.committed:
+            result = self._await_commit(result, timeout, started)
+        if result.committed:
             logger.info("easyckpt rank %d: the final snapshot (step %d) is durable in %s", self.rank, step,
                         self.config.save_dir)
         return result
+
+    def _await_commit(self, result: FlushResult, timeout: float, started: float) -> FlushResult:
+        """Across nodes, this node's files of the final step are durable before the leader's agent publishes and
+        tracks the iteration (once every node's are): the end of the run waits for that too, so that a job that
+        ended names its final step in the tracker. Bounded by ``flush_timeout`` within ``timeout``: past it the
+        leader's agent still commits after this process ends, and the shortfall is said."""
+        assert result.step is not None
+        deadline = min(started + timeout, time.monotonic() + self.config.flush_timeout)
+        logger.info("easyckpt rank %d: this node's files of step %d are durable; waiting for the leader's agent to "
+                    "commit the iteration (every node's files)", self.rank, result.step)
+        reply: FlushReply | None = None
+        while time.monotonic() < deadline:
+            reply = self.agent.flush(result.step, wait=True, timeout=max(0.0, deadline - time.monotonic()))
+            if reply is None or reply.error is not None or reply.committed:
+                break
+            time.sleep(COMMIT_POLL)   # a FLUSH of a durable step is answered at once: ask again shortly
+        seconds = time.monotonic() - started
+        if reply is not None and reply.error is None and reply.committed:
+            logger.info("easyckpt rank %d: step %d committed by the leader's agent after %.2fs", self.rank, result.step,
+                        seconds)
+            return dataclasses.replace(result, committed=True, persisted=reply.persisted, seconds=seconds)
+        logger.warning("easyckpt rank %d: step %d is durable on this node but not committed yet after %.1fs "
+                       "(flush_timeout): the leader's agent publishes it once every node's files are durable; see "
+                       "the agent.log of rank 0's node", self.rank, result.step, seconds)
+        return dataclasses.replace(result, seconds=seconds)
 
     def _final_error(self, result: FlushResult | None) -> PersistError | None:
         """PersistError when the agent failed to persist the final snapshot; other shortfalls are logged."""

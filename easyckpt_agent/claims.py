@@ -199,11 +199,16 @@ class FlushRequests:
 
 
 def _committed(save_dir: Path, step: int) -> bool:
-    """Whether ``iteration_<step>`` is published: its directory on POSIX (renamed into place whole); its commit
-    object on an object store, where the files are under the final prefix before it is written."""
+    """Whether ``iteration_<step>`` is published and tracked. Published: its directory on POSIX (renamed into place
+    whole); its commit object on an object store, where the files are under the final prefix before it is written.
+    Tracked: the tracker, written just after, names it (or a newer step), so that a rank that waits for the commit
+    (the end of a multi-node run) ends only once a new job would resume from it."""
     store, key = open_storage(save_dir), layout.iteration_dirname(step)
     try:
-        return layout.committed(store, key) if is_url(save_dir) else store.is_dir(key)
+        if not (layout.committed(store, key) if is_url(save_dir) else store.is_dir(key)):
+            return False
+        tracked = layout.tracker(store)
+        return tracked is not None and tracked >= step
     except OSError as exc:   # the store gone since the persist (asked from the agent's loop: it must not end it)
         logger.warning("cannot tell whether %s is committed: %s; the flush is answered 'not yet'", store.where(key), exc)
         return False

@@ -46,8 +46,10 @@ class Job:
             dump_stacks(self.proc.pid)
             agents = "".join(f"\n--- {log}:\n" + log.read_text()[-3000:]
                              for log in Path(os.environ.get("EASYCKPT_RUNTIME_DIR", "/nonexistent")).glob("*/agent.log"))
+            log = self.log()
             raise AssertionError(f"{self.log_path.parent.name}: the job did not end within {timeout:.0f}s\n"
-                                 f"{self.log()[-12000:]}{agents}") from None
+                                 f"{log[-12000:]}{agents}\n--- innermost frames of every thread:\n"
+                                 f"{innermost_frames(log)}") from None
         finally:
             self._log.close()
 
@@ -85,6 +87,23 @@ class Job:
                  f"rank {rank} to reach step {at_step}")
         assert self.proc.poll() is None, f"job ended before step {at_step}:\n{self.log()[-3000:]}"
         os.kill(self.pid(rank), signal.SIGKILL)
+
+
+def innermost_frames(log: str, depth: int = 4) -> str:
+    """The first ``depth`` frames (most recent call first) of every thread that faulthandler dumped into ``log``:
+    the full dumps of ranks, threads and loader workers outgrow what CI shows of a failure (one CI run showed a
+    loader worker's whole stack, and no rank's)."""
+    lines, out, left = log.splitlines(), [], 0
+    for line in lines:
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            out.append(line)
+            left = depth
+        elif left and line.startswith("  File "):
+            out.append(line)
+            left -= 1
+        else:
+            left = 0
+    return "\n".join(out) or "(no stack was dumped)"
 
 
 def dump_stacks(pid: int, timeout: float = 10) -> None:

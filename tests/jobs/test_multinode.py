@@ -7,6 +7,7 @@ from disk, bit-exact; the uninterrupted run persists every due step (or, while a
 A node that dies in the middle of a persist never leaves a complete-looking checkpoint."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import ROOT, Env, seeded_random, wait_for
 from multinode import NODES, RANKS_PER_NODE, Cluster
@@ -357,6 +359,37 @@ def test_node_dying_mid_persist_leaves_no_complete_checkpoint(cluster: Cluster, 
                             text=True, timeout=120, env=env.environ(), cwd=str(ROOT))
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert "0 damaged" in verify.stdout
+
+
+def test_a_job_ends_once_the_leader_tracked_its_final_step(cluster: Cluster, env: Env) -> None:
+    """close() returns once the leader's agent published and tracked the final step, not once this node's files are
+    durable (a CI soak on 2026-11-28 saw both launchers exit with the tracker at 6; the leader committed the final
+    step 11 after they had). Node 0's agent freezes just before it writes the final step's tracker: node 1's rank
+    waits for it, and once it is let go the job ends with the tracker naming the final step, no agent exit awaited."""
+    last = 11
+    job = cluster(steps=last + 1, node_env={0: {"EASYCKPT_FAULT": f"agent.persist.before_tracker@{last}:stop"}})
+    job.start_all()
+    frozen: list[int] = []
+
+    def leader_frozen() -> bool:
+        pid = job.agent_pid(0)
+        with contextlib.suppress(psutil.Error):
+            if pid is not None and psutil.Process(pid).status() == psutil.STATUS_STOPPED:
+                frozen.append(pid)
+        return bool(frozen) or job.procs[1].poll() is not None
+
+    wait_for(leader_frozen, 180, f"node 0's agent to freeze before the tracker of step {last}")
+    assert frozen, f"node 1 ended before the leader's agent froze:\n{job.log(1)[-3000:]}"
+    try:
+        wait_for(lambda: "waiting for the leader's agent to commit" in job.log(1) or job.procs[1].poll() is not None,
+                 120, "node 1's rank to wait for the commit of its final step")
+        assert job.procs[1].poll() is None, f"node 1 ended before its final step was tracked:\n{job.log(1)[-3000:]}"
+    finally:
+        os.kill(frozen[0], signal.SIGCONT)
+    assert job.wait(1) == 0, job.log(1)[-4000:]
+    assert job.wait(0) == 0, job.log(0)[-4000:]
+    assert layout.read_tracker(env.save_dir) == last
+    assert f"step {last} committed by the leader's agent" in job.log(1), job.log(1)[-3000:]
 
 
 def test_status_shows_replica_coverage(cluster: Cluster, env: Env) -> None:

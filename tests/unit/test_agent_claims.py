@@ -116,6 +116,7 @@ def test_flush_waiters_hear_that_the_step_is_on_disk_or_why_not(node: Node, tmp_
     ranks, flushes = node.ranks, node.flushes
     save_dir = tmp_path / "ckpt"
     (save_dir / layout.iteration_dirname(7)).mkdir(parents=True)
+    (save_dir / layout.TRACKER).write_text("7")   # a persist publishes the iteration, then tracks it
     ranks.commit_all(0, 7)
     ranks.commit_all(1, 9)
     node.scan()
@@ -147,6 +148,28 @@ def test_a_flush_answered_while_the_store_is_down_says_not_committed_instead_of_
     (identity, reply), = node.sent
     assert identity == b"a" and reply["ok"] and reply["persisted"] == 7 and not reply["committed"], reply
     assert "cannot tell whether s3://bucket/runs/a/iteration_0000007 is committed" in caplog.text, caplog.text
+
+
+def test_a_flush_says_committed_only_once_the_iteration_is_published_and_tracked(node: Node, tmp_path: Path) -> None:
+    """Across nodes the leader publishes the iteration, then writes the tracker: a rank that waits for the commit (the
+    end of the run) must not end in between, or a job that ended names an older step in its tracker."""
+    save_dir = tmp_path / "save"
+
+    def committed() -> bool:
+        node.flushes.waiters.append((b"a", 1, 7))
+        node.flushes.answer(node.send, persisted=7, save_dir=save_dir, given_up=-1, failure=None)
+        (identity, reply), = node.sent
+        node.sent.clear()
+        assert identity == b"a" and reply["ok"] and reply["persisted"] == 7, reply
+        return bool(reply["committed"])
+
+    save_dir.mkdir()
+    (save_dir / layout.TRACKER).write_text("5")
+    assert not committed()                                       # this node's shards only
+    (save_dir / layout.iteration_dirname(7)).mkdir()
+    assert not committed()                                       # published, the tracker not written yet
+    (save_dir / layout.TRACKER).write_text("7")
+    assert committed()
 
 
 def test_a_requested_step_some_rank_will_never_hold_is_given_up(node: Node) -> None:
