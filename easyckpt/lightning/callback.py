@@ -374,11 +374,15 @@ class EasyCkpt(Callback):
     def _persist(self, ckpt: Checkpointer, step: int, checkpoint: dict[str, Any]) -> bool:
         if step == self._persisted:   # saves of a step an earlier hook snapshotted already: the same iteration
             return True
-        # Under ModelParallelStrategy Lightning's dictionary holds CPU copies (or rank 0's gathered whole state):
-        # the snapshot takes every rank's own shards instead.
         trainer = self._trainer
-        state = self._capture(trainer) if trainer is not None and sharded.enabled(trainer) else \
-            self._portable(checkpoint)
+        state = self._portable(checkpoint)
+        if trainer is not None and sharded.enabled(trainer):
+            # Under ModelParallelStrategy Lightning's dictionary holds CPU copies (or rank 0's gathered whole state)
+            # of the model and optimizers: the snapshot takes every rank's own shards instead, unchanged since the
+            # save (the take comes before the optimizer steps again). Everything else (loops, callbacks,
+            # schedulers) as the save left it: at an epoch's end the take comes at the next epoch's start, and a
+            # resume from that loop state ended the resumed epoch one batch early.
+            state = {**state, **sharded.live_state(trainer.strategy)}
         metrics = self._metrics[1] if self.health and self._metrics is not None and self._metrics[0] == step else None
         deadline = time.monotonic() + ckpt.config.pin_timeout
         started = ckpt.save(step, state, persist=True, metrics=metrics)

@@ -62,11 +62,15 @@ def template(strategy: Any) -> tuple[dict[str, Any], list[Any]]:
     """The live model's and optimizers' sharded state, for ``Checkpointer.load`` to fill in place, and the
     optimizers that had no state yet: ``get_optimizer_state_dict`` creates it with a step of zero gradients
     (at lr 0, yet AdamW counts it), which :func:`discard` undoes when nothing is loaded."""
+    empty = [o for o in map(_unwrap, strategy.optimizers) if not o.state]
+    return live_state(strategy), empty
+
+
+def live_state(strategy: Any) -> dict[str, Any]:
+    """The live model's and optimizers' sharded state under the keys of Lightning's checkpoint dictionary."""
     model = strategy.model
-    optimizers = [_unwrap(o) for o in strategy.optimizers]
-    empty = [o for o in optimizers if not o.state]
-    return ({"state_dict": get_model_state_dict(model),
-             "optimizer_states": [get_optimizer_state_dict(model, o) for o in optimizers]}, empty)
+    return {"state_dict": get_model_state_dict(model),
+            "optimizer_states": [get_optimizer_state_dict(model, _unwrap(o)) for o in strategy.optimizers]}
 
 
 def discard(created: list[Any]) -> None:
