@@ -589,19 +589,25 @@ HEALTH_THRESHOLD = "5"
 
 def test_megatron_kill_after_an_unhealthy_iteration_resumes_the_newest_healthy_one_from_memory(env: Env) -> None:
     """Iteration 14 alone is spiked; rank 1 dies once its snapshot of 14 is in memory; torchrun restarts
-    the group, which passes 14 over and resumes at 13 from memory."""
+    the group, which passes 14 over and resumes at the newest healthy snapshot in memory."""
     from easyckpt_wire import health
 
     job = Job(env, env.tmp_path / "run", save_dir=env.save_dir, max_restarts=1, idle="0",
               extra=("--embedding-local-norm-threshold", HEALTH_THRESHOLD, "--spike-steps", "14", "--kill-at", "14"))
     assert job.wait() == 0, job.log()[-4000:]
+    resumed = set()
     for rank in (0, 1):
         first, second = job.resumes(rank)
         assert first["source"] is None
-        assert (second["iteration"], second["source"]) == (13, "memory"), second
+        # 13, the newest healthy snapshot; or 10 when a starved agent was still persisting step 5 through steps
+        # 11-14 (CI, 2026-11-28: 0.3 s for that persist): the ranks spared due step 10's slot for it, and 11-14 took
+        # turns in the third slot, so 14 took 13's place
+        assert second["source"] == "memory" and second["iteration"] in (13, 10), second
+        resumed.add(second["iteration"])
         assert sorted(job.losses(rank)) == list(range(1, ITERS + 1))
+    assert len(resumed) == 1, resumed
     log = job.log()
-    assert "passing over unhealthy snapshots newer than step 13: step 14 (unhealthy on ranks [0, 1]: " \
+    assert f"passing over unhealthy snapshots newer than step {resumed.pop()}: step 14 (unhealthy on ranks [0, 1]: " \
            "rank 0: embedding_local_norm" in log, log[-4000:]
     entries = {e.step: e.is_health for e in health.read_health_file(env.save_dir) or []}
     assert entries and set(entries.values()) == {health.HEALTHY}, entries   # 14 was never persisted
