@@ -148,9 +148,13 @@ def persist(save_dir: StorageLike, step: int, snapshots: list[RankSnapshot], aud
                              "persisted")
                 pending.discard()
                 raise StepAbandoned(f"step {step} was abandoned by a resume while it was persisted: not published")
+            # Recorded before the rename (invariant 5: the log first): a persist killed just after it still vouches
+            # for its iteration (timeline.published_untracked), and one killed before it names an iteration that is
+            # not complete, which nothing loads
+            audit.record("write", store.where(final), step=step, bytes=nbytes)
             trash = publish(store, pending, step, audit)
             published = True
-            audit.record("write", store.where(final), step=step, bytes=nbytes)
+            fault_point("agent.persist.after_publish", step=step)
             fault_point("agent.persist.before_tracker", step=step)
             write_tracker(store, step, audit)
     except BaseException as exc:

@@ -109,10 +109,13 @@ def commit_stage(save_dir: StorageLike, step: int, audit: AuditLog) -> PersistSt
     seal(stage, step, world_size, ranks_meta, {r: c for r, (_, c, _, _) in ranks.items()}, nbytes, verdict)
     if layout.committed(store, final):
         audit.record("delete", store.where(final), step=step, reason="replaced by a new persist of the same step")
+    # Recorded before the rename, as a single node's persist does (easyckpt_agent.persister.persist): a leader killed
+    # just after it leaves an iteration the audit log vouches for (CI soak, 2026-11-28: unvouched, it was not loaded)
+    audit.record("write", store.where(final), step=step, bytes=nbytes, nodes="all")
     trash = stage.publish()
+    fault_point("agent.persist.after_publish", step=step)
     if trash is not None:
         store.delete_tree(trash)
-    audit.record("write", store.where(final), step=step, bytes=nbytes, nodes="all")
     fault_point("agent.persist.before_tracker", step=step)
     write_tracker(store, step, audit)
     record_health(store, step, verdict, audit)

@@ -27,6 +27,7 @@ POINTS: dict[str, str] = {
     "stager.before_commit": "rank: every byte copied, the slot not yet committed",
     "agent.persist.after_file": "agent: one file of the iteration written",
     "agent.persist.before_marker": "agent: every file written, metadata.json (the completion marker) not yet",
+    "agent.persist.after_publish": "agent: the iteration renamed into place, nothing else done since",
     "agent.persist.before_tracker": "agent: the iteration renamed into place, the tracker not yet updated",
     "agent.replica.fetch": "agent: serving a FETCH of a replica to a peer (every one; arm it with EASYCKPT_FAULT_ARM)",
     "layout.replace.swapped": "any: replace_dir swapped the new directory in, the old one not yet renamed to trash",
