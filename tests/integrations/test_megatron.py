@@ -599,10 +599,11 @@ def test_megatron_kill_after_an_unhealthy_iteration_resumes_the_newest_healthy_o
     for rank in (0, 1):
         first, second = job.resumes(rank)
         assert first["source"] is None
-        # 13, the newest healthy snapshot; or 10 when a starved agent was still persisting step 5 through steps
-        # 11-14 (CI, 2026-11-28: 0.3 s for that persist): the ranks spared due step 10's slot for it, and 11-14 took
-        # turns in the third slot, so 14 took 13's place
-        assert second["source"] == "memory" and second["iteration"] in (13, 10), second
+        # 13, the newest healthy snapshot; or an older one when a starved agent still persisted a due step while
+        # 11-14 were taken: its slot (and a spared due one) left the ranks fewer slots to take turns in, and 14 took
+        # 13's place (CI rehearsals, 2026-11-28: resumed at 10 while step 5 was persisted for 0.3 s; at 12 while
+        # step 10 was). Never older than 10, the due step before the spike, and always from memory.
+        assert second["source"] == "memory" and 10 <= second["iteration"] <= 13, second
         resumed.add(second["iteration"])
         assert sorted(job.losses(rank)) == list(range(1, ITERS + 1))
     assert len(resumed) == 1, resumed
