@@ -85,7 +85,10 @@ def test_a_job_persists_rotates_and_resumes_from_memory_then_from_the_object_sto
     final = STEPS - 1
     assert complete[-1] == final and len(complete) == 2, f"rotation to max_ckpt_num=2: {complete}"
     assert layout.tracker(store) == final
-    assert all(step % INTERVAL == 0 for step in complete[:-1]), complete
+    # Besides the due steps, the agent persists the newest step of every local rank when a rank dies (flush on
+    # failure); when that persist outlasts the next due steps they are passed over, and the flushed step stays.
+    flushed = {int(step) for step in re.findall(r"flush on failure: persisting step (\d+)", log)}
+    assert all(step % INTERVAL == 0 or step in flushed for step in complete[:-1]), (complete, flushed)
     names = _objects(s3_url)
     assert not [n for n in names if n.startswith(".tmp-") or "/.easyckpt-" in n], names
     audit = [json.loads(line) for line in store.read(layout.AUDIT_LOG).decode().splitlines()]
