@@ -47,6 +47,7 @@ DEFAULT_SLOTS = 3
 MULTI_NODE_SLOTS = 4
 MOVE_WAIT = 0.05   # longest a rank waits for the agent to finish moving the safe step (a few flock calls)
 SAFE_WAIT = 0.02   # longest a rank waits for the agent to declare a step every local rank holds safe
+PEER_WAIT_MAX = 0.5   # cap on the wait for the other local ranks' commits of this rank's newest step
 
 
 class ShmSpaceError(RuntimeError):
@@ -161,6 +162,11 @@ class RankSlots:
         self._peer_maps: dict[Path, tuple[int, SlotMap]] = {}   # other local ranks' slots, headers only
         self._stalled = Episode(logger, logging.INFO)   # costs one step of freshness, heals itself
         self._stalled_at = -1   # control generation at which the agent last let a wait run out
+        # How long a rank waits for the other local ranks to commit its newest step (the stager sets it from its
+        # own copy time: the others copy as much), and whether the last such wait ran out (then it waits again
+        # only once they are seen to catch up by themselves: ranks that are not in lockstep pay it once).
+        self.peer_wait = SAFE_WAIT
+        self._peers_late = Episode(logger, logging.INFO)
         # slot index -> generation of snapshots of an abandoned timeline that could not be invalidated yet
         # (the agent held them): never read as this rank's memory, invalidated as soon as they are free.
         self.abandoned: dict[int, int] = {}
@@ -410,7 +416,7 @@ class RankSlots:
             return word
         newest = max(committed, key=lambda v: v.generation)
         if order[0] != newest.index or (word.safe is not None and newest.step <= word.safe) \
-                or not self._every_local_rank_has(newest.step):
+                or not self._peers_commit(newest.step):
             return word
         deadline = time.monotonic() + SAFE_WAIT
         while time.monotonic() < deadline:
@@ -424,6 +430,30 @@ class RankSlots:
                           "holds it; overwriting it (the safe step stays %s until the agent catches up)", self.rank,
                           newest.step, SAFE_WAIT * 1000, word.safe)
         return self.control.read() or word
+
+    def _peers_commit(self, step: int) -> bool:
+        """Whether every local rank holds ``step`` committed, waiting at most ``peer_wait`` for the others' copies.
+
+        Ranks in lockstep (DDP) reach this step's save a moment apart, each after its own copy of the previous step
+        committed but not necessarily another's. Overwriting the one free slot then would leave no step newer than
+        the safe step in every rank's memory; when the others are as quick the next time too, the safe step stands
+        still for as long as the persist that holds the third slot runs, and a kill costs more than two steps
+        (invariant 9). The wait is for the ranks' own commits only, never for the agent or a persist."""
+        if self._every_local_rank_has(step):
+            self._peers_late.end("rank %d: the other local ranks commit their snapshots in time again", self.rank)
+            return True
+        if self._peers_late.active:
+            self._peers_late.hit("")   # counted for the episode's end line; logged only when it began
+            return False
+        deadline = time.monotonic() + min(PEER_WAIT_MAX, max(SAFE_WAIT, self.peer_wait))
+        while time.monotonic() < deadline:
+            time.sleep(0.0005)   # polling the other ranks' slot headers against a deadline
+            if self._every_local_rank_has(step):
+                return True
+        self._peers_late.hit("rank %d: not every local rank committed step %d within %.0f ms of this rank's next "
+                             "snapshot; overwriting it (the safe step stays where it is until they keep pace)",
+                             self.rank, step, max(SAFE_WAIT, self.peer_wait) * 1000)
+        return False
 
     def _every_local_rank_has(self, step: int) -> bool:
         """Whether every local rank's slots hold ``step`` committed (read from their headers, read-only)."""

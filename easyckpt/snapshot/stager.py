@@ -244,6 +244,9 @@ class Stager:
             self._hook = None
         try:
             self.last_copy_seconds = pending.future.result()
+            # The other local ranks copy as much, started at about the same moment: twice this copy bounds how
+            # long this rank's next slot choice waits for their commits of this step.
+            self.slots.peer_wait = 2 * self.last_copy_seconds
         except Exception:
             logger.exception("rank %d: snapshot of step %d failed; the previous snapshot stays valid",
                              self.rank, pending.step)

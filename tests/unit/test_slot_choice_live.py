@@ -3,6 +3,7 @@ flocks by a round of the agent's loop (a persist claim is published at the end o
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from tiers_sources import JOB, write_snapshots
 
 from easyckpt.config import CheckpointerConfig
+from easyckpt.snapshot import slots as slots_module
 from easyckpt.snapshot.slots import RankSlots
 from easyckpt.snapshot.stager import Stager
 from easyckpt_wire.control import ControlWriter, control_path
@@ -51,3 +53,95 @@ def test_a_slot_flocked_before_the_agent_publishes_why_is_a_quiet_skip(tmp_path:
         control.close()
         for slot in agent_maps:
             slot.close()
+
+
+def _ahead_of_rank_1(shm: Path) -> tuple[ControlWriter, RankSlots]:
+    """Rank 0 committed steps 4, 5 and 6, rank 1 only 4 and 5; the agent keeps 5 (safe) and 4 (a persist): the one
+    slot rank 0 may write holds its step 6, which rank 1 is still copying (DDP ranks reach a save a moment apart)."""
+    write_snapshots(shm, 0, 2, {4: NEUTRAL, 5: NEUTRAL, 6: NEUTRAL})
+    write_snapshots(shm, 1, 2, {4: NEUTRAL, 5: NEUTRAL})
+    control = ControlWriter(control_path(shm, JOB))
+    control.publish(5, frozenset({4}))
+    return control, RankSlots(shm, JOB, 0, 2, 2, 3)
+
+
+def _step_in(slots: RankSlots, index: int) -> int:
+    header = slots.header(index)
+    assert header is not None and header.committed
+    return header.step
+
+
+def test_a_rank_ahead_waits_for_the_others_commit_of_its_newest_step_and_keeps_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Invariant 9 while a persist holds the third slot: rank 0 reaches step 7's save before rank 1 has committed 6.
+    Overwriting 6 would leave no step newer than the safe step 5 in both ranks' memory, and when rank 0 leads
+    again at the next steps the safe step stands still for the whole persist (CI: killed at 29, resumed at 26).
+    Rank 0 waits for rank 1's commit (the ranks' own commits only), then for the agent's word, and writes over 5."""
+    control, slots = _ahead_of_rank_1(tmp_path)
+    # Generous bounds: the test's other "rank" runs in a thread of this process, the agent is this test.
+    monkeypatch.setattr(slots_module, "PEER_WAIT_MAX", 60.0, raising=False)
+    monkeypatch.setattr(slots_module, "SAFE_WAIT", 60.0)
+    slots.peer_wait = 60.0
+    asked = threading.Event()
+    real = slots._every_local_rank_has
+
+    def spy(step: int) -> bool:
+        held = real(step)
+        if not held:
+            asked.set()
+        return held
+
+    monkeypatch.setattr(slots, "_every_local_rank_has", spy)
+    failures: list[BaseException] = []
+
+    def rank_1_commits_then_the_agent_declares() -> None:
+        try:
+            assert asked.wait(60), "rank 0 never looked for rank 1's step 6"
+            write_snapshots(tmp_path, 1, 2, {6: NEUTRAL})
+            control.publish(6, frozenset({4}))
+        except BaseException as exc:   # reported by the test's thread
+            failures.append(exc)
+
+    other = threading.Thread(target=rank_1_commits_then_the_agent_declares)
+    other.start()
+    try:
+        index = slots.choose()
+        other.join(120)
+        assert not other.is_alive() and not failures, failures
+        assert index is not None and _step_in(slots, index) == 5, "rank 0 was to keep step 6 and write over 5"
+        assert asked.is_set()
+    finally:
+        slots.close()
+        control.close()
+
+
+def test_a_rank_whose_peer_does_not_commit_in_time_overwrites_its_newest_once_and_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The wait is bounded (``peer_wait``, from the rank's own copy time): past it the rank writes over its newest
+    step as before, says so once, and does not wait again until the others are seen to keep pace by themselves."""
+    control, slots = _ahead_of_rank_1(tmp_path)
+    slots.peer_wait = 0.05
+    calls: list[int] = []
+    real = slots._every_local_rank_has
+
+    def counting(step: int) -> bool:
+        calls.append(step)
+        return real(step)
+
+    monkeypatch.setattr(slots, "_every_local_rank_has", counting)
+    caplog.set_level(logging.INFO, logger="easyckpt.snapshot.slots")
+    try:
+        index = slots.choose()
+        assert index is not None and _step_in(slots, index) == 6
+        assert len(calls) > 1, "rank 0 was to wait for rank 1's commit"
+        calls.clear()
+        assert slots.choose() == index
+        assert len(calls) == 1, "a rank that found its peers late does not wait again"
+        late = [r.getMessage() for r in caplog.records if "not every local rank committed step 6" in r.getMessage()]
+        assert len(late) == 1, late
+        write_snapshots(tmp_path, 1, 2, {6: NEUTRAL})   # the agent has not declared it yet: the rank sees it
+        assert slots.choose() is not None
+        assert any("commit their snapshots in time again (2 time(s)" in r.getMessage() for r in caplog.records)
+    finally:
+        slots.close()
+        control.close()
