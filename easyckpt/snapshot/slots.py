@@ -445,14 +445,15 @@ class RankSlots:
         if self._peers_late.active:
             self._peers_late.hit("")   # counted for the episode's end line; logged only when it began
             return False
-        deadline = time.monotonic() + min(PEER_WAIT_MAX, max(SAFE_WAIT, self.peer_wait))
+        bound = min(PEER_WAIT_MAX, max(SAFE_WAIT, self.peer_wait))
+        deadline = time.monotonic() + bound
         while time.monotonic() < deadline:
             time.sleep(0.0005)   # polling the other ranks' slot headers against a deadline
             if self._every_local_rank_has(step):
                 return True
         self._peers_late.hit("rank %d: not every local rank committed step %d within %.0f ms of this rank's next "
                              "snapshot; overwriting it (the safe step stays where it is until they keep pace)",
-                             self.rank, step, max(SAFE_WAIT, self.peer_wait) * 1000)
+                             self.rank, step, bound * 1000)
         return False
 
     def _every_local_rank_has(self, step: int) -> bool:
