@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -131,20 +132,26 @@ HEALTH = ("--health-threshold", "5", "--threshold", "1e30")   # health monitored
 
 def test_torchrun_kill_after_an_unhealthy_step_resumes_the_newest_healthy_one_from_memory(env: Env) -> None:
     """A spike at step 14 only (the snapshot of 14 is unhealthy), rank 1 SIGKILLed once its snapshot of 14
-    is committed; torchrun restarts the group, which passes 14 over and resumes at 13 from memory. Persists are
-    capped to take several steps, as a large model's do (no sleep stands in for compute)."""
+    is committed; torchrun restarts the group, which passes 14 over and resumes from memory at the newest healthy
+    step both ranks hold: 13, or 12 when rank 0 was still copying 14 over 13 as the agent had not yet declared 13
+    safe (invariant 9 bounds a rank kill to two snapshot intervals; CI saw 12 once). Persists are capped to take
+    several steps, as a large model's do (no sleep stands in for compute)."""
     from test_skip import rows, run_job
 
     code, out, log = run_job(env, "run", "--steps", "18", "--spike-steps", "14", "--kill-at", "14",
                              "--save-storage-interval", "4", *HEALTH, restarts=1,
                              extra_env={"EASYCKPT_PERSIST_MBPS": "0.5"})
     assert code == 0, log[-4000:]
+    resumed = set()
     for rank in range(2):
         resume = json.loads((out / f"resume-rank{rank}.json").read_text())
-        assert (resume["step"], resume["source"]) == (13, "memory"), resume
-        assert rows(out, rank)[14]["embedding"] > 5 > rows(out, rank)[13]["embedding"]
-    assert "passing over unhealthy snapshots newer than step 13: step 14 (unhealthy on ranks [0, 1]: " \
-           "rank 0: embedding_local_norm" in log, "the passed-over step is named in the log with its reasons"
+        assert resume["source"] == "memory" and resume["step"] in (12, 13), resume
+        resumed.add(resume["step"])
+        assert rows(out, rank)[14]["embedding"] > 5 > rows(out, rank)[resume["step"]]["embedding"]
+    assert len(resumed) == 1, f"the ranks resumed at different steps: {resumed}"
+    # The line names the newest healthy candidate, which is 13 also when only rank 1 still holds it.
+    assert re.search(r"passing over unhealthy snapshots newer than step 1[23]: step 14 \(unhealthy on ranks "
+                     r"\[0, 1\]: rank 0: embedding_local_norm", log), "the passed-over step is named with its reasons"
 
 
 def test_torchrun_diverged_run_keeps_and_resumes_the_newest_healthy_iteration_from_disk(env: Env) -> None:
