@@ -20,6 +20,13 @@ from easyckpt_wire.shm import SlotFormatError, SlotHeader, SlotMap, list_slots
 
 logger = logging.getLogger(__name__)
 
+# A rank creates all its slots at its first snapshot (and again after a restart), one file after another: a
+# listing between two of them sees only some. For this long after a listing found a new slot, every scan lists
+# again, so that the rest are watched before their first commit; at full speed a job takes tens of steps in the
+# 0.25 s between ordinary listings, while the agent, blind to those slots, could neither declare a step safe nor
+# flush the right one on a failure (seen in CI: rank 0's second and third slots found only after it died).
+SETTLE_S = 1.0
+
 
 @dataclasses.dataclass(slots=True)
 class RankProcess:
@@ -67,6 +74,7 @@ class Watcher:
         self.local_world_size = 0
         self.world_size = 0   # of the current run: slots and ranks of a run with another size are ignored
         self._last_listing = 0.0
+        self._settle_until = 0.0   # list at every scan until then: a rank may still be creating its slots
         # (rank, slot, generation) of snapshots of an abandoned timeline that their rank could not invalidate
         # (the agent held the slot): never persisted, declared safe or served, until the slot is rewritten.
         self.abandoned: set[tuple[int, int, int]] = set()
@@ -76,13 +84,14 @@ class Watcher:
         now = time.monotonic()
         seen = {rank for rank, _ in self.slots}
         missing = any(rank not in seen for rank in self.ranks)  # a registered rank whose slots we have not seen
-        if missing or now - self._last_listing >= relist_every:
+        if missing or now < self._settle_until or now - self._last_listing >= relist_every:
             self._last_listing = now
             found = list_slots(self.shm_dir, self.job_id)
             for key, path in found.items():
                 if key not in self.slots:
                     try:
                         self.slots[key] = SlotInfo(key[0], key[1], path, SlotMap(path, writable=True))
+                        self._settle_until = now + SETTLE_S
                         logger.info("watching slot %s", path)
                     except (OSError, SlotFormatError) as exc:
                         logger.warning("cannot map slot %s: %s", path, exc)

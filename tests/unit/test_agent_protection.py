@@ -161,3 +161,28 @@ def test_a_restarted_agent_adopts_its_predecessors_safe_step(tmp_path: Path) -> 
         assert node.protection.safe == 4 and not node.ranks.writable(0, 0)
     finally:
         node.close()
+
+
+def test_slots_a_rank_creates_just_after_a_listing_are_watched_at_the_next_scan(tmp_path: Path) -> None:
+    """A rank creates its slots one file after another at its first snapshot, and a listing between two of them
+    saw only rank 0's first. The next scan, well within the ordinary 0.25 s between listings, watches the rest:
+    their commits decide the safe step (CI: rank 0's second and third slots were found only after it died, 14
+    steps on, so the agent could not declare its steps safe and flushed step 0 on the failure)."""
+    ranks = FakeRanks(tmp_path)
+    aside = tmp_path / "being-created"
+    aside.mkdir()
+    for slot in (1, 2):
+        ranks.path(0, slot).rename(aside / ranks.path(0, slot).name)
+    watcher = Watcher(tmp_path, JOB)
+    try:
+        watcher.scan()
+        assert sorted(watcher.slots) == [(0, 0), (1, 0), (1, 1), (1, 2)]
+        for slot in (1, 2):
+            (aside / ranks.path(0, slot).name).rename(ranks.path(0, slot))
+        ranks.commit_all(1, 5)
+        watcher.scan()
+        assert sorted(watcher.slots) == [(rank, slot) for rank in (0, 1) for slot in range(3)]
+        assert held(watcher)[2] == {5}, "step 5 is held by every rank, in slots the last listing did not see"
+    finally:
+        watcher.close()
+        ranks.close()
