@@ -180,7 +180,7 @@ def test_slots_a_rank_creates_just_after_a_listing_are_watched_at_the_next_scan(
         for slot in (1, 2):
             (aside / ranks.path(0, slot).name).rename(ranks.path(0, slot))
         ranks.commit_all(1, 5)
-        watcher.scan()
+        watcher.scan(relist_every=60)   # no ordinary listing due: only the settle window can find the new slots
         assert sorted(watcher.slots) == [(rank, slot) for rank in (0, 1) for slot in range(3)]
         assert held(watcher)[2] == {5}, "step 5 is held by every rank, in slots the last listing did not see"
     finally:
