@@ -32,7 +32,8 @@ What it does, and why this way:
   always; but instead of ``torch.save`` on rank 0 while every rank waits, each rank snapshots the state with a
   request to persist it (``Checkpointer.save(step, state, persist=True)``), taken once the step's saves are
   over (at the callback's next hook: ``ModelCheckpoint`` writes ``last.ckpt`` after the top-k file, and the
-  snapshot must hold the callbacks' states as the last save left them), and rank 0's export thread
+  snapshot must hold the callbacks' states as the last save left them; the step's own in-memory snapshot is
+  held with them, so one copy of the step is taken, not two that differ), and rank 0's export thread
   (:mod:`easyckpt.lightning.export`) writes the ``.ckpt`` file from the persisted iteration: the file a plain
   Lightning ``Trainer`` resumes from and ``load_from_checkpoint`` reads. ``save_top_k``'s removals reach
   the files (or cancel their export). A file appears once the agent has persisted its step: training waits

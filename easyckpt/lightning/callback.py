@@ -37,12 +37,18 @@ STATE_FORMAT = 1
 
 @dataclass
 class _Saves:
-    """Lightning's saves of one step, held until the step's last one (ModelCheckpoint writes the top-k file,
-    then ``last.ckpt`` with ``last_model_path`` updated first): the snapshot must carry the callbacks' states as
-    the last save left them, or a resume from it names a stale ``last_model_path`` and Lightning writes
-    ``last-v1.ckpt`` next to ``last.ckpt``."""
+    """The current step's state, held until this callback's next hook: its snapshot, when due (taken at
+    ``on_train_batch_end``), and Lightning's saves of the step (ModelCheckpoint writes the top-k file, then
+    ``last.ckpt`` with ``last_model_path`` updated first; a monitored save comes after validation). One copy
+    is taken, of the newest dictionary: a resume from a snapshot taken before the saves would name a stale
+    ``last_model_path`` (Lightning then writes ``last-v1.ckpt`` next to ``last.ckpt``), and two copies of
+    one step differ in the callbacks' states, so the agent, claiming this rank's copy as soon as another rank
+    asks for the step, could persist the older one here: a resume from disk then diverged across ranks
+    (ModelCheckpoint's collectives hung; CI, 2026-11-29)."""
     step: int
-    checkpoint: dict[str, Any]     # the newest save's dictionary: what the snapshot holds
+    checkpoint: dict[str, Any]     # the newest dictionary of the step: what the snapshot holds
+    metrics: dict[str, float] | None = None   # this rank's health metrics of the step (the due snapshot's)
+    persist: bool = False          # Lightning saved the step: the agent persists it
     files: list[tuple[str, dict[str, Any], dict[str, Any]]] = field(default_factory=list)   # path, dict, extras
 
 
@@ -199,8 +205,12 @@ class EasyCkpt(Callback):
         self._last_step = step
         if not self.ckpt.due(step):
             return
+        # Held, not taken: ModelCheckpoint (always the last callback) may save this step next.
         metrics = self._step_metrics(step, outputs)
-        self.ckpt.save_if_needed(step, self._capture(trainer), metrics=metrics)
+        if self._saves is None:
+            self._saves = _Saves(step, self._capture(trainer), metrics)
+        else:   # a save of this step came first (a callback before this one): its dictionary is the snapshot
+            self._saves.metrics = metrics
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for loader in self._skipped:
@@ -348,18 +358,23 @@ class EasyCkpt(Callback):
         if self._saves is None:
             self._saves = _Saves(step, checkpoint)
         self._saves.checkpoint = checkpoint
+        self._saves.persist = True
         self._saves.files.append((str(filepath), checkpoint, self._extras(checkpoint)))
         return None
 
     def _take_saves(self, *, agreed: bool = True) -> None:
-        """Snapshot the held saves' step (the newest save's dictionary) and have their files exported from
-        its iteration, or write them synchronously if a rank found no free slot. ``agreed``: every rank is
-        here and decides together (a barrier), else this rank decides alone (an exception on its way)."""
+        """Snapshot the held step (:class:`_Saves`, the newest dictionary): into memory only, or, when
+        Lightning saved it, with a request to persist and the files exported from its iteration (written
+        synchronously if a rank found no free slot). ``agreed``: every rank is here and decides together (a
+        barrier), else this rank decides alone (an exception on its way)."""
         saves, self._saves = self._saves, None
         ckpt = self.ckpt
         if saves is None or ckpt is None or ckpt.closed:
             return
-        started = self._persist(ckpt, saves.step, saves.checkpoint)
+        if not saves.persist:
+            ckpt.save_if_needed(saves.step, saves.checkpoint, metrics=saves.metrics)
+            return
+        started = self._persist(ckpt, saves.step, saves.checkpoint, saves.metrics)
         if all_ok(started) if agreed else started:
             if self.exporter is not None:
                 for path, _, extras in saves.files:
@@ -371,7 +386,8 @@ class EasyCkpt(Callback):
         for path, checkpoint, _ in saves.files:
             self._originals["save_checkpoint"](checkpoint, path)
 
-    def _persist(self, ckpt: Checkpointer, step: int, checkpoint: dict[str, Any]) -> bool:
+    def _persist(self, ckpt: Checkpointer, step: int, checkpoint: dict[str, Any],
+                 metrics: dict[str, float] | None) -> bool:
         if step == self._persisted:   # saves of a step an earlier hook snapshotted already: the same iteration
             return True
         trainer = self._trainer
@@ -383,7 +399,8 @@ class EasyCkpt(Callback):
             # schedulers) as the save left it: at an epoch's end the take comes at the next epoch's start, and a
             # resume from that loop state ended the resumed epoch one batch early.
             state = {**state, **sharded.live_state(trainer.strategy)}
-        metrics = self._metrics[1] if self.health and self._metrics is not None and self._metrics[0] == step else None
+        if metrics is None and self.health and self._metrics is not None and self._metrics[0] == step:
+            metrics = self._metrics[1]   # a save of a step that is not due: the embedding norm measured for it
         deadline = time.monotonic() + ckpt.config.pin_timeout
         started = ckpt.save(step, state, persist=True, metrics=metrics)
         waited = time.monotonic()
