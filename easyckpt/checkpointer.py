@@ -335,6 +335,18 @@ class Checkpointer:
             self.agent.flush(step, wait=False, timeout=0)
         return True
 
+    def persist(self, step: int) -> None:
+        """Ask the node agent to persist ``step``, committed in this rank's memory, as soon as every local rank
+        holds it (the request ``save(step, ..., persist=True)`` sends at its commit); returns at once.
+
+        For a step snapshotted again (a save point after the step's own snapshot): ``save`` it without
+        ``persist``, ``wait()``, meet the other ranks, then ask. The agent claims each rank's copy of a
+        requested step as soon as any rank asks, so a rank still writing its second copy would have its older
+        one persisted."""
+        if self._closed:
+            raise RuntimeError(f"persist(step={step}) after close(): create a new Checkpointer")
+        self.agent.flush(step, wait=False, timeout=0)
+
     def wait(self) -> None:
         """Block until the last snapshot's copy is in shared memory.
 

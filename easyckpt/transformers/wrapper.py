@@ -390,14 +390,16 @@ class TrainerWrapper:
         ckpt = self.ckpt
         assert ckpt is not None
         # The step may be in memory already (the snapshot after the last step of an epoch, taken before
-        # the epoch-end evaluation and save): the Checkpointer drops that copy once this one is committed,
-        # and only then asks the agent, which takes the newer copy of a step.
+        # the epoch-end evaluation and save). The agent claims a rank's copy of a requested step as soon as any
+        # rank asks, and takes the newer of two: so every rank commits this copy before any rank asks.
         state = self._capture()
-        started = ckpt.save(step, state, persist=True, metrics=metrics) or \
-            self._until_slot(step, lambda: ckpt.save(step, state, persist=True, metrics=metrics), "this save")
+        started = ckpt.save(step, state, metrics=metrics) or \
+            self._until_slot(step, lambda: ckpt.save(step, state, metrics=metrics), "this save")
         if started:
             self._last_step = step  # the snapshot after the Trainer's save point is this one
+            ckpt.wait()
         if all_ok(started):
+            ckpt.persist(step)
             return True
         logger.warning("rank %d: no free slot to snapshot step %d within %gs (pin_timeout) on this rank or "
                        "another (the agent is still persisting older steps): writing checkpoint-%d synchronously, "

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, Env, assert_same, run_cli, save_and_persist, seeded_random, wait_for
+from conftest import ROOT, Env, assert_same, persisted_states, run_cli, save_and_persist, seeded_random, wait_for
 
 import easyckpt
 from easyckpt_wire import layout
@@ -401,6 +401,36 @@ def test_a_step_snapshotted_twice_persists_its_newer_copy_and_pins_nothing(env: 
     with make(env) as reader:
         restored = reader.load(load_dir=env.save_dir / layout.iteration_dirname(4))
     assert restored.state["eval"] == 0.5 and torch.equal(restored.state["w"], torch.full((512,), 2.0))
+
+
+def test_a_step_snapshotted_again_on_two_ranks_persists_every_ranks_newer_copy(
+        env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks hold step 4 and snapshot it again (a save point after the step's own snapshot, with other
+    non-tensor state). The agent claims a rank's copy of a requested step as soon as any rank asks: with
+    save(persist=True), rank 1's request, sent at its commit, found rank 0 still on its older copy, and
+    that one was persisted (Lightning, CI 2026-11-29: ranks resumed with different callback states). So the
+    ranks save without the request, wait, and each asks with persist() once both are committed."""
+    ranks = []
+    for rank in (0, 1):
+        for name, value in {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 2}.items():
+            monkeypatch.setenv(name, str(value))
+        ranks.append(make(env, save_storage_interval=1000, pin_timeout=300))
+    try:
+        for ck in ranks:
+            assert ck.save_if_needed(4, {"w": torch.full((512,), 1.0), "saved": False})
+            ck.wait()
+        for ck in ranks:   # the save point: each rank's copy committed before any rank asks
+            assert ck.save(4, {"w": torch.full((512,), 1.0), "saved": True})
+            ck.wait()
+        ranks[1].persist(4)
+        ranks[0].persist(4)
+        wait_for(lambda: complete_steps(env) == [4], 60, "the agent to persist step 4 on request")
+    finally:
+        for ck in ranks:
+            ck.close()
+    with pytest.raises(RuntimeError, match=r"persist\(step=5\) after close\(\)"):
+        ranks[0].persist(5)
+    assert [state["saved"] for state in persisted_states(env.save_dir / layout.iteration_dirname(4))] == [True, True]
 
 
 EXIT_WITHOUT_CLOSE = """

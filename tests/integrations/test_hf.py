@@ -22,7 +22,7 @@ pytest.importorskip("transformers", reason="the HF integration needs transformer
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate: pip install -e '.[hf]'")
 
 import torch  # noqa: E402
-from conftest import Env, seeded_random, wait_for, wipe_memory  # noqa: E402
+from conftest import Env, persisted_states, seeded_random, wait_for, wipe_memory  # noqa: E402
 from ddp_job import newest_common_committed, slot_states  # noqa: E402
 from hf_job import (  # noqa: E402
     NATIVE_FILES,
@@ -94,6 +94,13 @@ def test_epoch_saves_are_persisted_by_the_agent_and_exported(env: Env, reference
     assert sorted(p.name for p in output_dir.iterdir() if p.name.startswith(("checkpoint-", ".easyckpt-"))) == \
         ["checkpoint-16", "checkpoint-20", "checkpoint-8"]
     assert 20 in [step for step, _ in layout.complete_iterations(save_dir)]
+    # The epoch-end save snapshots a step in memory already, with the Trainer's control flags changed: every rank
+    # commits that copy before any asks for the step, or the agent could persist a rank's older copy.
+    for step, iteration in layout.complete_iterations(save_dir):
+        states = [json.loads(state["trainer_state"]) for state in persisted_states(iteration)]
+        for state in states:
+            del state["is_local_process_zero"], state["is_world_process_zero"]
+        assert all(state == states[0] for state in states), f"the ranks' trainer states of step {step} differ"
     ours, theirs = output_dir / "checkpoint-20", plain_dir / "checkpoint-20"
     assert (ours / "model.safetensors").read_bytes() == (theirs / "model.safetensors").read_bytes()
     for name in ("optimizer.pt", "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth"):

@@ -9,7 +9,6 @@ that lost an RNG state would show too.
 """
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -19,11 +18,10 @@ import pytest
 pytest.importorskip("lightning", reason="the Lightning integration needs lightning: pip install -e '.[lightning]'")
 
 import torch  # noqa: E402
-from conftest import Env, seeded_random  # noqa: E402
+from conftest import Env, persisted_states, seeded_random  # noqa: E402
 from ddp_job import newest_common_committed, slot_states  # noqa: E402
 from lightning_job import BATCHES_PER_EPOCH, SAVE_STEPS, SCRIPT, STEPS, LightningJob, assert_continues_exactly, run_to_end  # noqa: E402
 
-from easyckpt.snapshot.state import unflatten  # noqa: E402
 from easyckpt_wire import layout  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -103,17 +101,6 @@ def test_kill9_resume_from_memory_then_disk_then_plain_lightning(env: Env, refer
             [reference.losses(rank)[step]["ids"] for step in range(17, 25)]
 
 
-def persisted_last_model_paths(iteration: Path) -> list[str]:
-    """Each rank's ``ModelCheckpoint.last_model_path`` in a persisted iteration, in rank order."""
-    common = json.loads((iteration / layout.COMMON).read_text())
-    meta = layout.read_metadata(iteration)
-    paths = []
-    for rank in sorted(common["ranks"], key=int):
-        state = unflatten(common["ranks"][rank]["skeleton"], [torch.zeros(0)] * len(meta["ranks"][rank]["tensors"]))
-        paths += [value["last_model_path"] for key, value in state["callbacks"].items() if "ModelCheckpoint" in key]
-    return paths
-
-
 def test_a_run_resumed_at_an_epoch_end_saves_states_that_resume_exactly(env: Env,
                                                                          reference: tuple[str, LightningJob]) -> None:
     """A run resumed at an epoch's end (step 8, the last batch of epoch 0) goes on to save step 16, the end of
@@ -132,7 +119,8 @@ def test_a_run_resumed_at_an_epoch_end_saves_states_that_resume_exactly(env: Env
     # last_model_paths and ModelCheckpoint's collectives at step 16 hung (CI, 2026-11-29).
     assert "dropped the older snapshot" not in first.log()
     last = str(root / "checkpoints" / "last.ckpt")
-    assert persisted_last_model_paths(save_dir / layout.iteration_dirname(SAVE_STEPS)) == [last, last]
+    assert [value["last_model_path"] for state in persisted_states(save_dir / layout.iteration_dirname(SAVE_STEPS))
+            for key, value in state["callbacks"].items() if "ModelCheckpoint" in key] == [last, last]
     resumed = run_to_end(LightningJob(env, root, env.tmp_path / "to-20", strategy=strategy))
     for rank in range(2):
         assert resumed.report(rank)["global_step"] == SAVE_STEPS, resumed.report(rank)
