@@ -345,7 +345,7 @@ class Checkpointer:
         one persisted."""
         if self._closed:
             raise RuntimeError(f"persist(step={step}) after close(): create a new Checkpointer")
-        self.agent.flush(step, wait=False, timeout=0)
+        self.stager.request_persist(step)
 
     def wait(self) -> None:
         """Block until the last snapshot's copy is in shared memory.

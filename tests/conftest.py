@@ -274,15 +274,14 @@ def assert_same(a: Any, b: Any, path: str = "state") -> None:
 def persisted_states(iteration: Path) -> list[Any]:
     """Each rank's state in a persisted iteration, in rank order, with every tensor an empty one: what the
     ranks' non-tensor entries (a framework's own records) say."""
-    import json
-
     import torch
 
     from easyckpt.snapshot.state import unflatten
     from easyckpt_wire import layout
 
-    common = json.loads((iteration / layout.COMMON).read_text())
-    meta = layout.read_metadata(iteration)
+    store, key = layout.locate(iteration)
+    meta = layout.metadata(store, key)
+    common = layout.read_common(store, key, meta)   # checked against the marker's checksum
     return [unflatten(common["ranks"][rank]["skeleton"], [torch.zeros(0)] * len(meta["ranks"][rank]["tensors"]))
             for rank in sorted(common["ranks"], key=int)]
 
