@@ -10,7 +10,7 @@ from pathlib import Path
 
 from easyckpt_wire import protocol
 from easyckpt_wire.health import check_thresholds
-from easyckpt_wire.shm import MAX_SLOTS, check_job_id, shm_dir
+from easyckpt_wire.shm import MAX_SLOTS, check_job_id, list_slots, shm_dir
 from easyckpt_wire.storage import is_url, location, open_storage, unavailable
 
 logger = logging.getLogger(__name__)
@@ -109,7 +109,9 @@ class CheckpointerConfig:
                           f"created: {exc.strerror or exc}; point it at a writable tmpfs such as /dev/shm") from None
         if self.log_file_path is not None:
             self.log_file_path = str(Path(self.log_file_path).expanduser().resolve())
-        check_writable(self.save_dir)
+        # torchrun counts only the restarts its own workers' failures caused: workers restarted because another
+        # node's failed (a membership change) see TORCHELASTIC_RESTART_COUNT=0, but find this job's slots here
+        check_writable(self.save_dir, resuming=bool(list_slots(self.shm_dir, self.job_id)))
 
     def persist_due(self, step: int) -> bool:
         return step % self.save_storage_interval == 0
@@ -119,10 +121,11 @@ def _is_a_file(path: Path) -> str:
     return f"{path} is a file, not a directory"
 
 
-def check_writable(save_dir: Path) -> None:
-    """Fail now, with the path and the fix, rather than in the agent an hour into training."""
+def check_writable(save_dir: Path, *, resuming: bool = False) -> None:
+    """Fail now, with the path and the fix, rather than in the agent an hour into training. ``resuming``: this
+    node's memory holds snapshots of the job (see :func:`check_object_store`)."""
     if is_url(save_dir):
-        check_object_store(save_dir)
+        check_object_store(save_dir, resuming=resuming)
         return
     blocker = protocol.file_in_the_way(save_dir)
     if blocker is not None:
@@ -149,10 +152,12 @@ def check_writable(save_dir: Path) -> None:
         raise PermissionError(f"save_dir {save_dir} is not writable{owner}: {exc.strerror or exc}. {fix}") from None
 
 
-def check_object_store(save_dir: Path) -> None:
+def check_object_store(save_dir: Path, *, resuming: bool = False) -> None:
     """An ``s3://`` save_dir: the bucket exists and this process may write under the prefix (a missing bucket,
     refused credentials or an unreachable server is said now, with the URL and the fix, not at the first
-    persist). Never a credential in the message: the variables to set are named, not their values."""
+    persist). Never a credential in the message: the variables to set are named, not their values. An
+    unreachable store only warns in a restarted worker (torchrun's restart count, or ``resuming``: this node's
+    memory already holds the job's snapshots), which resumes from memory or replicas."""
     try:
         store = open_storage(save_dir)
     except ImportError as exc:
@@ -166,13 +171,15 @@ def check_object_store(save_dir: Path) -> None:
         reason = str(exc.strerror or exc).rstrip(".")
         reason += "" if reason.endswith(("?", "!")) else "."
         restart = _restart_count()
-        if restart and unavailable(exc):
+        if (restart or resuming) and unavailable(exc):
             # The store answered this job's first workers (they passed this check), so an unreachable one now is
             # an outage, not a wrong setting; refusing to start would end the job, whose state this node's memory
             # (or a replica) still holds. The agent retries its persists until the store is back.
-            logger.warning("save_dir %s cannot be reached now (endpoint %s): %s This is restart %d of this job's "
-                           "workers, so the store answered before: going on; the state is loaded from memory or "
-                           "replicas, and persists fail until the store is back", save_dir, endpoint, reason, restart)
+            which = f"restart {restart} of this job's workers" if restart else \
+                "a restart of this job's workers (this node's memory holds its snapshots)"
+            logger.warning("save_dir %s cannot be reached now (endpoint %s): %s This is %s, so the store answered "
+                           "before: going on; the state is loaded from memory or replicas, and persists fail until "
+                           "the store is back", save_dir, endpoint, reason, which)
             return
         raise type(exc)(exc.errno, f"save_dir {save_dir} cannot be used (endpoint {endpoint}): {reason} "
                         "The endpoint comes from AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (or endpoint_url in "

@@ -148,10 +148,13 @@ def test_errors_are_os_errors_naming_the_url_and_the_fix(store: s3.S3Storage) ->
 
 
 def test_a_restarted_worker_goes_on_when_the_store_is_unreachable_but_never_when_the_bucket_is_missing(
-        store: s3.S3Storage, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        store: s3.S3Storage, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        tmp_path: Path) -> None:
     """Start-up's check of an s3:// save_dir (``config.check_object_store``): an unreachable store stops a first
     start (a wrong endpoint looks the same), but torchrun's restart of workers whose store answered before goes
-    on, saying so, to resume from memory; a missing bucket stops a restart as well."""
+    on, saying so, to resume from memory; a missing bucket stops a restart as well. A restart torchrun does not
+    count (workers restarted because another node's failed: the soak's 2-node outage, seed 5, fault 7) is known
+    by this node's memory holding the job's snapshots (``resuming``)."""
     s3_endpoint_down(monkeypatch)
     url_down = location(f"s3://{store.bucket}/runs/x")
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
@@ -161,6 +164,20 @@ def test_a_restarted_worker_goes_on_when_the_store_is_unreachable_but_never_when
     with caplog.at_level(logging.WARNING, logger="easyckpt.config"):
         config.check_writable(url_down)
     assert f"save_dir {url_down} cannot be reached now" in caplog.text and "restart 2 of this job's workers" in caplog.text
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="easyckpt.config"):
+        config.check_writable(url_down, resuming=True)
+    assert "this node's memory holds its snapshots" in caplog.text, caplog.text
+    settings = {"save_dir": url_down, "save_mem_interval": 1, "save_storage_interval": 2, "max_ckpt_num": 2,
+                "job_id": "j7", "shm_dir": tmp_path}
+    with pytest.raises(ConnectionError, match="cannot be used"):   # the shm holds nothing of job j7: a first start
+        config.CheckpointerConfig(**settings)
+    (tmp_path / "easyckpt-j7-r000001-s2").write_bytes(b"")   # a slot a worker of this job left on this node
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="easyckpt.config"):
+        config.CheckpointerConfig(**settings)
+    assert "this node's memory holds its snapshots" in caplog.text, caplog.text
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3server.server().url)
     with pytest.raises(FileNotFoundError, match="create it"):
         config.check_writable(location("s3://no-such-bucket-x/p"))
