@@ -3,7 +3,7 @@
     python benchmarks/soak.py --faults 1000 --seed 7 --json soak-7.json          # a thousand faults
     python benchmarks/soak.py --faults 1000 --seed 7 --json soak-7.json --resume-from soak-7.json   # go on
     python benchmarks/soak.py --merge soak-7.json soak-8.json --json soak.json   # add up split soaks
-    python benchmarks/soak.py --smoke --json smoke.json                          # 16 faults, the CI mode
+    python benchmarks/soak.py --smoke --json smoke.json                          # 20 faults, the CI mode
     python benchmarks/soak.py --seed 7 --only 412 --json replay.json             # replay one fault
     python benchmarks/soak.py --faults 100 --seed 8 --jobs 3 --json soak-8.json  # three jobs side by side
 
@@ -34,6 +34,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -43,23 +44,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak_check import Reference, format_table, judge, reference_rows, table  # noqa: E402
 from soak_faults import DISK_MB, RUNNERS, STOP_BEYOND, Strike, tmpfs  # noqa: E402
 from soak_job import Cluster, Hung  # noqa: E402
-from soak_plan import CONFIGS, KINDS, Fault, Shape, available_kinds, check_names, plan  # noqa: E402
+from soak_plan import CONFIGS, KINDS, Fault, Shape, available_kinds, check_names, expected_cost, plan  # noqa: E402
 
-# 16: every kind twice (kinds come in blocks, soak_plan.plan); 20 took 6.5 min of CI's 90 (2026-11-26)
-SMOKE = {"faults": 16, "configs": ["plain-1x1", "plain-2x1"], "steps": 12, "interval": 3}
+# every kind two or three times (kinds come in blocks, soak_plan.plan)
+SMOKE = {"faults": 20, "configs": ["plain-1x1", "plain-2x1"], "steps": 12, "interval": 3}
 LEAK_GRACE = 30.0     # seconds a job's agents get to exit and free their memory once its ranks ended
 SETTINGS = ("seed", "kinds", "configs", "steps", "interval")
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--faults", type=int, default=None, help="how many faults (jobs); default 100, or 16 with --smoke")
+    p.add_argument("--faults", type=int, default=None, help="how many faults (jobs); default 100, or 20 with --smoke")
     p.add_argument("--seed", type=int, default=None, help="the seed every fault is drawn from (default: random, printed)")
     p.add_argument("--json", type=Path, required=True, help="where the result goes (rewritten after every job)")
     p.add_argument("--resume-from", type=Path, default=None, help="a JSON of an interrupted soak: run its missing faults")
     p.add_argument("--merge", type=Path, nargs="+", default=None, help="add up the JSONs of several soaks; runs nothing")
     p.add_argument("--only", type=int, action="append", default=None, help="run only fault K of the seed (repeatable)")
-    p.add_argument("--smoke", action="store_true", help="16 faults on 1x1 and 2x1 plain jobs of 12 steps (CI)")
+    p.add_argument("--smoke", action="store_true", help="20 faults on 1x1 and 2x1 plain jobs of 12 steps (CI)")
     p.add_argument("--kinds", default=None, help="fault kinds to draw from, comma separated (default: every kind "
                    "the product can take)")
     p.add_argument("--configs", default=None, help=f"job configurations, comma separated (of {', '.join(CONFIGS)})")
@@ -117,8 +118,10 @@ def run_reference(name: str, shape: Shape, work: Path, timeout: float) -> tuple[
         cluster.cleanup()
 
 
-def run_job(fault: Fault, shape: Shape, ref: Reference, work: Path, timeout: float, keep: bool,
+def run_job(fault: Fault, shape: Shape, ref: Callable[[], Reference], work: Path, timeout: float, keep: bool,
             cpu_of_children: bool = True, seed: int = 0) -> dict[str, Any]:
+    """``ref`` gives the reference run of the job's configuration, waiting for it: only the judge needs it, so a
+    job starts while the reference still runs."""
     config = CONFIGS[fault.config]
     started, cpu = time.monotonic(), children_cpu()
     limit = timeout * (1.5 if config.api == "hf" else 1.0) + (fault.hold_s + STOP_BEYOND[config.api]
@@ -152,7 +155,7 @@ def run_job(fault: Fault, shape: Shape, ref: Reference, work: Path, timeout: flo
             codes = cluster.wait_all()
             if store is not None:
                 store.proxy.come_back()   # for the judge: the tracker and `easyckpt verify` read the store
-            record.update(judge(cluster, ref, strike, codes))
+            record.update(judge(cluster, ref(), strike, codes))
         except Hung as exc:
             record.update(hung=True, why=[f"hung: still waiting for {exc} after {limit:.0f} s"],
                           tail=cluster.tail(1500))
@@ -286,8 +289,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return rows
 
     def job(fault: Fault, ref: Future[Reference]) -> None:
-        record = run_job(fault, shapes[fault.config], ref.result(), work, args.job_timeout, args.keep,
+        record = run_job(fault, shapes[fault.config], ref.result, work, args.job_timeout, args.keep,
                          cpu_of_children=args.jobs == 1, seed=seed)
+        ref.result()   # a broken reference stops the soak with its own error, not as a failed job
         with lock:
             runs.append(record)
             runs.sort(key=lambda run: run["index"])   # the JSON lists the faults in the order they were asked for
@@ -298,9 +302,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             write(args.json, result)
 
     with ThreadPoolExecutor(max_workers=args.jobs, thread_name_prefix="soak") as pool:
-        # the references first: a job waits for its configuration's, which the pool's order has already started
+        # the references first: a job's judge waits for its configuration's, which the pool has already started
         refs = {name: pool.submit(reference, name) for name in dict.fromkeys(f.config for f in faults)}
-        futures = [pool.submit(job, fault, refs[fault.config]) for fault in faults]
+        # the longest jobs first: the pool's lanes then run dry together (the JSON keeps the order asked for)
+        futures = [pool.submit(job, fault, refs[fault.config])
+                   for fault in sorted(faults, key=expected_cost, reverse=True)]
         try:
             with stop_on_signals():
                 for future in futures:

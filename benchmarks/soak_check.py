@@ -114,7 +114,7 @@ def _judge_end(c: Cluster, strike: Strike, codes: dict[int, int], record: dict[s
     bad_exits = {node: code for node, code in codes.items() if code != 0}
     if bad_exits:
         if strike.expect_error and strike.expect_error in c.logs():
-            record.setdefault("notes", []).append(f"ended with {strike.expect_error}, as a full disk must")
+            record.setdefault("notes", []).append(f"ended with {strike.expect_error}, as an unwritable persist must")
         elif not refused:
             failed.append(f"launchers exited {bad_exits}: {c.tail(600)}")
     elif tracker(c) != c.shape.last:

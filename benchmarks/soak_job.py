@@ -142,12 +142,13 @@ class Cluster:
             self.procs[node] = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
                                                 env=self.environ(node, env), cwd=str(ROOT))
 
-    def start_all(self, *, env: dict[int, dict[str, str]] | None = None, fresh: bool = False) -> None:
+    def start_all(self, *, env: dict[int, dict[str, str]] | None = None, fresh: bool = False,
+                  max_restarts: int = 2) -> None:
         """Every node; ``fresh``: a new rendezvous (the whole job was lost and is launched again)."""
         if fresh:
             self.port, self.rdzv = free_port(), self.rdzv + 1
         for node in range(self.config.nodes):
-            self.start(node, env=(env or {}).get(node))
+            self.start(node, env=(env or {}).get(node), max_restarts=max_restarts)
 
     # watching -------------------------------------------------------------------------------------------
     def left(self) -> float:

@@ -227,5 +227,21 @@ def plan(seed: int, index: int, *, kinds: Sequence[str], configs: Sequence[str],
     return Fault(index=index, kind=kind.name, config=config.name, **drawn)
 
 
+# A job's rough cost relative to a plain 1x1 rank kill, from the median seconds of the 1000-fault campaign (seed
+# 1127, benchmarks/results/soak-1127.json): a "never" fault ends every attempt torchrun makes with a failed persist,
+# a flipped iteration is refused and reloaded, a second node doubles the processes.
+_KIND_COST = {("disk_full", "never"): 1.8, ("object_store_outage", "never"): 2.5, ("object_store_outage", "crash"): 1.6,
+              ("disk_full", "crash"): 1.2, ("flip_disk", ""): 1.6, ("rank_stop", "kill"): 1.3, ("agent_kill", ""): 0.8}
+_CONFIG_COST = {"plain-1x1": 1.0, "plain-1x2": 1.0, "plain-2x1": 1.4, "plain-2x2": 1.4, "hf-1x1": 1.4,
+                "hf-1x2": 1.6, "hf-2x1": 1.9}
+
+
+def expected_cost(fault: Fault) -> float:
+    """How long ``fault``'s job should take, relative to others: the soak starts the longest first, so that no lane
+    is left with a long job once the others have run dry. An order only: no draw depends on it."""
+    variant = fault.variant if fault.kind in ("disk_full", "object_store_outage", "rank_stop") else ""
+    return _KIND_COST.get((fault.kind, variant), 1.0) * _CONFIG_COST.get(fault.config, 1.0) + fault.hold_s / 10
+
+
 def available_kinds() -> list[str]:
     return [name for name, kind in KINDS.items() if kind.unavailable is None]

@@ -1,4 +1,4 @@
-"""The fault soak (benchmarks/soak.py): its 16-fault smoke mode as CI runs it, and a replay of every fault whose
+"""The fault soak (benchmarks/soak.py): its 20-fault smoke mode as CI runs it, and a replay of every fault whose
 seed found a bug (the soak's plan is a pure function of the seed and the fault's index, so ``--only K`` throws
 the very fault again: same kind, configuration, step, moment and variant)."""
 from __future__ import annotations
@@ -25,17 +25,17 @@ def bad(run: dict[str, Any]) -> bool:
 
 
 @pytest.mark.timeout(1800)
-def test_soak_smoke_sixteen_faults(tmp_path: Path) -> None:
-    """16 seeded faults, every kind twice (an object-store outage on an s3:// save_dir among them), one and two
-    simulated nodes, two jobs side by side: nothing torn, hung, leaked or failed; a rank kill costs at most two
+def test_soak_smoke_twenty_faults(tmp_path: Path) -> None:
+    """20 seeded faults, every kind two or three times (an object-store outage on an s3:// save_dir among them), one and two
+    simulated nodes, three jobs side by side: nothing torn, hung, leaked or failed; a rank kill costs at most two
     steps from memory, a lost node of a 2-node job comes back from the surviving node's replicas. A disk_full
     that could not mount its tmpfs (not root) is "not run", never a pass: the test says so."""
     seed = seeded_random().randrange(1 << 30)
     out = tmp_path / "smoke.json"
-    result = soak(["--smoke", "--seed", str(seed), "--jobs", "2", "--json", str(out), "--dir", str(tmp_path / "work")])
+    result = soak(["--smoke", "--seed", str(seed), "--jobs", "3", "--json", str(out), "--dir", str(tmp_path / "work")])
     assert json.loads(out.read_text()) == result and result["seed"] == seed and result["complete"]
     runs = result["runs"]
-    assert [run["index"] for run in runs] == list(range(16))
+    assert [run["index"] for run in runs] == list(range(20))
     plan = importlib.import_module("soak_plan")
     assert {run["fault"] for run in runs} == set(plan.available_kinds()), "every kind must be thrown"
     assert result["pending"] == {}
@@ -54,7 +54,7 @@ def test_soak_smoke_sixteen_faults(tmp_path: Path) -> None:
         if run["fault"] == "node_loss" and run["config"] == "plain-1x1":
             assert run["source"] in ("disk", "scratch"), run   # the only node's memory is gone
     total = result["table"][-1]
-    assert total["fault"] == "all" and total["runs"] == 16
+    assert total["fault"] == "all" and total["runs"] == 20
     assert total["torn"] == total["hung"] == total["leaked"] == total["failed"] == 0, total
 
 
