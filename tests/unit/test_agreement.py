@@ -5,14 +5,16 @@ node loss. ``--hypothesis-seed`` replays a failure; every failure prints the dra
 from __future__ import annotations
 
 import dataclasses
+import random
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import cluster_sim
 import pytest
 import zmq
 from conftest import wait_for
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from easyckpt_agent.agreement import (
@@ -228,28 +230,85 @@ def test_news_travel_to_a_real_replica_server_and_wrong_tokens_are_dropped() -> 
 
 
 # the rules in time: the simulation -------------------------------------------------------------------------
-CONFIGS = st.builds(
-    cluster_sim.Config,
-    nodes=st.integers(2, 4), ranks=st.integers(1, 2), slots=st.integers(3, 4), steps=st.just(30),
-    interval=st.integers(2, 6), step_ms=st.just(100.0), jitter_ms=st.floats(0, 20), copy_ms=st.floats(1, 20),
-    agent_ms=st.floats(0.5, 15), slow_node=st.integers(-1, 3), slow_factor=st.floats(1, 4), net_ms=st.floats(0.1, 5),
-    hash_ms=st.floats(0.5, 20), persist_ms=st.floats(5, 600))
+# The simulation properties run over configurations drawn from a fixed seed, the same in every run. They were
+# derandomized hypothesis examples, but hypothesis also draws constants it finds in the modules loaded at the time,
+# so a change anywhere in the code base, or which tests ran before, changed the examples: the CI rehearsal of
+# 2026-11-29 (the whole suite in one process) met the counterexamples in KNOWN_MISSES, which the same test alone
+# never drew. A failure prints the configuration, seed, fault and step to replay with cluster_sim.run.
+SAMPLE_SEED = 20261129
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-          derandomize=True, database=None)   # the simulation-driven properties: the same examples in every CI run
-@given(config=CONFIGS, seed=st.integers(0, 1 << 20), fault=st.sampled_from(["rank", "node"]), at=st.integers(8, 27))
-def test_a_rank_kill_or_a_node_loss_at_any_moment_costs_at_most_two_steps(config: cluster_sim.Config, seed: int,
-                                                                           fault: str, at: int) -> None:
-    """Agents that answer within a fraction of a step, any persist length, any moment inside any step: every
-    rank still holds a common step (a node loss: every survivor, with the lost node's backup on its buddy) at
-    most two steps before the newest one begun."""
+def draw_config(rng: random.Random) -> cluster_sim.Config:
+    return cluster_sim.Config(
+        nodes=rng.randint(2, 4), ranks=rng.randint(1, 2), slots=rng.randint(3, 4), steps=30, interval=rng.randint(2, 6),
+        step_ms=100.0, jitter_ms=rng.uniform(0, 20), copy_ms=rng.uniform(1, 20), agent_ms=rng.uniform(0.5, 15),
+        slow_node=rng.randint(-1, 3), slow_factor=rng.uniform(1, 4), net_ms=rng.uniform(0.1, 5),
+        hash_ms=rng.uniform(0.5, 20), persist_ms=rng.uniform(5, 600))
+
+
+def sample(test: str, count: int, faults: bool = False) -> list[tuple[cluster_sim.Config, int, str | None, int | None]]:
+    """``count`` examples of a property, from SAMPLE_SEED and the test's name: (config, seed, fault, step)."""
+    rng = random.Random(f"{SAMPLE_SEED}:{test}")
+    rows: list[tuple[cluster_sim.Config, int, str | None, int | None]] = []
+    for _ in range(count):
+        config, seed = draw_config(rng), rng.randrange(1 << 20)
+        rows.append((config, seed, rng.choice(["rank", "node"]), rng.randint(8, 27)) if faults else
+                    (config, seed, None, None))
+    return rows
+
+
+def failures(rows: list[tuple[cluster_sim.Config, int, str | None, int | None]],
+             check: Callable[[cluster_sim.Config, int, str | None, int | None], None]) -> list[str]:
+    found = []
+    for config, seed, fault, at in rows:
+        try:
+            check(config, seed, fault, at)
+        except AssertionError as exc:
+            found.append(f"{exc}\n  replay: {check.__name__}({config!r}, {seed}, {fault!r}, {at})")
+    return found
+
+
+def costs_at_most_two_steps(config: cluster_sim.Config, seed: int, fault: str | None, at: int | None) -> None:
     outcome = cluster_sim.run(config, seed, fault, at)
     assert outcome["resumed"] is not None, f"nothing to resume from: {outcome}"
     assert outcome["lost"] <= 2, f"{fault} at step {outcome['step']} resumed at {outcome['resumed']}: {outcome}"
 
 
-# Derandomized: the same 40 examples in every run. A random run on 2026-11-26 found counterexamples to the strict
+def test_a_rank_kill_or_a_node_loss_at_any_moment_costs_at_most_two_steps() -> None:
+    """Agents that answer within a fraction of a step, any persist length, any moment inside any step: every
+    rank still holds a common step (a node loss: every survivor, with the lost node's backup on its buddy) at
+    most two steps before the newest one begun. 60 examples; KNOWN_MISSES are the counterexamples still open."""
+    found = failures(sample("costs_at_most_two_steps", 60, faults=True), costs_at_most_two_steps)
+    assert not found, "\n".join(found)
+
+
+# Counterexamples to the property above, open in issue 24 (met by the CI rehearsal of 2026-11-29, and present in
+# every commit back to the agreement's first): four nodes of two ranks, three slots, a due step every 2 steps,
+# persists longer than a step (so every other due step is passed over) and node 2's agent 3.75-4 times slower (37-38
+# ms a reaction). A rank kill at step 9 found no step every rank held ({5, 8}, {6, 8}, {5, 7}, {5, 8}: the nodes
+# adopted different steps and none was job-safe yet), or only step 6 (3 lost). In this regime 5 of 600 kill points
+# (30 seeds x steps 8-27) lose more than two steps; the job then resumes from disk.
+KNOWN_MISSES = [
+    pytest.param(cluster_sim.Config(nodes=4, ranks=2, slots=3, steps=30, interval=2, step_ms=100.0, jitter_ms=0.5,
+                                    copy_ms=9.0, agent_ms=9.75, slow_node=2, slow_factor=3.75, net_ms=2.5, hash_ms=18.0,
+                                    backup_ms=0.0, persist_ms=116.0, leader_us_per_node=20.0, max_backup_lag=5),
+                 1753, "rank", 9, id="nothing-in-common"),
+    pytest.param(cluster_sim.Config(nodes=4, ranks=2, slots=3, steps=30, interval=2, step_ms=100.0, jitter_ms=0.0,
+                                    copy_ms=7.0, agent_ms=9.5, slow_node=2, slow_factor=4.0, net_ms=2.5, hash_ms=2.0,
+                                    backup_ms=0.0, persist_ms=115.0, leader_us_per_node=20.0, max_backup_lag=5),
+                 1753, "rank", 9, id="three-lost"),
+]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 24: open counterexamples of the two-step bound (see KNOWN_MISSES)")
+@pytest.mark.parametrize("config,seed,fault,at", KNOWN_MISSES)
+def test_the_known_counterexamples_of_the_two_step_bound(config: cluster_sim.Config, seed: int, fault: str,
+                                                          at: int) -> None:
+    """Strict: once a change to the rules makes one of them hold, this fails and the entry goes."""
+    costs_at_most_two_steps(config, seed, fault, at)
+
+
+# A random run on 2026-11-26 found counterexamples to the strict
 # claim for agents of any speed, e.g. Config(nodes=2, ranks=1, slots=4, interval=2, slow_node=1, slow_factor=3.0,
 # agent_ms=12.1, persist_ms=284, ...), seed=481938: node 1's agent slept 267 ms (2.7 steps) while it held the older
 # undecided due step 14, a persist and the candidate, so due step 16 had only the slot the ranks write and was
@@ -263,16 +322,17 @@ def prompt(config: cluster_sim.Config, outcome: dict[str, Any]) -> bool:
     return bool(outcome["slowest_reaction_ms"] < (config.interval - 1) * config.step_ms / 2)
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True,
-          database=None)
-@given(config=CONFIGS, seed=st.integers(0, 1 << 20))
-def test_every_due_step_is_persisted_unless_a_persist_runs_and_no_snapshot_is_skipped(config: cluster_sim.Config,
-                                                                                      seed: int) -> None:
+def test_every_due_step_is_persisted_unless_a_persist_runs_and_no_snapshot_is_skipped() -> None:
     """With four slots (the multi-node default) a due step waits for its decision in the slot the agent leaves
     spare, as long as every agent reacts within half of ``save_storage_interval - 1`` steps. A slower agent may still
     hold an older undecided due step (its holds all taken) when the next one is written, and miss it; with three
     slots an agent a whole step late may. Either way every due step is decided, and every one passed over is
-    announced with its reason: none is ever silently lost."""
+    announced with its reason: none is ever silently lost. 40 examples."""
+    found = failures(sample("every_due_step", 40), every_due_step_is_decided)
+    assert not found, "\n".join(found)
+
+
+def every_due_step_is_decided(config: cluster_sim.Config, seed: int, fault: str | None, at: int | None) -> None:
     outcome = cluster_sim.run(config, seed)
     assert outcome["skipped"] == 0, "a snapshot was skipped"
     for step in outcome["due"]:
@@ -283,13 +343,17 @@ def test_every_due_step_is_persisted_unless_a_persist_runs_and_no_snapshot_is_sk
                 f"due step {step}: {why} (slowest agent reaction {outcome['slowest_reaction_ms']:.0f} ms)"
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True,
-          database=None)
-@given(config=CONFIGS, seed=st.integers(0, 1 << 20))
-def test_with_prompt_agents_and_four_slots_no_due_step_is_lost_for_want_of_a_hold(config: cluster_sim.Config,
-                                                                                    seed: int) -> None:
+def test_with_prompt_agents_and_four_slots_no_due_step_is_lost_for_want_of_a_hold() -> None:
     """The strict half of the property above on every example: agents that react within a fraction of a step
-    (the slow node 3 times slower at most), intervals of 3 steps or more, four slots."""
+    (the slow node 3 times slower at most), intervals of 3 steps or more, four slots. 40 examples."""
+    known = {(param.values[0], param.values[1]) for param in PROMPT_MISSES}
+    rows = [row for row in sample("prompt_agents", 40) if (row[0], row[1]) not in known]
+    found = failures(rows, no_due_step_lost_for_want_of_a_hold)
+    assert not found, "\n".join(found)
+
+
+def no_due_step_lost_for_want_of_a_hold(config: cluster_sim.Config, seed: int, fault: str | None,
+                                        at: int | None) -> None:
     prompt_config = dataclasses.replace(config, slots=4, interval=max(3, config.interval),
                                         agent_ms=min(config.agent_ms, 8.0), slow_factor=min(config.slow_factor, 3.0))
     outcome = cluster_sim.run(prompt_config, seed)
@@ -300,6 +364,26 @@ def test_with_prompt_agents_and_four_slots_no_due_step_is_lost_for_want_of_a_hol
         why = outcome["passed"].get(step)
         assert step in outcome["persisted"] or "still persists" in why or "every node persists" in why, \
             f"due step {step}: {why}"
+
+
+# A counterexample to the property above, open in issue 24 (the first fixed sample of 2026-11-29 drew it): three
+# nodes of two ranks, four slots, a due step every 6 steps, persists of 597 ms, node 1's agent 2.9 times slower (23 ms
+# a reaction once capped): node 1's ranks moved past due step 18 before their agent held it.
+PROMPT_MISSES = [
+    pytest.param(cluster_sim.Config(nodes=3, ranks=2, slots=4, steps=30, interval=6, step_ms=100.0,
+                                    jitter_ms=18.545662603531397, copy_ms=10.635135328519528,
+                                    agent_ms=12.175048623146798, slow_node=1, slow_factor=2.8789959282882682,
+                                    net_ms=1.4819621477088043, hash_ms=12.128298898392925, backup_ms=0.0,
+                                    persist_ms=596.9525946193248, leader_us_per_node=20.0, max_backup_lag=5),
+                 365335, id="due-step-18"),
+]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 24: an open counterexample of the prompt-agent bound (PROMPT_MISSES)")
+@pytest.mark.parametrize("config,seed", PROMPT_MISSES)
+def test_the_known_counterexample_of_the_prompt_agent_bound(config: cluster_sim.Config, seed: int) -> None:
+    """Strict: once a change to the rules makes it hold, this fails and the entry goes."""
+    no_due_step_lost_for_want_of_a_hold(config, seed, None, None)
 
 
 def test_persists_longer_than_the_interval_never_leave_the_nodes_without_a_common_step() -> None:
@@ -330,12 +414,13 @@ def test_an_agent_asleep_past_the_interval_misses_a_due_step_and_says_so() -> No
     assert 8 in outcome["persisted"], "the next due step is persisted"
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-          derandomize=True, database=None)
-@given(config=CONFIGS, seed=st.integers(0, 1 << 20), fault=st.sampled_from(["rank", "node"]), at=st.integers(8, 27))
-def test_starved_agents_cost_more_steps_but_always_leave_a_step(config: cluster_sim.Config, seed: int, fault: str,
-                                                                at: int) -> None:
-    """An agent ten times slower than a step: the lag grows, the job never loses every step in memory."""
+def test_starved_agents_cost_more_steps_but_always_leave_a_step() -> None:
+    """An agent ten times slower than a step: the lag grows, the job never loses every step in memory. 20 examples."""
+    found = failures(sample("starved_agents", 20, faults=True), starved_agents_leave_a_step)
+    assert not found, "\n".join(found)
+
+
+def starved_agents_leave_a_step(config: cluster_sim.Config, seed: int, fault: str | None, at: int | None) -> None:
     starved = dataclasses.replace(config, agent_ms=config.step_ms * 2, slow_factor=5.0)
     outcome = cluster_sim.run(starved, seed, fault, at)
     assert outcome["resumed"] is not None, f"nothing to resume from: {outcome}"
