@@ -111,7 +111,7 @@ class CheckpointerConfig:
             self.log_file_path = str(Path(self.log_file_path).expanduser().resolve())
         # torchrun counts only the restarts its own workers' failures caused: workers restarted because another
         # node's failed (a membership change) see TORCHELASTIC_RESTART_COUNT=0, but find this job's slots here
-        check_writable(self.save_dir, resuming=bool(list_slots(self.shm_dir, self.job_id)))
+        check_writable(self.save_dir, resuming=is_url(self.save_dir) and bool(list_slots(self.shm_dir, self.job_id)))
 
     def persist_due(self, step: int) -> bool:
         return step % self.save_storage_interval == 0
