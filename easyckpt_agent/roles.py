@@ -75,6 +75,14 @@ class Announcements:
             self.said = {s for s in self.said if s >= min(self.recent)}
         return fresh
 
+    def withdraw(self, step: int) -> None:
+        """A rank asked for ``step`` to be persisted after all (the HF wrapper asks for every due step it exports):
+        it is claimed now, so nothing waiting for it may read it as passed over and give up (CI, 2026-11-29: the
+        export of a best checkpoint-8 gave up while the agent went on to persist step 8)."""
+        if step in self.recent:
+            self.recent = [s for s in self.recent if s != step]
+            logger.info("due step %d is persisted after all: a rank asked for it", step)
+
     def forget_after(self, step: int) -> None:
         """A resume at ``step``: step numbers after it come again on the new timeline."""
         self.said = {s for s in self.said if s <= step}

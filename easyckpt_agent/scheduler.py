@@ -152,8 +152,8 @@ class PersistScheduler:
                                 "passed over meanwhile", due)
             self.passed_since_claim = False
         skipped = policy.passed_over(common, floor=floor, interval=interval, busy=busy)
-        if skipped is not None and skipped not in self.claims and skipped != self.inflight_step() \
-                and skipped != self.last_passed:
+        if skipped is not None and skipped not in self.claims and skipped not in self.flushes.wanted \
+                and skipped != self.inflight_step() and skipped != self.last_passed:
             self.last_passed = skipped   # counted once per step, not per loop turn
             self.passed_since_claim = True
             self.announced.recent = sorted({*self.announced.recent, skipped})[-agreement.PASSED_KEPT:]

@@ -286,6 +286,7 @@ class Agent:
         scheduler = self.scheduler
         scheduler.flushes.request(message["rank"], message["step"], self.watcher, scheduler.claims,
                                   scheduler.durable())
+        self.announced.withdraw(message["step"])
         if message["wait"]:
             scheduler.flushes.waiters.append((identity, request_id, message["step"]))
 

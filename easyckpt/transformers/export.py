@@ -23,6 +23,11 @@ from easyckpt_wire import layout
 logger = logging.getLogger(__name__)
 
 POLL = 0.05               # seconds between looks at the disk for a persisted iteration
+# How long a step must stay announced as passed over before its export gives up. The wrapper asks the agent for
+# every step it exports, without waiting for an answer: an agent that announced the step passed over a moment
+# before the request reached it withdraws it once it does (CI, 2026-11-29: checkpoint-8, the best one, was given
+# up while the agent went on to persist step 8).
+PASSED_CONFIRM = 1.0
 
 
 def read_rank_state(iteration_dir: Path, rank: int, world_size: int, only: tuple[str, ...] | None = None) -> Any:
@@ -149,6 +154,7 @@ class Exporter:
     def _wait_complete(self, step: int) -> Path | None:
         path = self.save_dir / layout.iteration_dirname(step)
         deadline = time.monotonic() + self.timeout
+        passed_since: float | None = None
         while True:
             done = dict(layout.complete_iterations(self.save_dir))
             if step in done:
@@ -157,7 +163,11 @@ class Exporter:
                 logger.warning("no checkpoint-%d: step %d was not snapshotted on every rank, so it is not persisted",
                                step, step)
                 return None
-            if step in self.passed_over():
+            if step not in self.passed_over():
+                passed_since = None
+            elif passed_since is None:
+                passed_since = time.monotonic()
+            elif time.monotonic() - passed_since >= PASSED_CONFIRM:
                 logger.warning("no checkpoint-%d: the node agent passed over due step %d (a persist was still running; "
                                "see its log) and will not persist it", step, step)
                 with self.idle:

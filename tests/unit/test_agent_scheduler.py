@@ -6,10 +6,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agent_slots import Harness
+from agent_slots import JOB, Harness
 
 from easyckpt_agent.scheduler import PersistScheduler
 from easyckpt_wire import layout
+from easyckpt_wire.control import ControlReader, control_path
+from easyckpt_wire.protocol import Kind
 
 
 @pytest.fixture
@@ -206,3 +208,30 @@ def test_a_step_asked_for_goes_to_disk_before_the_failure_flush_of_a_newer_one(n
     assert scheduler.inflight_step() == 11
     node.settle()
     assert on_disk(node.save_dir) == [5, 10, 11]
+
+
+def test_a_due_step_a_rank_asks_for_is_never_left_announced_as_passed_over(node: Harness) -> None:
+    """The HF wrapper asks for every due step it exports, without waiting for an answer. Step 10 arrived while a
+    persist was busy: announced passed over, then asked for, then persisted. The announcement must go (CI,
+    2026-11-29: the export of checkpoint-8, the best one, gave up while the agent went on to persist step 8), and a
+    step asked for before the agent's round is never announced."""
+    ranks = node.ranks
+    scheduler = node.agent.scheduler
+    ranks.commit(0, 0, 5)
+    ranks.commit_all(1, 10)
+    ranks_, committed, common = node.scan()
+    assert scheduler.claims.claim(5, 0, committed[0][5])   # busy: rank 1 has not committed step 5
+    scheduler.persist_due(ranks_, committed, common)
+    assert node.agent.announced.recent == [10]
+    node.request(b"rank0", Kind.FLUSH, rank=0, step=10, wait=False)
+    assert node.agent.announced.recent == [] and 10 in scheduler.held_steps()
+    node.agent._publish()
+    word = ControlReader(control_path(node.shm_dir, JOB)).read()   # what the ranks read
+    assert word is not None and 10 not in word.passed and 10 in word.held
+
+    ranks.commit_all(2, 15)
+    node.request(b"rank1", Kind.FLUSH, rank=1, step=15, wait=False)
+    scheduler.claims.drop(15)   # not claimed yet on this round (as when the request comes first)
+    ranks_, committed, common = node.scan()
+    scheduler.persist_due(ranks_, committed, common)
+    assert 15 not in node.agent.announced.recent
