@@ -23,6 +23,10 @@ from easyckpt_wire.control import ControlWriter, PersistFailure
 logger = logging.getLogger(__name__)
 
 SAFE = ("safe",)   # the reason the single-node safe step's slots are held
+# A move of the safe step that failed because a rank's flock was still on its new slot (unlocked a moment after the
+# commit) is tried again after RETRY_POLL, not a whole poll interval later: the ranks wait only SAFE_WAIT for it.
+RETRY_POLL = 0.002
+QUICK_RETRIES = 8   # per target step: a step that stays unholdable is left to the normal rounds
 
 
 class Protection:
@@ -33,6 +37,8 @@ class Protection:
         # The predecessor's word stands until this agent holds the step itself: ranks keep it meanwhile.
         self.safe: int | None = adopted.safe if adopted is not None else None
         self.safe_holds: list[SlotInfo] = []
+        self.failed_target: int | None = None   # the step the last move to failed, and how often in a row
+        self.failed_moves = 0
         self.holds = SlotHolds()
         # Multi-node (agent.agreement): the steps held for the job (job-safe, candidate, node-safe) and the
         # newest verdict's node-safe step.
@@ -47,10 +53,13 @@ class Protection:
         of the old one. True when the safe step was (re)declared, False when it stands as it was."""
         target = policy.next_safe(common, self.safe)
         if target == self.safe and (target is None or self.safe_holds and not self._safe_superseded(ranks, held)):
+            self.failed_target = None
             return False
         self.control.begin_move()
         taken = [] if target is None else self.holds.hold_all(ranks, held, target, SAFE)
         if taken is None:
+            self.failed_moves = self.failed_moves + 1 if self.failed_target == target else 1
+            self.failed_target = target
             publish()   # the move failed: the old safe step stands
             return False
         # A slot in both (a rank whose copy of the step did not change while another's did) keeps its flock:
@@ -59,8 +68,13 @@ class Protection:
         if target != self.safe:
             logger.debug("safe step %s -> %s", self.safe, target)
         self.safe, self.safe_holds = target, taken
+        self.failed_target, self.failed_moves = None, 0
         publish()
         return True
+
+    def retry_soon(self) -> bool:
+        """Whether the last move failed and may succeed in a moment (see RETRY_POLL)."""
+        return self.failed_target is not None and self.failed_moves <= QUICK_RETRIES
 
     def _safe_superseded(self, ranks: set[int], held: dict[int, dict[int, SlotInfo]]) -> bool:
         """A rank snapshotted the safe step again (a save point after the step's own snapshot): the hold
@@ -83,6 +97,7 @@ class Protection:
     def join_job(self) -> None:
         """The job became multi-node: the single-node safe step gives way to the job's (its value stays until
         the first verdict names the job-safe step)."""
+        self.failed_target = None
         self._let_go_safe()
 
     def leave_job(self) -> None:

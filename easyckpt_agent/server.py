@@ -33,7 +33,7 @@ from easyckpt_agent.cluster import NodeReplication
 from easyckpt_agent.lifecycle import Lifecycle, WakePipe, newest_in_memory
 from easyckpt_agent.node_agreement import NodeAgreement
 from easyckpt_agent.persister import AuditLog, clean_leftovers
-from easyckpt_agent.protection import Protection
+from easyckpt_agent.protection import RETRY_POLL, Protection
 from easyckpt_agent.resume import Resume
 from easyckpt_agent.roles import Announcements
 from easyckpt_agent.scheduler import PersistScheduler
@@ -160,7 +160,8 @@ class Agent:
                 if self.life.stop_signal is not None:
                     self.life.stop()
                     break
-                ready = dict(poller.poll(int(self.config.poll_interval * 1000)))
+                wait = RETRY_POLL if self.protection.retry_soon() else self.config.poll_interval
+                ready = dict(poller.poll(max(1, round(wait * 1000))))
                 if wake in ready:
                     self.wake.drain()
                 if self.sock in ready:

@@ -449,8 +449,12 @@ class Stager:
                 event.synchronize()
             fault_point("stager.before_commit", step=step, rank=self.rank)
             write.commit(step, plan.data_len, meta)
-            self.on_commit()
-            return time.perf_counter() - started
+        # Woken only once the slot is unlocked: an agent woken before tried to hold the new step while this rank's
+        # exclusive flock was still on it, failed, and moved the safe step a poll interval later, when the ranks'
+        # wait for it (SAFE_WAIT) had run out; they then overwrote their newest step, and a kill cost 3 steps
+        # (CI, 2026-11-29, test_freshness.py rank0, seed 803317993).
+        self.on_commit()
+        return time.perf_counter() - started
 
     def stats(self) -> dict[str, Any]:
         return {"committed": self.committed, "skipped": self.skipped, "last_step": self.last_commit_step,

@@ -186,3 +186,26 @@ def test_slots_a_rank_creates_just_after_a_listing_are_watched_at_the_next_scan(
     finally:
         watcher.close()
         ranks.close()
+
+
+def test_a_move_that_meets_a_rank_flock_still_on_its_new_slot_is_retried_at_once_a_few_times(node: Node) -> None:
+    """A rank unlocks its slot a moment after the commit that woke the agent: the move fails, and the agent tries
+    again after RETRY_POLL rather than a whole poll interval, when the ranks have stopped waiting for it (SAFE_WAIT).
+    A step that stays unholdable falls back to the normal rounds after QUICK_RETRIES."""
+    from easyckpt_agent import protection as protection_module
+
+    ranks = node.ranks
+    ranks.commit_all(0, 1)
+    assert node.advance() and not node.protection.retry_soon()
+    ranks.commit_all(1, 2)
+    slot_map = ranks.maps[1, 1]
+    assert slot_map.try_lock(exclusive=True)   # rank 1 committed step 2 but has not unlocked yet
+    try:
+        assert not node.advance() and node.protection.safe == 1 and node.protection.retry_soon()
+        for _ in range(protection_module.QUICK_RETRIES):
+            node.advance()
+        assert not node.protection.retry_soon(), "an unholdable step keeps the agent polling fast"
+    finally:
+        slot_map.unlock()
+    assert node.advance() and node.protection.safe == 2 and not node.protection.retry_soon()
+    assert not node.advance() and not node.protection.retry_soon()

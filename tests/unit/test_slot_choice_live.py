@@ -145,3 +145,35 @@ def test_a_rank_whose_peer_does_not_commit_in_time_overwrites_its_newest_once_an
     finally:
         slots.close()
         control.close()
+
+
+def test_the_agent_is_woken_only_once_the_committed_slot_is_unlocked(tmp_path: Path) -> None:
+    """The wake-up after a commit is the agent's cue to hold the new step as safe. Woken while the rank's exclusive
+    flock was still on the slot, it failed to hold it and moved the safe step a poll interval later, after the
+    ranks had given up waiting for it (SAFE_WAIT) and overwritten their newest step: a kill cost 3 steps (CI,
+    2026-11-29, test_freshness.py rank0). At every wake the agent's shared flock on the new slot must succeed."""
+    config = CheckpointerConfig(save_dir=tmp_path / "unused-save-dir", save_mem_interval=1, save_storage_interval=5,
+                                max_ckpt_num=1, job_id=JOB, shm_dir=tmp_path, start_agent=False)
+    slots = RankSlots(tmp_path, JOB, 0, 1, 1, 3)
+    seen: list[tuple[int, bool]] = []
+
+    def agent_woken() -> None:   # what the agent does on waking: hold the newest committed slot, shared
+        step, (index, _) = max(slots.committed().items())
+        probe = SlotMap(slots.maps[index].path, writable=False)   # type: ignore[union-attr]
+        try:
+            held = probe.try_lock(exclusive=False)
+            seen.append((step, held))
+            if held:
+                probe.unlock()
+        finally:
+            probe.close()
+
+    stager = Stager(config, slots, rank=0, world_size=1, local_rank=0, local_world_size=1, committed=agent_woken)
+    try:
+        for step in range(1, 6):
+            assert stager.snapshot(step, {"w": torch.full((1000,), float(step))})
+            stager.wait()
+        assert seen == [(step, True) for step in range(1, 6)], seen
+    finally:
+        stager.close()
+        slots.close()
