@@ -305,8 +305,7 @@ class Checkpointer:
         """Due steps the node agent lately passed over (a persist was still running, or, across nodes, some node
         could not take them): they will never be persisted, so nothing should wait for them."""
         word = self.slots.agent_word()
-        # A step the agent holds is claimed for a persist after all (a rank asked for it): not passed over.
-        return word.passed - word.held if word is not None else frozenset()
+        return word.passed if word is not None else frozenset()
 
     def persist_failed(self, step: int) -> bool:
         """Whether the node agent's persist of ``step``, or of a newer step, failed (a full disk, say): a failed

@@ -81,7 +81,7 @@ class Announcements:
         export of a best checkpoint-8 gave up while the agent went on to persist step 8)."""
         if step in self.recent:
             self.recent = [s for s in self.recent if s != step]
-            logger.info("due step %d is persisted after all: a rank asked for it", step)
+            logger.info("due step %d, announced passed over, is claimed after all: a rank asked for it", step)
 
     def forget_after(self, step: int) -> None:
         """A resume at ``step``: step numbers after it come again on the new timeline."""

@@ -208,9 +208,12 @@ class Agent:
 
     def _publish(self) -> None:
         scheduler = self.scheduler
+        held = scheduler.held_steps()
+        # A step held for a persist (claimed on a rank's request, or at a failure) is not passed over, whatever was
+        # announced before: the ranks' waiters read this word.
         self.protection.publish(persisted=scheduler.persisted, failure=scheduler.failure, failures=scheduler.failures,
-                                passed=self.announced.recent, decided=self.agreement.decided(),
-                                held=scheduler.held_steps(), gated=self.cluster.peers is not None)
+                                passed=[step for step in self.announced.recent if step not in held],
+                                decided=self.agreement.decided(), held=held, gated=self.cluster.peers is not None)
 
     def _shutdown(self) -> None:
         scheduler = self.scheduler

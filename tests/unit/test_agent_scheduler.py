@@ -235,3 +235,17 @@ def test_a_due_step_a_rank_asks_for_is_never_left_announced_as_passed_over(node:
     ranks_, committed, common = node.scan()
     scheduler.persist_due(ranks_, committed, common)
     assert 15 not in node.agent.announced.recent
+
+
+def test_a_step_held_for_a_persist_is_never_published_as_passed_over(node: Harness) -> None:
+    """Whatever was announced, a step the agent claims for a persist (here at a rank's death, without any request)
+    is not passed over in the word the ranks' waiters read."""
+    scheduler = node.agent.scheduler
+    node.ranks.commit_all(0, 10)
+    node.agent.announced.recent = [10]   # announced while an older persist ran
+    ranks_, committed, _ = node.scan()
+    assert scheduler.claims.claim_all(10, ranks_, committed)
+    node.agent._publish()
+    word = ControlReader(control_path(node.shm_dir, JOB)).read()
+    assert word is not None and 10 in word.held and 10 not in word.passed
+    assert node.agent.announced.recent == [10]   # the announcement stays for `easyckpt status`

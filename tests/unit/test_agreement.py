@@ -1,7 +1,8 @@
 """The job-wide rules across nodes (invariants 9 and 12) in one process: ``easyckpt_agent.agreement`` as pure functions,
-and driven by the seeded discrete-event simulation of ``benchmarks/cluster_sim.py`` with ``hypothesis`` choosing
-the timings (agents fast or starved, a slow node, persists of any length) and the moment of a rank kill or a
-node loss. ``--hypothesis-seed`` replays a failure; every failure prints the drawn configuration."""
+and driven by the seeded discrete-event simulation of ``benchmarks/cluster_sim.py`` over timings drawn from a fixed
+seed (``SAMPLE_SEED``: agents fast or starved, a slow node, persists of any length) and the moment of a rank kill or
+a node loss. Every failure prints the drawn configuration and the call that replays it; the pure rules' properties
+use ``hypothesis`` (``--hypothesis-seed`` replays them)."""
 from __future__ import annotations
 
 import dataclasses
