@@ -24,7 +24,13 @@ from easyckpt_wire.shm import MAX_SLOTS
 logger = logging.getLogger(__name__)
 
 MAX_DISK_CANDIDATES = 8
+# Replica steps a rank shares: every backup its buddy may keep (the newest few and those the surviving ranks
+# still hold). With only the two newest, a node loss whose backups ran ahead of the surviving ranks' memory
+# found no common step and fell back to disk (CI, 2026-11-29, S3 node loss).
+MAX_REPLICA_CANDIDATES = 8
 NOTHING = Offer()
+
+Reach = dict[tuple[int, ...], list[int]]   # memory/replica steps a rank can get -> the ranks that can get them
 
 
 def candidates(mem_steps: list[int], disk_steps: list[int], world_size: int,
@@ -35,38 +41,61 @@ def candidates(mem_steps: list[int], disk_steps: list[int], world_size: int,
 
 def candidates_with_health(mem_steps: list[int], disk_steps: list[int], world_size: int,
                            replica_steps: Sequence[int] = (), unhealthy: Collection[int] = (),
-                           unhealthy_disk: Collection[int] = ()) -> tuple[list[tuple[int, str]], dict[int, list[int]]]:
-    """``candidates``, and the steps some rank holds an unhealthy snapshot of: {step: [ranks saying so]}.
+                           unhealthy_disk: Collection[int] = (), reach: Reach | None = None,
+                           ) -> tuple[list[tuple[int, str]], dict[int, list[int]]]:
+    """Collective: ``candidates``, and the steps some rank holds an unhealthy snapshot of: {step: [ranks saying
+    so]}. ``reach``, when given, is filled with what every rank can get from memory or replicas (for the log
+    when they share none). See :func:`encode` and :func:`decide`."""
+    row = encode(mem_steps, disk_steps, replica_steps, unhealthy, unhealthy_disk)
+    ordered, bad, every = decide(all_gather_ints(row, world_size))
+    if reach is not None:
+        reach.update(every)
+    return ordered, bad
 
-    ``unhealthy``: this rank's memory/replica steps whose snapshot (its own) is unhealthy; ``unhealthy_disk``:
-    disk steps whose iteration says so (every rank reads the same). A memory/replica step is unhealthy when
-    any rank's snapshot is; a disk step when its iteration is. Every rank gets the same answer."""
-    # Every slot's step: the safe step need not be among a rank's two newest (a persist may hold a third).
-    mem = (sorted(mem_steps, reverse=True) + [-1] * MAX_SLOTS)[:MAX_SLOTS]
-    rep = (sorted(set(replica_steps) - set(mem_steps), reverse=True) + [-1, -1])[:2]
-    disk = (disk_steps[:MAX_DISK_CANDIDATES] + [-1] * MAX_DISK_CANDIDATES)[:MAX_DISK_CANDIDATES]
-    n_local = MAX_SLOTS + 2
+
+def encode(mem_steps: Sequence[int], disk_steps: Sequence[int], replica_steps: Sequence[int] = (),
+           unhealthy: Collection[int] = (), unhealthy_disk: Collection[int] = ()) -> list[int]:
+    """One rank's offers as the fixed-width row every rank gathers: its memory steps (every slot's: the safe
+    step need not be among its two newest), the replica steps it does not hold itself, the disk steps, then a
+    health flag per entry. ``unhealthy``: its memory/replica steps whose snapshot (its own) is unhealthy;
+    ``unhealthy_disk``: disk steps whose iteration says so (every rank reads the same)."""
+    mem = _pad(sorted(mem_steps, reverse=True), MAX_SLOTS)
+    rep = _pad(sorted(set(replica_steps) - set(mem_steps), reverse=True), MAX_REPLICA_CANDIDATES)
+    disk = _pad(list(disk_steps), MAX_DISK_CANDIDATES)
     flags = [int(s >= 0 and s in unhealthy) for s in mem + rep] + [int(s >= 0 and s in unhealthy_disk) for s in disk]
-    both = all_gather_ints(mem + rep + disk + flags, world_size)
-    width = len(mem + rep + disk)
-    rows = [row[:width] for row in both]
+    return mem + rep + disk + flags
+
+
+def decide(rows: Sequence[Sequence[int]]) -> tuple[list[tuple[int, str]], dict[int, list[int]], Reach]:
+    """Pure, from every rank's :func:`encode` row (rank order): the ordered candidates (steps every rank can get,
+    newest first, memory before replica before disk on a tie), the unhealthy ones with the ranks saying so (a
+    memory/replica step is unhealthy when any rank's snapshot is, a disk step when its iteration is), and what
+    each rank can get from memory or replicas."""
+    local, anywhere = MAX_SLOTS, MAX_SLOTS + MAX_REPLICA_CANDIDATES
+    width = anywhere + MAX_DISK_CANDIDATES
     bad_mem: dict[int, list[int]] = {}
     bad_disk: dict[int, list[int]] = {}
-    for r, row in enumerate(both):
+    for r, row in enumerate(rows):
         for i, (step, flag) in enumerate(zip(row[:width], row[width:])):
             if step >= 0 and flag:
-                (bad_mem if i < n_local else bad_disk).setdefault(step, []).append(r)
-    local, anywhere = MAX_SLOTS, MAX_SLOTS + 2
+                (bad_mem if i < anywhere else bad_disk).setdefault(step, []).append(r)
     common_mem = set.intersection(*({s for s in row[:local] if s >= 0} for row in rows))
     common_any = set.intersection(*({s for s in row[:anywhere] if s >= 0} for row in rows))
-    common_disk = set.intersection(*({s for s in row[anywhere:] if s >= 0} for row in rows))
+    common_disk = set.intersection(*({s for s in row[anywhere:width] if s >= 0} for row in rows))
+    reach: Reach = {}
+    for r, row in enumerate(rows):
+        reach.setdefault(tuple(sorted({s for s in row[:anywhere] if s >= 0}, reverse=True)), []).append(r)
     ordered = ([(s, "memory" if s in common_mem else "replica") for s in common_any]
                + [(s, "disk") for s in common_disk])
     rank_of = {"memory": 0, "replica": 1, "disk": 2}
     ordered = sorted(ordered, key=lambda c: (-c[0], rank_of[c[1]]))
     bad = {step: sorted(set(bad_mem.get(step, [])) | set(bad_disk.get(step, [])))
            for step in {s for s, _ in ordered} if step in bad_mem or step in bad_disk}
-    return ordered, bad
+    return ordered, bad, reach
+
+
+def _pad(steps: list[int], width: int) -> list[int]:
+    return (steps + [-1] * width)[:width]
 
 
 def pass_over_unhealthy(ordered: list[tuple[int, str]], bad: Mapping[int, object]) -> list[tuple[int, str]]:
@@ -122,9 +151,10 @@ def agree(offers: Mapping[str, Offer], *, rank: int, world_size: int, save_dir: 
     """Collective: the candidates every rank tries, in order, from what each tier offered this rank
     (``offers`` by tier source)."""
     memory, replica, disk = (offers.get(s, NOTHING) for s in ("memory", "replica", "disk"))
+    reach: Reach = {}
     ordered, bad = candidates_with_health(memory.steps, disk.steps, world_size, replica.steps,
                                           unhealthy=set(memory.unhealthy()) | set(replica.unhealthy()),
-                                          unhealthy_disk=set(disk.unhealthy()))
+                                          unhealthy_disk=set(disk.unhealthy()), reach=reach)
     why = {step: _reasons(step, offers, rank) for step in bad}
     ordered = pass_over(ordered, bad, why, rank=rank, save_dir=save_dir, allow_unhealthy=allow_unhealthy)
     if SOURCE in offers:   # another world's memory: collective, agreed in its offer
@@ -132,5 +162,18 @@ def agree(offers: Mapping[str, Offer], *, rank: int, world_size: int, save_dir: 
     if memory.steps and (not ordered or ordered[0][1] == "disk"):
         logger.warning("rank %d holds steps %s in memory, but no step that every rank can get from memory or from "
                        "replicas on other nodes (a rank whose node lost its memory gets only a step another node "
-                       "backed up): resuming from disk", rank, sorted(memory.steps, reverse=True))
+                       "backed up): resuming from disk. What the ranks can get from memory or replicas: %s", rank,
+                       sorted(memory.steps, reverse=True), describe_reach(reach))
     return ordered
+
+
+def describe_reach(reach: Reach, limit: int = 6) -> str:
+    """``ranks [0, 1]: steps [14, 10]; ranks [2, 3]: none``, the largest groups first (a big job has few)."""
+    groups = sorted(reach.items(), key=lambda item: (-len(item[1]), item[1]))
+    text = "; ".join(f"ranks {_ranks(ranks)}: {'steps ' + str(list(steps)) if steps else 'none'}"
+                     for steps, ranks in groups[:limit])
+    return text + (f"; and {len(groups) - limit} more groups" if len(groups) > limit else "")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return str(ranks) if len(ranks) <= 8 else f"[{ranks[0]}..{ranks[-1]}] ({len(ranks)} ranks)"

@@ -43,13 +43,16 @@ def test_two_nodes_commit_one_s3_save_dir_and_a_lost_node_resumes(env: Env, monk
     finally:
         job.cleanup()
     reports = [job.resumes(rank)[-1] for rank in range(job.world)]
-    # Memory and replicas, never disk; invariant 9's bound for a node loss: two intervals plus the backup's lag, here
-    # up to a step when the object store's persists hold the CPU. Mostly the loss step or the one before; a run on
-    # 2026-11-27 lost at 10 resumed at 8, and a CI rehearsal on 2026-11-29 lost at 9 resumed at 6 (node 1's agent was
-    # still writing its first iteration, step 0, to the store, 0.3 s into a job of 30 ms steps; six replays of that
-    # seed resumed at 8 or 9). The rank-kill tests keep the two-step bound without a backup's lag.
+    # Memory and replicas, never disk. Invariant 9's bound for a node loss: two snapshot intervals (here two steps)
+    # plus the backup's lag, which the ranks' max_backup_lag gate (default save_storage_interval, INTERVAL here)
+    # keeps near INTERVAL steps. Mostly the loss step or the one before: the object store's persists hold this
+    # 2-core machine's CPU and the backups lag. Seen: lost at 10 resumed at 8 (2026-11-27); lost at 9 resumed at 6,
+    # node 1's agent still writing its first iteration (CI rehearsal, 2026-11-29); lost at 14 with the node-safe step
+    # at 9 and the survivors' memory [14, 10, 9, 8] (CI, 2026-11-29: it fell to disk at 8, the bug fixed in
+    # recovery.candidates; it now resumes at 10). The rank-kill tests keep the two-step bound without a backup's lag.
     assert [r["source"] for r in reports] == job.expected_sources(reports, lost={NODES - 1}), reports
-    assert len({r["step"] for r in reports}) == 1 and at - 3 <= reports[0]["step"] <= at, (at, reports)
+    bound = at - 2 - INTERVAL
+    assert len({r["step"] for r in reports}) == 1 and bound <= reports[0]["step"] <= at, (at, reports)
 
     store = open_storage(url)
     complete = layout.complete(store)
