@@ -400,6 +400,10 @@ class RankSlots:
             if attempt or word is None or not word.changing:
                 return None
             word = self.control.read(wait=MOVE_WAIT)   # the old safe step's slot is free in a moment
+            if word is not None:
+                # The move may have failed: the same rule as the first try before this rank's newest step is
+                # overwritten (it waited for nothing and said nothing here before; a CI kill cost three steps).
+                word = self._let_newest_become_safe(word)
         return None
 
     def _let_newest_become_safe(self, word: ControlView) -> ControlView:

@@ -177,3 +177,61 @@ def test_the_agent_is_woken_only_once_the_committed_slot_is_unlocked(tmp_path: P
     finally:
         stager.close()
         slots.close()
+
+
+def test_a_rank_that_finds_a_safe_step_move_failed_still_waits_before_writing_over_its_newest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Safe step 5; the rank's newest is 6. The agent is moving the safe step to 6 (its shared flock on 6's slot, the
+    word marked changing) and has just claimed 4's slot for a persist. The rank finds both free slots flocked and
+    reads the word again (``MOVE_WAIT``): the move failed, 4 is held. Its one free slot now holds its newest step,
+    6. It must wait for the agent to declare 6 safe, as on a first try, not write over it at once and unannounced
+    (the path left after the CI freshness failure of 2026-11-29)."""
+    write_snapshots(tmp_path, 0, 1, {4: NEUTRAL, 5: NEUTRAL, 6: NEUTRAL})
+    control = ControlWriter(control_path(tmp_path, JOB))
+    control.publish(5, frozenset())
+    slots = RankSlots(tmp_path, JOB, 0, 1, 1, 3)
+    index_of = {step: index for step, (index, _) in slots.committed().items()}
+    agent_maps = {step: SlotMap(slots.maps[index].path, writable=False)   # type: ignore[union-attr]
+                  for step, index in index_of.items()}
+    monkeypatch.setattr(slots_module, "MOVE_WAIT", 60.0)
+    monkeypatch.setattr(slots_module, "SAFE_WAIT", 60.0)
+    reread, polled = threading.Event(), threading.Event()
+    moved = threading.Event()
+    real_read = slots.control.read
+
+    def read(*, wait: float = 0.0) -> object:
+        if wait > 0:
+            reread.set()
+        elif moved.is_set():
+            polled.set()
+        return real_read(wait=wait)
+
+    monkeypatch.setattr(slots.control, "read", read)
+    failures: list[BaseException] = []
+
+    def agent() -> None:
+        try:
+            assert reread.wait(60), "the rank never read the word again"
+            agent_maps[6].unlock()                 # the move failed; the claim on 4 is published
+            moved.set()
+            control.publish(5, frozenset({4}))
+            if polled.wait(10):                    # the rank waits for the agent's word: the retry succeeds
+                assert agent_maps[6].try_lock(exclusive=False)
+                control.publish(6, frozenset({4}))
+        except BaseException as exc:   # reported by the test's thread
+            failures.append(exc)
+
+    try:
+        assert agent_maps[4].try_lock(exclusive=False) and agent_maps[6].try_lock(exclusive=False)
+        control.begin_move()
+        other = threading.Thread(target=agent)
+        other.start()
+        index = slots.choose()
+        other.join(60)
+        assert not other.is_alive() and not failures, failures
+        assert index == index_of[5], f"the rank wrote over slot {index} ({ {i: s for s, i in index_of.items()}[index]})"
+    finally:
+        slots.close()
+        control.close()
+        for slot in agent_maps.values():
+            slot.close()
