@@ -65,14 +65,15 @@ def _say_offers(offers: dict[str, Offer], rank: int) -> None:
                        "bring it back (newest complete iteration: step %d)", rank, rank, offers["disk"].steps[0])
 
 
-def _tier_for(tiers: Sequence[Tier], step: int, source: str, rank: int) -> Tier:
-    """The tier this rank reads a candidate from: a collective one itself; for a local one (memory, replica) the
-    first local tier that holds the step, so a rank that has it in memory reads it there while others pull it."""
+def _tiers_for(tiers: Sequence[Tier], step: int, source: str, rank: int) -> list[Tier]:
+    """The tiers this rank reads a candidate from, in order: a collective one itself; for a local one (memory,
+    replica) every local tier that holds the step, cheapest first, so a rank that has it in memory reads it there
+    while others pull it, and pulls it too if its own copy turns out damaged."""
     chosen = next(t for t in tiers if t.source == source)
     if chosen.collective:
-        return chosen
-    held = next((t for t in tiers if not t.collective and t.holds(step)), None)
-    if held is None:
+        return [chosen]
+    held = [t for t in tiers if not t.collective and t.holds(step)]
+    if not held:
         raise replica.ReplicaError(f"rank {rank} holds no plan for step {step}")
     return held
 
@@ -90,10 +91,28 @@ class _Attempt:
 def _attempt(tiers: Sequence[Tier], step: int, source: str, template: Template, *, rank: int,
              reshard: bool) -> _Attempt:
     """This rank's try at one candidate; never raises (every rank must reach the vote that follows)."""
-    attempt = _Attempt(where=source)
     try:
-        tier = _tier_for(tiers, step, source, rank)
-        attempt.where = tier.source
+        chain = _tiers_for(tiers, step, source, rank)
+    except RETRYABLE as exc:
+        attempt = _Attempt(_RETRY, f"{type(exc).__name__}: {exc}", where=source)
+        logger.warning("rank %d could not load step %d from %s: %s", rank, step, source, attempt.problem)
+        return attempt
+    for number, tier in enumerate(chain, 1):
+        attempt = _read(tier, step, source, template, rank=rank, reshard=reshard)
+        if attempt.code != _RETRY or number == len(chain):
+            break
+        # The same step from the next tier: a damaged copy in this rank's own memory is pulled from a replica
+        # (a data-parallel peer's copy, the buddy's backup) before every rank gives up the step.
+        logger.warning("rank %d could not load step %d from %s: %s; trying %s", rank, step, attempt.where,
+                       attempt.problem, chain[number].source)
+    if attempt.code != _OK:
+        logger.warning("rank %d could not load step %d from %s: %s", rank, step, attempt.where, attempt.problem)
+    return attempt
+
+
+def _read(tier: Tier, step: int, source: str, template: Template, *, rank: int, reshard: bool) -> _Attempt:
+    attempt = _Attempt(where=tier.source)
+    try:
         attempt.loaded = tier.read(step, template)
         attempt.state = unflatten(attempt.loaded.skeleton, attempt.loaded.values)
     except LayoutChangedError as exc:   # memory holds only this rank's own split: disk can reshard
@@ -106,8 +125,6 @@ def _attempt(tiers: Sequence[Tier], step: int, source: str, template: Template, 
     except Exception as exc:  # unexpected, but raising here alone would leave the other ranks waiting
         logger.exception("rank %d: unexpected error loading step %d from %s", rank, step, attempt.where)
         attempt.code, attempt.problem = _RETRY, f"{type(exc).__name__}: {exc}"
-    if attempt.code != _OK:
-        logger.warning("rank %d could not load step %d from %s: %s", rank, step, attempt.where, attempt.problem)
     return attempt
 
 

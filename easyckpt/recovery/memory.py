@@ -122,7 +122,9 @@ class ReplicaTier:
                            problem)
         own = self.slots.committed()
         plans = replica.plan(self.peers, found, self.rank, self.peer_timeout)
-        self.plans = {step: plan for step, plan in plans.items() if step not in own}
+        # Plans of steps this rank holds itself stay too: pulled if its own copy turns out damaged (the ladder);
+        # only the others are offered.
+        self.plans = plans
         if not own and not plans and any(found.listings.values()):
             # This node lost the rank's memory and no replica stands in: say what each agent does hold, which
             # tells a backup that never arrived from a survey that did not see it (CI, 2026-11-28, S3 node loss).
@@ -130,7 +132,7 @@ class ReplicaTier:
                     for node, rows in sorted(found.listings.items())}
             logger.info("rank %d: no agent reached holds a replica of this rank's state (node: {step: ranks} of "
                         "the newest steps each holds: %s)", self.rank, held)
-        return Offer.of((step, plan.manifest.meta.health) for step, plan in self.plans.items())
+        return Offer.of((step, plan.manifest.meta.health) for step, plan in self.plans.items() if step not in own)
 
     def holds(self, step: int) -> bool:
         return step in self.plans

@@ -262,12 +262,13 @@ def test_no_replica_holding_the_step_falls_back_to_disk(cluster: Cluster, refere
 
 
 def test_corrupted_replica_is_caught(cluster: Cluster, reference: Cluster) -> None:
-    """Bytes flipped in every committed slot of rank 0 on node 0 (the first copy node 1's ranks would pull):
-    the checksums catch it where rank 0 reads its own memory and where node 1's ranks pull the model
-    (they take rank 1's copy instead); rank 0 can only come back from disk, so everyone does, and
-    nobody resumes a wrong state."""
+    """Bytes flipped in every committed slot of rank 0 on node 0 (the first copy node 1's ranks would pull), node 1
+    lost: the checksums catch it where rank 0 reads its own memory and where node 1's ranks pull the model. Every
+    rank takes rank 1's copy instead, rank 0 too (its own damaged copy is pulled from the replicas: before
+    2026-11-29 it fell back to disk, and when no step had reached disk yet, as in a stress run, the job could not
+    start again), so the job resumes from memory and replicas and nobody resumes a wrong state."""
     job = cluster()
-    run_until_killed(job, 12, 18)   # step 10 is due before the kill: usually the disk has a step to fall back to
+    at = run_until_killed(job, 12, 18)
     # What is corrupted must be what node 0's agent checksummed (every snapshot it can: a snapshot flipped before
     # its agent hashed it would be hashed flipped, and no checksum could tell): a precondition of the fault, not
     # a wait for the job's protection.
@@ -298,8 +299,10 @@ def test_corrupted_replica_is_caught(cluster: Cluster, reference: Cluster) -> No
         finally:
             slot.close()
     assert len(flipped) >= 2, f"rank 0 should hold two or three snapshots on node 0, found {flipped}"
-    on_disk = layout.read_tracker(job.env.save_dir)
-    check_from_disk(job, reference, on_disk, finish(job))
+    reports = finish(job)
+    step = check_exact(job, reference, reports)
+    assert [r["source"] for r in reports] == ["replica", "memory", "replica", "replica"], reports
+    assert at - 2 <= step <= at, f"node 1 lost at step {at}, resumed at {step}"
     assert "does not match the checksum" in job.log(0), "rank 0 must notice its own corrupted memory"
     assert "trying another copy" in job.log(1), "node 1's ranks must skip the corrupted copy"
 

@@ -157,6 +157,30 @@ def test_a_rank_whose_memory_is_gone_pulls_its_step_from_a_replica(env: Env, slo
 
 
 
+def test_a_rank_whose_own_copy_is_damaged_pulls_the_same_step_from_a_replica(
+        env: Env, slots: Opener, caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 0 holds steps 2, 4 and 6, but its copy of 6 is damaged; the buddy holds a backup of 4 and 6. Step 6
+    comes from the replica, not step 4 from memory (nor, with nothing on disk, no resume at all: a stress run of
+    2026-11-29 flipped rank 0's every slot before any step reached disk, and the job could not start again)."""
+    backup = Path(tempfile.mkdtemp(prefix="easyckpt-test-buddy-", dir="/dev/shm"))
+    agents = Agents()
+    try:
+        write_snapshots(backup, 0, 1, no_health([4, 6]))
+        agents.back_up(backup)
+        write_snapshots(env.shm_dir, 0, 1, no_health([2, 4, 6]))
+        corrupt_meta(env.shm_dir, 0, 6)   # still offered (it says COMMITTED), fails when read
+        opened = slots()
+        with caplog.at_level(logging.WARNING, logger="easyckpt.recovery"):
+            result = load(env, opened, template(), peers=agents.peers)
+        assert (result.step, result.source) == (6, "replica"), result
+        assert_same(state_at(6), result.state)
+        assert "could not load step 6 from memory: SlotFormatError" in caplog.text and "; trying replica" in caplog.text
+        assert 6 in opened.committed()   # the pulled copy, in one of its own slots
+    finally:
+        shutil.rmtree(backup, ignore_errors=True)
+        agents.close()
+
+
 def test_a_save_dir_that_cannot_be_listed_leaves_memory_and_never_starts_from_scratch(
         env: Env, slots: Opener, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """An object store down while torchrun restarts the workers (here: an endpoint nobody listens on): memory
