@@ -41,15 +41,11 @@ def candidates(mem_steps: list[int], disk_steps: list[int], world_size: int,
 
 def candidates_with_health(mem_steps: list[int], disk_steps: list[int], world_size: int,
                            replica_steps: Sequence[int] = (), unhealthy: Collection[int] = (),
-                           unhealthy_disk: Collection[int] = (), reach: Reach | None = None,
-                           ) -> tuple[list[tuple[int, str]], dict[int, list[int]]]:
+                           unhealthy_disk: Collection[int] = ()) -> tuple[list[tuple[int, str]], dict[int, list[int]]]:
     """Collective: ``candidates``, and the steps some rank holds an unhealthy snapshot of: {step: [ranks saying
-    so]}. ``reach``, when given, is filled with what every rank can get from memory or replicas (for the log
-    when they share none). See :func:`encode` and :func:`decide`."""
+    so]}. See :func:`encode` and :func:`decide`."""
     row = encode(mem_steps, disk_steps, replica_steps, unhealthy, unhealthy_disk)
-    ordered, bad, every = decide(all_gather_ints(row, world_size))
-    if reach is not None:
-        reach.update(every)
+    ordered, bad, _ = decide(all_gather_ints(row, world_size))
     return ordered, bad
 
 
@@ -151,10 +147,9 @@ def agree(offers: Mapping[str, Offer], *, rank: int, world_size: int, save_dir: 
     """Collective: the candidates every rank tries, in order, from what each tier offered this rank
     (``offers`` by tier source)."""
     memory, replica, disk = (offers.get(s, NOTHING) for s in ("memory", "replica", "disk"))
-    reach: Reach = {}
-    ordered, bad = candidates_with_health(memory.steps, disk.steps, world_size, replica.steps,
-                                          unhealthy=set(memory.unhealthy()) | set(replica.unhealthy()),
-                                          unhealthy_disk=set(disk.unhealthy()), reach=reach)
+    row = encode(memory.steps, disk.steps, replica.steps, unhealthy=set(memory.unhealthy()) | set(replica.unhealthy()),
+                 unhealthy_disk=set(disk.unhealthy()))
+    ordered, bad, reach = decide(all_gather_ints(row, world_size))
     why = {step: _reasons(step, offers, rank) for step in bad}
     ordered = pass_over(ordered, bad, why, rank=rank, save_dir=save_dir, allow_unhealthy=allow_unhealthy)
     if SOURCE in offers:   # another world's memory: collective, agreed in its offer
