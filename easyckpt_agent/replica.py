@@ -324,7 +324,11 @@ class ReplicaServer(threading.Thread):
             return
         if not protocol.token_ok(message, self.token):
             self.refused += 1
-            self._warn("replica server refused a %s request without the job token", kind.name)
+            # Each incarnation of a job has its own token: after a node restart the other nodes' agents may ask
+            # with the old one for a moment (their coverage survey), which is harmless and said as such.
+            self._warn("replica server refused a %s request without this job's token (harmless right after a node "
+                       "restart: an agent still asking with the job's previous token; otherwise a process of "
+                       "another job is reaching this port)", kind.name)
             if kind not in protocol.NO_REPLY_KINDS:
                 self._reply(identity, False, request_id, error="not a member of this job (wrong or missing token)")
             return
