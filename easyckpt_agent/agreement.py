@@ -217,8 +217,8 @@ def let_go(states: Mapping[str, NodeState], nodes: Sequence[str], *, interval: i
         return frozenset()
     held = _meet(states[node].held for node in nodes if node in states)
     # The taken step is kept whether or not it is still the floor: naming it safe once more is at worst a step back
-    # (nodes keep the newer one they adopted), while leaving it out left rounds with no step named at all (1,000
-    # random simulated runs: 1,039 verdicts naming none, against 287).
+    # (nodes keep the newer one they adopted), while keeping it only as long as it is the floor left rounds with no
+    # step named at all (1,000 random simulated runs: 1,039 verdicts naming none, against 287).
     keep = {book.candidate, book.job_safe, book.node_safe, book.taken if book.taken not in book.passed_steps() else None}
     return frozenset(s for s in held if s % interval == 0 and s <= book.decided and s not in keep)
 
