@@ -43,10 +43,16 @@ def candidates_with_health(mem_steps: list[int], disk_steps: list[int], world_si
                            replica_steps: Sequence[int] = (), unhealthy: Collection[int] = (),
                            unhealthy_disk: Collection[int] = ()) -> tuple[list[tuple[int, str]], dict[int, list[int]]]:
     """Collective: ``candidates``, and the steps some rank holds an unhealthy snapshot of: {step: [ranks saying
-    so]}. See :func:`encode` and :func:`decide`."""
-    row = encode(mem_steps, disk_steps, replica_steps, unhealthy, unhealthy_disk)
-    ordered, bad, _ = decide(all_gather_ints(row, world_size))
+    so]}. See :func:`gather`."""
+    ordered, bad, _ = gather(mem_steps, disk_steps, world_size, replica_steps, unhealthy, unhealthy_disk)
     return ordered, bad
+
+
+def gather(mem_steps: Sequence[int], disk_steps: Sequence[int], world_size: int, replica_steps: Sequence[int] = (),
+           unhealthy: Collection[int] = (), unhealthy_disk: Collection[int] = (),
+           ) -> tuple[list[tuple[int, str]], dict[int, list[int]], Reach]:
+    """Collective: this rank's row (:func:`encode`) gathered from every rank and :func:`decide`-d."""
+    return decide(all_gather_ints(encode(mem_steps, disk_steps, replica_steps, unhealthy, unhealthy_disk), world_size))
 
 
 def encode(mem_steps: Sequence[int], disk_steps: Sequence[int], replica_steps: Sequence[int] = (),
@@ -147,9 +153,9 @@ def agree(offers: Mapping[str, Offer], *, rank: int, world_size: int, save_dir: 
     """Collective: the candidates every rank tries, in order, from what each tier offered this rank
     (``offers`` by tier source)."""
     memory, replica, disk = (offers.get(s, NOTHING) for s in ("memory", "replica", "disk"))
-    row = encode(memory.steps, disk.steps, replica.steps, unhealthy=set(memory.unhealthy()) | set(replica.unhealthy()),
-                 unhealthy_disk=set(disk.unhealthy()))
-    ordered, bad, reach = decide(all_gather_ints(row, world_size))
+    ordered, bad, reach = gather(memory.steps, disk.steps, world_size, replica.steps,
+                                 unhealthy=set(memory.unhealthy()) | set(replica.unhealthy()),
+                                 unhealthy_disk=set(disk.unhealthy()))
     why = {step: _reasons(step, offers, rank) for step in bad}
     ordered = pass_over(ordered, bad, why, rank=rank, save_dir=save_dir, allow_unhealthy=allow_unhealthy)
     if SOURCE in offers:   # another world's memory: collective, agreed in its offer
