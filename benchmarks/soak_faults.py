@@ -20,12 +20,11 @@ from pathlib import Path
 from soak_job import PEER_TIMEOUT, Cluster, gone, signal_pid
 from soak_plan import Fault
 
-from easyckpt_wire.shm import DATA_OFFSET, SlotFormatError, SlotMap
+from easyckpt_wire.shm import DATA_OFFSET, HEADER_BYTES, SlotFormatError, SlotMap
 
 # A frozen rank stays stopped this long beyond its drawn hold: past the longest timeout a peer or an agent
 # applies to it (the plain example's --peer-timeout; the HF example keeps the default peer_timeout of 10 s).
 STOP_BEYOND = {"plain": PEER_TIMEOUT, "hf": 10.0}
-HEADER_FIELDS = 152     # the header struct of slot format 1 (easyckpt_wire/shm.py); the rest of its page is padding
 DISK_MB = 16            # the tmpfs under save_dir for disk_full: a few iterations of either example
 # torchrun's restarts for a job whose every attempt must fail alike: storage down to the end ("never": each attempt's
 # final persist fails) or the only iteration damaged (each attempt's load may refuse it). One restart shows a
@@ -239,7 +238,7 @@ def flip_slot(c: Cluster, f: Fault) -> Strike:
         step, path, (data_len, meta_offset, meta_len) = slots[-1] if f.params["newest"] else \
             slots[int(f.params["pick"] * len(slots))]
         start, length = {"data": (DATA_OFFSET, data_len), "meta": (meta_offset, meta_len),
-                         "header": (0, HEADER_FIELDS)}[f.variant]
+                         "header": (0, HEADER_BYTES)}[f.variant]   # the rest of its page is padding
         # A snapshot changed before its agent checksummed it is checksummed changed: no checksum could tell.
         # This is the fault's precondition, not a wait for the job: the agent hashes every commit at once.
         c.wait_until(lambda: hashed(c, f.victim, step), f"node agent to checksum rank {f.victim}'s step {step}",

@@ -1,4 +1,4 @@
-"""Shared-memory slot format, version 1: one file per rank per slot in ``EASYCKPT_SHM_DIR``.
+"""Shared-memory slot format, version 2: one file per rank per slot in ``EASYCKPT_SHM_DIR``.
 
 A slot file is laid out as::
 
@@ -9,9 +9,11 @@ A slot file is laid out as::
 The header is a seqlock: a writer makes ``generation`` odd and ``state`` WRITING before it touches a
 byte, and only after every byte is in place writes the metadata, step, lengths, ``state`` COMMITTED
 and an even ``generation``. A reader checks the generation before and after it reads; a changed or
-odd generation means the read is discarded (invariant 1). Writers and readers also take ``flock``
-locks on the file (exclusive to write, shared to read); the kernel drops them when a process dies, so
-a ``kill -9`` never leaves a slot locked.
+odd generation means the read is discarded (invariant 1). The committed header carries an xxh64 of its
+own fields (version 2): a byte flipped in memory would otherwise turn the step, the rank or a length
+into another plausible value that nothing else checks (a soak once resumed "step 2089670227099910147").
+Writers and readers also take ``flock`` locks on the file (exclusive to write, shared to read); the
+kernel drops them when a process dies, so a ``kill -9`` never leaves a slot locked.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import msgpack
 import xxhash
 
 MAGIC = b"EZCKSLOT"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 # The O_DIRECT alignment of memory, file offset and length: each file's tensors start on a page of the
 # slot (the stager's plan) so the agent writes them to disk in one aligned range (the persister).
 PAGE = 4096
@@ -40,8 +42,11 @@ TENSOR_ALIGN = 64
 MAX_META_BYTES = 256 << 20
 
 # magic, version, state, step, generation, data_offset, data_len, meta_offset, meta_len,
-# meta_checksum, rank, world_size, committed_at, job_id
-_HEADER = struct.Struct("<8sIIqQQQQQQiid64s")
+# meta_checksum, rank, world_size, committed_at, job_id, then header_checksum: the xxh64 of the
+# SEALED_BYTES before it as they read once the slot is committed (state COMMITTED, even generation)
+_HEADER = struct.Struct("<8sIIqQQQQQQiid64sQ")
+SEALED_BYTES = _HEADER.size - 8
+HEADER_BYTES = _HEADER.size
 
 DEFAULT_SHM_DIR = "/dev/shm"
 SHM_DIR_ENV = "EASYCKPT_SHM_DIR"
@@ -71,10 +76,13 @@ class SlotHeader:
     world_size: int
     committed_at: float
     job_id: str
+    # COMMITTED with an even generation, yet its fields fail their checksum twice alike: changed in memory
+    # after the commit (a writer's store in progress reads as WRITING instead)
+    damaged: bool = False
 
     @property
     def committed(self) -> bool:
-        return self.state == SlotState.COMMITTED and self.generation % 2 == 0
+        return self.state == SlotState.COMMITTED and self.generation % 2 == 0 and not self.damaged
 
 
 def shm_dir() -> Path:
@@ -223,8 +231,9 @@ class SlotMap:
     # header ----------------------------------------------------------------------------------------
     def header(self) -> SlotHeader:
         assert self.mm is not None
+        raw = self.mm[:HEADER_BYTES]
         (magic, version, state, step, generation, _data_off, data_len, meta_offset, meta_len, checksum,
-         rank, world_size, committed_at, job) = _HEADER.unpack_from(self.mm, 0)
+         rank, world_size, committed_at, job, sealed) = _HEADER.unpack(raw)
         if magic != MAGIC:
             raise SlotFormatError(f"{self.path}: not an easyckpt slot (magic {magic!r})")
         if version != FORMAT_VERSION:
@@ -236,8 +245,17 @@ class SlotMap:
             slot_state = SlotState(state)
         except ValueError:
             raise SlotFormatError(f"{self.path}: unknown slot state {state}") from None
+        damaged = False
+        sealed_ok = xxhash.xxh64_intdigest(raw[:SEALED_BYTES]) == sealed
+        if slot_state == SlotState.COMMITTED and generation % 2 == 0 and not sealed_ok:
+            # Read without a lock, a header can be caught between a writer's stores: changed bytes on a second
+            # read mean a write in progress, the same bytes mean the header itself is damaged.
+            if self.mm[:HEADER_BYTES] != raw:
+                slot_state = SlotState.WRITING
+            else:
+                damaged = True
         return SlotHeader(slot_state, step, generation, data_len, meta_offset, meta_len, checksum,
-                          rank, world_size, committed_at, job.rstrip(b"\0").decode("ascii", "replace"))
+                          rank, world_size, committed_at, job.rstrip(b"\0").decode("ascii", "replace"), damaged)
 
     def generation(self) -> int:
         assert self.mm is not None
@@ -272,7 +290,7 @@ class SlotMap:
     def init_empty(self, *, rank: int, world_size: int, job_id: str) -> None:
         assert self.mm is not None and self.writable
         _HEADER.pack_into(self.mm, 0, MAGIC, FORMAT_VERSION, SlotState.EMPTY, -1, 0, DATA_OFFSET, 0, 0, 0,
-                          0, rank, world_size, 0.0, job_id.encode("ascii"))
+                          0, rank, world_size, 0.0, job_id.encode("ascii"), 0)
 
     def invalidate(self) -> None:
         """Mark a committed slot EMPTY (its step belongs to an abandoned timeline); caller holds LOCK_EX."""
@@ -287,7 +305,7 @@ class SlotMap:
         """
         assert self.mm is not None and self.writable and generation % 2 == 1
         _HEADER.pack_into(self.mm, 0, MAGIC, FORMAT_VERSION, SlotState.WRITING, -1, generation,
-                          DATA_OFFSET, 0, 0, 0, 0, rank, world_size, 0.0, job_id.encode("ascii"))
+                          DATA_OFFSET, 0, 0, 0, 0, rank, world_size, 0.0, job_id.encode("ascii"), 0)
 
     def commit(self, *, generation: int, step: int, data_len: int, meta: bytes, rank: int,
                world_size: int, job_id: str) -> None:
@@ -299,14 +317,15 @@ class SlotMap:
                 f"{self.path}: metadata of {len(meta)} bytes does not fit the slot of {self.size} bytes"
             )
         self.mm[meta_offset:meta_offset + len(meta)] = meta
+        fields = (DATA_OFFSET, data_len, meta_offset, len(meta), meta_checksum(meta), rank, world_size, time.time(),
+                  job_id.encode("ascii"))
+        committed = _HEADER.pack(MAGIC, FORMAT_VERSION, SlotState.COMMITTED, step, generation + 1, *fields, 0)
+        sealed = xxhash.xxh64_intdigest(committed[:SEALED_BYTES])
         # Two stores: all fields under the WRITING state first, then the same bytes with only state and
         # generation changed, so a reader that sees COMMITTED and an even generation sees every field.
-        _HEADER.pack_into(self.mm, 0, MAGIC, FORMAT_VERSION, SlotState.WRITING, step, generation,
-                          DATA_OFFSET, data_len, meta_offset, len(meta), meta_checksum(meta), rank,
-                          world_size, time.time(), job_id.encode("ascii"))
-        _HEADER.pack_into(self.mm, 0, MAGIC, FORMAT_VERSION, SlotState.COMMITTED, step, generation + 1,
-                          DATA_OFFSET, data_len, meta_offset, len(meta), meta_checksum(meta), rank,
-                          world_size, time.time(), job_id.encode("ascii"))
+        _HEADER.pack_into(self.mm, 0, MAGIC, FORMAT_VERSION, SlotState.WRITING, step, generation, *fields, sealed)
+        _HEADER.pack_into(self.mm, 0, MAGIC, FORMAT_VERSION, SlotState.COMMITTED, step, generation + 1, *fields,
+                          sealed)
 
 
 def slot_size(data_len: int, meta_len: int) -> int:

@@ -43,10 +43,42 @@ def test_slot_is_visible_only_after_commit(tmp_path: Path) -> None:
     slot.close()
 
 
+def test_a_byte_flipped_anywhere_in_a_committed_header_is_never_read_as_another_committed_slot(tmp_path: Path) -> None:
+    """Every byte of the header's fields, each of eight masks: the header reads as the committed one it was (it
+    cannot), as not committed (damaged: its checksum fails), or is refused (magic, version, state). A soak flipped
+    the top byte of the step and a rank resumed "step 2089670227099910147" from memory (slot format 1)."""
+    slot = new_slot(tmp_path)
+    slot.begin_write(generation=5, rank=3, world_size=4, job_id="job")
+    meta = shm.pack_meta({"v": shm.FORMAT_VERSION, "step": 9})
+    slot.commit(generation=5, step=9, data_len=100, meta=meta, rank=3, world_size=4, job_id="job")
+    good = slot.header()
+    assert good.committed and not good.damaged and shm.HEADER_BYTES == 160
+    outcomes: dict[str, int] = {}
+    for offset in range(shm.HEADER_BYTES):
+        for mask in (0x01, 0x02, 0x04, 0x08, 0x10, 0x20, 0x40, 0x80):
+            slot.mm[offset] ^= mask
+            try:
+                header = slot.header()
+            except shm.SlotFormatError:
+                outcome = "refused"
+            else:
+                assert not header.committed, (offset, mask, header)
+                outcome = "damaged" if header.damaged else "not committed"
+            finally:
+                slot.mm[offset] ^= mask
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    assert slot.header() == good
+    assert outcomes["damaged"] > outcomes["refused"] > 0, outcomes
+    slot.invalidate()   # an abandoned timeline's slot: EMPTY, never damaged
+    assert not slot.header().committed and not slot.header().damaged
+    slot.close()
+
+
 def test_damaged_metadata_and_foreign_files_are_rejected(tmp_path: Path) -> None:
     slot = new_slot(tmp_path)
     slot.begin_write(generation=1, rank=3, world_size=4, job_id="job")
-    slot.commit(generation=1, step=1, data_len=0, meta=shm.pack_meta({"v": 1}), rank=3, world_size=4, job_id="job")
+    slot.commit(generation=1, step=1, data_len=0, meta=shm.pack_meta({"v": shm.FORMAT_VERSION}), rank=3, world_size=4,
+                job_id="job")
     header = slot.header()
     slot.mm[header.meta_offset] ^= 0xFF
     with pytest.raises(shm.SlotFormatError, match="checksum"):

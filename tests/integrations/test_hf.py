@@ -598,7 +598,9 @@ HEALTH_ARGS = ["--embedding-local-norm-threshold", str(HEALTH_THRESHOLD)]
 
 def test_hf_kill_after_an_unhealthy_step_resumes_the_newest_healthy_one_from_memory(env: Env) -> None:
     """Step 14 alone is spiked (its snapshot unhealthy); rank 1 dies once its snapshot of 14 is in memory.
-    The rerun passes 14 over and resumes at 13 from memory, and continues from there."""
+    The rerun passes 14 over and resumes at the newest healthy step in memory, and continues from there: 13, or
+    an older one where the ranks skipped 13 (a CI run on a loaded machine skipped 12 and 13 while the agent still
+    held 5 and 10 for their persists)."""
     output_dir = env.tmp_path / "hf"
     first = HFJob(env, output_dir, env.tmp_path / "first", extra_args=HEALTH_ARGS + ["--spike-steps", "14",
                                                                                      "--kill-at", "14"])
@@ -607,12 +609,20 @@ def test_hf_kill_after_an_unhealthy_step_resumes_the_newest_healthy_one_from_mem
     finally:
         first.kill()
     assert max(first.losses(1)) == 14
+    skipped: dict[str, set[int]] = {}   # per rank; the stager logs a run of skips where it starts and where it ends
+    for line in first.log().splitlines():
+        if began := re.search(r"rank (\d): snapshot of step (\d+) skipped", line):
+            skipped.setdefault(began.group(1), set()).update(range(int(began.group(2)), 15))
+        elif ended := re.search(r"rank (\d): snapshots resume at step (\d+) after skips", line):
+            skipped.setdefault(ended.group(1), set()).difference_update(range(int(ended.group(2)), 15))
+    healthy = max(set(range(1, 14)).difference(*skipped.values()))
+    assert healthy >= 10, f"the ranks skipped {skipped}"
     second = run_to_end(HFJob(env, output_dir, env.tmp_path / "second", resume="newest", extra_args=HEALTH_ARGS))
     for report in resumed_at(second):
-        assert (report["step"], report["source"], report["global_step"]) == (13, "memory", 13), report
-    assert sorted(second.losses(0)) == list(range(14, STEPS + 1))
+        assert (report["step"], report["source"], report["global_step"]) == (healthy, "memory", healthy), report
+    assert sorted(second.losses(0)) == list(range(healthy + 1, STEPS + 1))
     log = second.log()
-    assert "passing over unhealthy snapshots newer than step 13: step 14 (unhealthy on ranks [0, 1]: " \
+    assert f"passing over unhealthy snapshots newer than step {healthy}: step 14 (unhealthy on ranks [0, 1]: " \
            "rank 0: embedding_local_norm" in log, log[-4000:]
     entries = {e.step: e.is_health for e in health.read_health_file(output_dir / "easyckpt") or []}
     assert entries and set(entries.values()) == {health.HEALTHY}, entries   # 14 was never persisted

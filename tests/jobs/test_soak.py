@@ -139,6 +139,11 @@ REPLAYS = [
                  "valid JSON and not checksummed, so one rank of a 2-node job loaded the newest iteration with its "
                  "state under a wrong name and died in load_state_dict while the other went on (torn, failed)",
                  id="798013051-14"),
+    pytest.param(["--smoke", "--seed", "325356583"], 12,
+                 "a byte flipped in the step of a committed slot's header (slot format 1 had no checksum over its "
+                 "header): the rank resumed \"step 2089670227099910147\" from memory and the job hung at its end (the "
+                 "header is now 8 bytes longer, so the byte this fault draws is in the generation; "
+                 "tests/unit/test_tiers_ladder.py flips the soak's very byte)", id="325356583-12"),
 ]
 
 

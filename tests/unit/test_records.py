@@ -159,7 +159,7 @@ def test_slot_meta_ignores_extra_keys_of_older_writers() -> None:
 
 
 @pytest.mark.parametrize("key, value, field", [
-    ("v", 2, "v"), ("rank", 4, "rank"), ("rank", "1", "rank"), ("world_size", 0, "world_size"),
+    ("v", 1, "v"), ("rank", 4, "rank"), ("rank", "1", "rank"), ("world_size", 0, "world_size"),
     ("pid", None, "pid"), ("local_world_size", 5, "local_world_size"), ("step", -1, "step"),
     ("tensors", {}, "tensors"), ("job", 1, "job"), ("created", "now", "created"),
 ])

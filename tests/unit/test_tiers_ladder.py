@@ -18,6 +18,7 @@ from tiers_sources import (
     JOB,
     UNHEALTHY,
     Agents,
+    committed_slots,
     corrupt_meta,
     flip_tensor_byte,
     no_health,
@@ -71,6 +72,24 @@ def test_memory_comes_before_disk_and_a_failed_read_moves_on_to_the_next_tier(en
     assert_same(state_at(5), result.state)
     assert result.state["model"]["w"] is into["model"]["w"]
     assert "could not load step 5 from memory" in caplog.text, caplog.text
+
+
+def test_a_snapshot_whose_header_changed_in_memory_is_passed_over_with_a_warning(
+        env: Env, slots: Opener, caplog: pytest.LogCaptureFixture) -> None:
+    """A soak flipped the top byte of a committed slot's step (slot format 1 had no checksum over its header): the
+    rank resumed "step 2089670227099910147" from memory and the job hung at its end. The header's checksum now
+    passes that slot over: the older step in memory is loaded, and the warning names the file."""
+    write_snapshots(env.shm_dir, 0, 1, no_health([3, 5]))
+    with committed_slots(env.shm_dir, 0) as found:
+        (damaged,) = [slot for slot, meta, _ in found if meta.step == 5]
+        assert damaged.mm is not None
+        damaged.mm[23] ^= 0x1D   # the byte and mask the soak drew (seed 325356583, fault 12)
+        path = damaged.path
+    with caplog.at_level(logging.WARNING, logger="easyckpt"):
+        result = load(env, slots(), template())
+    assert (result.step, result.source) == (3, "memory"), result
+    assert_same(state_at(3), result.state)
+    assert f"the header of {path} fails its checksum" in caplog.text, caplog.text
 
 
 def test_a_template_that_does_not_fit_stops_the_load_without_trying_other_tiers(env: Env, slots: Opener) -> None:

@@ -164,16 +164,14 @@ def invalidate(shm: Path, rank: int, step: int) -> None:
 
 
 def corrupt_meta(shm: Path, rank: int, step: int) -> None:
-    """Rank ``rank``'s slot of ``step`` still says COMMITTED, but its metadata no longer matches the header's
-    checksum: it is offered (its verdict unknown) and fails when read."""
-    import struct
-
+    """Rank ``rank``'s slot of ``step`` still says COMMITTED (its header intact), but a byte of its metadata
+    changed, so that it no longer matches the header's checksum: it is offered (its verdict unknown) and fails
+    when read."""
     with committed_slots(shm, rank) as slots:
         for slot, meta, _ in slots:
             if meta.step == step:
                 assert slot.mm is not None
-                checksum = struct.unpack_from("<Q", slot.mm, 64)[0]   # the header's meta_checksum
-                struct.pack_into("<Q", slot.mm, 64, checksum ^ 1)
+                slot.mm[slot.header().meta_offset] ^= 0xFF
 
 
 def flip_tensor_byte(save_dir: Path, step: int, rng: random.Random) -> None:
