@@ -324,6 +324,8 @@ def _slot_files(job_id: str) -> list[dict[str, Any]]:
                     slot_map.close()
                 if header.committed:
                     info["state"], info["step"] = "COMMITTED", header.step
+                elif header.damaged:   # its header changed in memory after the commit: never loaded
+                    info["state"] = "DAMAGED"
                 else:  # an odd generation is a write that never finished (its rank died mid-snapshot)
                     info["state"] = "EMPTY" if header.state == SlotState.EMPTY else "INCOMPLETE"
             except (OSError, SlotFormatError, ValueError) as exc:

@@ -316,6 +316,16 @@ def test_status_lists_a_recoverable_job_with_its_slot_files_and_how_to_free_them
     assert sorted(f["step"] for f in committed) == [1, 2]
     assert all(f["memory_bytes"] > 4096 * 4 for f in committed), committed
 
+    # A byte of step 2's header changed in memory (the top byte of its step): DAMAGED, no step named.
+    (newest,) = [f["path"] for f in committed if f["step"] == 2]
+    with open(newest, "r+b") as handle:
+        handle.seek(23)
+        byte = handle.read(1)[0]
+        handle.seek(23)
+        handle.write(bytes([byte ^ 0x1D]))
+    damaged = json.loads(run_cli("status", "--json", env=env).stdout)[0]["slot_files"]
+    assert [(f["state"], f["step"]) for f in damaged if f["path"] == newest] == [("DAMAGED", None)], damaged
+
     named = run_cli("status", str(env.save_dir), env=env)  # named: "no agent" is still exit 1, with the slots
     assert named.returncode == 1 and "no agent is running" in named.stdout and str(slots[0]) in named.stdout
 
