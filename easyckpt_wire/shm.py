@@ -246,8 +246,8 @@ class SlotMap:
         except ValueError:
             raise SlotFormatError(f"{self.path}: unknown slot state {state}") from None
         damaged = False
-        sealed_ok = xxhash.xxh64_intdigest(raw[:SEALED_BYTES]) == sealed
-        if slot_state == SlotState.COMMITTED and generation % 2 == 0 and not sealed_ok:
+        committed = slot_state == SlotState.COMMITTED and generation % 2 == 0
+        if committed and xxhash.xxh64_intdigest(raw[:SEALED_BYTES]) != sealed:
             # Read without a lock, a header can be caught between a writer's stores: changed bytes on a second
             # read mean a write in progress, the same bytes mean the header itself is damaged.
             if self.mm[:HEADER_BYTES] != raw:
