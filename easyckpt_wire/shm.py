@@ -276,6 +276,11 @@ class SlotMap:
             raise SlotFormatError(f"{self.path}: metadata does not decode: {exc}") from None
         if not isinstance(meta, dict) or meta.get("v") != FORMAT_VERSION:
             raise SlotFormatError(f"{self.path}: metadata has no version {FORMAT_VERSION} marker")
+        if meta.get("step", header.step) != header.step:
+            # Each is checksummed, so only a writer could make them disagree; an agent that took the header's
+            # word would wait forever for metadata of that step (a claim that never starts).
+            raise SlotFormatError(f"{self.path}: the header says step {header.step}, its metadata step "
+                                  f"{meta.get('step')!r}")
         return meta
 
     def data(self, offset: int, nbytes: int) -> memoryview:

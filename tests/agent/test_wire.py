@@ -69,6 +69,11 @@ def test_a_byte_flipped_anywhere_in_a_committed_header_is_never_read_as_another_
             outcomes[outcome] = outcomes.get(outcome, 0) + 1
     assert slot.header() == good
     assert outcomes["damaged"] > outcomes["refused"] > 0, outcomes
+    # A header and metadata that disagree on the step (each checksummed: only a writer's bug) are refused.
+    slot.begin_write(generation=7, rank=3, world_size=4, job_id="job")
+    slot.commit(generation=7, step=10, data_len=100, meta=meta, rank=3, world_size=4, job_id="job")
+    with pytest.raises(shm.SlotFormatError, match="the header says step 10, its metadata step 9"):
+        slot.read_meta(slot.header())
     slot.invalidate()   # an abandoned timeline's slot: EMPTY, never damaged
     assert not slot.header().committed and not slot.header().damaged
     slot.close()
