@@ -78,7 +78,6 @@ class Watcher:
         # (rank, slot, generation) of snapshots of an abandoned timeline that their rank could not invalidate
         # (the agent held the slot): never persisted, declared safe or served, until the slot is rewritten.
         self.abandoned: set[tuple[int, int, int]] = set()
-        self._damaged: set[tuple[int, int, int]] = set()   # (rank, slot, generation) whose damaged header was reported
 
     # slots ------------------------------------------------------------------------------------------
     def scan(self, *, relist_every: float = 0.25) -> None:
@@ -102,10 +101,6 @@ class Watcher:
             try:
                 info.map.refresh()
                 info.header = info.map.header()
-                if info.header.damaged and (reported := (info.rank, info.slot, info.header.generation)) not in self._damaged:
-                    self._damaged.add(reported)
-                    logger.warning("the header of %s fails its checksum (changed in memory after its commit; it reads "
-                                   "step %d): that snapshot is neither persisted nor served", info.path, info.header.step)
                 if info.header.committed and info.meta_generation != info.header.generation:
                     meta = SlotMeta.from_wire(info.map.read_meta(info.header), str(info.path))
                     if info.map.generation() != info.header.generation:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import fcntl
+import logging
 import mmap
 import os
 import re
@@ -30,6 +31,10 @@ from typing import Any
 
 import msgpack
 import xxhash
+
+logger = logging.getLogger(__name__)
+# slot file -> the generation whose damaged header this process reported (a process maps one file several times)
+_DAMAGE_REPORTED: dict[Path, int] = {}
 
 MAGIC = b"EZCKSLOT"
 FORMAT_VERSION = 2
@@ -254,6 +259,11 @@ class SlotMap:
                 slot_state = SlotState.WRITING
             else:
                 damaged = True
+                if _DAMAGE_REPORTED.get(self.path) != generation:   # once per snapshot and process, not per read
+                    _DAMAGE_REPORTED[self.path] = generation
+                    logger.warning("the header of %s fails its checksum (changed in memory after its commit; it "
+                                   "reads step %d): that snapshot is never loaded, persisted or served", self.path,
+                                   step)
         return SlotHeader(slot_state, step, generation, data_len, meta_offset, meta_len, checksum,
                           rank, world_size, committed_at, job.rstrip(b"\0").decode("ascii", "replace"), damaged)
 

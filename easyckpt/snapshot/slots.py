@@ -171,7 +171,6 @@ class RankSlots:
         # (the agent held them): never read as this rank's memory, invalidated as soon as they are free.
         self.abandoned: dict[int, int] = {}
         self.raced = False   # the last choice found no slot because the agent flocked one it had not published yet
-        self._damaged: set[tuple[int, int]] = set()   # (slot, generation) whose damaged header was reported
         warn_if_not_memory(directory, rank=rank, first_local=self._first_local())
         for index in existing:
             path = self.path(index)
@@ -193,11 +192,6 @@ class RankSlots:
             header = slot.header()
         except SlotFormatError:
             return None
-        if header.damaged and (index, header.generation) not in self._damaged:
-            self._damaged.add((index, header.generation))
-            logger.warning("rank %d: the header of %s fails its checksum (changed in memory after its commit; it "
-                           "reads step %d): that snapshot is passed over, never loaded", self.rank, slot.path,
-                           header.step)
         if header.job_id != self.job_id or header.rank != self.rank:
             return None
         return header
