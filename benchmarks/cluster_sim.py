@@ -88,6 +88,9 @@ class Node:
     node_safe: int | None = None     # what the control block says (the verdict's, when held here)
     adopted: int | None = None       # the job-safe step as far as this node holds it (``Protection.safe``)
     took: int = -1
+    writing: int | None = None       # the persist in flight at the agent's last tick
+    wrote: int | None = None         # the last persist the agent saw end, and its ranks' newest step by then
+    freed: int = -1
     lost: set[int] = dataclasses.field(default_factory=set)
     backed: set[int] = dataclasses.field(default_factory=set)   # predecessor's steps backed up here
     pushed: dict[int, float] = dataclasses.field(default_factory=dict)   # step -> when the backup arrived
@@ -238,8 +241,12 @@ class Simulation:
         node.backed = {s for s in node.pushed if s in local or s in node.held}
         # backups are kept for the steps this node's ranks still hold (agent.replica.Holdings.keep)
         node.pushed = {s: t for s, t in node.pushed.items() if s >= max(local | {0}) - 8 or s in local | node.held}
+        if node.writing is not None and node.busy != node.writing:   # as NodeAgreement._note_persist_end
+            node.wrote = node.writing
+            node.freed = max((step for rank in node.ranks for step in rank.committed), default=-1)
+        node.writing = node.busy
         state = NodeState(self.names[node.index], newest(local), newest(node.held), newest(node.backed), node.busy,
-                          node.took, newest(node.lost))
+                          node.took, newest(node.lost), node.wrote, node.freed)
         if state != node.sent:   # news on change (the processes also repeat it every second)
             node.sent = state
             self.at(self.now + self.c.net_ms, lambda: self.state_arrives(state))
@@ -373,7 +380,7 @@ def table(nodes_list: list[int], seed: int, faults: int, base: Config) -> list[d
                 step = rng.randrange(config.interval * 2, config.steps - 2)
                 outcome = run(config, rng.randrange(1 << 30), kind, step)
                 losses[kind].append(outcome["lost"] if outcome["lost"] is not None else config.steps)
-        passed_busy = sum(1 for why in whole["passed"].values() if "still persists" in why)
+        passed_busy = sum(1 for why in whole["passed"].values() if "still persist" in why)
         rows.append({
             "nodes": nodes, "ranks_per_node": config.ranks, "slots": config.slots,
             "rank_kill_lost_median": statistics.median(losses["rank"]), "rank_kill_lost_max": max(losses["rank"]),

@@ -49,6 +49,10 @@ class NodeState:
     busy: int | None = None               # the step its persister writes (None: free)
     took: int = -1                        # the newest due step it took (started, finished or failed)
     lost: frozenset[int] = frozenset()    # due steps it was told to take but could not hold
+    # The step of the persist this node's persister finished last (None: none yet), and the newest step a local
+    # rank had committed when its agent saw it end: due steps between the two came while the persister wrote.
+    wrote: int | None = None
+    freed: int = -1
 
     def newest(self) -> int | None:
         return max(self.local, default=None)
@@ -140,8 +144,9 @@ def decide_due(states: Mapping[str, NodeState], nodes: Sequence[str], *, interva
     A due step up to the newest step every node's ranks committed is taken once every node holds it and
     every persister is free, the oldest undecided one first. It is passed over at once when some persister
     is busy (the next due step after the persist is taken), or when the ranks of some node no longer hold
-    it (they moved past it before their agent held it). A taken step that some node could not take is announced as
-    passed over too (its iteration cannot complete). Every due step is decided one way or the other, and
+    it (they moved past it before their agent held it), named as a persist's when that node's persister was still
+    writing as its ranks committed the step (the persist ended after). A taken step that some node could not take
+    is announced as passed over too (its iteration cannot complete). Every due step is decided one way or the other, and
     every one passed over is announced."""
     if interval <= 0 or not nodes or any(node not in states for node in nodes):
         return None, book
@@ -173,7 +178,7 @@ def decide_due(states: Mapping[str, NodeState], nodes: Sequence[str], *, interva
         elif step in held:
             take = step
         elif missing:
-            passed.append((step, f"the ranks of node(s) {missing} moved past it before their agent held it"))
+            passed.append((step, _why_missing(step, [states[node] for node in missing])))
         elif newest:
             break   # every node is about to hold it: decided at the next state
         else:
@@ -183,6 +188,19 @@ def decide_due(states: Mapping[str, NodeState], nodes: Sequence[str], *, interva
         return None, book
     return take, Book(decided=decided, taken=take if take is not None else book.taken,
                          passed=(*book.passed, *passed)[-PASSED_KEPT:])
+
+
+def _why_missing(step: int, missing: Sequence[NodeState]) -> str:
+    """Why due ``step`` is passed over when the ranks of the ``missing`` nodes no longer hold it. When each of those
+    nodes was still persisting as its ranks committed the step (it lies between that persist's step and the step
+    its ranks had reached when the persist ended), the persist is the reason, as the rule allows: the decision
+    just came after the persist ended. Otherwise the agents were too slow to hold it."""
+    writing = [s for s in missing if s.wrote is not None and s.wrote < step <= s.freed]
+    if len(writing) == len(missing):
+        first = writing[0]
+        return (f"node {first.node} still persisted step {first.wrote} when its ranks committed it (they moved past "
+                "it before the persist ended)")
+    return f"the ranks of node(s) {sorted(s.node for s in missing)} moved past it before their agent held it"
 
 
 def decide(states: Mapping[str, NodeState], nodes: Sequence[str], *, interval: int, book: Book,
@@ -308,7 +326,7 @@ def _read_steps(message: Mapping[str, object], field: str, where: str, limit: in
 def state_to_wire(state: NodeState) -> dict[str, object]:
     return {"node": state.node, "local": sorted(newest(state.local)), "held": sorted(newest(state.held)),
             "backed": sorted(newest(state.backed)), "busy": _opt(state.busy), "took": state.took,
-            "lost": sorted(newest(state.lost))}
+            "lost": sorted(newest(state.lost)), "wrote": _opt(state.wrote), "freed": state.freed}
 
 
 def state_from_wire(message: Mapping[str, object]) -> NodeState:
@@ -316,9 +334,12 @@ def state_from_wire(message: Mapping[str, object]) -> NodeState:
     took = message["took"]
     if type(took) is not int or took < -1:
         raise ValueError(f"{where}: field 'took' is {took!r:.40}, expected a step or -1")
+    # ``wrote`` and ``freed`` came after the first STATE: an agent that does not send them finished no persist.
+    optional = {"wrote": message.get("wrote", -1), "freed": message.get("freed", -1)}
     return NodeState(str(message["node"]), _read_steps(message, "local", where), _read_steps(message, "held", where),
                      _read_steps(message, "backed", where), _read_opt(message, "busy", where), took,
-                     _read_steps(message, "lost", where))
+                     _read_steps(message, "lost", where), _read_opt(optional, "wrote", where),
+                     _decided(_read_opt(optional, "freed", where)))
 
 
 def verdict_to_wire(verdict: Verdict) -> dict[str, object]:

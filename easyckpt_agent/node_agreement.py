@@ -39,6 +39,12 @@ class NodeAgreement:
         self.took = -1
         self.lost: set[int] = set()
         self.announced = announced
+        # The persist in flight at the last round, and the last one seen to end with the newest step a local rank
+        # had committed by then (NodeState.wrote and freed): the leader names that persist as the reason a due step
+        # its ranks committed meanwhile is gone.
+        self._writing: int | None = None
+        self.wrote: int | None = None
+        self.freed = -1
 
     def agree(self, ranks: set[int], held: dict[int, dict[int, SlotInfo]], common: frozenset[int]) -> None:
         """Tell the leader this node's state, and carry out the newest verdict: persist the due step it takes,
@@ -48,10 +54,11 @@ class NodeAgreement:
         protection, roles, scheduler = self.protection, self.protection.roles, self.scheduler
         protection.join_job()
         interval = self.settings.save_storage_interval
+        self._note_persist_end(ranks)
         state = NodeState(self.settings.node_id, local=agreement.newest(common),
                           held=agreement.newest(self.held_everywhere(ranks)),
                           backed=agreement.newest(self.cluster.backed_up() or ()), busy=scheduler.inflight_step(),
-                          took=self.took, lost=agreement.newest(self.lost))
+                          took=self.took, lost=agreement.newest(self.lost), wrote=self.wrote, freed=self.freed)
         verdict = self.cluster.jobwide.exchange(state, peers, interval=interval,
                                                 committed=self.cluster.complete if peers.is_leader else None)
         persisting = set(scheduler.held_steps())
@@ -80,6 +87,13 @@ class NodeAgreement:
                          sorted(persisting), verdict)
         protection.set_job_steps(verdict.job_safe, verdict.node_safe, self.held_everywhere(ranks))
         self.cluster.safe_step = protection.safe
+
+    def _note_persist_end(self, ranks: set[int]) -> None:
+        inflight = self.scheduler.inflight_step()
+        if self._writing is not None and inflight != self._writing:
+            self.wrote = self._writing
+            self.freed = max((s for s in map(self.watcher.newest_step, ranks) if s is not None), default=-1)
+        self._writing = inflight
 
     def take(self, verdict: Verdict, ranks: set[int], held: dict[int, dict[int, SlotInfo]]) -> None:
         """The leader said to persist due step ``verdict.take`` on every node (acted on once)."""
@@ -118,6 +132,9 @@ class NodeAgreement:
         holds now."""
         self.took = min(self.took, step)
         self.lost = {s for s in self.lost if s <= step}
+        if self.wrote is not None and self.wrote > step:
+            self.wrote, self.freed = None, -1
+        self.freed = min(self.freed, step)
         self.announced.forget_after(step)
         self.cluster.jobwide.rewind(step, decided=self.scheduler.floor())
 

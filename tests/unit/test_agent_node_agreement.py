@@ -110,3 +110,24 @@ def test_a_resume_forgets_the_abandoned_timelines_takes_and_verdict(node: Harnes
     agent.agreement.rewind(5)
     assert (agent.agreement.took, agent.agreement.lost, agent.announced.recent) == (5, {3}, [])
     assert agent.cluster.jobwide.verdict is None
+
+
+def test_the_state_names_the_persist_that_ended_and_how_far_the_ranks_had_got(node: Harness) -> None:
+    """NodeState.wrote and freed: the leader names this persist as the reason a due step committed meanwhile is gone
+    (tests/unit/test_agreement.py). A resume forgets what lies on the abandoned timeline."""
+    ranks, agent = node.ranks, node.agent
+    ranks.commit_all(0, 5)
+    verdict(node, job_safe=5, candidate=5, take=5, decided=5, newest=5)
+    agree(node)
+    agent.scheduler.start_ready()
+    agree(node)
+    assert agent.scheduler.inflight_step() == 5 and agent.agreement.wrote is None
+    ranks.commit_all(1, 9)
+    ranks.commit(2, 2, 11)   # rank 2 moved on: the newest step any local rank committed counts
+    node.settle()
+    agree(node)
+    assert (agent.agreement.wrote, agent.agreement.freed) == (5, 11)
+    agent.agreement.rewind(8)
+    assert (agent.agreement.wrote, agent.agreement.freed) == (5, 8)
+    agent.agreement.rewind(4)
+    assert (agent.agreement.wrote, agent.agreement.freed) == (None, -1)
