@@ -231,6 +231,7 @@ class NodeReplication:
             self.jobwide.reset(decided=self.floor())   # another incarnation of the job: its agents say anew
             self.jobwide.courier.forget({p.endpoint for p in peers.nodes.values()})
         self.peers = peers
+        self.watcher.assign(peers.nodes[self.node].ranks or None)   # a standalone launcher's table names no ranks
         assert self.replica is not None
         self.replica.token = peers.token
         return None
@@ -244,6 +245,7 @@ class NodeReplication:
                         self.node, sorted(self.peers.nodes))
             self.peers = None
             self.jobwide.reset(decided=self.floor())
+        self.watcher.assign(None)
 
     def on_news(self, kind: Kind, message: dict[str, Any]) -> None:
         """Server thread: a node's STATE (this node leads) or the leader's VERDICT."""

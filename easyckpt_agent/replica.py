@@ -275,7 +275,12 @@ class ReplicaServer(threading.Thread):
         if port is None:
             port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
         if port_file is not None:
-            port_file.write_text(f"{port}\n")
+            try:   # best effort: a failure here must not leave the bound socket behind (ctx.term() would hang on it)
+                port_file.write_text(f"{port}\n")
+            except OSError as exc:
+                logger.warning("cannot record the replica server's port %d in %s (%s): a restarted agent binds "
+                               "another one, and the other nodes learn it from the ranks' next introduction", port,
+                               port_file, exc)
         return port
 
     def stop(self) -> None:

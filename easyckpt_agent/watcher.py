@@ -73,6 +73,9 @@ class Watcher:
         self.ranks: dict[int, RankProcess] = {}
         self.local_world_size = 0
         self.world_size = 0   # of the current run: slots and ranks of a run with another size are ignored
+        # Multi-node: the ranks the job's peer table places on this node (None: every rank with slots here). A restart
+        # may place a rank on another node; its slots here are then leftovers, still hashed and served to pulls.
+        self.assigned: frozenset[int] | None = None
         self._last_listing = 0.0
         self._settle_until = 0.0   # list at every scan until then: a rank may still be creating its slots
         # (rank, slot, generation) of snapshots of an abandoned timeline that their rank could not invalidate
@@ -117,7 +120,7 @@ class Watcher:
     def _learn_from_meta(self, meta: SlotMeta) -> None:
         if not self.world_size:  # an adopting agent before any HELLO: the slots tell the job's shape
             self.set_shape(meta.world_size, meta.local_world_size)
-        if meta.pid is not None and meta.rank not in self.ranks:
+        if meta.pid is not None and meta.rank not in self.ranks and self._here(meta.rank):
             self.register(meta.rank, meta.pid, meta.pid_start)
 
     def set_shape(self, world_size: int, local_world_size: int) -> None:
@@ -131,8 +134,28 @@ class Watcher:
     def _current(self, info: SlotInfo) -> bool:
         return info.header is None or not self.world_size or info.header.world_size == self.world_size
 
+    def assign(self, ranks: tuple[int, ...] | None) -> None:
+        """The ranks the job's peer table places on this node (None: a single-node job). A rank of an earlier
+        incarnation that a restart placed on another node is no longer this node's: its persists, claims and
+        backups would otherwise wait for a process that never comes back here (fault soak, seed 7, fault 7: the
+        nodes' ranks swapped after a node loss, and no step after the resume was ever committed)."""
+        assigned = None if ranks is None else frozenset(ranks)
+        if assigned == self.assigned:
+            return
+        self.assigned = assigned
+        moved = sorted(rank for rank in {r for r, _ in self.slots} | set(self.ranks) if not self._here(rank))
+        if moved:
+            logger.info("rank(s) %s now run on other nodes (this node runs ranks %s): their slots here are leftovers, "
+                        "served to replica pulls but never waited for", moved, sorted(assigned or ()))
+        for rank in moved:
+            self.ranks.pop(rank, None)
+
+    def _here(self, rank: int) -> bool:
+        return self.assigned is None or rank in self.assigned
+
     def local_ranks(self) -> set[int]:
-        return {rank for (rank, _), info in self.slots.items() if self._current(info)} | set(self.ranks)
+        ranks = {rank for (rank, _), info in self.slots.items() if self._current(info)} | set(self.ranks)
+        return ranks if self.assigned is None else ranks & self.assigned
 
     def slots_per_rank(self) -> int:
         """The fewest slots any local rank has (what the agent may hold without starving it); 0 before any."""

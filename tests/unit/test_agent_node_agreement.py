@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agent_slots import JOB, Harness
+from agent_slots import JOB, START, Harness
 
 from easyckpt_agent.agreement import Verdict, verdict_to_wire
 from easyckpt_wire.control import ControlReader, control_path
+from easyckpt_wire.protocol import Kind
 from easyckpt_wire.records import PeerNode, PeerTable
 
 PEERS = PeerTable("t" * 16, "n1", "n0", {"n0": PeerNode("tcp://127.0.0.1:1", (0, 1)),
@@ -131,3 +133,36 @@ def test_the_state_names_the_persist_that_ended_and_how_far_the_ranks_had_got(no
     assert (agent.agreement.wrote, agent.agreement.freed) == (5, 8)
     agent.agreement.rewind(4)
     assert (agent.agreement.wrote, agent.agreement.freed) == (None, -1)
+
+
+def test_a_rank_a_restart_placed_on_another_node_is_no_longer_waited_for(tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """Fault soak, seed 7, fault 7 (node loss in a 2x1 job): the restarted job's rendezvous put rank 0 on node1 and
+    rank 1 on node0, whose agent survived. It still counted its old rank 0 (slots here, process dead) as local: no
+    step after the resume was ever held by every local rank, so nothing was backed up or persisted, and the job ended
+    with the tracker at 0. The new peer table says which ranks are this node's."""
+    node = Harness(tmp_path, ranks=2, world_size=2, node_id="n0")
+    try:
+        ranks, agent = node.ranks, node.agent
+        ranks.commit(0, 0, 3)   # the old incarnation's rank 0, on this node
+        node.scan()
+        assert 0 in agent.watcher.ranks, "rank 0 is learnt from its slot's metadata"
+        caplog.set_level(logging.INFO, logger="easyckpt_agent.watcher")
+        table = PeerTable("n" * 16, "n0", "n1", {"n0": PeerNode("tcp://127.0.0.1:1", (1,)),
+                                                 "n1": PeerNode("tcp://127.0.0.1:2", (0,))}, world_size=2)
+        node.request(b"r1", Kind.HELLO, rank=1, pid=os.getpid(), pid_start=START, world_size=2, local_world_size=1,
+                     save_storage_interval=5, max_ckpt_num=2, log_file_path="", id=1)
+        node.request(b"r1", Kind.PEERS, **table.to_wire(), id=2)   # starts the replica server (127.0.0.1, any port)
+        assert node.sent[-1][1]["ok"], node.sent[-1]
+        assert agent.watcher.local_ranks() == {1} and 0 not in agent.watcher.ranks
+        assert "rank(s) [0] now run on other nodes" in caplog.text
+        ranks.commit(1, 0, 4)
+        ranks.commit(1, 1, 5)
+        ranks_, committed, common = node.scan()
+        assert 0 not in agent.watcher.ranks, "not learnt again from its leftover slots"
+        assert ranks_ == {1} and common == frozenset({4, 5})
+        assert agent.scheduler.claims.claim_all(5, ranks_, committed), "the step is claimed without rank 0"
+        agent.cluster.run_alone()
+        assert agent.watcher.assigned is None
+    finally:
+        node.close()
