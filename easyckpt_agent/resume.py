@@ -55,6 +55,7 @@ class Resume:
         held) are ignored and let go. The reply's error says what could not be moved."""
         for slot, generation in stale:
             self.watcher.abandoned.add((rank, slot, generation))
+        self.watcher.abandoned.update(self.watcher.leftovers_newer_than(step))
         commits = self.cluster.peers is None or self.cluster.peers.is_leader
         moved, tracker, error, down = self._move_aside(rank, step, commits)
         # The store down as torchrun restarts the workers: the new timeline still starts here (the rewind below

@@ -150,6 +150,14 @@ class Watcher:
         for rank in moved:
             self.ranks.pop(rank, None)
 
+    def leftovers_newer_than(self, step: int) -> list[tuple[int, int, int]]:
+        """(rank, slot, generation) of committed snapshots newer than ``step`` in the slots of ranks that now run on
+        other nodes: after a resume at ``step`` they belong to the abandoned timeline, and no rank here invalidates
+        them (served to a later pull, such a snapshot would be taken for the new timeline's step of that number)."""
+        return [(rank, slot, info.header.generation) for (rank, slot), info in self.slots.items()
+                if not self._here(rank) and info.header is not None and info.header.committed
+                and info.header.step > step]
+
     def _here(self, rank: int) -> bool:
         return self.assigned is None or rank in self.assigned
 

@@ -13,6 +13,7 @@ from easyckpt_agent.agreement import Verdict, verdict_to_wire
 from easyckpt_wire.control import ControlReader, control_path
 from easyckpt_wire.protocol import Kind
 from easyckpt_wire.records import PeerNode, PeerTable
+from easyckpt_wire.shm import SlotState
 
 PEERS = PeerTable("t" * 16, "n1", "n0", {"n0": PeerNode("tcp://127.0.0.1:1", (0, 1)),
                                          "n1": PeerNode("tcp://127.0.0.1:2", (2, 3))}, world_size=4)
@@ -145,6 +146,7 @@ def test_a_rank_a_restart_placed_on_another_node_is_no_longer_waited_for(tmp_pat
     try:
         ranks, agent = node.ranks, node.agent
         ranks.commit(0, 0, 3)   # the old incarnation's rank 0, on this node
+        ranks.commit(0, 1, 6)
         node.scan()
         assert 0 in agent.watcher.ranks, "rank 0 is learnt from its slot's metadata"
         caplog.set_level(logging.INFO, logger="easyckpt_agent.watcher")
@@ -156,6 +158,10 @@ def test_a_rank_a_restart_placed_on_another_node_is_no_longer_waited_for(tmp_pat
         assert node.sent[-1][1]["ok"], node.sent[-1]
         assert agent.watcher.local_ranks() == {1} and 0 not in agent.watcher.ranks
         assert "rank(s) [0] now run on other nodes" in caplog.text
+        # The job resumed at 3: rank 0's leftover step 6 belongs to the abandoned timeline, its step 3 does not.
+        node.request(b"r1", Kind.RESUME, rank=1, step=3, stale=[], id=3)
+        agent.resumer.invalidate_abandoned()
+        assert ranks.maps[0, 1].header().state != SlotState.COMMITTED and ranks.maps[0, 0].header().committed
         ranks.commit(1, 0, 4)
         ranks.commit(1, 1, 5)
         ranks_, committed, common = node.scan()
