@@ -91,6 +91,7 @@ class Node:
     writing: int | None = None       # the persist in flight at the agent's last tick
     wrote: int | None = None         # the last persist the agent saw end, and its ranks' newest step by then
     freed: int = -1
+    lost_to: int | None = None       # the persist that kept it from the newest due step it could not take
     lost: set[int] = dataclasses.field(default_factory=set)
     backed: set[int] = dataclasses.field(default_factory=set)   # predecessor's steps backed up here
     pushed: dict[int, float] = dataclasses.field(default_factory=dict)   # step -> when the backup arrived
@@ -246,7 +247,7 @@ class Simulation:
             node.freed = max((step for rank in node.ranks for step in rank.committed), default=-1)
         node.writing = node.busy
         state = NodeState(self.names[node.index], newest(local), newest(node.held), newest(node.backed), node.busy,
-                          node.took, newest(node.lost), node.wrote, node.freed)
+                          node.took, newest(node.lost), node.wrote, node.freed, node.lost_to)
         if state != node.sent:   # news on change (the processes also repeat it every second)
             node.sent = state
             self.at(self.now + self.c.net_ms, lambda: self.state_arrives(state))
@@ -289,6 +290,7 @@ class Simulation:
             node.took = verdict.take
             if node.busy is not None or verdict.take not in local | node.held:
                 node.lost.add(verdict.take)
+                node.lost_to = node.busy
             else:
                 node.busy = verdict.take
                 self.at(self.now + self.c.persist_ms, lambda: self.persist_done(node, verdict.take))

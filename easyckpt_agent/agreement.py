@@ -53,6 +53,9 @@ class NodeState:
     # rank had committed when its agent saw it end: due steps between the two came while the persister wrote.
     wrote: int | None = None
     freed: int = -1
+    # The persist this node's persister was busy with when it could not take the newest of ``lost`` (None: it was
+    # free, and a local rank no longer held the step): a flush of a newer step, say, as the job ends.
+    lost_to: int | None = None
 
     def newest(self) -> int | None:
         return max(self.local, default=None)
@@ -153,9 +156,9 @@ def decide_due(states: Mapping[str, NodeState], nodes: Sequence[str], *, interva
     chosen = [states[node] for node in nodes]
     passed: list[tuple[int, str]] = []
     if book.taken is not None and book.taken not in book.passed_steps():
-        lost = sorted(s.node for s in chosen if book.taken in s.lost)
+        lost = [s for s in chosen if book.taken in s.lost]
         if lost:
-            passed.append((book.taken, f"node(s) {lost} could not persist it when told to"))
+            passed.append((book.taken, _why_lost(book.taken, lost)))
     committed = _meet(s.local for s in chosen)
     held = _meet(s.held for s in chosen)
     busy = _busy(chosen, book.taken)
@@ -201,6 +204,14 @@ def _why_missing(step: int, missing: Sequence[NodeState]) -> str:
         return (f"node {first.node} still persisted step {first.wrote} when its ranks committed it (they moved past "
                 "it before the persist ended)")
     return f"the ranks of node(s) {sorted(s.node for s in missing)} moved past it before their agent held it"
+
+
+def _why_lost(step: int, lost: Sequence[NodeState]) -> str:
+    """Why taken ``step`` is passed over when the ``lost`` nodes could not take it: named as a persist's when each
+    of them was busy with another persist when told (the rule's case: a persist still runs)."""
+    if all(s.lost_to is not None and max(s.lost) == step for s in lost):
+        return f"node {lost[0].node} still persists step {lost[0].lost_to} (it could not take this one when told to)"
+    return f"node(s) {sorted(s.node for s in lost)} could not persist it when told to"
 
 
 def decide(states: Mapping[str, NodeState], nodes: Sequence[str], *, interval: int, book: Book,
@@ -326,7 +337,8 @@ def _read_steps(message: Mapping[str, object], field: str, where: str, limit: in
 def state_to_wire(state: NodeState) -> dict[str, object]:
     return {"node": state.node, "local": sorted(newest(state.local)), "held": sorted(newest(state.held)),
             "backed": sorted(newest(state.backed)), "busy": _opt(state.busy), "took": state.took,
-            "lost": sorted(newest(state.lost)), "wrote": _opt(state.wrote), "freed": state.freed}
+            "lost": sorted(newest(state.lost)), "wrote": _opt(state.wrote), "freed": state.freed,
+            "lost_to": _opt(state.lost_to)}
 
 
 def state_from_wire(message: Mapping[str, object]) -> NodeState:
@@ -334,12 +346,13 @@ def state_from_wire(message: Mapping[str, object]) -> NodeState:
     took = message["took"]
     if type(took) is not int or took < -1:
         raise ValueError(f"{where}: field 'took' is {took!r:.40}, expected a step or -1")
-    # ``wrote`` and ``freed`` came after the first STATE: an agent that does not send them finished no persist.
-    optional = {"wrote": message.get("wrote", -1), "freed": message.get("freed", -1)}
+    # ``wrote``, ``freed`` and ``lost_to`` came after the first STATE: an agent that does not send them finished no
+    # persist and says nothing of why it could not take a step.
+    optional = {field: message.get(field, -1) for field in ("wrote", "freed", "lost_to")}
     return NodeState(str(message["node"]), _read_steps(message, "local", where), _read_steps(message, "held", where),
                      _read_steps(message, "backed", where), _read_opt(message, "busy", where), took,
                      _read_steps(message, "lost", where), _read_opt(optional, "wrote", where),
-                     _decided(_read_opt(optional, "freed", where)))
+                     _decided(_read_opt(optional, "freed", where)), _read_opt(optional, "lost_to", where))
 
 
 def verdict_to_wire(verdict: Verdict) -> dict[str, object]:

@@ -45,6 +45,7 @@ class NodeAgreement:
         self._writing: int | None = None
         self.wrote: int | None = None
         self.freed = -1
+        self.lost_to: int | None = None   # the persist that kept this node from the newest step it could not take
 
     def agree(self, ranks: set[int], held: dict[int, dict[int, SlotInfo]], common: frozenset[int]) -> None:
         """Tell the leader this node's state, and carry out the newest verdict: persist the due step it takes,
@@ -58,7 +59,8 @@ class NodeAgreement:
         state = NodeState(self.settings.node_id, local=agreement.newest(common),
                           held=agreement.newest(self.held_everywhere(ranks)),
                           backed=agreement.newest(self.cluster.backed_up() or ()), busy=scheduler.inflight_step(),
-                          took=self.took, lost=agreement.newest(self.lost), wrote=self.wrote, freed=self.freed)
+                          took=self.took, lost=agreement.newest(self.lost), wrote=self.wrote, freed=self.freed,
+                          lost_to=self.lost_to)
         verdict = self.cluster.jobwide.exchange(state, peers, interval=interval,
                                                 committed=self.cluster.complete if peers.is_leader else None)
         persisting = set(scheduler.held_steps())
@@ -104,12 +106,14 @@ class NodeAgreement:
         scheduler = self.scheduler
         if step <= scheduler.floor() or step in scheduler.claims or step == scheduler.inflight_step():
             return
-        if scheduler.inflight is not None:
-            why = f"its persister is busy with step {scheduler.inflight_step()}"
+        busy = scheduler.inflight_step()
+        if busy is not None:
+            why = f"its persister is busy with step {busy}"
         else:
             why = "" if scheduler.claims.claim_all(step, ranks, held) else "a local rank no longer holds it"
         if why:
             self.lost.add(step)
+            self.lost_to = busy
             logger.warning("the leader said to persist due step %d on every node, but this node cannot: %s", step, why)
 
     def held_everywhere(self, ranks: set[int]) -> set[int]:
@@ -132,6 +136,7 @@ class NodeAgreement:
         holds now."""
         self.took = min(self.took, step)
         self.lost = {s for s in self.lost if s <= step}
+        self.lost_to = None
         if self.wrote is not None and self.wrote > step:
             self.wrote, self.freed = None, -1
         self.freed = min(self.freed, step)

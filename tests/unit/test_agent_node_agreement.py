@@ -84,6 +84,7 @@ def test_a_take_this_node_cannot_carry_out_is_reported_lost(node: Harness, caplo
     agent.scheduler.start_ready()   # this node's shards of step 10 are being written
     agent.agreement.take(Verdict(take=15), ranks_, committed)
     assert agent.agreement.lost == {5, 15} and agent.agreement.took == 15
+    assert agent.agreement.lost_to == 10, "the leader names the persist that kept this node from step 15"
     assert [r.getMessage().split(": ")[-1] for r in caplog.records] == [
         "a local rank no longer holds it", "its persister is busy with step 10"]
     node.settle()
@@ -109,9 +110,10 @@ def test_a_resume_forgets_the_abandoned_timelines_takes_and_verdict(node: Harnes
     agent = node.agent
     verdict(node, passed=((10, "why"),), decided=10)
     agree(node)
-    agent.agreement.took, agent.agreement.lost = 10, {3, 10}
+    agent.agreement.took, agent.agreement.lost, agent.agreement.lost_to = 10, {3, 10}, 9
     agent.agreement.rewind(5)
     assert (agent.agreement.took, agent.agreement.lost, agent.announced.recent) == (5, {3}, [])
+    assert agent.agreement.lost_to is None
     assert agent.cluster.jobwide.verdict is None
 
 

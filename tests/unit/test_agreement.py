@@ -128,6 +128,11 @@ def test_a_taken_step_some_node_could_not_take_is_announced() -> None:
     states = {"a": state("a", {10}, {10}, took=10), "b": state("b", {10}, {10}, took=10, lost={10})}
     _, book = decide_due(states, NODES, interval=5, book=Book(decided=10, taken=10))
     assert book.passed[-1][0] == 10 and "could not persist" in book.passed[-1][1]
+    # Busy with another persist when told (the job's final flush of 14, as a 2-node test's job ended): the rule's
+    # case, named so.
+    states["b"] = dataclasses.replace(states["b"], lost_to=14)
+    _, book = decide_due(states, NODES, interval=5, book=Book(decided=10, taken=10))
+    assert book.passed[-1] == (10, "node b still persists step 14 (it could not take this one when told to)")
 
 
 def test_the_verdict_repeats_the_newest_take_and_names_what_is_decided() -> None:
@@ -207,15 +212,15 @@ def test_due_step_and_persist_floor() -> None:
 def test_states_and_verdicts_round_trip_and_garbage_is_refused() -> None:
     original = state("a", {1, 2, 3}, {2}, {1}, busy=2, took=0, lost={0})
     assert state_from_wire(state_to_wire(original)) == original
-    finished = dataclasses.replace(original, wrote=0, freed=3)
+    finished = dataclasses.replace(original, wrote=0, freed=3, lost_to=2)
     assert state_from_wire(state_to_wire(finished)) == finished
-    older = {k: v for k, v in state_to_wire(finished).items() if k not in ("wrote", "freed")}
+    older = {k: v for k, v in state_to_wire(finished).items() if k not in ("wrote", "freed", "lost_to")}
     assert state_from_wire(older) == original, "a sender without wrote and freed finished no persist"
     assert protocol.decode(protocol.encode(Kind.STATE, token="t", **older))[0] == Kind.STATE
     verdict = Verdict(3, 2, 4, 0, ((0, "why"),), 0, 4, 0)
     assert verdict_from_wire({**verdict_to_wire(verdict), "node": "a"}) == verdict
     for field, bad in (("local", [-1]), ("local", list(range(100))), ("held", ["x"]), ("busy", -5), ("took", "1"),
-                       ("wrote", -2), ("freed", "3")):
+                       ("wrote", -2), ("freed", "3"), ("lost_to", 1.5)):
         with pytest.raises(ValueError, match=field):
             state_from_wire({**state_to_wire(original), field: bad})
     with pytest.raises(ValueError, match="passed"):
