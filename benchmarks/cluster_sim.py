@@ -40,6 +40,7 @@ from easyckpt_agent.agreement import (  # noqa: E402
     Verdict,
     decide,
     due_to_hold,
+    floor_needs_a_role,
     job_safe_here,
     newest,
     persist_floor,
@@ -295,12 +296,14 @@ class Simulation:
                 node.busy = verdict.take
                 self.at(self.now + self.c.persist_ms, lambda: self.persist_done(node, verdict.take))
         decided = max(verdict.decided, max(self.persisted, default=-1))
-        persisting = {s for s in (node.busy, persist_floor(verdict, local | node.held)) if s is not None}
+        floor = persist_floor(verdict, local | node.held)
+        persisting = {s for s in (node.busy, floor) if s is not None}
         due = due_to_hold(local | node.held, interval=self.c.interval, decided=decided)
         plan = plan_holds(slots=self.c.slots, persisting=persisting, job_safe=verdict.job_safe,
                           candidate=verdict.candidate, node_safe=verdict.node_safe, present=local | node.held, due=due,
                           adopted=node.adopted)
-        node.held = set(plan)
+        busy = {node.busy} - {None}   # as easyckpt_agent.node_agreement: the floor's own role only when counted on
+        node.held = set(plan) - ({floor} - busy if not floor_needs_a_role(verdict, floor, busy) else set())
         node.adopted = job_safe_here(verdict.job_safe, node.held, node.adopted)
         node.published = frozenset(node.held)
         node.node_safe = verdict.node_safe

@@ -76,15 +76,17 @@ class NodeAgreement:
                         skip=persisting)
             return
         self.take(verdict, ranks, held)
+        persisting = set(scheduler.held_steps())   # with the claim the take just made
         self.announced.hear(verdict, interval)
         floor = agreement.persist_floor(verdict, present)
-        persisting |= {floor} if floor is not None else set()
-        plan = agreement.plan_holds(slots=self.watcher.slots_per_rank(), persisting=persisting, due=due,
+        planned = persisting | ({floor} if floor is not None else set())
+        plan = agreement.plan_holds(slots=self.watcher.slots_per_rank(), persisting=planned, due=due,
                                     job_safe=verdict.job_safe, candidate=verdict.candidate,
                                     node_safe=verdict.node_safe, present=present, adopted=protection.safe)
-        if set(plan) - persisting != roles.steps:
+        skip = persisting if agreement.floor_needs_a_role(verdict, floor, persisting) else planned
+        if set(plan) - skip != roles.steps:
             protection.control.begin_move()   # ranks that find no free slot meanwhile wait for the move, not skip
-        if roles.apply(plan, ranks, held, skip=persisting):
+        if roles.apply(plan, ranks, held, skip=skip):
             logger.debug("holding %s for the job (plan %s, persisting %s; verdict %s)", sorted(roles.steps), plan,
                          sorted(persisting), verdict)
         protection.set_job_steps(verdict.job_safe, verdict.node_safe, self.held_everywhere(ranks))

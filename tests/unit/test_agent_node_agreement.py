@@ -117,6 +117,31 @@ def test_a_resume_forgets_the_abandoned_timelines_takes_and_verdict(node: Harnes
     assert agent.cluster.jobwide.verdict is None
 
 
+def test_the_taken_step_stays_held_after_its_persist_until_a_newer_step_is_job_safe(node: Harness) -> None:
+    """The floor (agreement.persist_floor) is held by a role once the persist that held it ended, while the verdict
+    counts on it (here: as the candidate). It was planned but held by nobody: with three slots no step was held on
+    every node from each persist's end to the next due step, so the job had no job-safe or node-safe step most of
+    the time and the ranks' lag gates waited at every snapshot (a 12-step 2-node soak reference run spent 21 of its
+    24 s in them)."""
+    ranks, agent = node.ranks, node.agent
+    ranks.commit_all(0, 3)
+    verdict(node, job_safe=3, node_safe=3, take=3, decided=3, newest=3)
+    agree(node)
+    agent.scheduler.start_ready()
+    agree(node)
+    assert agent.scheduler.inflight_step() == 3
+    ranks.commit_all(1, 4)
+    node.settle()
+    verdict(node, job_safe=None, node_safe=None, candidate=3, take=3, committed=3, decided=3, newest=4)
+    agree(node)
+    assert agent.scheduler.inflight_step() is None and not agent.scheduler.claims
+    assert 3 in agent.protection.roles.steps and 3 in agent.agreement.held_everywhere({2, 3})
+    assert not ranks.writable(2, 0) and not ranks.writable(3, 0), "the ranks must not write over the floor"
+    verdict(node, job_safe=4, node_safe=4, candidate=4, take=3, committed=3, decided=3, newest=4)
+    agree(node)
+    assert agent.protection.roles.steps == {4} and ranks.writable(2, 0), "a newer job-safe step frees the floor"
+
+
 def test_the_state_names_the_persist_that_ended_and_how_far_the_ranks_had_got(node: Harness) -> None:
     """NodeState.wrote and freed: the leader names this persist as the reason a due step committed meanwhile is gone
     (tests/unit/test_agreement.py). A resume forgets what lies on the abandoned timeline."""

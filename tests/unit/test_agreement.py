@@ -333,15 +333,29 @@ def test_a_rank_kill_or_a_node_loss_at_any_moment_costs_at_most_two_steps() -> N
 #   uninterrupted three-slot runs it tripled the due steps missed for want of a hold and nearly tripled the moments
 #   with no step held on every node: not kept.
 KNOWN_MISSES = [
-    pytest.param(cluster_sim.Config(nodes=4, ranks=2, slots=3, steps=30, interval=2, step_ms=100.0, jitter_ms=0.5,
-                                    copy_ms=9.0, agent_ms=9.75, slow_node=2, slow_factor=3.75, net_ms=2.5, hash_ms=18.0,
-                                    backup_ms=0.0, persist_ms=116.0, leader_us_per_node=20.0, max_backup_lag=5),
-                 1753, "rank", 9, id="nothing-in-common"),
     pytest.param(cluster_sim.Config(nodes=4, ranks=2, slots=3, steps=30, interval=2, step_ms=100.0, jitter_ms=0.0,
                                     copy_ms=7.0, agent_ms=9.5, slow_node=2, slow_factor=4.0, net_ms=2.5, hash_ms=2.0,
                                     backup_ms=0.0, persist_ms=115.0, leader_us_per_node=20.0, max_backup_lag=5),
                  1753, "rank", 9, id="three-lost"),
 ]
+
+
+# Held since 2026-11-30, when the simulation took the agents' rule for the floor (agreement.floor_needs_a_role: once
+# its persist ended, the floor is held only while the verdict counts on it; the simulation had held it always, the
+# agents never). That changed this run's course; the mechanism traced above (a verdict over round-old states naming
+# a step some nodes had let go) is not ruled out by it. Kept as a regression test of the two-step bound.
+FORMER_MISSES = [
+    pytest.param(cluster_sim.Config(nodes=4, ranks=2, slots=3, steps=30, interval=2, step_ms=100.0, jitter_ms=0.5,
+                                    copy_ms=9.0, agent_ms=9.75, slow_node=2, slow_factor=3.75, net_ms=2.5, hash_ms=18.0,
+                                    backup_ms=0.0, persist_ms=116.0, leader_us_per_node=20.0, max_backup_lag=5),
+                 1753, "rank", 9, id="nothing-in-common"),
+]
+
+
+@pytest.mark.parametrize("config,seed,fault,at", FORMER_MISSES)
+def test_the_former_counterexamples_of_the_two_step_bound_hold(config: cluster_sim.Config, seed: int, fault: str,
+                                                              at: int) -> None:
+    costs_at_most_two_steps(config, seed, fault, at)
 
 
 @pytest.mark.xfail(strict=True, reason="issue 24: open counterexamples of the two-step bound (see KNOWN_MISSES)")
@@ -450,9 +464,10 @@ def test_persists_longer_than_the_interval_never_leave_the_nodes_without_a_commo
 
 def test_an_agent_asleep_past_the_interval_misses_a_due_step_and_says_so() -> None:
     """The bound's other side, replayed (one like the counterexample above): node 1's agent, 3 times slower, once
-    takes 272 ms, and node 1's ranks overwrite due step 6 before their agent held it. It is announced with its
-    reason, and the next due step is persisted. (Seed 342044 missed due step 12 the same way until a trailing
-    node-safe step took the spare slot; with that hold its due steps are all persisted.)"""
+    takes 272 ms, and node 1's ranks overwrite a due step (6; 12 since the floor's rule of 2026-11-30) before their
+    agent held it. It is announced with its reason, and the next due step is persisted. (Seed 342044 missed due
+    step 12 the same way until a trailing node-safe step took the spare slot; with that hold its due steps are all
+    persisted.)"""
     config = cluster_sim.Config(nodes=2, ranks=1, slots=4, steps=30, interval=2, step_ms=100.0, jitter_ms=11.7,
                                 copy_ms=18.2, agent_ms=10.4, slow_node=1, slow_factor=3.0, net_ms=1.0, hash_ms=18.6,
                                 persist_ms=515)
@@ -460,8 +475,10 @@ def test_an_agent_asleep_past_the_interval_misses_a_due_step_and_says_so() -> No
     assert outcome["slowest_reaction_ms"] > config.step_ms * (config.interval - 1) / 2
     missed = {step: why for step, why in outcome["passed"].items()
               if "still persist" not in why and "every node persists" not in why}
-    assert missed == {6: "the ranks of node(s) ['n0001'] moved past it before their agent held it"}, outcome
-    assert 8 in outcome["persisted"], "the next due step is persisted"
+    assert len(missed) == 1, outcome
+    [(step, why)] = missed.items()
+    assert why == "the ranks of node(s) ['n0001'] moved past it before their agent held it", outcome
+    assert step + config.interval in outcome["persisted"], "the next due step is persisted"
 
 
 def test_starved_agents_cost_more_steps_but_always_leave_a_step() -> None:
