@@ -25,6 +25,7 @@ from easyckpt_agent.agreement import (
     decide,
     decide_due,
     due_to_hold,
+    floor_needs_a_role,
     job_safe_here,
     job_steps,
     persist_floor,
@@ -207,6 +208,16 @@ def test_due_step_and_persist_floor() -> None:
     assert persist_floor(Verdict(job_safe=11, take=10), {10, 11}) == 10
     assert persist_floor(Verdict(job_safe=10, take=10, passed=((10, "x"),)), {10}) is None
 
+
+
+def test_the_floor_has_a_role_of_its_own_only_after_its_persist_and_while_the_verdict_counts_on_it() -> None:
+    assert floor_needs_a_role(Verdict(candidate=10, take=10, committed=10), 10, set()), "the candidate: held"
+    assert floor_needs_a_role(Verdict(job_safe=10, take=10), 10, {12})
+    assert floor_needs_a_role(Verdict(job_safe=11, node_safe=10, take=10), 10, set()), "the node-safe step: held"
+    assert not floor_needs_a_role(Verdict(job_safe=10, take=10), 10, {10}), "its persist holds it"
+    assert not floor_needs_a_role(Verdict(job_safe=11, candidate=12, node_safe=11, take=10), 10, set()), \
+        "nothing counts on it: its slot is the ranks' spare for the next due step"
+    assert not floor_needs_a_role(Verdict(job_safe=10, take=10), None, set())
 
 # on the wire -----------------------------------------------------------------------------------------------
 def test_states_and_verdicts_round_trip_and_garbage_is_refused() -> None:
