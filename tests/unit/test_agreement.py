@@ -209,7 +209,6 @@ def test_due_step_and_persist_floor() -> None:
     assert persist_floor(Verdict(job_safe=10, take=10, passed=((10, "x"),)), {10}) is None
 
 
-
 def test_the_floor_has_a_role_of_its_own_only_after_its_persist_and_while_the_verdict_counts_on_it() -> None:
     assert floor_needs_a_role(Verdict(candidate=10, take=10, committed=10), 10, set()), "the candidate: held"
     assert floor_needs_a_role(Verdict(job_safe=10, take=10), 10, {12})
