@@ -218,6 +218,7 @@ def test_the_floor_has_a_role_of_its_own_only_after_its_persist_and_while_the_ve
         "nothing counts on it: its slot is the ranks' spare for the next due step"
     assert not floor_needs_a_role(Verdict(job_safe=10, take=10), None, set())
 
+
 # on the wire -----------------------------------------------------------------------------------------------
 def test_states_and_verdicts_round_trip_and_garbage_is_refused() -> None:
     original = state("a", {1, 2, 3}, {2}, {1}, busy=2, took=0, lost={0})
