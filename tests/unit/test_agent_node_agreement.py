@@ -37,6 +37,16 @@ def agree(node: Harness) -> None:
     node.agent.agreement.agree(ranks, committed, common)
 
 
+def start_the_taken_persist(node: Harness, step: int, **fields: object) -> None:
+    """The leader takes ``step`` (committed in slot 0 of every local rank): this node claims it and starts writing."""
+    node.ranks.commit_all(0, step)
+    verdict(node, take=step, decided=step, newest=step, **fields)
+    agree(node)
+    node.agent.scheduler.start_ready()
+    agree(node)
+    assert node.agent.scheduler.inflight_step() == step
+
+
 def test_before_any_verdict_the_undecided_due_step_is_held_for_the_leader(node: Harness) -> None:
     ranks, agent = node.ranks, node.agent
     ranks.commit_all(0, 4)
@@ -124,12 +134,7 @@ def test_the_taken_step_stays_held_after_its_persist_until_a_newer_step_is_job_s
     the time and the ranks' lag gates waited at every snapshot (a 12-step 2-node soak reference run spent 21 of its
     24 s in them)."""
     ranks, agent = node.ranks, node.agent
-    ranks.commit_all(0, 3)
-    verdict(node, job_safe=3, node_safe=3, take=3, decided=3, newest=3)
-    agree(node)
-    agent.scheduler.start_ready()
-    agree(node)
-    assert agent.scheduler.inflight_step() == 3
+    start_the_taken_persist(node, 3, job_safe=3, node_safe=3)
     ranks.commit_all(1, 4)
     node.settle()
     verdict(node, job_safe=None, node_safe=None, candidate=3, take=3, committed=3, decided=3, newest=4)
@@ -146,12 +151,8 @@ def test_the_state_names_the_persist_that_ended_and_how_far_the_ranks_had_got(no
     """NodeState.wrote and freed: the leader names this persist as the reason a due step committed meanwhile is gone
     (tests/unit/test_agreement.py). A resume forgets what lies on the abandoned timeline."""
     ranks, agent = node.ranks, node.agent
-    ranks.commit_all(0, 5)
-    verdict(node, job_safe=5, candidate=5, take=5, decided=5, newest=5)
-    agree(node)
-    agent.scheduler.start_ready()
-    agree(node)
-    assert agent.scheduler.inflight_step() == 5 and agent.agreement.wrote is None
+    start_the_taken_persist(node, 5, job_safe=5, candidate=5)
+    assert agent.agreement.wrote is None
     ranks.commit_all(1, 9)
     ranks.commit(2, 2, 11)   # rank 2 moved on: the newest step any local rank committed counts
     node.settle()
