@@ -38,9 +38,9 @@ from easyckpt_agent.agreement import (  # noqa: E402
     Book,
     NodeState,
     Verdict,
+    counts_on,
     decide,
     due_to_hold,
-    floor_needs_a_role,
     job_safe_here,
     newest,
     persist_floor,
@@ -303,7 +303,7 @@ class Simulation:
                           candidate=verdict.candidate, node_safe=verdict.node_safe, present=local | node.held, due=due,
                           adopted=node.adopted)
         busy = {node.busy} - {None}   # as easyckpt_agent.node_agreement: the floor's own role only when counted on
-        node.held = set(plan) - ({floor} - busy if not floor_needs_a_role(verdict, floor, busy) else set())
+        node.held = set(plan) - ({floor} - busy if not counts_on(verdict, floor) else set())
         node.adopted = job_safe_here(verdict.job_safe, node.held, node.adopted)
         node.published = frozenset(node.held)
         node.node_safe = verdict.node_safe

@@ -243,19 +243,21 @@ def persist_floor(verdict: Verdict, present: Iterable[int]) -> int | None:
     return take if take in set(present) else None
 
 
-def floor_needs_a_role(verdict: Verdict, floor: int | None, persisting: Iterable[int]) -> bool:
-    """Whether the floor (``persist_floor``) is held by a role of its own: when its persist ended (the persist no
-    longer holds it) and the verdict counts on it as the job-safe, candidate or node-safe step. Otherwise its
-    slot stays with the ranks, as a spare for the next due step (four slots).
+def counts_on(verdict: Verdict, step: int | None) -> bool:
+    """Whether the verdict counts on ``step`` as the job-safe, candidate or node-safe step. Such a step is held by a
+    role of its own even while a persist or a claim holds it too (both share the slots' one flock, so it costs no
+    slot), and the floor (``persist_floor``) is held after its persist only then: otherwise its slot stays with the
+    ranks, as a spare for the next due step (four slots).
 
-    Not held at all, a floor the verdict counted on left no step held on every node: with three slots (the
-    default) the candidate stays the persisted step until it is job-safe, so from each persist's end to the next
-    due step the job had no job-safe or node-safe step, and the ranks' lag gates waited at every snapshot (a
-    12-step soak reference run of 2 nodes spent 21 of its 24 s in them). Always held, it took the slot that
-    spares a due step the agents have not seen yet: at 20-35 ms a step (2 nodes x 2 ranks, four slots), due
-    steps were overwritten before their agents held them."""
-    return floor is not None and floor not in set(persisting) and floor in (
-        verdict.job_safe, verdict.candidate, verdict.node_safe)
+    The floor not held at all after its persist left no step held on every node: with three slots (the default) the
+    candidate stays the persisted step until it is job-safe, so from each persist's end to the next due step the job
+    had no job-safe or node-safe step, and the ranks' lag gates waited at every snapshot (a 12-step soak reference
+    run of 2 nodes spent 21 of its 24 s in them). Always held, it took the slot that spares a due step the agents
+    have not seen yet: at 20-35 ms a step (2 nodes x 2 ranks, four slots), due steps were overwritten before their
+    agents held them. Held by a role only from the round after its persist ended, a persisted step was held by no
+    one in between: the state a node sent then named it held nowhere, and the verdict over it named no job-safe or
+    node-safe step after every persist (a real 2-node run of 40 steps at full speed: node-safe lag p99 22, max 40)."""
+    return step is not None and step in (verdict.job_safe, verdict.candidate, verdict.node_safe)
 
 
 def due_to_hold(present: Iterable[int], *, interval: int, decided: int) -> int | None:

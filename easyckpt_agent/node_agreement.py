@@ -83,7 +83,9 @@ class NodeAgreement:
         plan = agreement.plan_holds(slots=self.watcher.slots_per_rank(), persisting=planned, due=due,
                                     job_safe=verdict.job_safe, candidate=verdict.candidate,
                                     node_safe=verdict.node_safe, present=present, adopted=protection.safe)
-        skip = persisting if agreement.floor_needs_a_role(verdict, floor, persisting) else planned
+        # A persisted step the verdict counts on gets a role while its persist still runs, so that its slots stay
+        # held as the persist ends: the state this node sends next names it held.
+        skip = {step for step in planned if not agreement.counts_on(verdict, step)}
         if set(plan) - skip != roles.steps:
             protection.control.begin_move()   # ranks that find no free slot meanwhile wait for the move, not skip
         if roles.apply(plan, ranks, held, skip=skip):

@@ -67,7 +67,8 @@ def test_a_verdict_is_carried_out_take_holds_and_both_safe_steps(node: Harness) 
     verdict(node, job_safe=4, node_safe=4, candidate=5, take=5, decided=5, newest=5)
     agree(node)
     assert agent.agreement.took == 5 and set(agent.scheduler.claims.ranks(5)) == {2, 3}
-    assert agent.protection.roles.steps == {4}   # the persist's step is held by its claim
+    # the persist's step is held by its claim, and as the candidate by a role too (it stays held as the persist ends)
+    assert agent.protection.roles.steps == {4, 5}
     assert (agent.protection.safe, agent.protection.node_safe, agent.cluster.safe_step) == (4, 4, 4)
     assert agent.agreement.held_everywhere({2, 3}) == {4, 5}
     assert not any(ranks.writable(rank, slot) for rank in (2, 3) for slot in (0, 1))
@@ -145,6 +146,25 @@ def test_the_taken_step_stays_held_after_its_persist_until_a_newer_step_is_job_s
     verdict(node, job_safe=4, node_safe=4, candidate=4, take=3, committed=3, decided=3, newest=4)
     agree(node)
     assert agent.protection.roles.steps == {4} and ranks.writable(2, 0), "a newer job-safe step frees the floor"
+
+
+def test_the_floor_counted_on_stays_held_as_its_persist_ends(node: Harness) -> None:
+    """A floor the verdict counts on gets its role while the persist still runs, so that no moment passes between
+    the persist's end and the next round with its slots free. Held only from the next round on, the state a node
+    sent right after the end named the floor held nowhere, and the leader's verdict over it named no job-safe or
+    node-safe step after every persist (a real 2-node run, 40 steps at full speed: the node-safe lag reached 40,
+    p99 22; ``benchmarks/multinode_freshness.py``)."""
+    ranks, agent = node.ranks, node.agent
+    start_the_taken_persist(node, 3, job_safe=3, node_safe=3)
+    assert 3 in agent.protection.roles.steps, "held by a role as well as by its persist"
+    ranks.commit_all(1, 4)
+    node.settle()
+    assert agent.scheduler.inflight_step() is None and not agent.scheduler.claims
+    # no round has run since the persist ended
+    assert 3 in agent.agreement.held_everywhere({2, 3}), "the next state must name the floor held"
+    assert not ranks.writable(2, 0) and not ranks.writable(3, 0), "the ranks must not write over the floor"
+    agree(node)
+    assert agent.protection.roles.steps >= {3}
 
 
 def test_the_state_names_the_persist_that_ended_and_how_far_the_ranks_had_got(node: Harness) -> None:

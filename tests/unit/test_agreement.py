@@ -22,10 +22,10 @@ from easyckpt_agent.agreement import (
     Book,
     NodeState,
     Verdict,
+    counts_on,
     decide,
     decide_due,
     due_to_hold,
-    floor_needs_a_role,
     job_safe_here,
     job_steps,
     persist_floor,
@@ -209,14 +209,13 @@ def test_due_step_and_persist_floor() -> None:
     assert persist_floor(Verdict(job_safe=10, take=10, passed=((10, "x"),)), {10}) is None
 
 
-def test_the_floor_has_a_role_of_its_own_only_after_its_persist_and_while_the_verdict_counts_on_it() -> None:
-    assert floor_needs_a_role(Verdict(candidate=10, take=10, committed=10), 10, set()), "the candidate: held"
-    assert floor_needs_a_role(Verdict(job_safe=10, take=10), 10, {12})
-    assert floor_needs_a_role(Verdict(job_safe=11, node_safe=10, take=10), 10, set()), "the node-safe step: held"
-    assert not floor_needs_a_role(Verdict(job_safe=10, take=10), 10, {10}), "its persist holds it"
-    assert not floor_needs_a_role(Verdict(job_safe=11, candidate=12, node_safe=11, take=10), 10, set()), \
+def test_a_step_the_verdict_counts_on_has_a_role_of_its_own() -> None:
+    assert counts_on(Verdict(candidate=10, take=10, committed=10), 10), "the candidate: held"
+    assert counts_on(Verdict(job_safe=10, take=10), 10), "the job-safe step: held, its persist running or not"
+    assert counts_on(Verdict(job_safe=11, node_safe=10, take=10), 10), "the node-safe step: held"
+    assert not counts_on(Verdict(job_safe=11, candidate=12, node_safe=11, take=10), 10), \
         "nothing counts on it: its slot is the ranks' spare for the next due step"
-    assert not floor_needs_a_role(Verdict(job_safe=10, take=10), None, set())
+    assert not counts_on(Verdict(job_safe=10, take=10), None)
 
 
 # on the wire -----------------------------------------------------------------------------------------------
@@ -351,7 +350,7 @@ KNOWN_MISSES = [
 ]
 
 
-# Held since 2026-11-30, when the simulation took the agents' rule for the floor (agreement.floor_needs_a_role: once
+# Held since 2026-11-30, when the simulation took the agents' rule for the floor (agreement.counts_on: once
 # its persist ended, the floor is held only while the verdict counts on it; the simulation had held it always, the
 # agents never). That changed this run's course; the mechanism traced above (a verdict over round-old states naming
 # a step some nodes had let go) is not ruled out by it. Kept as a regression test of the two-step bound.
