@@ -67,12 +67,20 @@ def judge(c: Cluster, ref: Reference, strike: Strike, codes: dict[int, int]) -> 
 def _judge_resume(c: Cluster, ref: Reference, strike: Strike, reports: list[list[dict[str, Any]]],
                   record: dict[str, Any], torn: list[str]) -> None:
     """Where the ranks resumed, from which tier, and whether the state they resumed equals the reference's."""
-    last = [r[-1] if r else {} for r in reports]
-    steps = {report.get("step") for report in last}
+    # A rank with fewer reports than the others never finished loading in the last restart: the job ended around it
+    # (seed 11301, fault 0: the store down to the end, node 0's ranks failed at close right after their resume and
+    # node 1's torchrun died with the rendezvous, rank 3 still in load()). It trained nothing after it (a rank
+    # reports before its first step), and what it logged is judged row by row all the same.
+    newest = max(map(len, reports), default=0)
+    unfinished = [rank for rank, r in enumerate(reports) if len(r) < newest]
+    if unfinished:
+        record.setdefault("notes", []).append(f"rank(s) {unfinished} never finished loading in the last restart")
+    last = {rank: r[-1] for rank, r in enumerate(reports) if len(r) == newest}
+    steps = {report.get("step") for report in last.values()}
     if len(steps) != 1:
-        torn.append(f"ranks resumed different steps: {[report.get('step') for report in last]}")
+        torn.append(f"ranks resumed different steps: {[report.get('step') for report in last.values()]}")
     step = max((s for s in steps if s is not None), default=None)
-    sources = [report.get("source") or "scratch" for report in last]
+    sources = [last[rank].get("source") or "scratch" if rank in last else "unfinished" for rank in range(len(reports))]
     record["sources"] = sources
     record["source"] = next((t for t in reversed(TIERS) if t in sources), None) or "scratch"
     record["resumed_at"] = step if step is not None else c.shape.first - 1
@@ -80,7 +88,7 @@ def _judge_resume(c: Cluster, ref: Reference, strike: Strike, reports: list[list
     record["lost"] = None if strike.at is None else max(0, strike.at - record["resumed_at"])
     if not strike.resume:
         record.setdefault("notes", []).append("a resume the fault did not call for")
-    for rank, report in enumerate(last):
+    for rank, report in last.items():
         digest, want = report.get("digest"), ref[rank].get(step) if step is not None else None
         if step is not None and want is None:
             torn.append(f"rank {rank} resumed step {step}, which the job never reached")

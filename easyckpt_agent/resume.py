@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -32,6 +33,10 @@ from easyckpt_wire.storage import unavailable
 
 logger = logging.getLogger(__name__)
 
+# The ranks of one restart send RESUME within moments of each other: for this long after one of them found the store
+# unreachable, the others at the same step are answered with what it found, not tried again.
+DOWN_REMEMBERED_S = 10.0
+
 
 class Resume:
     def __init__(self, *, save_dir: Path, node_id: str, audit: AuditLog, timeline: DiskTimeline, watcher: Watcher,
@@ -47,6 +52,7 @@ class Resume:
         self.agreement = agreement
         self.cluster = cluster
         self.publish = publish
+        self._down: tuple[int, float, str] | None = None   # (step, when, error) of a resume that found the store down
 
     def resume(self, rank: int, step: int, stale: Iterable[Iterable[int]]) -> ResumeReply:
         """``rank`` resumed at ``step``. Newer iterations are moved aside (by the agent that commits them),
@@ -57,7 +63,19 @@ class Resume:
             self.watcher.abandoned.add((rank, slot, generation))
         self.watcher.abandoned.update(self.watcher.leftovers_newer_than(step))
         commits = self.cluster.peers is None or self.cluster.peers.is_leader
-        moved, tracker, error, down = self._move_aside(rank, step, commits)
+        found = self._down
+        moved: list[int]
+        tracker: int | None
+        error: str | None
+        if found is not None and found[0] == step and time.monotonic() - found[1] < DOWN_REMEMBERED_S:
+            # Tried again, each rank's call would take the client's retries (seconds) out of the loop that answers
+            # the ranks, one after the other: a node's last rank resumed seconds after its first (soak, seed 11301).
+            logger.debug("rank %d resumed at step %d: the store was unreachable at this step's resume %.1fs ago: "
+                         "not tried again", rank, step, time.monotonic() - found[1])
+            moved, tracker, error, down = [], None, found[2], True
+        else:
+            found = None
+            moved, tracker, error, down = self._move_aside(rank, step, commits)
         # The store down as torchrun restarts the workers: the new timeline still starts here (the rewind below
         # needs no listing: a step persisted at or below ``step`` stands, a newer one is forgotten). Once a call
         # found it unreachable the others are not tried: each would take the client's retries (seconds) out of
@@ -72,6 +90,8 @@ class Resume:
                     error = f"cannot list {self.save_dir}: {exc}"
                     logger.warning("rank %d resumed at step %d: %s; persists of the new timeline go on once it "
                                    "answers", rank, step, error)
+        if found is None:
+            self._down = (step, time.monotonic(), error or "") if down else None
         scheduler = self.scheduler
         before = scheduler.rewind(step, complete)
         if before != (scheduler.persisted, scheduler.given_up):

@@ -144,6 +144,14 @@ REPLAYS = [
                  "header): the rank resumed \"step 2089670227099910147\" from memory and the job hung at its end (the "
                  "header is now 8 bytes longer, so the byte this fault draws is in the generation; "
                  "tests/unit/test_tiers_ladder.py flips the soak's very byte)", id="325356583-12"),
+    # Extended: the rank's late load needs the job to end around it, which depends on timing; the judge's rule and the
+    # agent's answer have their unit tests (tests/unit/test_soak_judge.py, tests/unit/test_agent_resume.py).
+    pytest.param(["--seed", "11301", "--configs", "plain-2x1,plain-2x2,hf-2x1"], 0,
+                 "the store down to the end of a 2x2 job: node 1's agent tried the store for each rank's RESUME in turn "
+                 "(2 s of retries each), so rank 3 was still in load() when node 0's ranks failed at close and node "
+                 "1's torchrun died with the rendezvous; the soak's judge took its first run's fresh start for its "
+                 "resume (\"ranks resumed different steps: [19, 19, 19, None]\", torn)", id="11301-0",
+                 marks=pytest.mark.extended),
     # Extended: the bug needs the restarted rendezvous to swap the nodes' ranks, which it does now and then only;
     # tests/unit/test_agent_node_agreement.py swaps them every time.
     pytest.param(["--smoke", "--seed", "7"], 7,

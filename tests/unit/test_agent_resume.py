@@ -57,7 +57,7 @@ def test_a_resume_moves_newer_iterations_aside_once_and_the_new_timeline_is_pers
     assert on_disk(node.save_dir) == [5, 10, 15]
 
 
-def test_a_resume_while_the_store_is_down_starts_the_new_timeline_and_tries_the_store_once(
+def test_a_resume_while_the_store_is_down_starts_the_new_timeline_and_tries_the_store_once_per_restart(
         node: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
     """torchrun restarted the workers while the object store was unreachable (the soak's outage with a rank killed
     in it): the RESUME once ended the agent (a tracker read outside the error handling). It is answered with what
@@ -82,6 +82,12 @@ def test_a_resume_while_the_store_is_down_starts_the_new_timeline_and_tries_the_
     assert not reply["ok"] and "could not move the iterations newer than step 5 aside in s3://bucket/ckpt" in \
         reply["error"] and "until a resume finds the store up" in reply["error"], reply
     assert len(calls) == 1, f"the store was tried {len(calls)} times: {calls}"
+    # The other ranks of the restart resume moments later at the same step: answered with what the first found, not
+    # tried again (each try, one rank after the other, delayed a node's last rank by seconds; soak, seed 11301).
+    node.request(b"r1", Kind.RESUME, rank=1, step=5, stale=[], id=2)
+    assert node.sent[-1][1]["error"] == reply["error"] and len(calls) == 1, calls
+    node.request(b"r1", Kind.RESUME, rank=1, step=4, stale=[], id=3)   # another resume: the store is tried again
+    assert "newer than step 4" in node.sent[-1][1]["error"] and len(calls) == 2, calls
     # the new timeline starts: step 10 of the abandoned one no longer counts as on disk (what is, is unknown while
     # the store is down), and step 10's hold goes back to the ranks
     assert agent.scheduler.persisted is None and agent.protection.safe is None, agent.scheduler.persisted
