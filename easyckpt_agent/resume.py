@@ -63,19 +63,11 @@ class Resume:
             self.watcher.abandoned.add((rank, slot, generation))
         self.watcher.abandoned.update(self.watcher.leftovers_newer_than(step))
         commits = self.cluster.peers is None or self.cluster.peers.is_leader
-        found = self._down
-        moved: list[int]
-        tracker: int | None
-        error: str | None
-        if found is not None and found[0] == step and time.monotonic() - found[1] < DOWN_REMEMBERED_S:
-            # Tried again, each rank's call would take the client's retries (seconds) out of the loop that answers
-            # the ranks, one after the other: a node's last rank resumed seconds after its first (soak, seed 11301).
-            logger.debug("rank %d resumed at step %d: the store was unreachable at this step's resume %.1fs ago: "
-                         "not tried again", rank, step, time.monotonic() - found[1])
-            moved, tracker, error, down = [], None, found[2], True
-        else:
-            found = None
+        remembered = self._down_at(step)
+        if remembered is None:
             moved, tracker, error, down = self._move_aside(rank, step, commits)
+        else:
+            moved, tracker, error, down = [], None, remembered, True
         # The store down as torchrun restarts the workers: the new timeline still starts here (the rewind below
         # needs no listing: a step persisted at or below ``step`` stands, a newer one is forgotten). Once a call
         # found it unreachable the others are not tried: each would take the client's retries (seconds) out of
@@ -90,7 +82,7 @@ class Resume:
                     error = f"cannot list {self.save_dir}: {exc}"
                     logger.warning("rank %d resumed at step %d: %s; persists of the new timeline go on once it "
                                    "answers", rank, step, error)
-        if found is None:
+        if remembered is None:
             self._down = (step, time.monotonic(), error or "") if down else None
         scheduler = self.scheduler
         before = scheduler.rewind(step, complete)
@@ -115,6 +107,19 @@ class Resume:
             self.cluster.safe_step = None
         self.publish()
         return ResumeReply(moved, tracker, scheduler.persisted, error)
+
+    def _down_at(self, step: int) -> str | None:
+        """What a resume at ``step`` found moments ago when the store was unreachable (None: try the store). Tried
+        again, each rank's call of a restart would take the client's retries (seconds) out of the loop that answers
+        the ranks, one after the other: a node's last rank resumed seconds after its first (soak, seed 11301)."""
+        if self._down is None:
+            return None
+        at, when, error = self._down
+        if at != step or time.monotonic() - when >= DOWN_REMEMBERED_S:
+            return None
+        logger.debug("a resume at step %d found the store unreachable %.1fs ago: not tried again", step,
+                     time.monotonic() - when)
+        return error
 
     def _move_aside(self, rank: int, step: int, commits: bool) -> tuple[list[int], int | None, str | None, bool]:
         """Move the iterations newer than ``step`` aside (``commits``: this agent publishes iterations);
