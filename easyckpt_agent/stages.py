@@ -41,6 +41,10 @@ def persist_shards(save_dir: StorageLike, step: int, snapshots: list[RankSnapsho
             if (m := layout.RANK_FILE_RE.match(name)) and int(m.group(2)) in ranks:
                 stage.delete(name)
         ranks_meta, common, nbytes = write_rank_files(stage, step, snapshots, threads)
+        # Recorded before the note: the note lets the leader commit, and on the leader the commit runs on another
+        # thread than this persist, so a record after it could follow the commit's (CI, 2026-11-30: the audit log
+        # showed step 20 committed with node 1's shards only).
+        audit.record("write", stage.where, step=step, node=node, bytes=nbytes, ranks=sorted(int(r) for r in ranks_meta))
         stage.put(layout.node_file_name(node), to_json({
             "node": node, "step": step, "world_size": world_size, "bytes": nbytes, "ranks": ranks_meta,
             "common": common, "health": {str(s.rank): s.meta.health.to_wire() for s in snapshots}}), atomic=True)
@@ -54,7 +58,6 @@ def persist_shards(save_dir: StorageLike, step: int, snapshots: list[RankSnapsho
             raise
     if failed is not None:
         raise failed
-    audit.record("write", stage.where, step=step, node=node, bytes=nbytes, ranks=sorted(int(r) for r in ranks_meta))
     return PersistStats(step, stage.where, nbytes, time.monotonic() - started)
 
 

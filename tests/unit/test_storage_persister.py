@@ -23,7 +23,7 @@ from easyckpt import storage
 from easyckpt_agent import commit, persister, rankfiles, stages
 from easyckpt_wire import faults, layout, shm
 from easyckpt_wire.savedir import AuditLog
-from easyckpt_wire.storage import PosixStorage
+from easyckpt_wire.storage import PosixStorage, posix
 
 HERE = Path(__file__).resolve().parent
 
@@ -216,6 +216,28 @@ def test_a_stage_commits_once_every_rank_is_durable(save_dir: Path, slots: Path,
     stages.persist_shards(save_dir, 9, [snaps[0]], "a", audit)
     stages.drop_stage(save_dir, 9, audit, "superseded")
     assert stages.stage_steps(save_dir) == []
+    close(snaps)
+
+
+def test_a_nodes_write_is_audited_before_its_note_lets_the_leader_commit(save_dir: Path, slots: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the leader the commit runs on another thread than its own persist: the moment a note is in the stage,
+    the audit log must already say that node's shards are written (CI 2026-11-30 saw a commit recorded first)."""
+    audit = AuditLog(save_dir)
+    snaps = snapshots(slots, 8)
+    seen: list[tuple[str, list[str]]] = []
+    put = posix._Pending.put
+
+    def watched(pending: posix._Pending, name: str, data: bytes, *, atomic: bool = False) -> None:
+        put(pending, name, data, atomic=atomic)
+        if layout.NODE_FILE_RE.match(name):
+            seen.append((name, [r["node"] for r in audit_ops(save_dir) if r["op"] == "write"]))
+
+    monkeypatch.setattr(posix._Pending, "put", watched)
+    stages.persist_shards(save_dir, 8, [snaps[1]], "b", audit)
+    stages.persist_shards(save_dir, 8, [snaps[0]], "a", audit)
+    assert seen == [(layout.node_file_name("b"), ["b"]), (layout.node_file_name("a"), ["b", "a"])]
+    assert stages.commit_stage(save_dir, 8, audit) is not None
     close(snaps)
 
 
