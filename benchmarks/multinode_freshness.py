@@ -16,12 +16,17 @@ speed) and nothing else:
   then everything of it is SIGKILLed and its shared memory wiped; a new node 1 joins) and rank 3 SIGKILLed
   alone; the steps lost are the fault step minus the resumed step, with the sources.
 
+With ``--s3`` the save_dir is a bucket of a real S3 server process (moto's server mode on 127.0.0.1, the
+tests' ``tests/s3server.py``) instead of a directory: the nodes' persists then hold the CPU longer (HTTP, the
+server in the same 2 cores), and the table shows what that does to the backups and the faults.
+
 The seed is printed and stored.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import re
@@ -38,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))   # the simulated cluster of the tests
 
+import s3server  # noqa: E402
 from conftest import Env  # noqa: E402
 from multinode import Cluster  # noqa: E402
 
@@ -45,6 +51,7 @@ from easyckpt_wire import layout  # noqa: E402
 from easyckpt_wire.control import ControlReader, control_path  # noqa: E402
 from easyckpt_wire.protocol import job_id_for  # noqa: E402
 from easyckpt_wire.shm import SlotFormatError, SlotMap, list_slots  # noqa: E402
+from easyckpt_wire.storage import open_storage  # noqa: E402
 
 
 class Sampler(threading.Thread):
@@ -97,10 +104,18 @@ def pct(values: list[float], q: float) -> float | None:
     return sorted(values)[min(len(values) - 1, int(q * len(values)))] if values else None
 
 
-def uninterrupted(args: argparse.Namespace, work: Path, idle: float) -> dict[str, Any]:
+def job_env(args: argparse.Namespace, work: Path) -> Env:
+    """A job's dirs; with ``--s3`` its save_dir is a new bucket of the server ``main`` started."""
     env = Env(work)
+    if args.s3:
+        env.save_dir = f"s3://{s3server.bucket(args.s3_url)}/fresh"   # type: ignore[assignment]
+    return env
+
+
+def uninterrupted(args: argparse.Namespace, work: Path, idle: float) -> dict[str, Any]:
+    env = job_env(args, work)
     job = Cluster(env, work / "out", steps=args.steps, step_idle=idle, save_storage_interval=args.interval)
-    sampler = Sampler(job.shm[0], job_id_for(env.save_dir.resolve()))
+    sampler = Sampler(job.shm[0], job_id_for(env.save_dir if args.s3 else env.save_dir.resolve()))
     sampler.start()
     started = time.monotonic()
     try:
@@ -114,7 +129,7 @@ def uninterrupted(args: argparse.Namespace, work: Path, idle: float) -> dict[str
         sampler.join()
         job.cleanup()
         env.cleanup()
-    audit = [json.loads(line) for line in (env.save_dir / layout.AUDIT_LOG).read_text().splitlines()]
+    audit = [json.loads(line) for line in open_storage(env.save_dir).read(layout.AUDIT_LOG).decode().splitlines()]
     committed = sorted({r["step"] for r in audit if r["op"] == "write" and Path(r["path"]).name.startswith("iteration_")})
     logs = "".join(p.read_text() for p in (work / "out").glob("agent-*.log"))
     passed = dict(sorted({int(s): why for s, why in re.findall(r"due step (\d+) passed over on every node: (.*?) \(save",
@@ -132,7 +147,7 @@ def uninterrupted(args: argparse.Namespace, work: Path, idle: float) -> dict[str
 
 
 def faulted(args: argparse.Namespace, work: Path, idle: float, kind: str, at: int) -> dict[str, Any]:
-    env = Env(work)
+    env = job_env(args, work)
     extra = (["--kill-at", str(at), "--kill-rank", "2,3", "--kill-signal", "STOP"] if kind == "node" else
              ["--kill-at", str(at), "--kill-rank", "3"])
     job = Cluster(env, work / "out", steps=args.steps, step_idle=idle, save_storage_interval=args.interval,
@@ -169,7 +184,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--s3", action="store_true", help="persist to a bucket of a local S3 server (moto) instead")
     args = parser.parse_args(argv)
+    server = s3server.MotoServer() if args.s3 else None
+    if server is not None:
+        os.environ.update(s3server.env(server.url))   # the nodes' torchruns inherit them (Env.environ)
+        args.s3_url = server.url
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     print(f"seed {seed}", flush=True)
     rng = random.Random(seed)
@@ -198,6 +218,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(json.dumps({k: v for k, v in row.items() if k != "faults"}), flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+        if server is not None:
+            server.stop()
     result = {"benchmark": "multinode_freshness", "seed": seed, "machine": platform.platform(),
               "config": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
     if args.json:
