@@ -115,7 +115,7 @@ def job_env(args: argparse.Namespace, work: Path) -> Env:
 def uninterrupted(args: argparse.Namespace, work: Path, idle: float) -> dict[str, Any]:
     env = job_env(args, work)
     job = Cluster(env, work / "out", steps=args.steps, step_idle=idle, save_storage_interval=args.interval)
-    sampler = Sampler(job.shm[0], job_id_for(env.save_dir if args.s3 else env.save_dir.resolve()))
+    sampler = Sampler(job.shm[0], job_id_for(env.save_dir))   # a local path is resolved there, a URL kept
     sampler.start()
     started = time.monotonic()
     try:
