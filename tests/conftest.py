@@ -28,6 +28,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import poll  # noqa: E402
 
+# --cpu-times=PATH: each test's wall and CPU time, to tell a test that waits from one that computes
+pytest_plugins = ("cpu_times",)
+
 _OWN_EXTENSIONS_DIR: list[str] = []
 
 

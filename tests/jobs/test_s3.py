@@ -442,7 +442,7 @@ def test_an_agent_started_while_the_object_store_is_down_serves_its_node_and_say
     proxy.go_down()
     environ = {**env.environ(), **s3server.env(proxy.url)}
     agent = subprocess.Popen([sys.executable, "-m", "easyckpt_agent", "--save-dir", s3_url, "--shm-dir",
-                              str(env.shm_dir), "--idle-timeout", "5"], env=environ, cwd=str(ROOT),
+                              str(env.shm_dir), "--idle-timeout", "1"], env=environ, cwd=str(ROOT),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         out, _ = agent.communicate(timeout=120)
