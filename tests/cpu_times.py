@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-CORES = os.cpu_count() or 1
+CORES = len(os.sched_getaffinity(0))   # the cores this run may use (a container may allow fewer than the host's)
 SHOWN = 15
 
 
@@ -69,6 +69,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    path = config.getoption("--cpu-times")
-    if path:
-        config.pluginmanager.register(CpuTimes(Path(path)), "easyckpt-cpu-times")
+    option = config.getoption("--cpu-times")
+    if not option:
+        return
+    path = Path(option)
+    # said before the run, not in a traceback after it: the file is written only once every test has run
+    if path.is_dir() or not path.parent.is_dir():
+        raise pytest.UsageError(f"--cpu-times {option}: give a file in an existing directory "
+                                f"({'a directory' if path.is_dir() else 'no directory ' + str(path.parent)})")
+    config.pluginmanager.register(CpuTimes(path), "easyckpt-cpu-times")
