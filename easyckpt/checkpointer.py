@@ -363,7 +363,7 @@ class Checkpointer:
             self.watch.observe(self.slots.agent_word())
         return {**self.stager.stats(), **self.watch.stats(), "backup_lag_wait_seconds": self.lag_gate.waited}
 
-    def close(self, *, raise_errors: bool = True, failed: bool = False) -> None:
+    def close(self, *, raise_errors: bool = True) -> None:
         """The end of the run: finish the last copy, make the newest snapshot durable (``final_persist``,
         bounded by ``close_timeout``), then detach.
 
@@ -371,11 +371,6 @@ class Checkpointer:
         snapshot then stays in shared memory, where a rerun of the job resumes from it. A persist that is
         merely slow is not an error: past ``close_timeout`` the agent finishes it after this process ends.
         ``raise_errors=False``: that failure is logged instead (an exception is already on its way).
-
-        ``failed=True``: the training loop failed (an exception is on its way out, as when another rank died
-        inside a collective). The newest snapshot is still made durable, but the agent is not told that the
-        run ended: as for a process that dies, it keeps this node's memory, and the backups it holds of other
-        nodes' ranks, for the restart, which then resumes from memory. Errors are logged, never raised.
         """
         started = self._begin_end(self.config.close_timeout)
         if started is None:
@@ -383,9 +378,6 @@ class Checkpointer:
         final = self._final_persist(self.config.close_timeout, started, "close_timeout")
         if self._old_world is not None:
             self._release_old_world()
-        if failed:
-            self._detach_after_failure(final)
-            return
         remaining = max(1.0, self.config.close_timeout - (time.monotonic() - started))
         reply = self.agent.close(wait=True, timeout=remaining)
         self.watch.observe(self.slots.agent_word())
@@ -398,18 +390,6 @@ class Checkpointer:
             if raise_errors:
                 raise error
             logger.error("%s", error)
-
-    def _detach_after_failure(self, final: FlushResult | None) -> None:
-        """The end of a failed run: let go of the slots without a goodbye. A goodbye from every local rank tells
-        the agent that the job ended on this node, and it would remove the memory a restart resumes from (a rank
-        killed on another node fails the collectives of every rank here at once: soak seed 1130302, fault 57)."""
-        self.slots.close()
-        owner.release(self.agent.job_dir, self.rank)
-        error = self._final_error(final)
-        if error is not None:
-            logger.error("%s", error)
-        logger.info("easyckpt rank %d: the run failed; the agent keeps this node's snapshots for a restart "
-                    "(newest: step %s)", self.rank, self.stager.last_commit_step)
 
     def _final_persist(self, timeout: float, started: float, what: str) -> FlushResult | None:
         """Make the newest snapshot durable at the end of the run (None: not wanted, or nothing to persist).
@@ -527,6 +507,5 @@ class Checkpointer:
         return self
 
     def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
-        # With an exception on its way the run failed: a PersistError must not replace it (it is logged
-        # instead), and the agent keeps this node's memory for the restart.
-        self.close(raise_errors=kind is None, failed=kind is not None)
+        # With an exception on its way, a PersistError must not replace it: it is logged instead.
+        self.close(raise_errors=kind is None)

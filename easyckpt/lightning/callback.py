@@ -220,14 +220,13 @@ class EasyCkpt(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._take_saves()
-            self._finish(failed=False)
+            self._finish(raise_errors=True)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # The newest snapshot is made durable (close); the exception goes on, a failed persist is only logged,
-        # and the agent keeps this node's memory for the restart (close(failed=True)).
+        # The newest snapshot is made durable (close); the exception goes on, a failed persist is only logged.
         # The other ranks may not be failing with this one: no collective decides the held saves' way here.
         self._take_saves(agreed=False)
-        self._finish(failed=True)
+        self._finish(raise_errors=False)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's RNGs (Lightning's checkpoint has none: a resume from easyckpt continues them exactly)
@@ -488,7 +487,7 @@ class EasyCkpt(Callback):
         A save of the current step is asked for at this callback's next hook (``_Saves``), not before."""
         return self.exporter is None or self.exporter.drain(self.export_timeout if timeout is None else timeout)
 
-    def _finish(self, *, failed: bool) -> None:
+    def _finish(self, *, raise_errors: bool) -> None:
         self._end_skip()
         for loader in self._skipped:
             data.restore(loader)
@@ -499,7 +498,7 @@ class EasyCkpt(Callback):
         ckpt, self.ckpt = self.ckpt, None
         try:
             if ckpt is not None:
-                ckpt.close(raise_errors=not failed, failed=failed)
+                ckpt.close(raise_errors=raise_errors)
         finally:
             if self.exporter is not None:
                 if not self.exporter.drain(self.export_timeout):
