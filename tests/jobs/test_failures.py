@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -356,7 +357,11 @@ def test_save_dir_turns_read_only(env: Env, small_disk: Path, tmp_path: Path, pr
     if fixed:
         assert result == {"closed": True}
         recovered = [line for line in stderr.splitlines() if "persists succeed again" in line]
-        assert len(recovered) == 1 and recovered[0].startswith("WARNING") and "step 20 is on disk" in recovered[0], stderr
+        assert len(recovered) == 1 and recovered[0].startswith("WARNING"), stderr
+        # The rank says it at the first look at the agent's word after the failure cleared: at a snapshot of
+        # steps 21-24 or at close(), so it names step 20 or, on a busy machine, the final step 24 (CI, 2026-11-30).
+        said = re.search(r"persists succeed again: step (\d+) is on disk", recovered[0])
+        assert said is not None and int(said.group(1)) in (20, 24), recovered[0]
         assert "persists succeed again: step 20" in log
         assert complete_steps(save_dir)[-2:] == [20, 24] and tracked(save_dir) == 24
         assert env.shm_files() == []
