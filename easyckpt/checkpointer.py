@@ -363,7 +363,7 @@ class Checkpointer:
             self.watch.observe(self.slots.agent_word())
         return {**self.stager.stats(), **self.watch.stats(), "backup_lag_wait_seconds": self.lag_gate.waited}
 
-    def close(self, *, raise_errors: bool = True) -> None:
+    def close(self, *, raise_errors: bool = True, failed: bool = False) -> None:
         """The end of the run: finish the last copy, make the newest snapshot durable (``final_persist``,
         bounded by ``close_timeout``), then detach.
 
@@ -371,6 +371,12 @@ class Checkpointer:
         snapshot then stays in shared memory, where a rerun of the job resumes from it. A persist that is
         merely slow is not an error: past ``close_timeout`` the agent finishes it after this process ends.
         ``raise_errors=False``: that failure is logged instead (an exception is already on its way).
+
+        ``failed=True``: the training loop failed (an exception is on its way out, as when another rank died
+        inside a collective). The newest snapshot is still made durable, and close() still waits (bounded) for
+        the persists in flight, but the agent is told that the run failed rather than ended: as for a process
+        that dies, it keeps this node's memory, and the backups it holds of other nodes' ranks, for the
+        restart, which then resumes from memory. Errors are logged, never raised.
         """
         started = self._begin_end(self.config.close_timeout)
         if started is None:
@@ -379,15 +385,24 @@ class Checkpointer:
         if self._old_world is not None:
             self._release_old_world()
         remaining = max(1.0, self.config.close_timeout - (time.monotonic() - started))
-        reply = self.agent.close(wait=True, timeout=remaining)
+        # A goodbye from every local rank ends the job on this node: the agent removes the memory a restart
+        # resumes from. A failed run still waits for the persists in flight (an exporter of the due step, such
+        # as Lightning's, needs them before the launcher's SIGTERM), but says that it failed (soak seed 1130302,
+        # fault 57: a rank killed on another node fails the collectives of every rank here at once).
+        reply = self.agent.close(wait=True, timeout=remaining, failed=failed)
         self.watch.observe(self.slots.agent_word())
         self.slots.close()
         owner.release(self.agent.job_dir, self.rank)
-        logger.info("easyckpt rank %d closed: %d snapshots, %d skipped, newest on disk: %s", self.rank,
-                    self.stager.committed, self.stager.skipped, reply.persisted if reply else "unknown")
+        if failed:
+            logger.info("easyckpt rank %d: the run failed; the agent keeps this node's snapshots for a restart "
+                        "(newest: step %s, newest on disk: %s)", self.rank, self.stager.last_commit_step,
+                        reply.persisted if reply else "unknown")
+        else:
+            logger.info("easyckpt rank %d closed: %d snapshots, %d skipped, newest on disk: %s", self.rank,
+                        self.stager.committed, self.stager.skipped, reply.persisted if reply else "unknown")
         error = self._final_error(final)
         if error is not None:
-            if raise_errors:
+            if raise_errors and not failed:
                 raise error
             logger.error("%s", error)
 
@@ -507,5 +522,6 @@ class Checkpointer:
         return self
 
     def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
-        # With an exception on its way, a PersistError must not replace it: it is logged instead.
-        self.close(raise_errors=kind is None)
+        # With an exception on its way the run failed: a PersistError must not replace it (it is logged
+        # instead), and the agent keeps this node's memory for the restart.
+        self.close(raise_errors=kind is None, failed=kind is not None)

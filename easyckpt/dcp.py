@@ -337,14 +337,16 @@ class _FileView:
         return storage.view_as_tensor(self.file.view(begin, end), dtype, chunk.shape)
 
 
-def load_into(state: dict[str, Any], iteration_dir: Path) -> None:
+def load_into(state: dict[str, Any], iteration_dir: Path, *, no_dist: bool = False) -> None:
     """Fill ``state`` ({DCP key: DTensor or tensor}) from ``iteration_dir`` with DCP's default load planning;
-    collective over the default process group when one is initialised."""
+    collective over the default process group when one is initialised (``no_dist``: in this process alone,
+    whole tensors)."""
     try:
-        dcp.load(state, storage_reader=StorageReader(iteration_dir))
+        dcp.load(state, storage_reader=StorageReader(iteration_dir), no_dist=no_dist)
     except CheckpointException as exc:
         # A BaseException that every rank receives (DCP gathers the failures): turned into the error a failed
-        # read is everywhere else, so that load() moves every rank on to the next candidate together.
+        # read is everywhere else, so that load() moves every rank on to the next candidate together, and a
+        # thread that reads an iteration (an exporter) catches it as an Exception.
         problems = "; ".join(f"rank {rank}: {error}" for rank, (error, _) in sorted(exc.failures.items()))
         raise storage.CheckpointCorruptError(
             f"{iteration_dir}: reading through torch.distributed.checkpoint failed: {problems}") from None
@@ -375,7 +377,7 @@ def consolidate_model(src: Path, out: Path) -> tuple[int, dict[str, tuple[int, .
         raise layout.CheckpointFormatError(f"{iteration_dir} holds no model tensors to convert")
     full = {key: torch.empty(index.tensors[key].global_shape, dtype=torch_dtype(index.tensors[key].dtype))
             for key in names}
-    dcp.load(full, storage_reader=StorageReader(iteration_dir), no_dist=True)
+    load_into(full, iteration_dir, no_dist=True)
     from safetensors.torch import save_file
 
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -36,7 +36,7 @@ def never_holds(watcher: Watcher, rank: int, step: int) -> str:
     """Why ``rank`` will never hold ``step`` committed (it moved past it, or ended without it); "" if it may."""
     proc = watcher.ranks.get(rank)
     return policy.never_holds(step, set(watcher.committed(rank)),
-                              ended=proc is not None and (proc.said_bye or proc.dead))
+                              ended=proc is not None and (proc.said_bye or proc.failed or proc.dead))
 
 
 class Claims:

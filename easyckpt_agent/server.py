@@ -186,7 +186,8 @@ class Agent:
         if watcher.abandoned:
             self.resumer.invalidate_abandoned()
         for proc in watcher.newly_dead():
-            logger.warning("rank %d (pid %d) died without closing", proc.rank, proc.pid)
+            logger.warning("rank %d (pid %d) %s", proc.rank, proc.pid,
+                           "exited after its run failed" if proc.failed else "died without closing")
             scheduler.failed_ranks.add(proc.rank)
         ranks = watcher.local_ranks()
         held = {rank: watcher.committed(rank) for rank in ranks}
@@ -265,7 +266,8 @@ class Agent:
     def _hello(self, identity: bytes, request_id: Any, message: dict[str, Any]) -> None:
         rank = message["rank"]
         self.watcher.register(rank, message["pid"], message.get("pid_start"))
-        self.watcher.ranks[rank].said_bye = False   # a new Checkpointer of a process that closed one
+        proc = self.watcher.ranks[rank]
+        proc.said_bye = proc.failed = False   # a new Checkpointer of a process that closed one
         self.watcher.set_shape(message["world_size"], message["local_world_size"])
         self._adopt_config(message)
         self.scheduler.failed_ranks.discard(rank)
@@ -277,9 +279,15 @@ class Agent:
 
     def _bye(self, identity: bytes, request_id: Any, message: dict[str, Any]) -> None:
         proc = self.watcher.ranks.get(message["rank"])
+        # An older library sends no "failed": its goodbye always ends the job on this node.
+        failed = message.get("failed") is True
         if proc is not None and proc.pid == message["pid"]:
-            proc.said_bye = True
-        logger.info("rank %d said goodbye", message["rank"])
+            proc.failed, proc.said_bye = failed, not failed
+        if failed:
+            logger.warning("rank %d leaves after its run failed: this node's snapshots stay in memory for the "
+                           "restart", message["rank"])
+        else:
+            logger.info("rank %d said goodbye", message["rank"])
         if message["wait"]:
             self.scheduler.flushes.bye_waiters.append((identity, request_id))
         else:
@@ -354,7 +362,7 @@ class Agent:
                           "step": header.step if header else None,
                           # the agent has checksummed this very snapshot (a read of it is verified)
                           "hashed": header is not None and self.cluster.holdings.has_hashed(rank, slot, header.generation)})
-        ranks = [{"rank": p.rank, "pid": p.pid, "alive": p.alive(), "finished": p.said_bye}
+        ranks = [{"rank": p.rank, "pid": p.pid, "alive": p.alive(), "finished": p.said_bye, "failed": p.failed}
                  for p in sorted(self.watcher.ranks.values(), key=lambda p: p.rank)]
         scheduler, config = self.scheduler, self.config
         last, no_rank_since = scheduler.last_persist, self.life.no_rank_since

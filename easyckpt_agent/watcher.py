@@ -34,6 +34,8 @@ class RankProcess:
     pid: int
     start_time: float | None
     said_bye: bool = False
+    # Its run failed (BYE with failed=True): it leaves like a rank that dies, and the job goes on (a restart).
+    failed: bool = False
     dead: bool = False
     reported: bool = False   # its death was handed to the agent (any_alive() may see it first)
 

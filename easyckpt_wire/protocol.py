@@ -23,7 +23,10 @@ Session of a rank (``easyckpt.node.client.AgentClient``), in order:
    node and endpoint, then ``PEERS`` (``easyckpt.node.replicas.introduce``);
 3. ``RESUME`` once after a load chose a step;
 4. any number of ``FLUSH`` (``save(persist=True)`` once the step is committed, or ``flush()``);
-5. ``BYE`` at ``close()`` (wait=True), or wait=False when the process leaves without it.
+5. ``BYE`` at ``close()`` (wait=True), or wait=False when the process leaves without it. An optional
+   ``failed=True`` says that the run failed rather than ended (``close(failed=True)``): the agent still
+   answers once no persist is in flight or claimed, but treats the rank as one that died, keeping the
+   node's memory for the restart (a peer without the field takes every goodbye as the end).
 
 Before it reads its own slot from memory, a rank sends ``MANIFEST`` on the ipc socket too (the checksums its
 agent took of that slot after the commit). Tools send ``STATUS``, ``PING`` and ``PEERS`` without a ``HELLO``

@@ -220,13 +220,14 @@ class EasyCkpt(Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._take_saves()
-            self._finish(raise_errors=True)
+            self._finish(failed=False)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        # The newest snapshot is made durable (close); the exception goes on, a failed persist is only logged.
+        # The newest snapshot is made durable (close); the exception goes on, a failed persist is only logged,
+        # and the agent keeps this node's memory for the restart (close(failed=True)).
         # The other ranks may not be failing with this one: no collective decides the held saves' way here.
         self._take_saves(agreed=False)
-        self._finish(raise_errors=False)
+        self._finish(failed=True)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's RNGs (Lightning's checkpoint has none: a resume from easyckpt continues them exactly)
@@ -487,7 +488,7 @@ class EasyCkpt(Callback):
         A save of the current step is asked for at this callback's next hook (``_Saves``), not before."""
         return self.exporter is None or self.exporter.drain(self.export_timeout if timeout is None else timeout)
 
-    def _finish(self, *, raise_errors: bool) -> None:
+    def _finish(self, *, failed: bool) -> None:
         self._end_skip()
         for loader in self._skipped:
             data.restore(loader)
@@ -498,7 +499,7 @@ class EasyCkpt(Callback):
         ckpt, self.ckpt = self.ckpt, None
         try:
             if ckpt is not None:
-                ckpt.close(raise_errors=raise_errors)
+                ckpt.close(raise_errors=not failed, failed=failed)
         finally:
             if self.exporter is not None:
                 if not self.exporter.drain(self.export_timeout):

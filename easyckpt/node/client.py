@@ -287,14 +287,16 @@ class AgentClient:
             except zmq.Again:
                 return
 
-    def close(self, *, wait: bool, timeout: float) -> ByeReply | None:
-        """Say goodbye; with ``wait`` block (bounded) until the agent has persisted what is due."""
+    def close(self, *, wait: bool, timeout: float, failed: bool = False) -> ByeReply | None:
+        """Say goodbye; with ``wait`` block (bounded) until the agent has persisted what is due. ``failed``:
+        the run failed, it did not end; the agent keeps this node's memory for the restart."""
         reply = None
         self.ensure(force=True)
         serving = self._serving_pid()
         try:
             if self.alive():
-                reply = ByeReply.from_wire(self.request(Kind.BYE, timeout, rank=self.rank, pid=os.getpid(), wait=wait),
+                reply = ByeReply.from_wire(self.request(Kind.BYE, timeout, rank=self.rank, pid=os.getpid(), wait=wait,
+                                                        failed=failed),
                                            "agent BYE reply")
             elif self.spawn_allowed:
                 logger.warning("rank %d: no easyckpt agent runs for job %s; due snapshots stay in %s unpersisted",

@@ -35,7 +35,6 @@ def full_state(src: Path, index: Any = None) -> Any:
     state as an unsharded run would have saved it. ``index``: its ``easyckpt.dcp.checkpoint_index``, when the
     caller has it already."""
     import torch
-    import torch.distributed.checkpoint as dcp
 
     from easyckpt import dcp as edcp
     from easyckpt import storage
@@ -44,7 +43,7 @@ def full_state(src: Path, index: Any = None) -> Any:
     iteration_dir = edcp.iteration_of(src)
     index = index if index is not None else edcp.checkpoint_index(iteration_dir)
     full = {key: torch.empty(saved.global_shape, dtype=torch_dtype(saved.dtype)) for key, saved in index.tensors.items()}
-    dcp.load(full, storage_reader=edcp.StorageReader(iteration_dir), no_dist=True)
+    edcp.load_into(full, iteration_dir, no_dist=True)
     entry = storage.rank_entry(iteration_dir, 0, None)
     keys = index.keys[0]
     values: list[Any] = [None] * len(entry.records)

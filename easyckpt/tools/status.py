@@ -371,7 +371,9 @@ def _print_live(report: dict[str, Any]) -> int:
     print(f"job {report['job_id']}: agent pid {report['pid']}, save_dir {report['save_dir']}, "
           f"shm {report['shm_dir']}, persist every {report['save_storage_interval']}, keep {report['max_ckpt_num']}")
     for rank in report["ranks"]:
-        state = "finished" if rank["finished"] else ("alive" if rank["alive"] else "DEAD")
+        # "failed" is absent from an older agent's report
+        state = ("finished" if rank["finished"] else "alive" if rank["alive"]
+                 else "exited after its run failed" if rank.get("failed") else "DEAD")
         print(f"  rank {rank['rank']}: pid {rank['pid']} {state}")
     for slot in report["slots"]:
         print(f"  rank {slot['rank']} slot {slot['slot']}: {slot['state']:<10} step {slot['step']} "

@@ -258,8 +258,9 @@ class TrainerWrapper:
             self.trainer.remove_callback(at_end)
             self._trained_out = False
             # The end of training: close() makes the newest snapshot durable (final_persist) and raises
-            # PersistError when the disk refused it, unless training itself failed (that error goes on).
-            self._finish(raise_errors=finished)
+            # PersistError when the disk refused it, unless training itself failed: that error goes on, and
+            # the agent keeps this node's memory for the restart.
+            self._finish(failed=not finished)
 
     def _stop_if_trained_out(self) -> None:
         """At the start of training, with the resumed state loaded: at (or past) max_steps there is nothing
@@ -495,14 +496,14 @@ class TrainerWrapper:
                                  f"(see {ckpt.agent.job_dir / 'agent.log'}); the snapshots stay in shared memory, "
                                  "and close() tries once more to persist the newest")
 
-    def _finish(self, *, raise_errors: bool = True) -> None:
+    def _finish(self, *, failed: bool = False) -> None:
         if self._resumer is not None:
             self._resumer.release()
             self._resumer = None
         ckpt, self.ckpt = self.ckpt, None
         try:
             if ckpt is not None:
-                ckpt.close(raise_errors=raise_errors)
+                ckpt.close(raise_errors=not failed, failed=failed)
         finally:
             if self._exporter is not None:
                 self._exporter.ask_again_if_persisted()

@@ -482,6 +482,40 @@ def test_a_rank_dying_of_an_exception_is_a_failure_not_a_goodbye(env: Env) -> No
     assert env.agent_alive() and len(env.slot_files()) == 3, "memory is kept until agent_idle_timeout"
 
 
+FAILING_LOOP = """
+import json, sys, torch, easyckpt
+save_dir, fail_at = sys.argv[1], int(sys.argv[2])
+with easyckpt.Checkpointer(save_dir, 1, 5, 3, agent_idle_timeout=300) as ck:
+    result = ck.load({"w": torch.zeros(256), "step": -1})
+    print(json.dumps({"step": result.step, "source": result.source}), flush=True)
+    for step in range(0 if result.step is None else result.step + 1, 12):
+        ck.save_if_needed(step, {"w": torch.full((256,), float(step)), "step": step})
+        if step == fail_at:
+            raise RuntimeError("a peer died inside a collective")
+"""
+
+
+def test_a_loop_failing_inside_the_checkpointer_block_keeps_its_memory_for_the_restart(env: Env) -> None:
+    """A training loop that raises inside ``with Checkpointer(...)`` (as every rank does when another rank dies
+    inside a collective) closes it as a failure: the newest snapshot is made durable, but no goodbye, so the
+    agent keeps the memory, and the restart resumes from it. A goodbye from every local rank made the agent
+    remove it (soak seed 1130302, fault 57: the surviving node's rank came back from a replica instead)."""
+    failed = subprocess.run([sys.executable, "-c", FAILING_LOOP, str(env.save_dir), "7"], capture_output=True,
+                            text=True, timeout=120, env=env.environ(), cwd=str(ROOT))
+    assert failed.returncode != 0 and "a peer died inside a collective" in failed.stderr, failed.stderr[-3000:]
+    wait_for(lambda: 7 in complete_steps(env), 60, "the agent to persist step 7, the final snapshot")
+    assert env.agent_alive() and len(env.slot_files()) == 3, "the failed run's memory must stay for the restart"
+    restarted = subprocess.run([sys.executable, "-c", FAILING_LOOP, str(env.save_dir), "-1"], capture_output=True,
+                               text=True, timeout=120, env=env.environ(), cwd=str(ROOT))
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert json.loads(restarted.stdout.splitlines()[0]) == {"step": 7, "source": "memory"}, restarted.stdout
+    wait_for(lambda: not env.agent_alive(), 60, "the agent to exit once the restarted run closed cleanly")
+    assert not env.shm_files(), "a clean end leaves nothing in shared memory"
+    log = (env.job_dir() / "agent.log").read_text()
+    assert "leaves after its run failed" in log and "exited after its run failed" in log, log[-3000:]
+    assert "said goodbye" in log and "died without closing" not in log, log[-3000:]
+
+
 def test_a_byte_flipped_in_a_committed_slot_is_refused_and_an_older_step_loaded(env: Env) -> None:
     """One node, the agent alive: a byte of the newest snapshot's tensor data changed in shared memory after the
     agent checksummed it is caught by the read (never trained on), and the load moves on to the step before,
