@@ -140,7 +140,9 @@ class Exporter:
                 return
             try:
                 self.export(step)
-            except Exception as exc:  # one failed export must not stop the next ones
+            except BaseException as exc:  # one failed export must not stop the next ones
+                # BaseException: torch.distributed.checkpoint raises one (CheckpointException), and a dead thread
+                # would leave every later export, and the drain at the end of training, waiting out the timeout.
                 self.failed[step] = f"{type(exc).__name__}: {exc}"
                 logger.exception("export of step %d to checkpoint-%d failed; the easyckpt iteration stays usable",
                                  step, step)
