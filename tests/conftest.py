@@ -274,6 +274,20 @@ def assert_same(a: Any, b: Any, path: str = "state") -> None:
         assert a == b, f"{path}: {a!r} vs {b!r}"
 
 
+def marker_iteration(save_dir: Path, step: int, *, under: str = "", **fields: Any) -> Path:
+    """``iteration_N`` with nothing but a valid commit marker (``metadata.json``; ``fields`` added to it): complete
+    in the eyes of listing, rotation, timelines and exporters, which never open its rank files."""
+    import json
+
+    from easyckpt_wire import layout
+
+    path = save_dir / under / layout.iteration_dirname(step)
+    path.mkdir(parents=True)
+    (path / layout.METADATA).write_text(json.dumps({"format": layout.METADATA_FORMAT, "step": step,
+                                                    "format_version": layout.METADATA_VERSION, **fields}))
+    return path
+
+
 def persisted_states(iteration: Path) -> list[Any]:
     """Each rank's state in a persisted iteration, in rank order, with every tensor an empty one: what the
     ranks' non-tensor entries (a framework's own records) say."""

@@ -9,6 +9,7 @@ import json
 import threading
 from pathlib import Path
 
+from conftest import marker_iteration
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -112,11 +113,7 @@ def test_rotation_properties(current: set[int], abandoned: list[tuple[str, int]]
 
 # the agent's disk side -----------------------------------------------------------------------------------
 def make_iteration(save_dir: Path, step: int) -> Path:
-    path = save_dir / layout.iteration_dirname(step)
-    path.mkdir(parents=True)
-    (path / layout.METADATA).write_text(json.dumps({"format": layout.METADATA_FORMAT,
-                                                    "format_version": layout.METADATA_VERSION, "step": step}))
-    return path
+    return marker_iteration(save_dir, step)
 
 
 def audit_lines(save_dir: Path) -> list[dict]:

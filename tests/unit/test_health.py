@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import seeded_random
+from conftest import marker_iteration, seeded_random
 
 from easyckpt_agent import policy
 from easyckpt_agent.persister import AuditLog, forget_health, record_health, write_tracker
@@ -22,12 +22,7 @@ T = {"embedding_local_norm": 270.0}
 
 
 def make_iteration(save_dir: Path, step: int, verdict: RankHealth | None = None) -> Path:
-    path = save_dir / layout.iteration_dirname(step)
-    path.mkdir(parents=True)
-    (path / layout.METADATA).write_text(json.dumps({
-        "format": layout.METADATA_FORMAT, "format_version": layout.METADATA_VERSION, "step": step,
-        "health": verdict.to_wire() if verdict is not None else None}))
-    return path
+    return marker_iteration(save_dir, step, health=verdict.to_wire() if verdict is not None else None)
 
 
 def new_save_dir(tmp_path: Path) -> tuple[Path, AuditLog]:

@@ -2,7 +2,6 @@
 holds on the iterations it exports, and its thread's survival of a failed export."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -10,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import wait_for
+from conftest import marker_iteration, wait_for
 from torch.distributed.checkpoint.api import CheckpointException
 
 from easyckpt.lightning import export
@@ -42,14 +41,6 @@ def test_a_temporary_file_left_by_a_killed_writer_is_removed_and_a_live_writers_
     assert export.TMP_RE.match(f".last.ckpt.{os.getpid()}.easyckpt-tmp").group("pid") == str(os.getpid())
 
 
-def _complete_iteration(save_dir: Path, step: int) -> Path:
-    path = save_dir / layout.iteration_dirname(step)
-    path.mkdir(parents=True)
-    (path / layout.METADATA).write_text(json.dumps({"format": layout.METADATA_FORMAT, "step": step,
-                                                    "format_version": layout.METADATA_VERSION}))
-    return path
-
-
 def test_two_exports_of_one_step_hold_its_iteration_until_the_last_is_done(tmp_path: Path) -> None:
     """Two files of one step (two ModelCheckpoints, or ``save_last``): the iteration stays held from rotation
     until both are done. The first export's release used to free it, and rotation deleted it under the second
@@ -76,7 +67,7 @@ def test_an_export_that_fails_inside_torch_distributed_checkpoint_does_not_stop_
     the export thread, and the drain at the end of training waited for requests nobody would serve (CI rehearsal
     2026-11-30). The failure is the request's alone; the next one is written, and the drain returns."""
     for step in (8, 16):
-        _complete_iteration(tmp_path, step)
+        marker_iteration(tmp_path, step)
 
     def full_state(iteration: Path) -> dict[str, object]:
         if iteration.name == layout.iteration_dirname(8):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy
 import pytest
+from conftest import marker_iteration
 from storage_slots import WORLD, close, snapshots, tensors
 
 from easyckpt import storage
@@ -24,11 +25,7 @@ from easyckpt_wire.storage import PosixStorage
 
 
 def make_iteration(save_dir: Path, step: int, under: str = "") -> Path:
-    path = save_dir / under / layout.iteration_dirname(step)
-    path.mkdir(parents=True)
-    (path / layout.METADATA).write_text(json.dumps({"format": layout.METADATA_FORMAT, "step": step,
-                                                    "format_version": layout.METADATA_VERSION}))
-    return path
+    return marker_iteration(save_dir, step, under=under)
 
 
 def dead_pid() -> int:
