@@ -119,14 +119,15 @@ def run_reference(name: str, shape: Shape, work: Path, timeout: float) -> tuple[
 
 
 def run_job(fault: Fault, shape: Shape, ref: Callable[[], Reference], work: Path, timeout: float, keep: bool,
-            cpu_of_children: bool = True, seed: int = 0) -> dict[str, Any]:
+            cpu_of_children: bool = True, seed: int = 0, repeat: int = 0) -> dict[str, Any]:
     """``ref`` gives the reference run of the job's configuration, waiting for it: only the judge needs it, so a
-    job starts while the reference still runs."""
+    job starts while the reference still runs. ``repeat`` numbers a fault asked for again (``--only K --only K``):
+    each run gets a directory of its own, since they may run side by side."""
     config = CONFIGS[fault.config]
     started, cpu = time.monotonic(), children_cpu()
     limit = timeout * (1.5 if config.api == "hf" else 1.0) + (fault.hold_s + STOP_BEYOND[config.api]
                                                               if fault.kind == "rank_stop" else 0.0)
-    root = work / f"job-{fault.index:05d}"
+    root = work / (f"job-{fault.index:05d}" + (f"-{repeat + 1}" if repeat else ""))
     shutil.rmtree(root, ignore_errors=True)
     record: dict[str, Any] = {"index": fault.index, "fault": fault.kind, "moment": fault.moment,
                               "variant": fault.variant, "config": fault.config, "step": fault.step,
@@ -288,9 +289,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"reference run of {name}: {info['seconds']} s", flush=True)
         return rows
 
-    def job(fault: Fault, ref: Future[Reference]) -> None:
+    def job(fault: Fault, ref: Future[Reference], repeat: int) -> None:
         record = run_job(fault, shapes[fault.config], ref.result, work, args.job_timeout, args.keep,
-                         cpu_of_children=args.jobs == 1, seed=seed)
+                         cpu_of_children=args.jobs == 1, seed=seed, repeat=repeat)
         ref.result()   # a broken reference stops the soak with its own error, not as a failed job
         with lock:
             runs.append(record)
@@ -305,8 +306,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # the references first: a job's judge waits for its configuration's, which the pool has already started
         refs = {name: pool.submit(reference, name) for name in dict.fromkeys(f.config for f in faults)}
         # the longest jobs first: the pool's lanes then run dry together (the JSON keeps the order asked for)
-        futures = [pool.submit(job, fault, refs[fault.config])
-                   for fault in sorted(faults, key=expected_cost, reverse=True)]
+        repeats = [sum(f.index == fault.index for f in faults[:n]) for n, fault in enumerate(faults)]
+        futures = [pool.submit(job, fault, refs[fault.config], repeat)
+                   for fault, repeat in sorted(zip(faults, repeats), key=lambda fr: expected_cost(fr[0]), reverse=True)]
         try:
             with stop_on_signals():
                 for future in futures:

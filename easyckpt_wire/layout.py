@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -310,6 +311,38 @@ def hold_export(save_dir: StorageLike, step: int) -> None:
 def release_export(save_dir: StorageLike, step: int) -> None:
     """The export of ``step`` is written (or given up): rotation may delete the iteration again."""
     open_storage(save_dir).delete(f"{EXPORT_HOLD_PREFIX}{step:07d}")
+
+
+class ExportHolds:
+    """One hold file per step however many exports of it are under way: written with the first, removed with
+    the last. Two exports of one step (two Lightning ``ModelCheckpoint``s, ``save_last``) once let the first one's
+    release free the iteration, and rotation deleted it under the second (CI rehearsal 2026-11-30). Thread-safe."""
+
+    def __init__(self, save_dir: StorageLike) -> None:
+        self.save_dir = save_dir
+        self._lock = threading.Lock()
+        self._count: dict[int, int] = {}
+
+    def hold(self, step: int) -> None:
+        """Counted even when writing the file raises (OSError): ``release`` balances every ``hold``."""
+        with self._lock:
+            self._count[step] = self._count.get(step, 0) + 1
+            if self._count[step] == 1:
+                hold_export(self.save_dir, step)
+
+    def release(self, step: int) -> None:
+        """One export of ``step`` is done; the last one (or a hold no export of this process counts: a dead
+        run's) removes the file."""
+        with self._lock:
+            left = self._count.pop(step, 0) - 1
+            if left > 0:
+                self._count[step] = left
+            else:
+                release_export(self.save_dir, step)
+
+    def held(self) -> dict[int, int]:
+        with self._lock:
+            return dict(self._count)
 
 
 def export_holds(save_dir: Path) -> set[int]:

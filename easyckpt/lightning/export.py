@@ -57,26 +57,20 @@ class Exporter:
         self.pending: dict[str, int] = {}     # path -> requests for it not yet written
         self.cancelled: set[str] = set()      # paths removed (ModelCheckpoint's rotation) while pending
         self.outstanding = 0
-        # step -> its requests not yet done. One hold file per step, released with the last of them: two
-        # ModelCheckpoints (or save_last) of one step once let the first export's release free the iteration,
-        # and rotation deleted it under the second (CI rehearsal 2026-11-30).
-        self.holding: dict[int, int] = {}
+        self.holds = layout.ExportHolds(save_dir)   # one hold file per step, released with its last request
         self.exported: list[tuple[int, str]] = []
         self.failed: dict[str, str] = {}
         self.thread = threading.Thread(target=self._run, name="easyckpt-lightning-export", daemon=True)
         self.thread.start()
 
     def request(self, step: int, path: str, extras: dict[str, Any]) -> None:
+        # The hold first: rotation must not delete the iteration before its export has read it.
+        try:
+            self.holds.hold(step)
+        except OSError as exc:
+            logger.warning("cannot hold iteration %d for the export of %s (%s): rotation may delete it first", step,
+                           path, exc)
         with self.lock:
-            # The hold first: rotation must not delete the iteration before its export has read it. Under the
-            # lock, so that the release of the step's previous request cannot delete the file after this write.
-            if not self.holding.get(step):
-                try:
-                    layout.hold_export(self.save_dir, step)
-                except OSError as exc:
-                    logger.warning("cannot hold iteration %d for the export of %s (%s): rotation may delete it "
-                                   "first", step, path, exc)
-            self.holding[step] = self.holding.get(step, 0) + 1
             self.outstanding += 1
             self.pending[path] = self.pending.get(path, 0) + 1
             self.cancelled.discard(path)
@@ -119,15 +113,12 @@ class Exporter:
                 logger.exception("writing %s from iteration %d failed; the easyckpt iteration stays usable",
                                  request.path, request.step)
             finally:
+                try:
+                    self.holds.release(request.step)
+                except OSError as exc:   # the next run's start releases it (EasyCkpt.setup)
+                    logger.warning("cannot release the export hold of iteration %d (%s): rotation keeps it until "
+                                   "the next run starts", request.step, exc)
                 with self.lock:
-                    self.holding[request.step] -= 1
-                    if not self.holding[request.step]:
-                        del self.holding[request.step]
-                        try:
-                            layout.release_export(self.save_dir, request.step)
-                        except OSError as exc:   # the next run's start releases it (EasyCkpt.setup)
-                            logger.warning("cannot release the export hold of iteration %d (%s): rotation keeps "
-                                           "it until the next run starts", request.step, exc)
                     self.outstanding -= 1
                     self.pending[request.path] -= 1
                     if not self.pending[request.path]:

@@ -55,12 +55,13 @@ class Exporter:
         self.requests: queue.Queue[int | None] = queue.Queue()
         self.idle = threading.Condition()
         self.outstanding = 0
-        self.pending: set[int] = set()     # requested steps whose export is not done (nor given up) yet
+        self.pending: dict[int, int] = {}  # step -> its requests not done (nor given up) yet
         self.abandoned: str | None = None  # why no export waits any more for a step to be persisted
         self.exported: list[int] = []
         self.failed: dict[int, str] = {}
         self.cancelled: set[int] = set()   # requested steps that will never be persisted (no snapshot was taken)
         self.passed: set[int] = set()      # exports given up because the agent passed their due step over
+        self.holds = layout.ExportHolds(save_dir)
         self.thread = threading.Thread(target=self._run, name="easyckpt-hf-export", daemon=True)
         self.thread.start()
 
@@ -70,17 +71,21 @@ class Exporter:
         self.hold(step)
         with self.idle:
             self.outstanding += 1
-            self.pending.add(step)
+            self.pending[step] = self.pending.get(step, 0) + 1
         self.requests.put(step)
 
     def hold(self, step: int) -> None:
         try:
-            layout.hold_export(self.save_dir, step)
+            self.holds.hold(step)
         except OSError as exc:   # rotation may then delete the iteration first: the export says so if it does
             logger.warning("cannot hold iteration %d for its export (%s): rotation may delete it first", step, exc)
 
     def release(self, step: int) -> None:
-        layout.release_export(self.save_dir, step)
+        try:
+            self.holds.release(step)
+        except OSError as exc:   # the next run's start releases it (TrainerWrapper's catch-up)
+            logger.warning("cannot release the export hold of iteration %d (%s): rotation keeps it until the next "
+                           "run starts", step, exc)
 
     def cancel(self, step: int) -> None:
         """A requested step some rank could not snapshot: the agent will never persist it, so the export stops
@@ -150,7 +155,9 @@ class Exporter:
                 self.release(step)
                 with self.idle:
                     self.outstanding -= 1
-                    self.pending.discard(step)
+                    self.pending[step] -= 1
+                    if not self.pending[step]:
+                        del self.pending[step]
                     self.idle.notify_all()
 
     def _wait_complete(self, step: int) -> Path | None:

@@ -100,3 +100,37 @@ def test_a_step_announced_passed_over_a_moment_before_its_request_reached_the_ag
         assert exporter.failed.get(8) != "not persisted", "the export of 8 did not read the iteration"
     finally:
         exporter.stop()
+
+
+def test_two_requests_of_one_step_hold_its_iteration_until_the_last_is_done(tmp_path: Path) -> None:
+    """The HF exporter counts its holds per step like the Lightning one: the first request's end must not let
+    rotation delete the iteration the second still waits for."""
+    answers = iter([True])   # the first look says the persist failed, every later one that it may still come
+    exporter = Exporter(cast(Any, None), tmp_path, timeout=120.0, persist_failed=lambda step: next(answers, False))
+    try:
+        exporter.request(10)
+        exporter.request(10)
+        deadline = time.monotonic() + 30
+        while exporter.outstanding > 1 and time.monotonic() < deadline:
+            time.sleep(0.01)   # polling for the first request's end against a deadline
+        assert exporter.failed == {10: "not persisted"} and exporter.waiting() == [10]
+        assert layout.export_holds(tmp_path) == {10}, "the second request of step 10 still needs its iteration"
+        exporter.cancel(10)
+        assert exporter.drain(60.0)
+        assert layout.export_holds(tmp_path) == set()
+    finally:
+        exporter.stop()
+
+
+def test_export_holds_write_the_file_with_the_first_hold_and_remove_it_with_the_last(tmp_path: Path) -> None:
+    holds = layout.ExportHolds(tmp_path)
+    holds.hold(5)
+    holds.hold(5)
+    holds.hold(6)
+    holds.release(5)
+    assert layout.export_holds(tmp_path) == {5, 6} and holds.held() == {5: 1, 6: 1}
+    holds.release(5)
+    assert layout.export_holds(tmp_path) == {6}
+    layout.hold_export(tmp_path, 7)   # a dead run's hold: no count here, the first release removes it
+    holds.release(7)
+    assert layout.export_holds(tmp_path) == {6} and holds.held() == {6: 1}
