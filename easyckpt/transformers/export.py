@@ -55,13 +55,12 @@ class Exporter:
         self.requests: queue.Queue[int | None] = queue.Queue()
         self.idle = threading.Condition()
         self.outstanding = 0
-        self.pending: dict[int, int] = {}  # step -> its requests not done (nor given up) yet
         self.abandoned: str | None = None  # why no export waits any more for a step to be persisted
         self.exported: list[int] = []
         self.failed: dict[int, str] = {}
         self.cancelled: set[int] = set()   # requested steps that will never be persisted (no snapshot was taken)
         self.passed: set[int] = set()      # exports given up because the agent passed their due step over
-        self.holds = layout.ExportHolds(save_dir)
+        self.holds = layout.ExportHolds(save_dir)   # one per request not done (nor given up) yet, by step
         self.thread = threading.Thread(target=self._run, name="easyckpt-hf-export", daemon=True)
         self.thread.start()
 
@@ -71,7 +70,6 @@ class Exporter:
         self.hold(step)
         with self.idle:
             self.outstanding += 1
-            self.pending[step] = self.pending.get(step, 0) + 1
         self.requests.put(step)
 
     def hold(self, step: int) -> None:
@@ -115,8 +113,7 @@ class Exporter:
 
     def waiting(self) -> list[int]:
         """The requested steps whose export is not done yet, oldest first."""
-        with self.idle:
-            return sorted(self.pending)
+        return sorted(self.holds.held())
 
     def abandon(self, why: str) -> None:
         """Nothing will persist the steps still waited for (``why``): every export that waits, or will, for its
@@ -155,9 +152,6 @@ class Exporter:
                 self.release(step)
                 with self.idle:
                     self.outstanding -= 1
-                    self.pending[step] -= 1
-                    if not self.pending[step]:
-                        del self.pending[step]
                     self.idle.notify_all()
 
     def _wait_complete(self, step: int) -> Path | None:

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any, cast
+
+from conftest import wait_for
 
 from easyckpt.transformers.export import Exporter
 from easyckpt_wire import layout
@@ -105,14 +108,19 @@ def test_a_step_announced_passed_over_a_moment_before_its_request_reached_the_ag
 def test_two_requests_of_one_step_hold_its_iteration_until_the_last_is_done(tmp_path: Path) -> None:
     """The HF exporter counts its holds per step like the Lightning one: the first request's end must not let
     rotation delete the iteration the second still waits for."""
+    both_asked = threading.Event()
     answers = iter([True])   # the first look says the persist failed, every later one that it may still come
-    exporter = Exporter(cast(Any, None), tmp_path, timeout=120.0, persist_failed=lambda step: next(answers, False))
+
+    def persist_failed(step: int) -> bool:
+        both_asked.wait(30)   # else the first request may end before the second is made, and prove nothing
+        return next(answers, False)
+
+    exporter = Exporter(cast(Any, None), tmp_path, timeout=120.0, persist_failed=persist_failed)
     try:
         exporter.request(10)
         exporter.request(10)
-        deadline = time.monotonic() + 30
-        while exporter.outstanding > 1 and time.monotonic() < deadline:
-            time.sleep(0.01)   # polling for the first request's end against a deadline
+        both_asked.set()
+        wait_for(lambda: exporter.outstanding == 1, 30, "the first request of step 10 to end")
         assert exporter.failed == {10: "not persisted"} and exporter.waiting() == [10]
         assert layout.export_holds(tmp_path) == {10}, "the second request of step 10 still needs its iteration"
         exporter.cancel(10)
