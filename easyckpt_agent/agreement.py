@@ -56,6 +56,9 @@ class NodeState:
     # The persist this node's persister was busy with when it could not take the newest of ``lost`` (None: it was
     # free, and a local rank no longer held the step): a flush of a newer step, say, as the job ends.
     lost_to: int | None = None
+    # Whether a local rank lives (or may still come: no rank has registered yet). False once every local rank
+    # died or said goodbye: what is not in ``local`` or ``held`` then, this node can never write.
+    alive: bool = True
 
     def newest(self) -> int | None:
         return max(self.local, default=None)
@@ -355,7 +358,7 @@ def state_to_wire(state: NodeState) -> dict[str, object]:
     return {"node": state.node, "local": sorted(newest(state.local)), "held": sorted(newest(state.held)),
             "backed": sorted(newest(state.backed)), "busy": _opt(state.busy), "took": state.took,
             "lost": sorted(newest(state.lost)), "wrote": _opt(state.wrote), "freed": state.freed,
-            "lost_to": _opt(state.lost_to)}
+            "lost_to": _opt(state.lost_to), "alive": state.alive}
 
 
 def state_from_wire(message: Mapping[str, object]) -> NodeState:
@@ -366,10 +369,13 @@ def state_from_wire(message: Mapping[str, object]) -> NodeState:
     # ``wrote``, ``freed`` and ``lost_to`` came after the first STATE: an agent that does not send them finished no
     # persist and says nothing of why it could not take a step.
     optional = {field: message.get(field, -1) for field in ("wrote", "freed", "lost_to")}
+    alive = message.get("alive", True)   # absent from older senders, which never say their ranks are gone
+    if type(alive) is not bool:
+        raise ValueError(f"{where}: field 'alive' is {alive!r:.40}, expected true or false")
     return NodeState(str(message["node"]), _read_steps(message, "local", where), _read_steps(message, "held", where),
                      _read_steps(message, "backed", where), _read_opt(message, "busy", where), took,
                      _read_steps(message, "lost", where), _read_opt(optional, "wrote", where),
-                     _decided(_read_opt(optional, "freed", where)), _read_opt(optional, "lost_to", where))
+                     _decided(_read_opt(optional, "freed", where)), _read_opt(optional, "lost_to", where), alive)
 
 
 def verdict_to_wire(verdict: Verdict) -> dict[str, object]:

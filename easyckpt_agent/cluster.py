@@ -10,12 +10,13 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
 import zmq
 
+from easyckpt_agent.agreement import NodeState
 from easyckpt_agent.commit import describe
 from easyckpt_agent.jobwide import Courier, JobWide
 from easyckpt_agent.persister import lower_priority
@@ -28,7 +29,7 @@ from easyckpt_agent.replica import (
     push_manifests,
     survey_coverage,
 )
-from easyckpt_agent.stages import commit_stage, drop_stage, node_finished, stage_steps
+from easyckpt_agent.stages import commit_stage, drop_stage, stage_names, stage_steps
 from easyckpt_agent.watcher import Watcher
 from easyckpt_wire import layout, protocol
 from easyckpt_wire.episode import Episode
@@ -44,23 +45,38 @@ STAGE_WAIT = 120.0  # how long a leader whose ranks finished waits for other nod
 COVERAGE_EVERY = 2.0
 
 
-def stage_outlook(step: int, *, own_note: bool, node: str, floor: int, writing: Mapping[str, int | None]) -> str | None:
+def stage_outlook(step: int, *, own_note: bool, node: str, floor: int, others: Mapping[str, NodeState | None],
+                  missing: Collection[str]) -> str | None:
     """Why the leader's stage of ``step`` can never be committed, once the leader's ranks are gone and its agent
     persists and claims nothing (or None: it may still be, wait for it, at most STAGE_WAIT).
 
     ``own_note``: the leader's own node finished its shards of ``step`` (its note is in the stage); ``floor``:
-    the leader's newest step on disk or given up; ``writing``: each other node's step in flight, from its
-    latest STATE. Only this agent writes its node's shards: with none in flight and no rank left to ask for
-    one, a stage without them stays incomplete for good (its persist failed, e.g. on a full disk). With them,
-    the stage waits for other nodes, unless the leader has since given up a newer step and no node is writing
-    this one (a stage left behind by a persist that failed on another node; a newer stage, which the leader
-    waits for, supersedes it anyway).
+    the leader's newest step on disk or given up; ``others``: each other node's latest STATE of this incarnation
+    of the job (None: not heard since it began); ``missing``: the other nodes whose note is not in the stage.
+    Only this agent writes its node's shards: with none in flight and no rank left to ask for one, a stage
+    without them stays incomplete for good (its persist failed, e.g. on a full disk). With them, the stage waits
+    for other nodes, unless the leader has since given up a newer step and no node is writing this one (a stage
+    left behind by a persist that failed on another node; a newer stage, which the leader waits for, supersedes
+    it anyway), or every node it lacks has said that its ranks are gone and it neither holds the step nor writes
+    it (a stage an earlier incarnation of the job left, whose other nodes' copies of the step died with it: soak
+    seed 33569623 fault 11). A node whose ranks live may still commit the step (a slower node at the end of a run).
     """
     if not own_note:
         return f"node {node} never wrote its shards of step {step} and writes none now"
-    if floor > step and step not in writing.values():
+    if floor > step and step not in {state.busy for state in others.values() if state is not None}:
         return f"node {node} has moved on to step {floor} and no node writes step {step}"
+    lacking = sorted(missing)
+    if lacking and all((state := others.get(name)) is not None and not may_write(state, step) for name in lacking):
+        return (f"node(s) {', '.join(lacking)} never wrote their shards of step {step} and can no longer: their "
+                "ranks are gone and none holds the step in memory or writes it")
     return None
+
+
+def may_write(state: NodeState, step: int) -> bool:
+    """Whether the node whose latest STATE is ``state`` may still write its shards of ``step``: a rank of it lives
+    (and may commit the step yet), or it writes them now, has just written them (its note is on its way), or holds
+    the step in memory."""
+    return state.alive or step in (state.busy, state.wrote) or step in state.local or step in state.held
 
 
 def _logged(function: Callable[..., Any], *args: Any) -> None:
@@ -184,14 +200,16 @@ class NodeReplication:
             self.ranks_alive()
             return True
         with self.jobwide.lock:
-            writing = {node: state.busy for node, state in self.jobwide.states.items() if node != self.node}
+            others = {node: self.jobwide.states.get(node) for node in peers.nodes if node != self.node}
         hopeless = {}
         for step in pending:
             try:
-                own_note = node_finished(self.save_dir, step, self.node)
+                names = stage_names(self.save_dir, step)
             except OSError:   # unreadable now: waited for, as before
                 break
-            why = stage_outlook(step, own_note=own_note, node=self.node, floor=self.floor(), writing=writing)
+            why = stage_outlook(step, own_note=layout.node_file_name(self.node) in names, node=self.node,
+                                floor=self.floor(), others=others,
+                                missing=[node for node in others if layout.node_file_name(node) not in names])
             if why is None:
                 break
             hopeless[step] = why

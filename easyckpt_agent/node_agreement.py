@@ -60,7 +60,7 @@ class NodeAgreement:
                           held=agreement.newest(self.held_everywhere(ranks)),
                           backed=agreement.newest(self.cluster.backed_up() or ()), busy=scheduler.inflight_step(),
                           took=self.took, lost=agreement.newest(self.lost), wrote=self.wrote, freed=self.freed,
-                          lost_to=self.lost_to)
+                          lost_to=self.lost_to, alive=not self.watcher.ranks or self.watcher.any_alive())
         verdict = self.cluster.jobwide.exchange(state, peers, interval=interval,
                                                 committed=self.cluster.complete if peers.is_leader else None)
         persisting = set(scheduler.held_steps())

@@ -145,9 +145,10 @@ def drop_own_shards(save_dir: StorageLike, step: int, node: str, ranks: list[int
         stage.delete(name)
 
 
-def node_finished(save_dir: StorageLike, step: int, node: str) -> bool:
-    """Whether ``node``'s note is in the stage of ``step``: it wrote all its shards of that step."""
-    return layout.node_file_name(node) in open_storage(save_dir).stage(layout.iteration_dirname(step)).names()
+def stage_names(save_dir: StorageLike, step: int) -> set[str]:
+    """The names in the stage of ``step`` (one listing on an object store): a node's note among them
+    (``layout.node_file_name``) says it wrote all its shards of that step."""
+    return set(open_storage(save_dir).stage(layout.iteration_dirname(step)).names())
 
 
 def stage_steps(save_dir: StorageLike) -> list[int]:

@@ -55,7 +55,8 @@ FETCH     ``xxh64`` of the chunk plus one raw data frame; ``ok=False`` with ``er
 PUSH      nothing (optional ``blobs``: [[checksum, bytes], ...], the small tensors of the manifests, so that
           the buddy's backup never reads the sender's slots after they may have been rewritten)
 STATE     no reply (a node's state for the leader: ``local``, ``held``, ``backed`` steps, ``busy``, ``took``,
-          ``lost``; optional ``wrote``, ``freed`` and ``lost_to``, absent from older senders; -1 for none)
+          ``lost``; optional ``wrote``, ``freed`` and ``lost_to`` (-1 for none) and ``alive`` (whether a local
+          rank lives), absent from older senders)
 VERDICT   no reply (the leader's word: ``job_safe``, ``node_safe``, ``candidate``, ``take``, ``committed``,
           ``newest``, ``decided``, each -1 for none; ``passed``: [[step, why], ...])
 ========  =====================================================================================

@@ -1,6 +1,7 @@
 """easyckpt_agent.lifecycle: wake-ups, a real SIGTERM to this process, shutdown, and when the agent exits (real slots)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -279,11 +280,48 @@ def test_a_leader_waits_for_other_nodes_still_writing_its_stages(node: Harness) 
 
 
 def test_stage_outlook() -> None:
-    assert stage_outlook(5, own_note=False, node="n0", floor=-1, writing={}) is not None
-    assert stage_outlook(5, own_note=False, node="n0", floor=5, writing={"n1": 5}) is not None
-    assert stage_outlook(5, own_note=True, node="n0", floor=5, writing={}) is None
-    assert stage_outlook(5, own_note=True, node="n0", floor=10, writing={"n1": 5}) is None
-    assert stage_outlook(5, own_note=True, node="n0", floor=10, writing={"n1": None}) is not None
+    def outlook(own_note: bool, floor: int, others: dict[str, NodeState | None], missing: tuple[str, ...] = ("n1",)
+                ) -> str | None:
+        return stage_outlook(5, own_note=own_note, node="n0", floor=floor, others=others, missing=missing)
+
+    assert outlook(False, -1, {}) is not None
+    assert outlook(False, 5, {"n1": NodeState("n1", busy=5)}) is not None
+    assert outlook(True, 5, {"n1": None}) is None   # not heard from since this incarnation began: wait
+    assert outlook(True, 10, {"n1": NodeState("n1", busy=5)}) is None
+    assert outlook(True, 10, {"n1": NodeState("n1", busy=None)}) is not None
+    gone = NodeState("n1", alive=False)
+    # every node it lacks said its ranks are gone and it neither holds step 5 nor writes it: hopeless, whatever
+    # the floor
+    assert "n1 never wrote their shards of step 5" in (outlook(True, 0, {"n1": gone}) or "")
+    for able in (NodeState("n1"), dataclasses.replace(gone, busy=5), dataclasses.replace(gone, wrote=5),
+                 dataclasses.replace(gone, local=frozenset({5, 6})), dataclasses.replace(gone, held=frozenset({5}))):
+        assert outlook(True, 0, {"n1": able}) is None, able   # its ranks live (a slower node), or it has step 5
+    # one of two lacking nodes unheard, or still holding it: wait; a node whose note is in counts for nothing
+    assert outlook(True, 0, {"n1": gone, "n2": None}, ("n1", "n2")) is None
+    assert outlook(True, 0, {"n1": gone, "n2": NodeState("n2", held=frozenset({5}), alive=False)}, ("n1", "n2")) is None
+    assert outlook(True, 0, {"n1": gone, "n2": None}, ("n1",)) is not None
+    assert outlook(True, 0, {"n1": gone}, ()) is None   # every note is in
+
+
+def test_a_leader_does_not_wait_for_a_stage_of_an_earlier_incarnation_nobody_can_finish(
+        node: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    """Soak seed 33569623 fault 11 (plain-2x1): the whole job was lost at step 3 just after the leader wrote its
+    shards of step 3; the rerun's ranks refused the only (damaged) iteration and died with nothing in memory. The
+    other node's agent left after EMPTY_IDLE, the leader's waited STAGE_WAIT (120 s) for the other node's shards
+    of step 3, which died with the first incarnation. Once the other node says it neither holds nor writes the
+    step and its ranks are gone, the leader stops waiting."""
+    me = lead_two_nodes(node, {3: [node.agent.cluster.node]})
+    states = node.agent.cluster.jobwide.states
+    assert not node.agent.life.should_exit(), "the other node has not said anything yet: it may still write them"
+    states["other"] = NodeState("other")
+    assert not node.agent.life.should_exit(), "the other node's ranks live: they may still commit step 3"
+    states["other"] = NodeState("other", held=frozenset({3}), alive=False)
+    assert not node.agent.life.should_exit(), "the other node holds step 3: it may still write it"
+    states["other"] = NodeState("other", alive=False)
+    states[me] = NodeState(me, held=frozenset({3}), alive=False)   # the leader's own state does not count
+    caplog.set_level(logging.WARNING, logger="easyckpt_agent.cluster")
+    assert node.agent.life.should_exit()
+    assert "staged step(s) [3] can never be committed (node(s) other never wrote their shards of step 3" in caplog.text
 
 
 def dead_pid() -> int:

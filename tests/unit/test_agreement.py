@@ -222,15 +222,16 @@ def test_a_step_the_verdict_counts_on_has_a_role_of_its_own() -> None:
 def test_states_and_verdicts_round_trip_and_garbage_is_refused() -> None:
     original = state("a", {1, 2, 3}, {2}, {1}, busy=2, took=0, lost={0})
     assert state_from_wire(state_to_wire(original)) == original
-    finished = dataclasses.replace(original, wrote=0, freed=3, lost_to=2)
+    finished = dataclasses.replace(original, wrote=0, freed=3, lost_to=2, alive=False)
     assert state_from_wire(state_to_wire(finished)) == finished
-    older = {k: v for k, v in state_to_wire(finished).items() if k not in ("wrote", "freed", "lost_to")}
+    older = {k: v for k, v in state_to_wire(finished).items() if k not in ("wrote", "freed", "lost_to", "alive")}
     assert state_from_wire(older) == original, "a sender without wrote and freed finished no persist"
+    assert state_from_wire(older).alive, "a sender that does not say alive never says its ranks are gone"
     assert protocol.decode(protocol.encode(Kind.STATE, token="t", **older))[0] == Kind.STATE
     verdict = Verdict(3, 2, 4, 0, ((0, "why"),), 0, 4, 0)
     assert verdict_from_wire({**verdict_to_wire(verdict), "node": "a"}) == verdict
     for field, bad in (("local", [-1]), ("local", list(range(100))), ("held", ["x"]), ("busy", -5), ("took", "1"),
-                       ("wrote", -2), ("freed", "3"), ("lost_to", 1.5)):
+                       ("wrote", -2), ("freed", "3"), ("lost_to", 1.5), ("alive", 1)):
         with pytest.raises(ValueError, match=field):
             state_from_wire({**state_to_wire(original), field: bad})
     with pytest.raises(ValueError, match="passed"):
