@@ -165,6 +165,14 @@ REPLAYS = [
                  "the soak's own harness: disk_full filled the tmpfs while the persist in flight took the space first; "
                  "bytes stayed in the filler file's buffer and its close raised ENOSPC, so the job was judged failed "
                  "(\"OSError: [Errno 28] No space left on device\")", id="300322676-18", marks=pytest.mark.extended),
+    # Extended: the whole job must be lost between the leader's and the other node's shards of a step, which it is
+    # now and then only; tests/unit/test_agent_lifecycle.py (a stage of an earlier incarnation) puts the leader there
+    # every time.
+    pytest.param(["--smoke", "--seed", "33569623"], 11,
+                 "a byte flipped in the only iteration of a 2-node job lost just after the leader wrote its shards of "
+                 "step 3: the rerun's ranks refused the iteration and died with nothing in memory, and the leader's "
+                 "agent waited STAGE_WAIT (120 s) for the other node's shards of step 3, which had died with the first "
+                 "run (an agent and its control block left behind)", id="33569623-11", marks=pytest.mark.extended),
 ]
 
 
