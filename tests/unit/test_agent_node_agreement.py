@@ -220,3 +220,18 @@ def test_a_rank_a_restart_placed_on_another_node_is_no_longer_waited_for(tmp_pat
         assert agent.watcher.assigned is None
     finally:
         node.close()
+
+
+def test_the_state_says_whether_a_local_rank_lives(node: Harness) -> None:
+    """NodeState.alive: a leader gives up a stage that a node whose ranks are gone can never finish
+    (tests/unit/test_agent_lifecycle.py); a node whose ranks live may still commit the step."""
+    leading = PeerTable(PEERS.token, "n1", "n1", PEERS.nodes, world_size=4)
+    node.agent.cluster.peers = leading
+    states = node.agent.cluster.jobwide.states
+    node.ranks.commit_all(0, 5)
+    agree(node)
+    assert states["n1"].alive and 5 in states["n1"].local
+    for proc in node.agent.watcher.ranks.values():
+        proc.dead = True   # as the watcher marks a rank whose process is gone
+    agree(node)
+    assert not states["n1"].alive and 5 in states["n1"].local, "its memory outlives its ranks"
