@@ -5,7 +5,9 @@ nodes, for the job's steps (``RoleHolds``: job-safe, candidate, node-safe), and 
 read before they choose a slot. A move of the safe step takes the new step's flocks on every local rank or on
 none, publishes it, then lets go of the old one; the control block's odd generation meanwhile tells a rank
 that finds no free slot to wait for the move instead of skipping. Persist claims hold slots through the same
-``SlotHolds`` (``easyckpt_agent.claims``), so one flock serves every reason a slot is kept.
+``SlotHolds`` (``easyckpt_agent.claims``), so one flock serves every reason a slot is kept, and every new flock
+marks the block as changing until the round publishes why (a rank that finds such a slot flocked waits for that
+word instead of skipping its snapshot).
 
 Holds of snapshots of an abandoned timeline are let go by a resume (``easyckpt_agent.resume`` invalidates them once
 nothing holds them).
@@ -39,7 +41,7 @@ class Protection:
         self.safe_holds: list[SlotInfo] = []
         self.failed_target: int | None = None   # the step the last move to failed, and how often in a row
         self.failed_moves = 0
-        self.holds = SlotHolds()
+        self.holds = SlotHolds(before_lock=control.begin_move)   # every flock is followed by this round's word
         # Multi-node (agent.agreement): the steps held for the job (job-safe, candidate, node-safe) and the
         # newest verdict's node-safe step.
         self.roles = RoleHolds(self.holds)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -247,13 +248,18 @@ class SlotHolds:
     snapshot instead). The safe step and a persist claim may hold the same slot; the flock of a slot's
     fd is taken by the first reason and dropped with the last."""
 
-    def __init__(self) -> None:
+    def __init__(self, before_lock: Callable[[], None] = lambda: None) -> None:
         self.reasons: dict[int, set[tuple[Any, ...]]] = {}   # id(slot map) -> why
+        # Called before a new flock: a rank that reads the control block between the flock and the agent's next
+        # word about it must see that word as changing, and wait for it, rather than skip its snapshot.
+        self.before_lock = before_lock
 
     def hold(self, info: SlotInfo, reason: tuple[Any, ...]) -> bool:
         reasons = self.reasons.setdefault(id(info.map), set())
-        if not reasons and not info.map.try_lock(exclusive=False):
-            return False
+        if not reasons:
+            self.before_lock()
+            if not info.map.try_lock(exclusive=False):
+                return False
         reasons.add(reason)
         return True
 

@@ -393,17 +393,22 @@ class RankSlots:
             for index in order:
                 slot = self.maps[index]
                 if slot is None or slot.try_lock(exclusive=True):
+                    self.raced = False
                     return index
-            # Slots the word leaves free, flocked all the same: the agent took a claim (a persist) that it publishes
-            # at the end of its round. Still a skip (its own newest snapshot stays), but not for want of slots.
+            # Slots the word leaves free, flocked all the same: the agent took a hold (a persist claim, a step kept
+            # for the job) that it publishes at the end of its round, and it marks the word as changing before it
+            # flocks. If the word moved since it was read, the choice is made again on the agent's new word (the
+            # same round may have let go of another slot); else a skip, but not for want of slots.
             self.raced = bool(order)
-            if attempt or word is None or not word.changing:
+            if attempt or word is None:
                 return None
+            first = word
             word = self.control.read(wait=MOVE_WAIT)   # the old safe step's slot is free in a moment
-            if word is not None:
-                # The move may have failed: the same rule as the first try before this rank's newest step is
-                # overwritten (it waited for nothing and said nothing here before; a CI kill cost three steps).
-                word = self._let_newest_become_safe(word)
+            if word is None or not (first.changing or word.changing or word.generation != first.generation):
+                return None
+            # The move may have failed: the same rule as the first try before this rank's newest step is
+            # overwritten (it waited for nothing and said nothing here before; a CI kill cost three steps).
+            word = self._let_newest_become_safe(word)
         return None
 
     def _let_newest_become_safe(self, word: ControlView) -> ControlView:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from agent_slots import JOB, FakeRanks, held
 
+from easyckpt_agent.claims import Claims
 from easyckpt_agent.protection import Protection
 from easyckpt_agent.watcher import Watcher
 from easyckpt_wire.control import ControlReader, ControlWriter, PersistFailure, control_path
@@ -209,3 +210,28 @@ def test_a_move_that_meets_a_rank_flock_still_on_its_new_slot_is_retried_at_once
         slot_map.unlock()
     assert node.advance() and node.protection.safe == 2 and not node.protection.retry_soon()
     assert not node.advance() and not node.protection.retry_soon()
+
+
+def test_every_new_flock_marks_the_word_changing_until_the_round_publishes(node: Node) -> None:
+    """A persist claim flocks a slot the published word still calls free: a rank that reads the word after the flock
+    must see it changing (and wait for it) until the round says why the slot is held (issue 24's race)."""
+    ranks = node.ranks
+    ranks.commit_all(0, 1)
+    assert node.advance()
+    ranks.commit_all(1, 2)
+    node.watcher.scan(relist_every=0)
+    _, committed, _ = held(node.watcher)
+    view = node.reader.read()
+    assert view is not None and not view.changing
+    claims = Claims(node.protection.holds)   # as the agent's scheduler claims: through the protection's flocks
+    try:
+        assert claims.claim_all(2, {0, 1}, committed)
+        assert not ranks.writable(0, 1)
+        view = node.reader.read()
+        assert view is not None and view.changing, "flocked while the word still said the slot was free"
+        assert claims.claim_all(2, {0, 1}, committed)   # held already: no new flock, the move stays one move
+        node.publish()
+        view = node.reader.read()
+        assert view is not None and not view.changing
+    finally:
+        claims.release(lambda step: True)

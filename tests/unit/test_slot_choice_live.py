@@ -14,6 +14,7 @@ from easyckpt.config import CheckpointerConfig
 from easyckpt.snapshot import slots as slots_module
 from easyckpt.snapshot.slots import RankSlots
 from easyckpt.snapshot.stager import Stager
+from easyckpt_agent.watcher import SlotHolds, SlotInfo
 from easyckpt_wire.control import ControlWriter, control_path
 from easyckpt_wire.health import NEUTRAL
 from easyckpt_wire.shm import SlotMap, list_slots
@@ -235,3 +236,49 @@ def test_a_rank_that_finds_a_safe_step_move_failed_still_waits_before_writing_ov
         control.close()
         for slot in agent_maps.values():
             slot.close()
+
+
+def test_a_rank_that_finds_its_slot_flocked_after_it_read_the_word_chooses_again_on_the_agents_next_word(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24's race (CI, seed 35802263, step 6): the rank read the word (safe 3, step 1 held for a persist), then
+    the agent's round claimed step 2 and let go of 1, and the rank found the slot of 2 flocked. It skipped its
+    snapshot although the round was freeing another slot. The agent's flocks (``SlotHolds``) now mark the word as
+    changing first, and the rank, its choice raced, reads the word again and chooses on it: it writes over step 1."""
+    write_snapshots(tmp_path, 0, 1, {1: NEUTRAL, 2: NEUTRAL, 3: NEUTRAL})
+    control = ControlWriter(control_path(tmp_path, JOB))
+    control.publish(3, frozenset({1}))
+    slots = RankSlots(tmp_path, JOB, 0, 1, 1, 3)
+    index_of = {step: index for step, (index, _) in slots.committed().items()}
+    holds = SlotHolds(before_lock=control.begin_move)
+    infos = {step: SlotInfo(rank=0, slot=index, path=slots.maps[index].path,   # type: ignore[union-attr]
+                            map=SlotMap(slots.maps[index].path, writable=False),   # type: ignore[union-attr]
+                            header=slots.header(index))
+             for step, index in index_of.items()}
+    assert holds.hold_if_current(infos[1], 1, ("persist", 1))
+    control.publish(3, frozenset({1}))
+    real_read = slots.control.read
+    rounds: list[str] = []
+
+    def read(*, wait: float = 0.0) -> object:
+        word = real_read(wait=0.0)
+        if not rounds:   # the agent's round runs between the rank's reading and its flock
+            rounds.append("claimed 2, let go of 1")
+            assert holds.hold_if_current(infos[2], 2, ("persist", 2))
+            assert real_read() is not None and real_read().changing   # type: ignore[union-attr]
+            holds.release(infos[1], ("persist", 1))
+        elif wait > 0 and len(rounds) == 1:   # the rank waits for the word: the round ends
+            rounds.append("published")
+            control.publish(3, frozenset({2}))
+            return real_read(wait=wait)
+        return word
+
+    monkeypatch.setattr(slots.control, "read", read)
+    try:
+        index = slots.choose()
+        assert rounds == ["claimed 2, let go of 1", "published"], rounds
+        assert index == index_of[1] and not slots.raced, (index, index_of)
+    finally:
+        slots.close()
+        control.close()
+        for info in infos.values():
+            info.map.close()
