@@ -13,7 +13,9 @@ Layout (little endian)::
     n_held I | held_steps q * MAX_HELD
 
 ``flags`` bit 0 (GATED): the safe step also waits for another node's backup (multi-node), so a step every
-local rank holds is not declared safe at once.
+local rank holds is not declared safe at once. Bit 1 (MOVING): set by ``begin_move`` and cleared by every write
+of the fields, so an odd generation with it set means the fields are still the last word, whole: an agent that
+restarts adopts such a word, but not one its predecessor died writing.
 
 Version 2 adds, at offset 1024, how persisting goes (the ranks log a failure and show it in ``stats()``;
 the agent is the only one that sees the disk)::
@@ -38,9 +40,9 @@ due steps at or below it are decided (persisted, being persisted or passed over)
 due step above it when it chooses a slot (``easyckpt.snapshot.slot_choice``).
 
 ``generation`` is a seqlock: odd while the agent moves the safe step (it takes the flocks of the new
-safe step, publishes it, then drops the old one's flocks), even when the fields are consistent. A rank
-that finds no free slot while the generation is odd waits for the move (microseconds) instead of
-skipping its snapshot.
+safe step, publishes it, then drops the old one's flocks) or takes any other new flock (a persist claim, a step
+held for the job) until its round publishes why, even when the fields are consistent. A rank that finds no free
+slot while the generation is odd waits for the move (milliseconds) instead of skipping its snapshot.
 """
 from __future__ import annotations
 
@@ -59,8 +61,10 @@ SIZE = 4096
 MAX_HELD = 64
 MAX_PASSED = 16
 _HEAD = struct.Struct("<8sIIQqqdI")
+_FLAGS_OFFSET = 12
 _GENERATION_OFFSET = 16
 GATED = 1
+MOVING = 2
 _JOB_OFFSET = 768
 _JOB = struct.Struct("<qqI")
 _PERSIST_OFFSET = 1024
@@ -112,6 +116,7 @@ class ControlView:
     node_safe: int | None = None  # multi-node: the newest job-safe step backed up off every node
     passed: frozenset[int] = frozenset()   # the newest due steps passed over (never persisted)
     decided: int = -1             # due steps at or below are decided (persisted, persisting or passed over)
+    moving: bool = False          # changing by begin_move, not in the middle of a write: the fields are whole
 
     def keeps(self, step: int) -> bool:
         return step == self.safe or step in self.held
@@ -184,7 +189,7 @@ def _read(mm: mmap.mmap) -> ControlView | None:
                            gated=bool(flags & GATED), changing=generation % 2 == 1,
                            persisted=None if persisted < 0 else persisted, failure=failure, failures=failures,
                            node_safe=None if node_safe < 0 else node_safe, passed=frozenset(passed),
-                           decided=decided)
+                           decided=decided, moving=bool(flags & MOVING))
     return None
 
 
@@ -204,7 +209,7 @@ class ControlWriter:
         previous = None if fresh else _read(self._mm)
         # An agent restarted after a crash adopts its predecessor's word: ranks are still keeping that step.
         # (A block of another version reads as None: a fresh start, the ranks' slots are adopted anyway.)
-        self.adopted = previous if previous is not None and not previous.changing else None
+        self.adopted = previous if previous is not None and (not previous.changing or previous.moving) else None
         self.generation = previous.generation + (previous.generation % 2) if previous is not None else 0
         self.persisted: int | None = None
         self.failure: PersistFailure | None = None
@@ -220,6 +225,8 @@ class ControlWriter:
     def begin_move(self) -> None:
         if self.generation % 2 == 0:
             self.generation += 1
+            flags = struct.unpack_from("<I", self._mm, _FLAGS_OFFSET)[0]
+            struct.pack_into("<I", self._mm, _FLAGS_OFFSET, flags | MOVING)   # before the generation: see MOVING
             struct.pack_into("<Q", self._mm, _GENERATION_OFFSET, self.generation)
 
     def publish(self, safe: int | None, held: frozenset[int], *, gated: bool = False) -> None:

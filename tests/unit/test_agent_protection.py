@@ -150,16 +150,43 @@ def test_joining_a_job_gives_up_the_single_node_hold_and_leaving_it_the_jobs(nod
     assert protection.roles.steps == set() and protection.node_safe is None and ranks.writable(0, 0)
 
 
-def test_a_restarted_agent_adopts_its_predecessors_safe_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("death", ["idle", "after_a_flock"])
+def test_a_restarted_agent_adopts_its_predecessors_safe_step(tmp_path: Path, death: str) -> None:
+    """Also when the predecessor died between a new flock (the word marked changing) and its round's word: the
+    fields are then still its last word, whole (``MOVING``)."""
     writer = ControlWriter(control_path(tmp_path, JOB))
-    writer.publish(4, frozenset())
+    writer.publish(4, frozenset({2}))
+    if death == "after_a_flock":
+        writer.begin_move()
     writer.close()
     node = Node(tmp_path)
     try:
         assert node.protection.safe == 4   # the ranks keep step 4 meanwhile
+        view = node.reader.read()
+        assert view is not None and not view.changing and view.safe == 4 and view.held == {2}
         node.ranks.commit_all(0, 4)
         assert node.advance()   # and this agent holds it once it sees it
         assert node.protection.safe == 4 and not node.ranks.writable(0, 0)
+    finally:
+        node.close()
+
+
+def test_a_restarted_agent_does_not_adopt_a_word_its_predecessor_died_writing(tmp_path: Path) -> None:
+    """Killed inside a write (generation odd, ``MOVING`` cleared by the write's first fields): the fields may be torn,
+    so the new agent starts without a safe step and declares one itself."""
+    path = control_path(tmp_path, JOB)
+    writer = ControlWriter(path)
+    writer.publish(4, frozenset())
+    writer.begin_move()
+    writer.close()
+    with path.open("r+b") as block:   # what a write leaves when its process dies after the header's first fields
+        block.seek(12)
+        block.write((0).to_bytes(4, "little") + (writer.generation | 1).to_bytes(8, "little"))
+    node = Node(tmp_path)
+    try:
+        assert node.protection.safe is None
+        node.ranks.commit_all(0, 4)
+        assert node.advance() and node.protection.safe == 4
     finally:
         node.close()
 
