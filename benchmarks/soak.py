@@ -6,6 +6,7 @@
     python benchmarks/soak.py --smoke --json smoke.json                          # 20 faults, the CI mode
     python benchmarks/soak.py --seed 7 --only 412 --json replay.json             # replay one fault
     python benchmarks/soak.py --faults 100 --seed 8 --jobs 3 --json soak-8.json  # three jobs side by side
+    python benchmarks/soak.py --seed 7 --only 3 --json r.json --reference-cache /tmp/refs   # reuse references
 
 Each job runs examples/plain_ddp.py or examples/hf_trainer.py on one or two simulated nodes (a torchrun, a shared-
 memory directory and an agent each) at full speed, and takes one fault (``soak_plan.KINDS``) at a step drawn from
@@ -72,6 +73,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    "only recorded with 1)")
     p.add_argument("--dir", type=Path, default=None, help="work directory (default /tmp/easyckpt-soak-<seed>)")
     p.add_argument("--keep", action="store_true", help="keep every job's directory (default: only bad jobs')")
+    p.add_argument("--reference-cache", type=Path, default=None,
+                   help="a directory of reference runs: one of the same configuration, steps and interval found there "
+                        "is taken instead of running it again, one run is stored there (for soaks of one checkout on "
+                        "one machine, as the tests' smoke and replays: a reference is only valid for the code it ran)")
     return p.parse_args(argv)
 
 
@@ -116,6 +121,22 @@ def run_reference(name: str, shape: Shape, work: Path, timeout: float) -> tuple[
         return rows, {"seconds": round(time.monotonic() - started, 1)}
     finally:
         cluster.cleanup()
+
+
+def cached_reference(cache: Path | None, name: str, shape: Shape,
+                     run: Callable[[], tuple[Reference, dict[str, Any]]]) -> tuple[Reference, dict[str, Any]]:
+    """``run()``'s reference, or the one stored in ``cache`` for this configuration and shape: a job's reference is
+    a pure function of them (the examples seed everything), so soaks of one checkout can share it."""
+    if cache is None:
+        return run()
+    path = cache / f"{name}-{shape.first}-{shape.last}-every{shape.interval}.json"
+    with contextlib.suppress(FileNotFoundError):
+        stored = json.loads(path.read_text())
+        rows = {int(rank): {int(step): row for step, row in steps.items()} for rank, steps in stored["rows"].items()}
+        return rows, {**stored["info"], "cached": str(path)}
+    rows, info = run()
+    write(path, {"rows": rows, "info": info})
+    return rows, info
 
 
 def run_job(fault: Fault, shape: Shape, ref: Callable[[], Reference], work: Path, timeout: float, keep: bool,
@@ -283,10 +304,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     total = len(indices)
 
     def reference(name: str) -> Reference:
-        rows, info = run_reference(name, shapes[name], work, args.job_timeout * 2)
+        rows, info = cached_reference(args.reference_cache, name, shapes[name],
+                                      lambda: run_reference(name, shapes[name], work, args.job_timeout * 2))
         with lock:
             result["references"][name] = info
-            print(f"reference run of {name}: {info['seconds']} s", flush=True)
+            print(f"reference run of {name}: " + (f"taken from {info['cached']} (it took {info['seconds']} s)"
+                                                  if "cached" in info else f"{info['seconds']} s"), flush=True)
         return rows
 
     def job(fault: Fault, ref: Future[Reference], repeat: int) -> None:

@@ -24,15 +24,23 @@ def bad(run: dict[str, Any]) -> bool:
     return any(run[flag] for flag in FLAGS)
 
 
+@pytest.fixture(scope="session")
+def references(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted reference runs, shared by the smoke and the replays of one session (same checkout): a
+    replay of a smoke seed needs the very reference the smoke ran, and would spend some 10 s running it again."""
+    return tmp_path_factory.mktemp("soak-references")
+
+
 @pytest.mark.timeout(1800)
-def test_soak_smoke_twenty_faults(tmp_path: Path) -> None:
+def test_soak_smoke_twenty_faults(tmp_path: Path, references: Path) -> None:
     """20 seeded faults, every kind two or three times (an object-store outage on an s3:// save_dir among them), one and two
     simulated nodes, three jobs side by side: nothing torn, hung, leaked or failed; a rank kill costs at most two
     steps from memory, a lost node of a 2-node job comes back from the surviving node's replicas. A disk_full
     that could not mount its tmpfs (not root) is "not run", never a pass: the test says so."""
     seed = seeded_random().randrange(1 << 30)
     out = tmp_path / "smoke.json"
-    result = soak(["--smoke", "--seed", str(seed), "--jobs", "3", "--json", str(out), "--dir", str(tmp_path / "work")])
+    result = soak(["--smoke", "--seed", str(seed), "--jobs", "3", "--json", str(out), "--dir", str(tmp_path / "work"),
+                   "--reference-cache", str(references)])
     assert json.loads(out.read_text()) == result and result["seed"] == seed and result["complete"]
     runs = result["runs"]
     assert [run["index"] for run in runs] == list(range(20))
@@ -178,8 +186,10 @@ REPLAYS = [
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("argv,index,bug", REPLAYS)
-def test_soak_replays_the_faults_that_found_bugs(tmp_path: Path, argv: list[str], index: int, bug: str) -> None:
-    result = soak([*argv, "--only", str(index), "--json", str(tmp_path / "replay.json"), "--dir", str(tmp_path / "w")])
+def test_soak_replays_the_faults_that_found_bugs(tmp_path: Path, references: Path, argv: list[str], index: int,
+                                                 bug: str) -> None:
+    result = soak([*argv, "--only", str(index), "--json", str(tmp_path / "replay.json"), "--dir", str(tmp_path / "w"),
+                   "--reference-cache", str(references)])
     (run,) = result["runs"]
     assert run["index"] == index and run["fired"], run
     worse = {flag: run[flag] for flag in ("hung", "leaked", "failed")}

@@ -1,6 +1,7 @@
 """The soak's judge (benchmarks/soak_check.py) over plain reports: what counts as torn after a resume."""
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -44,3 +45,25 @@ def test_ranks_of_one_restart_that_resumed_different_steps_or_states_are_torn() 
     wrong = resumed(1) | {"digest": "other"}
     _, torn = judge([[fresh(0), resumed(0)], [fresh(1), wrong]])
     assert torn == ["rank 1 resumed step 19 with a state unlike the reference's"], torn
+
+
+def test_a_cached_reference_comes_back_as_the_run_gave_it_and_is_run_once_per_shape(tmp_path: Path) -> None:
+    """``--reference-cache``: JSON turns the ranks and steps into strings; the judge looks them up as ints."""
+    import soak
+    from soak_plan import Shape
+
+    rows: soak_check.Reference = {rank: {step: {"step": step, "loss": 0.1 * step + rank, "digest": f"d{rank}.{step}"}
+                                         for step in range(3)} for rank in range(2)}
+    runs: list[int] = []
+
+    def run() -> tuple[soak_check.Reference, dict[str, Any]]:
+        runs.append(1)
+        return rows, {"seconds": 1.5}
+
+    shape = Shape(first=0, last=2, interval=3)
+    assert soak.cached_reference(tmp_path, "plain-1x2", shape, run) == (rows, {"seconds": 1.5})
+    again, info = soak.cached_reference(tmp_path, "plain-1x2", shape, run)
+    assert again == rows and info["seconds"] == 1.5 and "cached" in info and len(runs) == 1
+    soak.cached_reference(tmp_path, "plain-1x2", Shape(first=0, last=2, interval=2), run)
+    soak.cached_reference(tmp_path, "plain-2x1", shape, run)
+    assert len(runs) == 3, "another interval or configuration is another reference"
