@@ -281,6 +281,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return merge(args.merge, args.json)
     if args.jobs < 1:
         raise SystemExit(f"--jobs must be 1 or more, got {args.jobs}")
+    if args.reference_cache is not None and args.reference_cache.exists() and not args.reference_cache.is_dir():
+        raise SystemExit(f"--reference-cache {args.reference_cache}: a file, not a directory; give a directory (it is "
+                         f"created if missing) where the reference runs are kept")
     prior: dict[str, Any] = json.loads(args.resume_from.read_text()) if args.resume_from else {}
     settings = settle(args, prior)
     seed = settings["seed"]

@@ -5,6 +5,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import soak_check
 from soak_faults import Strike
 
@@ -67,3 +68,14 @@ def test_a_cached_reference_comes_back_as_the_run_gave_it_and_is_run_once_per_sh
     soak.cached_reference(tmp_path, "plain-1x2", Shape(first=0, last=2, interval=2), run)
     soak.cached_reference(tmp_path, "plain-2x1", shape, run)
     assert len(runs) == 3, "another interval or configuration is another reference"
+
+
+def test_a_file_given_for_the_reference_cache_is_refused_before_any_job_runs(tmp_path: Path) -> None:
+    import soak
+
+    cache = tmp_path / "refs.json"
+    cache.write_text("{}")
+    with pytest.raises(SystemExit, match="refs.json: a file, not a directory"):
+        soak.main(["--smoke", "--json", str(tmp_path / "out.json"), "--dir", str(tmp_path / "w"),
+                   "--reference-cache", str(cache)])
+    assert not (tmp_path / "out.json").exists() and not (tmp_path / "w").exists()
