@@ -273,7 +273,8 @@ def test_no_replica_holding_the_step_falls_back_to_disk(cluster: Cluster, refere
     job.kill_agent(0)
     on_disk = layout.read_tracker(job.env.save_dir)
     check_from_disk(job, reference, on_disk, finish(job))
-    assert "no agent holds a replica of rank 2" in job.log(1)
+    # Either node may run rank 2 after the restart (expected_sources says why).
+    assert "no agent holds a replica of rank 2" in job.log(0) + job.log(1)
 
 
 def test_corrupted_replica_is_caught(cluster: Cluster, reference: Cluster) -> None:
@@ -316,10 +317,18 @@ def test_corrupted_replica_is_caught(cluster: Cluster, reference: Cluster) -> No
     assert len(flipped) >= 2, f"rank 0 should hold two or three snapshots on node 0, found {flipped}"
     reports = finish(job)
     step = check_exact(job, reference, reports)
-    assert [r["source"] for r in reports] == ["replica", "memory", "replica", "replica"], reports
+    expected = job.expected_sources(reports, lost={1})
+    kept = expected[0] == "memory"
+    expected[0] = "replica"   # rank 0's own memory is the damaged copy
+    assert [r["source"] for r in reports] == expected, reports
     assert at - 2 <= step <= at, f"node 1 lost at step {at}, resumed at {step}"
-    assert "does not match the checksum" in job.log(0), "rank 0 must notice its own corrupted memory"
-    assert "trying another copy" in job.log(1), "node 1's ranks must skip the corrupted copy"
+    if kept:
+        assert "does not match the checksum" in job.log(0), "rank 0 must notice its own corrupted memory"
+        assert "trying another copy" in job.log(1), "node 1's ranks must skip the corrupted copy"
+    else:
+        # The new node 1 took ranks 0-1 (seen in CI, see expected_sources): every rank pulls, and the ones that
+        # pull rank 0's damaged copy skip it.
+        assert "trying another copy" in job.log(0) + job.log(1), "the corrupted copy must be skipped"
 
 
 def test_hung_peer_agent_times_out_and_the_job_still_resumes(cluster: Cluster, reference: Cluster, env: Env) -> None:
