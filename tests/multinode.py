@@ -66,6 +66,11 @@ class Cluster:
         self.args += ["--grad-sync", "flat", "--peer-timeout", str(peer_timeout)] if script == SCRIPT else []
         self.args += extra_args or []
         self.port = free_port()
+        # torchrun's c10d rendezvous gives the ranks to the nodes in the order of (address, launcher pid); on one
+        # machine the pids alone decided, and a long run that wraps them (pid_max 32768) let a restarted node 1 take
+        # ranks 0-1 at random (CI, 2026-12-01). An address of its own per node (all of 127/8 is loopback) fixes the
+        # order; a test gives a replacement node a lower one to make it take the lower ranks (``lose_last_node``).
+        self.addrs = {i: f"127.0.0.{i + 2}" for i in range(nodes)}
         self.shm = {i: Path(tempfile.mkdtemp(prefix=f"easyckpt-test-node{i}-", dir="/dev/shm")) for i in range(nodes)}
         self.node_env = node_env or {}
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
@@ -86,7 +91,7 @@ class Cluster:
                    f"--nproc-per-node={self.ranks_per_node}", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=multinode",
                    f"--rdzv-conf=is_host={1 if node == 0 else 0},{FAST_RENDEZVOUS}",
-                   f"--max-restarts={max_restarts}",
+                   f"--local-addr={self.addrs[node]}", f"--max-restarts={max_restarts}",
                    str(self.script), *self.args]
         with open(log, "w") as handle:
             self.procs[node] = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
@@ -162,9 +167,9 @@ class Cluster:
         """Where each rank of the last resume must have loaded from, given the nodes lost whole.
 
         A rank's own snapshots are in the memory of the node it first ran on. torchrun's c10d rendezvous orders
-        the nodes by (host, launcher pid), so a node that joins anew may take the lower ranks (in CI a pid
-        wrap-around gave the new node 1 ranks 0-1): then the survivors run other ranks than they snapshotted and
-        load them from replicas too, bit for bit the same."""
+        the nodes by (address, launcher pid), so a node that joins anew with a lower address takes the lower ranks
+        (as a replacement machine whose name sorts first would): then the survivors run other ranks than they
+        snapshotted and load them from replicas too, bit for bit the same."""
         lost_ids = {f"node{node}" for node in lost}
         first = {rank: self.resumes(rank)[0]["node"] for rank in range(self.world)}
         return ["memory" if report["node"] == first[rank] and report["node"] not in lost_ids else "replica"
