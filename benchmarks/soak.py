@@ -130,10 +130,16 @@ def cached_reference(cache: Path | None, name: str, shape: Shape,
     if cache is None:
         return run()
     path = cache / f"{name}-{shape.first}-{shape.last}-every{shape.interval}.json"
-    with contextlib.suppress(FileNotFoundError):
+    try:
         stored = json.loads(path.read_text())
         rows = {int(rank): {int(step): row for step, row in steps.items()} for rank, steps in stored["rows"].items()}
         return rows, {**stored["info"], "cached": str(path)}
+    except FileNotFoundError:
+        pass
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        # The reference can always be run again: a damaged entry costs one run, never the soak.
+        print(f"reference cache {path} is unreadable ({type(exc).__name__}: {exc}): running the reference again "
+              f"and replacing it", flush=True)
     rows, info = run()
     write(path, {"rows": rows, "info": info})
     return rows, info

@@ -79,3 +79,18 @@ def test_a_file_given_for_the_reference_cache_is_refused_before_any_job_runs(tmp
         soak.main(["--smoke", "--json", str(tmp_path / "out.json"), "--dir", str(tmp_path / "w"),
                    "--reference-cache", str(cache)])
     assert not (tmp_path / "out.json").exists() and not (tmp_path / "w").exists()
+
+
+def test_a_damaged_cached_reference_is_run_again_and_replaced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import soak
+    from soak_plan import Shape
+
+    shape = Shape(first=0, last=2, interval=3)
+    damaged = tmp_path / "plain-1x1-0-2-every3.json"
+    rows: soak_check.Reference = {0: {0: {"step": 0, "loss": 1.0, "digest": "d"}}}
+    for content in ("{not json", '{"rows": []}', '{"info": {}}'):
+        damaged.write_text(content)
+        assert soak.cached_reference(tmp_path, "plain-1x1", shape, lambda: (rows, {"seconds": 2.0})) == \
+            (rows, {"seconds": 2.0})
+        assert str(damaged) in capsys.readouterr().out
+        assert soak.cached_reference(tmp_path, "plain-1x1", shape, lambda: ({}, {}))[0] == rows, "replaced"
