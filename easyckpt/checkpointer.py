@@ -102,7 +102,8 @@ class Checkpointer:
         # here, not resume out of the first one's memory and write into it (owner.SaveDirInUseError).
         owner.claim(protocol.runtime_dir(config.job_id), config.job_id, self.rank, config.save_dir)
         self.slots = RankSlots(config.shm_dir, config.job_id, self.rank, self.world_size, self.local_world_size,
-                               config.slots, persist_every=config.save_storage_interval)
+                               config.slots, persist_every=config.save_storage_interval,
+                               snapshot_every=config.save_mem_interval)
         self.agent = AgentClient(
             job_id=config.job_id, save_dir=config.save_dir, shm_dir=config.shm_dir, rank=self.rank,
             world_size=self.world_size, local_world_size=self.local_world_size, idle_timeout=config.agent_idle_timeout,

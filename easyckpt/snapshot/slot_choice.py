@@ -12,6 +12,12 @@ not decided yet (persist it, or pass it over) goes last: a starved agent that ho
 finds it, and the disk keeps its cadence (invariant 12). That is a preference, never a hold: when it is the only
 free slot, it is overwritten.
 
+When the agent is late to declare the rank's newest step safe and that step's slot is the one left, the rank
+writes over it only while a kill during that copy (which resumes at the safe step) still costs at most two
+snapshot intervals; else it skips the snapshot while its newest step is less than two intervals old
+(``keep_newest``). So an agent late for two choices in a row costs a snapshot, not the bound of invariant 9;
+later than that, freshness wins again.
+
 The caller turns the order into a choice by trying each slot's exclusive flock: the agent also holds
 shared flocks on the slots it keeps, so a choice made from a stale view of the control block still never
 takes a kept slot.
@@ -45,3 +51,15 @@ def undecided_due(slots: Sequence[SlotView], *, every: int, decided: int) -> int
     if every <= 0:
         return None
     return max((s.step for s in slots if s.committed and s.step % every == 0 and s.step > decided), default=None)
+
+
+def keep_newest(step: int, *, newest: int, safe: int | None, bound: int) -> bool:
+    """Whether to skip the snapshot of ``step`` rather than write over ``newest``, this rank's newest committed step
+    and its one writable slot, which the agent has not declared safe (its safe step is still ``safe``). ``bound``:
+    the most steps a kill may cost, two snapshot intervals (invariant 9)."""
+    if step <= newest:
+        return False   # the same step snapshotted again: the new copy replaces the old one
+    lost_if_written = step - safe if safe is not None else step + 1   # a kill during the copy
+    # Skipping only while the newest step is less than the bound behind: the next write, even with the agent in time
+    # (the newest step becomes the safe one), then still leaves a kill during its copy within the bound.
+    return lost_if_written > bound and step - newest < bound

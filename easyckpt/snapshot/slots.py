@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from easyckpt.config import MIN_SLOTS
-from easyckpt.snapshot.slot_choice import SlotView, undecided_due, write_order
+from easyckpt.snapshot.slot_choice import SlotView, keep_newest, undecided_due, write_order
 from easyckpt_wire.control import ControlReader, ControlView, control_path
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.records import SlotMeta, TensorEntry
@@ -141,11 +141,13 @@ class SlotRead:
 
 class RankSlots:
     def __init__(self, directory: Path, job_id: str, rank: int, world_size: int, local_world_size: int,
-                 count: int | None = None, *, persist_every: int = 0) -> None:
+                 count: int | None = None, *, persist_every: int = 0, snapshot_every: int = 1) -> None:
         """``count`` slots, or None: 3 when shared memory has room for three, else 2 (decided at the first
         snapshot, when the size is known). ``persist_every``: save_storage_interval (a due step the agent
-        has not decided yet is the last free slot to overwrite)."""
+        has not decided yet is the last free slot to overwrite). ``snapshot_every``: save_mem_interval (a kill may
+        cost two of them)."""
         self.persist_every = persist_every
+        self.snapshot_every = snapshot_every
         self.directory = directory
         self.job_id = job_id
         self.rank = rank
@@ -171,6 +173,8 @@ class RankSlots:
         # (the agent held them): never read as this rank's memory, invalidated as soon as they are free.
         self.abandoned: dict[int, int] = {}
         self.raced = False   # the last choice found no slot because the agent flocked one it had not published yet
+        # The step the last choice skipped a snapshot to keep: the newest, which the agent was late to declare safe.
+        self.kept_newest: int | None = None
         warn_if_not_memory(directory, rank=rank, first_local=self._first_local())
         for index in existing:
             path = self.path(index)
@@ -213,11 +217,13 @@ class RankSlots:
         return newest + 1 if newest % 2 == 0 else newest + 2
 
     # writing and reading ----------------------------------------------------------------------------
-    def write(self, size: int, *, before_remap: Callable[[int], None] = lambda index: None) -> SlotWrite | None:
-        """Begin a write of ``size`` bytes into the slot ``choose`` picks; None when every slot holds a step
-        the agent keeps (the caller skips). ``before_remap(index)`` runs before a slot is grown, when the
-        caller's views of the old mapping must go (an mmap with live views cannot be re-mapped)."""
-        index = self.choose()
+    def write(self, size: int, *, step: int | None = None,
+              before_remap: Callable[[int], None] = lambda index: None) -> SlotWrite | None:
+        """Begin a write of ``size`` bytes of the snapshot of ``step`` into the slot ``choose`` picks; None when
+        the caller skips (see ``choose``; a write with no ``step`` never skips to keep the newest step).
+        ``before_remap(index)`` runs before a slot is grown, when the caller's views of the old mapping must go
+        (an mmap with live views cannot be re-mapped)."""
+        index = self.choose(step)
         if index is None:
             return None
         current = self.maps[index]
@@ -379,13 +385,16 @@ class RankSlots:
     def agent_word(self) -> ControlView | None:
         return self.control.read()
 
-    def choose(self) -> int | None:
-        """The slot index to write next, locked exclusively (or not allocated yet: ensure() creates and
-        locks it); None means skip this snapshot: every slot holds a step the agent keeps."""
+    def choose(self, step: int | None = None) -> int | None:
+        """The slot index to write the snapshot of ``step`` to, locked exclusively (or not allocated yet: ensure()
+        creates and locks it); None means skip this snapshot: every slot holds a step the agent keeps, or the one
+        left holds this rank's newest step, which the agent is late to declare safe (``kept_newest``)."""
         word = self.control.read()
+        self.raced, self.kept_newest = False, None
         if word is not None:
-            word = self._let_newest_become_safe(word)
-        self.raced = False
+            word, self.kept_newest = self._let_newest_become_safe(word, step)
+            if self.kept_newest is not None:
+                return None
         for attempt in range(2):
             views = self.views()
             spare = undecided_due(views, every=self.persist_every, decided=word.decided) if word is not None else None
@@ -408,37 +417,55 @@ class RankSlots:
                 return None
             # The move may have failed: the same rule as the first try before this rank's newest step is
             # overwritten (it waited for nothing and said nothing here before; a CI kill cost three steps).
-            word = self._let_newest_become_safe(word)
+            word, self.kept_newest = self._let_newest_become_safe(word, step)
+            if self.kept_newest is not None:
+                return None
         return None
 
-    def _let_newest_become_safe(self, word: ControlView) -> ControlView:
+    def _let_newest_become_safe(self, word: ControlView, step: int | None) -> tuple[ControlView, int | None]:
         """Freshness with one free slot (the others hold the safe step and a persist): that slot holds this
         rank's newest snapshot, and overwriting it before the agent declares it safe would leave the safe
         step where it is for as long as the persist runs. When every local rank has committed that step,
         the agent (woken by their commits) declares it within a moment: wait for that, at most SAFE_WAIT,
         and not again while an agent that let a wait run out shows no sign of life. Not in a multi-node job
-        (``gated``): there the step also waits for another node's backup, which may take longer than a step."""
+        (``gated``): there the step also waits for another node's backup, which may take longer than a step.
+
+        Returns the word to choose on, and the newest step when the snapshot of ``step`` is to be skipped to keep it:
+        the agent is still late, and ``slot_choice.keep_newest`` says writing over the newest step would let a kill
+        cost more than two intervals (CI, 2026-12-01: an agent late twice in a row let two snapshots overwrite the
+        newest step, and a kill at step 5 resumed at 2)."""
         views = self.views()
         order = write_order(views, word.keeps)
         committed = [v for v in views if v.committed]
-        if len(order) != 1 or not committed or word.gated or self._stalled_at == word.generation:
-            return word
+        if len(order) != 1 or not committed or word.gated:
+            return word, None
         newest = max(committed, key=lambda v: v.generation)
-        if order[0] != newest.index or (word.safe is not None and newest.step <= word.safe) \
-                or not self._peers_commit(newest.step):
-            return word
+        if order[0] != newest.index or (word.safe is not None and newest.step <= word.safe):
+            return word, None
+        if self._stalled_at == word.generation:
+            return word, self._keep(step, newest.step, word)
+        if not self._peers_commit(newest.step):
+            return word, None
         deadline = time.monotonic() + SAFE_WAIT
         while time.monotonic() < deadline:
             time.sleep(0.0002)   # polling the control block for the agent's word, against a deadline
             current = self.control.read()
             if current is not None and (current.safe or -1) >= newest.step:
                 self._stalled.end("rank %d: the agent declares steps safe again", self.rank)
-                return current
+                return current, None
         self._stalled_at = word.generation
+        word = self.control.read() or word
+        keep = self._keep(step, newest.step, word)
         self._stalled.hit("rank %d: the agent did not declare step %d safe within %.0f ms although every local rank "
-                          "holds it; overwriting it (the safe step stays %s until the agent catches up)", self.rank,
-                          newest.step, SAFE_WAIT * 1000, word.safe)
-        return self.control.read() or word
+                          "holds it; %s (the safe step stays %s until the agent catches up)", self.rank, newest.step,
+                          SAFE_WAIT * 1000, "keeping it" if keep is not None else "overwriting it", word.safe)
+        return word, keep
+
+    def _keep(self, step: int | None, newest: int, word: ControlView) -> int | None:
+        """``newest`` when the snapshot of ``step`` is to be skipped to keep it (``slot_choice.keep_newest``)."""
+        if step is None or (word.safe or -1) >= newest:
+            return None
+        return newest if keep_newest(step, newest=newest, safe=word.safe, bound=2 * self.snapshot_every) else None
 
     def _peers_commit(self, step: int) -> bool:
         """Whether every local rank holds ``step`` committed, waiting at most ``peer_wait`` for the others' copies.

@@ -132,6 +132,7 @@ class Stager:
         self.skipped = 0
         self._skips = Episode(logger)
         self._races = Episode(logger, logging.INFO)   # skips for a moment's race with the agent's round
+        self._kept = Episode(logger, logging.INFO)   # skips that keep the newest step for an agent that is late
         self.committed = 0
         self.last_commit_step: int | None = None
         self.last_copy_seconds = 0.0
@@ -150,7 +151,11 @@ class Stager:
             return True
         self.skipped += 1
         word = self.slots.agent_word()
-        if self.slots.raced:   # a moment's race with the agent's round, no shortage: the next snapshot finds a slot
+        if self.slots.kept_newest is not None:   # the agent is late; the rank's own choice, not a shortage
+            self._kept.hit("rank %d: snapshot of step %d skipped to keep step %d, which the agent has not declared "
+                           "safe yet (safe step %s): writing over it would let a kill cost more than two snapshot "
+                           "intervals", self.rank, step, self.slots.kept_newest, word.safe if word else None)
+        elif self.slots.raced:   # a moment's race with the agent's round, no shortage: the next snapshot finds a slot
             self._races.hit("rank %d: snapshot of step %d skipped: the agent was taking a slot for a persist as the "
                             "rank chose one (it says which at the end of its round)", self.rank, step)
         else:
@@ -174,7 +179,8 @@ class Stager:
             return None
         self.wait()
         deadline = time.monotonic() + timeout
-        while not self._launch(owed.step, owed.state, owed.persist, owed.health):
+        # At the end the snapshot itself matters more than a kill during its copy: no skipping to keep the newest step.
+        while not self._launch(owed.step, owed.state, owed.persist, owed.health, keep_newest=False):
             if time.monotonic() > deadline:
                 logger.warning("rank %d: the snapshot of step %d was skipped and no slot came free within %.0fs "
                                "(end-of-run snapshot timeout): the newest snapshot stays step %s", self.rank,
@@ -203,19 +209,21 @@ class Stager:
             self._owed_hook.remove()
             self._owed_hook = None
 
-    def _launch(self, step: int, state: object, persist: bool, health: RankHealth) -> bool:
+    def _launch(self, step: int, state: object, persist: bool, health: RankHealth, *, keep_newest: bool = True) -> bool:
         started = time.perf_counter()
         skeleton, refs, values = flatten(state)
         plan = self._plan(refs)
         meta = self._meta(plan, step, skeleton, health)
         needed = slot_size(plan.data_len, len(meta) + _META_HEADROOM)
         planned = time.perf_counter()
-        write = self.slots.write(needed, before_remap=self._drop_views)
+        write = self.slots.write(needed, step=step if keep_newest else None, before_remap=self._drop_views)
         if write is None:
             return False
         locked = time.perf_counter()
         self._skips.end("rank %d: snapshots resume at step %d after skips", self.rank, step)
         self._races.end("rank %d: snapshots resume at step %d after skips that raced the agent", self.rank, step)
+        self._kept.end("rank %d: snapshots resume at step %d after skips that kept the newest step for a late agent",
+                       self.rank, step)
         try:
             dst = self._slot_views(write.index, write.slot, plan)
             ready = self._cuda_ready(values)

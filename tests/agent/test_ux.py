@@ -95,7 +95,9 @@ def test_plain_loop_without_logging_says_one_resume_line_and_nothing_else(env: E
     # Killed right after the snapshot of kill_at was started: invariant 9 bounds a rank kill to two snapshot
     # intervals. Mostly that one, or the one before if its copy was cut; two back when the agent, persisting a due
     # step, had not yet declared the newest step safe as the next snapshot took its slot (CI, 2026-11-28: killed at
-    # 12, resumed at 10; issue 24 tracks the one-step bound).
+    # 12, resumed at 10; issue 24 tracks the one-step bound). Three back was an agent late for two snapshots in a
+    # row (CI, 2026-12-01, seed 760437856: killed at 5, resumed at 2): the rank now skips one rather than write over
+    # its newest step (slot_choice.keep_newest).
     assert kill_at - 2 <= int(match.group(1)) <= kill_at, (kill_at, lines[0])
 
     # The job ended cleanly (the agent freed the memory): the next run resumes from disk and names it.

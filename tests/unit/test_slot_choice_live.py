@@ -282,3 +282,52 @@ def test_a_rank_that_finds_its_slot_flocked_after_it_read_the_word_chooses_again
         control.close()
         for info in infos.values():
             info.map.close()
+
+
+def test_a_rank_keeps_its_newest_step_for_a_late_agent_while_a_kill_would_otherwise_cost_three(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The agent holds step 0 for a persist and declared 2 safe, then stops answering (CI, 2026-12-01: a kill at step
+    5 resumed at 2). Step 4 may go over 3 (a kill during its copy resumes at 2: two back). Step 5 must not go over 4
+    (three back): it is skipped, said at INFO only. Step 6 is written again (skipping it would leave 4 two back, and
+    the next write, the agent in time or not, three)."""
+    write_snapshots(tmp_path, 0, 1, {0: NEUTRAL, 2: NEUTRAL, 3: NEUTRAL})
+    control = ControlWriter(control_path(tmp_path, JOB))
+    config = CheckpointerConfig(save_dir=tmp_path / "unused-save-dir", save_mem_interval=1, save_storage_interval=5,
+                                max_ckpt_num=1, job_id=JOB, shm_dir=tmp_path, start_agent=False)
+    slots = RankSlots(tmp_path, JOB, 0, 1, 1, 3, persist_every=5)
+    index_of = {step: index for step, (index, _) in slots.committed().items()}
+    agent_maps = [SlotMap(slots.maps[index_of[step]].path, writable=False)   # type: ignore[union-attr]
+                  for step in (0, 2)]
+    stager = Stager(config, slots, rank=0, world_size=1, local_rank=0, local_world_size=1)
+    caplog.set_level(logging.INFO, logger="easyckpt.snapshot")
+    try:
+        for slot in agent_maps:
+            assert slot.try_lock(exclusive=False)
+        control.publish(2, frozenset({0}))
+        kept = []
+        for step in (4, 5):
+            written = stager.snapshot(step, {"w": torch.full((8,), float(step))})
+            # What a kill now, during the copy, resumes at: the newest step committed in the other slots.
+            assert max(slots.committed()) >= step - 2, f"a kill during step {step}'s copy would lose three steps"
+            if written:
+                stager.wait()
+            else:
+                kept.append(step)
+        assert kept == [5] and sorted(slots.committed()) == [0, 2, 4]
+        # Late for a third choice: beyond what skipping can bound, freshness wins.
+        assert stager.snapshot(6, {"w": torch.full((8,), 6.0)})
+        stager.wait()
+        assert sorted(slots.committed()) == [0, 2, 6]
+        assert stager.stats()["skipped"] == 1
+        said = [(r.levelno, r.getMessage()) for r in caplog.records if r.levelno >= logging.INFO and "step 4" in
+                r.getMessage() and "skipped" in r.getMessage()]
+        assert said == [(logging.INFO, "rank 0: snapshot of step 5 skipped to keep step 4, which the agent has not "
+                                       "declared safe yet (safe step 2): writing over it would let a kill cost more "
+                                       "than two snapshot intervals")], said
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "tmpfs" not in r.getMessage()]
+    finally:
+        stager.close()
+        slots.close()
+        control.close()
+        for slot in agent_maps:
+            slot.close()
