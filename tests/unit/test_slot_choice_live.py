@@ -20,6 +20,11 @@ from easyckpt_wire.health import NEUTRAL
 from easyckpt_wire.shm import SlotMap, list_slots
 
 
+def close_all(*closeable: Stager | RankSlots | ControlWriter | SlotMap) -> None:
+    for each in closeable:
+        each.close()
+
+
 def test_a_slot_flocked_before_the_agent_publishes_why_is_a_quiet_skip(tmp_path: Path,
                                                                        caplog: pytest.LogCaptureFixture) -> None:
     """Safe step 3 published, held []; the agent has flocked the slots of steps 1 and 2 too (a claim it publishes at
@@ -49,11 +54,7 @@ def test_a_slot_flocked_before_the_agent_publishes_why_is_a_quiet_skip(tmp_path:
         control.publish(3, frozenset({2}))
         assert slots.choose() == 0 and not slots.raced
     finally:
-        stager.close()
-        slots.close()
-        control.close()
-        for slot in agent_maps:
-            slot.close()
+        close_all(stager, slots, control, *agent_maps)
 
 
 def _ahead_of_rank_1(shm: Path) -> tuple[ControlWriter, RankSlots]:
@@ -326,8 +327,4 @@ def test_a_rank_keeps_its_newest_step_for_a_late_agent_while_a_kill_would_otherw
                                        "than two snapshot intervals")], said
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "tmpfs" not in r.getMessage()]
     finally:
-        stager.close()
-        slots.close()
-        control.close()
-        for slot in agent_maps:
-            slot.close()
+        close_all(stager, slots, control, *agent_maps)
