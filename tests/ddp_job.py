@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from conftest import ROOT, Env, wait_for
+from conftest import ROOT, Env, gone, poll, wait_for
 
 from easyckpt_wire.shm import SlotFormatError, SlotMap, list_slots
 
@@ -108,15 +109,26 @@ def innermost_frames(log: str, depth: int = 4) -> str:
 
 def dump_stacks(pid: int, timeout: float = 10) -> None:
     """Make every process under ``pid`` (torchrun's ranks and their data loader workers) print each thread's Python
-    stack into the job's log, and die: ``Env.environ`` sets PYTHONFAULTHANDLER, so SIGABRT prints them first."""
+    stack into the job's log, and die: ``Env.environ`` sets PYTHONFAULTHANDLER, so SIGABRT prints them first.
+    The whole tree is frozen first and then dumped one process at a time: dumps taken together interleave in the
+    shared log past reading (one CI failure's did), and a process left running would react to another's death
+    (torchrun stops the other ranks, a rank raises for a dead loader worker) before its own stack is taken."""
     try:
-        children = psutil.Process(pid).children(recursive=True)
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
     except psutil.Error:
         return
-    for child in children:
+    for proc in tree:
         with contextlib.suppress(psutil.Error):
-            child.send_signal(signal.SIGABRT)
-    psutil.wait_procs(children, timeout=timeout)
+            proc.suspend()
+    for proc in tree[1:]:
+        with contextlib.suppress(psutil.Error):
+            proc.send_signal(signal.SIGABRT)   # pending while stopped: the first thing it meets when continued
+            proc.resume()
+        with contextlib.suppress(TimeoutError):   # its parent is frozen: it ends a zombie, which counts as gone
+            poll(functools.partial(gone, proc.pid), timeout, f"pid {proc.pid} to die of SIGABRT")
+    with contextlib.suppress(psutil.Error):
+        root.resume()
 
 
 def slot_states(env: Env, save_dir: Path) -> dict[int, list[tuple[str, int, int]]]:
