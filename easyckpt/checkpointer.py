@@ -17,7 +17,6 @@ import weakref
 from collections.abc import Collection, Mapping
 from typing import Any
 
-import psutil
 import torch.distributed as dist
 
 from easyckpt.config import CheckpointerConfig
@@ -30,7 +29,7 @@ from easyckpt.recovery import LoadResult, load
 from easyckpt.recovery.worlds import release_old_world
 from easyckpt.snapshot.slots import RankSlots
 from easyckpt.snapshot.stager import Stager
-from easyckpt_wire import owner, protocol
+from easyckpt_wire import owner, procs, protocol
 from easyckpt_wire.health import RankHealth, rank_verdict
 from easyckpt_wire.records import FlushReply, PeerTable
 from easyckpt_wire.shm import format_bytes
@@ -109,7 +108,7 @@ class Checkpointer:
             world_size=self.world_size, local_world_size=self.local_world_size, idle_timeout=config.agent_idle_timeout,
             spawn=config.start_agent,
             hello={"save_storage_interval": config.save_storage_interval, "max_ckpt_num": config.max_ckpt_num,
-                   "log_file_path": config.log_file_path, "pid_start": psutil.Process().create_time()})
+                   "log_file_path": config.log_file_path, "pid_start": procs.start_time()})
         self.agent.ensure(force=True)
         if config.start_agent:
             self.agent.wait_ready(config.agent_start_timeout)

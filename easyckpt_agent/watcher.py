@@ -14,8 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from easyckpt_wire import procs
 from easyckpt_wire.records import SlotMeta
 from easyckpt_wire.shm import SlotFormatError, SlotHeader, SlotMap, list_slots
 
@@ -43,13 +42,7 @@ class RankProcess:
     def alive(self) -> bool:
         if self.said_bye or self.dead:
             return False
-        try:
-            proc = psutil.Process(self.pid)
-            if self.start_time is not None and abs(proc.create_time() - self.start_time) > 0.5:
-                self.dead = True  # the pid was recycled by an unrelated process
-            elif proc.status() == psutil.STATUS_ZOMBIE:
-                self.dead = True
-        except psutil.NoSuchProcess:
+        if not procs.is_alive(self.pid, self.start_time):   # gone, a zombie, or its pid taken by another process
             self.dead = True
         return not self.dead
 

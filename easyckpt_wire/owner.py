@@ -1,7 +1,7 @@
-"""Which process owns a rank's slots: one small file per rank next to them, version 1.
+"""Which process owns a rank's slots: one small file per rank next to them, version 2.
 
-``<runtime dir of the job>/rank-<rank:06d>.owner`` holds one JSON line: the pid and start time (psutil's
-``create_time``) of the process whose Checkpointer last took the rank, and its save_dir. A second job
+``<runtime dir of the job>/rank-<rank:06d>.owner`` holds one JSON line: the pid and start time (seconds since
+boot, ``procs.start_time``) of the process whose Checkpointer last took the rank, and its save_dir. A second job
 started on the same save_dir would otherwise resume out of the first one's slots and write into them
 while the first still trains (issue 11); the start time tells a live owner from a recycled pid. A dead
 owner (a crash, a kill -9, a torchrun restart: the old workers are gone by then) is no owner at all,
@@ -22,11 +22,10 @@ import re
 import time
 from pathlib import Path
 
-import psutil
+from easyckpt_wire import procs
 
-OWNER_VERSION = 1
+OWNER_VERSION = 2   # 2: the start in seconds since boot (procs.start_time), not psutil's create_time
 _LOCK_TIMEOUT = 5.0   # the claim's flock is held for one read and one write: microseconds
-_START_SLACK = 0.5    # create_time is derived from clock ticks since boot: equal within rounding
 _OWNER_RE = re.compile(r"^rank-(?P<rank>\d{6})\.owner$")
 
 
@@ -65,13 +64,7 @@ def list_owner_files(job_dir: Path) -> dict[int, Path]:
 
 def process_alive(pid: int, start: float | None) -> bool:
     """Whether ``pid`` is the live process that started at ``start`` (a zombie or a recycled pid is not)."""
-    try:
-        proc = psutil.Process(pid)
-        if start is not None and abs(proc.create_time() - start) > _START_SLACK:
-            return False
-        return proc.status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return False
+    return procs.is_alive(pid, start)
 
 
 def parse(text: str, rank: int) -> Owner | None:
@@ -114,7 +107,7 @@ def claim(job_dir: Path, job_id: str, rank: int, save_dir: Path) -> Path:
     The check and the write happen under an exclusive flock of the owner file, so two processes that
     start at the same moment cannot both win."""
     path = owner_path(job_dir, rank)
-    me = psutil.Process()
+    me = os.getpid()
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         deadline = time.monotonic() + _LOCK_TIMEOUT
@@ -131,14 +124,14 @@ def claim(job_dir: Path, job_id: str, rank: int, save_dir: Path) -> Path:
                                        "right now") from None
                 time.sleep(0.01)   # polling a lock held for microseconds, against the deadline
         recorded = parse(os.pread(fd, 4096, 0).decode("utf-8", "replace"), rank)
-        if conflict(recorded, pid=me.pid, alive=recorded is not None and process_alive(recorded.pid, recorded.start)):
+        if conflict(recorded, pid=me, alive=recorded is not None and process_alive(recorded.pid, recorded.start)):
             assert recorded is not None
             raise SaveDirInUseError(
                 f"rank {rank}: save_dir {save_dir} is in use by another live run: pid {recorded.pid} (save_dir "
                 f"{recorded.save_dir}) owns rank {rank}'s snapshots (job {job_id}, recorded in {path}). Two runs on one "
                 f"save_dir would overwrite each other's snapshots. Stop pid {recorded.pid} first, or give this run "
                 f"its own save_dir (or its own EASYCKPT_JOB_ID and save_dir)")
-        blob = json.dumps({"v": OWNER_VERSION, "pid": me.pid, "start": me.create_time(), "save_dir": str(save_dir),
+        blob = json.dumps({"v": OWNER_VERSION, "pid": me, "start": procs.start_time(), "save_dir": str(save_dir),
                            "rank": rank}).encode() + b"\n"
         os.ftruncate(fd, 0)
         os.pwrite(fd, blob, 0)

@@ -23,11 +23,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import psutil
 import zmq
 
 from easyckpt.collectives import all_gather_text
 from easyckpt.snapshot.slots import RankSlots
+from easyckpt_wire import procs
 from easyckpt_wire.protocol import Kind, ProtocolError
 from easyckpt_wire.records import ListReply, ListRow, Manifest, PeerNode, PeerTable, PingReply, RecordError
 from easyckpt_wire.shm import format_bytes, pack_meta, slot_size
@@ -184,7 +184,7 @@ def fetch(peers: PeerTable, replica: ReplicaPlan, slots: RankSlots, *, rank: int
     """Rebuild this rank's snapshot of ``replica.step`` in one of its own slots; returns transfer stats."""
     manifest = replica.manifest
     # The snapshot now belongs to this process and this node's agent (a rank may come back elsewhere).
-    meta = dataclasses.replace(manifest.meta, pid=os.getpid(), pid_start=psutil.Process().create_time(),
+    meta = dataclasses.replace(manifest.meta, pid=os.getpid(), pid_start=procs.start_time(),
                                created=time.time(), local_world_size=slots.local_world_size)
     blob = pack_meta(meta.to_wire())
     write = slots.write(slot_size(meta.data_len, len(blob)))

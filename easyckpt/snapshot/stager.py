@@ -22,7 +22,6 @@ from typing import Any
 
 import msgpack
 import numpy
-import psutil
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
@@ -30,7 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from easyckpt.config import CheckpointerConfig
 from easyckpt.snapshot.slots import RankSlots, SlotWrite
 from easyckpt.snapshot.state import SKELETON_VERSION, TensorRef, flatten, numpy_dtype, torch_dtype
-from easyckpt_wire import layout
+from easyckpt_wire import layout, procs
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.faults import fault_point
 from easyckpt_wire.health import NEUTRAL, RankHealth
@@ -137,8 +136,7 @@ class Stager:
         self.last_commit_step: int | None = None
         self.last_copy_seconds = 0.0
         self.last_launch_phases: dict[str, float] = {}
-        proc = psutil.Process()
-        self._pid, self._pid_start = proc.pid, proc.create_time()
+        self._pid, self._pid_start = os.getpid(), procs.start_time()
 
     # public -----------------------------------------------------------------------------------------
     def snapshot(self, step: int, state: object, *, persist: bool = False, health: RankHealth = NEUTRAL) -> bool:

@@ -225,7 +225,7 @@ def test_status_without_args_lists_recoverable_jobs_and_prunes_stale_runtime_dir
     old_log = make_job_dir(base, "aaaa000000000004", ["agent.log"], runtime.LOG_RETENTION + 60)
     foreign = make_job_dir(base, "aaaa000000000005", ["agent.sock", "notes.txt"], 300)
     dead_owner = make_job_dir(base, "aaaa000000000006", ["agent.lock"], 300)
-    (dead_owner / "rank-000000.owner").write_text(json.dumps({"v": 1, "pid": 4_000_000, "start": 1.0,
+    (dead_owner / "rank-000000.owner").write_text(json.dumps({"v": owner.OWNER_VERSION, "pid": 4_000_000, "start": 1.0,
                                                               "save_dir": "/nowhere", "rank": 0}))
     os.utime(dead_owner / "rank-000000.owner", (time.time() - 300,) * 2)
     os.utime(dead_owner, (time.time() - 300,) * 2)

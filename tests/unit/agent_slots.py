@@ -15,19 +15,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from easyckpt_agent import policy
 from easyckpt_agent.server import Agent, AgentConfig
 from easyckpt_agent.watcher import SlotInfo, Watcher
-from easyckpt_wire import protocol
+from easyckpt_wire import procs, protocol
 from easyckpt_wire.protocol import Kind
 from easyckpt_wire.records import SlotMeta, TensorEntry
 from easyckpt_wire.shm import SlotMap, pack_meta, slot_path, slot_size
 
 JOB = "unitjob"
 TENSOR = TensorEntry("model/w", "torch", "F32", (4,), 0, 16, "model")
-START = psutil.Process().create_time()
+START = procs.start_time()
 
 
 class FakeRanks:
