@@ -62,11 +62,6 @@ def list_owner_files(job_dir: Path) -> dict[int, Path]:
     return found
 
 
-def process_alive(pid: int, start: float | None) -> bool:
-    """Whether ``pid`` is the live process that started at ``start`` (a zombie or a recycled pid is not)."""
-    return procs.is_alive(pid, start)
-
-
 def parse(text: str, rank: int) -> Owner | None:
     """The owner recorded in ``text``, or None for a file that is empty, damaged or of another version."""
     try:
@@ -91,7 +86,7 @@ def live_owners(job_dir: Path) -> list[Owner]:
     owners = []
     for rank, path in sorted(list_owner_files(job_dir).items()):
         owner = read_owner(path, rank)
-        if owner is not None and process_alive(owner.pid, owner.start):
+        if owner is not None and procs.is_alive(owner.pid, owner.start):
             owners.append(owner)
     return owners
 
@@ -124,7 +119,7 @@ def claim(job_dir: Path, job_id: str, rank: int, save_dir: Path) -> Path:
                                        "right now") from None
                 time.sleep(0.01)   # polling a lock held for microseconds, against the deadline
         recorded = parse(os.pread(fd, 4096, 0).decode("utf-8", "replace"), rank)
-        if conflict(recorded, pid=me, alive=recorded is not None and process_alive(recorded.pid, recorded.start)):
+        if conflict(recorded, pid=me, alive=recorded is not None and procs.is_alive(recorded.pid, recorded.start)):
             assert recorded is not None
             raise SaveDirInUseError(
                 f"rank {rank}: save_dir {save_dir} is in use by another live run: pid {recorded.pid} (save_dir "

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from easyckpt.tools.convert import full_state
-from easyckpt_wire import layout, owner
+from easyckpt_wire import layout, procs
 from easyckpt_wire.storage import posix
 
 logger = logging.getLogger(__name__)
@@ -216,7 +216,7 @@ def clean_stale(directory: Path) -> None:
         if match is None or not entry.is_file():
             continue
         pid = match.group("pid")
-        if pid is not None and int(pid) != os.getpid() and owner.process_alive(int(pid), None):
+        if pid is not None and int(pid) != os.getpid() and procs.is_alive(int(pid), None):
             continue
         logger.info("removing %s, left by a job that died while writing %s", entry, match.group("name"))
         entry.unlink(missing_ok=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, Env, gone, run_cli, wait_for
 
-from easyckpt_wire import layout, owner, protocol, runtime
+from easyckpt_wire import layout, owner, procs, protocol, runtime
 
 # One rank parked after its snapshots (training is over for the test's purposes, the process lives).
 # 8 MiB of state: at EASYCKPT_PERSIST_MBPS=2 one persist takes about 4 s.
@@ -268,5 +268,5 @@ def test_owner_conflict_decision() -> None:
     assert not owner.conflict(other, pid=10, alive=True)    # the same process builds a new Checkpointer
     assert not owner.conflict(None, pid=11, alive=False)
     assert owner.parse("garbage", 0) is None and owner.parse('{"v": 2, "pid": 1}', 0) is None
-    assert not owner.process_alive(os.getpid(), 0.0)         # a recycled pid: another start time
-    assert owner.process_alive(os.getpid(), None)
+    assert not procs.is_alive(os.getpid(), 0.0)         # a recycled pid: another start time
+    assert procs.is_alive(os.getpid(), None)

@@ -49,7 +49,7 @@ def test_zombies_and_reaped_processes_are_not_alive() -> None:
 
 
 def test_a_command_name_with_spaces_and_parentheses_is_parsed() -> None:
-    code = ("import sys, time; open('/proc/self/comm', 'w').write('a) (b c'); print('ready', flush=True); "
+    code = ("import sys; open('/proc/self/comm', 'w').write('a) (b c'); print('ready', flush=True); "
             "sys.stdin.read()")
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
