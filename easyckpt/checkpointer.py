@@ -246,6 +246,7 @@ class Checkpointer:
         if not self.due(step):
             return False
         self.lag_gate.before_snapshot(step)
+        self.slots.scale_due_wait(self.lag_gate.step_seconds)
         return self.stager.snapshot(step, state_dict, health=self._verdict(metrics))
 
     def save(self, step: int, state_dict: Any, *, persist: bool = False,
@@ -361,7 +362,8 @@ class Checkpointer:
         free bytes; None while persists succeed) and ``persist_failures`` (how many failed in all)."""
         if not self._closed:
             self.watch.observe(self.slots.agent_word())
-        return {**self.stager.stats(), **self.watch.stats(), "backup_lag_wait_seconds": self.lag_gate.waited}
+        return {**self.stager.stats(), **self.watch.stats(), "backup_lag_wait_seconds": self.lag_gate.waited,
+                "due_step_wait_seconds": self.slots.due_waited}
 
     def close(self, *, raise_errors: bool = True, failed: bool = False) -> None:
         """The end of the run: finish the last copy, make the newest snapshot durable (``final_persist``,

@@ -10,7 +10,7 @@ not of the safe step leaves none and the snapshot is skipped.
 Among the free slots, the rank's newest due step (a multiple of ``save_storage_interval``) that the agent has
 not decided yet (persist it, or pass it over) goes last: a starved agent that holds it a few steps late still
 finds it, and the disk keeps its cadence (invariant 12). That is a preference, never a hold: when it is the only
-free slot, it is overwritten.
+free slot (``overwrites_due``), the rank waits a few step times for the agent's word on it, then overwrites it.
 
 When the agent is late to declare the rank's newest step safe and that step's slot is the one left, the rank
 writes over it only while a kill during that copy (which resumes at the safe step) still costs at most two
@@ -51,6 +51,15 @@ def undecided_due(slots: Sequence[SlotView], *, every: int, decided: int) -> int
     if every <= 0:
         return None
     return max((s.step for s in slots if s.committed and s.step % every == 0 and s.step > decided), default=None)
+
+
+def overwrites_due(slots: Sequence[SlotView], order: Sequence[int], spare: int | None) -> bool:
+    """Whether the next write goes over ``spare``, the undecided due step: it is offered last, so its slot comes
+    first only when no other slot is free."""
+    if spare is None or not order:
+        return False
+    first = next(s for s in slots if s.index == order[0])
+    return first.committed and first.step == spare
 
 
 def keep_newest(step: int, *, newest: int, safe: int | None, bound: int) -> bool:

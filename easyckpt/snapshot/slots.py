@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from easyckpt.config import MIN_SLOTS
-from easyckpt.snapshot.slot_choice import SlotView, keep_newest, undecided_due, write_order
+from easyckpt.snapshot.slot_choice import SlotView, keep_newest, overwrites_due, undecided_due, write_order
 from easyckpt_wire.control import ControlReader, ControlView, control_path
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.records import SlotMeta, TensorEntry
@@ -48,6 +48,8 @@ MULTI_NODE_SLOTS = 4
 MOVE_WAIT = 0.05   # longest a rank waits for the agent to finish moving the safe step (a few flock calls)
 SAFE_WAIT = 0.02   # longest a rank waits for the agent to declare a step every local rank holds safe
 PEER_WAIT_MAX = 0.5   # cap on the wait for the other local ranks' commits of this rank's newest step
+DUE_WAIT = 0.5    # floor of a rank's wait for the agent's word on the undecided due step in its one free slot
+DUE_WAIT_STEPS = 4   # ... which is otherwise this many observed step times
 
 
 class ShmSpaceError(RuntimeError):
@@ -172,6 +174,13 @@ class RankSlots:
         # slot index -> generation of snapshots of an abandoned timeline that could not be invalidated yet
         # (the agent held them): never read as this rank's memory, invalidated as soon as they are free.
         self.abandoned: dict[int, int] = {}
+        # The wait for the agent's word on a due step in the one free slot (``_let_due_be_decided``): its bound (the
+        # checkpointer scales it with the step time), the seconds waited in all, and the control generation at which
+        # such a wait last ran out (no new wait until the agent shows a sign of life).
+        self.due_wait = DUE_WAIT
+        self.due_waited = 0.0
+        self._due_stalled_at = -1
+        self._due_late = Episode(logger, logging.WARNING)
         self.raced = False   # the last choice found no slot because the agent flocked one it had not published yet
         # The step the last choice skipped a snapshot to keep: the newest, which the agent was late to declare safe.
         self.kept_newest: int | None = None
@@ -396,9 +405,10 @@ class RankSlots:
             if self.kept_newest is not None:
                 return None
         for attempt in range(2):
-            views = self.views()
-            spare = undecided_due(views, every=self.persist_every, decided=word.decided) if word is not None else None
-            order = write_order(views, word.keeps if word is not None else (lambda step: False), spare=spare)
+            views, spare, order = self._order(word)
+            if word is not None and spare is not None and overwrites_due(views, order, spare):
+                word = self._let_due_be_decided(word, spare)
+                views, spare, order = self._order(word)
             for index in order:
                 slot = self.maps[index]
                 if slot is None or slot.try_lock(exclusive=True):
@@ -421,6 +431,45 @@ class RankSlots:
             if self.kept_newest is not None:
                 return None
         return None
+
+    def _order(self, word: ControlView | None) -> tuple[list[SlotView], int | None, list[int]]:
+        """The slot headers, the undecided due step to spare and the write order, on the agent's ``word``."""
+        views = self.views()
+        spare = undecided_due(views, every=self.persist_every, decided=word.decided) if word is not None else None
+        return views, spare, write_order(views, word.keeps if word is not None else (lambda step: False), spare=spare)
+
+    def scale_due_wait(self, step_seconds: float | None) -> None:
+        """Bound the wait for the agent's word on a due step by a few of the observed ``step_seconds``."""
+        if step_seconds is not None:
+            self.due_wait = max(DUE_WAIT, DUE_WAIT_STEPS * step_seconds)
+
+    def _let_due_be_decided(self, word: ControlView, due: int) -> ControlView:
+        """Invariant 12 with one free slot, and that slot holds ``due``: a due step the agent has neither held nor
+        decided (persist it, or pass it over). Overwriting it loses it to disk for good, yet the agent decides it
+        within a round of its loop once every local rank holds it (across nodes, within the leader's next verdict).
+        A starved agent is later than a step (CI, 2026-12-01: "due step 5 passed over on every node: the ranks of
+        node(s) ['node0'] moved past it before their agent held it"). So wait for its word, at most ``due_wait``
+        (a few step times: training slows down for an agent that cannot keep up, it never stops), and not again
+        while an agent that let such a wait run out shows no sign of life. Returns the word to choose on."""
+        if self._due_stalled_at == word.generation:
+            return word
+        started = time.monotonic()
+        deadline = started + self.due_wait
+        current = word
+        while not (current.keeps(due) or current.decided >= due or due in current.passed):
+            if time.monotonic() > deadline:
+                self._due_stalled_at = current.generation
+                self._due_late.hit("rank %d: the node agent has neither held nor passed over due step %d within "
+                                   "%.2fs (starved of CPU?): the snapshot goes over it, the one free slot, so it "
+                                   "never reaches disk (the agent announces it passed over)", self.rank, due,
+                                   self.due_wait)
+                break
+            time.sleep(0.0005)   # polling the control block for the agent's word, against the deadline above
+            current = self.control.read(wait=MOVE_WAIT) or current
+        else:
+            self._due_late.end("rank %d: the node agent decides due steps in time again (step %d)", self.rank, due)
+        self.due_waited += time.monotonic() - started
+        return current
 
     def _let_newest_become_safe(self, word: ControlView, step: int | None) -> tuple[ControlView, int | None]:
         """Freshness with one free slot (the others hold the safe step and a persist): that slot holds this

@@ -328,3 +328,82 @@ def test_a_rank_keeps_its_newest_step_for_a_late_agent_while_a_kill_would_otherw
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "tmpfs" not in r.getMessage()]
     finally:
         close_all(stager, slots, control, *agent_maps)
+
+
+def _due_in_the_one_free_slot(shm: Path) -> tuple[ControlWriter, RankSlots, dict[int, int], list[SlotMap]]:
+    """A multi-node rank holds steps 4, 5 and 6; its agent keeps 6 (job-safe) and 4 (node-safe), flocks included, and
+    has not seen due step 5 yet (decided 0): the one free slot holds it."""
+    write_snapshots(shm, 0, 1, {4: NEUTRAL, 5: NEUTRAL, 6: NEUTRAL})
+    control = ControlWriter(control_path(shm, JOB))
+    control.set_job(4, [], 0)
+    control.publish(6, frozenset({4}), gated=True)
+    slots = RankSlots(shm, JOB, 0, 1, 1, 3, persist_every=5)
+    index_of = {step: index for step, (index, _) in slots.committed().items()}
+    agent_maps = [SlotMap(slots.maps[index_of[step]].path, writable=False)   # type: ignore[union-attr]
+                  for step in (4, 6)]
+    for slot in agent_maps:
+        assert slot.try_lock(exclusive=False)
+    return control, slots, index_of, agent_maps
+
+
+def test_a_rank_waits_for_a_late_agents_word_on_the_due_step_in_its_one_free_slot(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Invariant 12 with a starved agent (CI, 2026-12-01: "due step 5 passed over on every node: the ranks of node(s)
+    ['node0'] moved past it before their agent held it"): the rank waits for the agent's word instead of writing over
+    due step 5 at once. The agent, once the rank is seen polling, lets go of 4 and holds 5: the snapshot goes over
+    4 and step 5 survives for its persist."""
+    control, slots, index_of, agent_maps = _due_in_the_one_free_slot(tmp_path)
+    slots.due_wait = 60.0   # far beyond the agent's answer below: the test never waits it out
+    polls = threading.Semaphore(0)
+    read = slots.control.read
+
+    def counted(*, wait: float = 0.0) -> object:
+        polls.release()
+        return read(wait=wait)
+
+    monkeypatch.setattr(slots.control, "read", counted)
+
+    def agent() -> None:
+        for _ in range(3):   # the rank's choice read the word, then polled it twice: it is waiting
+            assert polls.acquire(timeout=30), "the rank never polled the agent's word"
+        # The agent's round: it flocks 5 for the persist and lets go of the node-safe 4, then publishes why.
+        control.begin_move()
+        five = SlotMap(slots.maps[index_of[5]].path, writable=False)   # type: ignore[union-attr]
+        assert five.try_lock(exclusive=False)
+        agent_maps[0].unlock()
+        agent_maps[0].close()
+        agent_maps[0] = five
+        control.set_job(4, [], 5)
+        control.publish(6, frozenset({5}), gated=True)
+
+    thread = threading.Thread(target=agent)
+    try:
+        thread.start()
+        assert slots.choose(7) == index_of[4], index_of
+        assert 0 < slots.due_waited < 30
+        assert _step_in(slots, index_of[5]) == 5
+    finally:
+        thread.join(30)
+        close_all(slots, control, *agent_maps)
+
+
+def test_a_wait_for_a_silent_agent_runs_out_is_said_once_and_is_not_repeated(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An agent that never answers costs one bounded wait: the snapshot then goes over the due step (said once, as a
+    WARNING naming the step), and the next choices do not wait while the agent's word stays the same."""
+    control, slots, index_of, agent_maps = _due_in_the_one_free_slot(tmp_path)
+    slots.due_wait = 0.05
+    caplog.set_level(logging.INFO, logger="easyckpt.snapshot")
+    try:
+        index = slots.choose(7)
+        assert index == index_of[5]
+        waited = slots.due_waited
+        assert waited >= 0.05
+        slots.maps[index].unlock()   # type: ignore[union-attr]
+        assert slots.choose(8) == index_of[5] and slots.due_waited == waited
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "due step" in r.getMessage()]
+        assert said == ["rank 0: the node agent has neither held nor passed over due step 5 within 0.05s (starved of "
+                        "CPU?): the snapshot goes over it, the one free slot, so it never reaches disk (the agent "
+                        "announces it passed over)"], said
+    finally:
+        close_all(slots, control, *agent_maps)
