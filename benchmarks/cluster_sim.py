@@ -33,7 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from easyckpt.snapshot.slot_choice import SlotView, undecided_due, write_order  # noqa: E402
+from easyckpt.snapshot.slot_choice import SlotView, undecided_due, waits_for_due, write_order  # noqa: E402
 from easyckpt_agent.agreement import (  # noqa: E402
     Book,
     NodeState,
@@ -68,6 +68,9 @@ class Config:
     persist_ms: float = 30.0
     leader_us_per_node: float = 20.0
     max_backup_lag: int = 5        # Checkpointer(max_backup_lag=): ranks wait while the node-safe step trails more
+    due_wait_ms: float = 500.0     # easyckpt.snapshot.slots.DUE_WAIT: a rank waits this long (or 4 steps, the longer)
+    #                                for its agent's word on a due step in its one free slot (four slots or
+    #                                more); 0: it never waits
 
 
 @dataclasses.dataclass
@@ -75,6 +78,7 @@ class Rank:
     slots: list[tuple[int, int]]     # (step, generation) per slot, step -1: empty or being written
     committed: dict[int, int] = dataclasses.field(default_factory=dict)   # step -> slot
     node_safe_seen: int = -1          # the newest node-safe step its lag gate read
+    due_since: float | None = None    # when its wait for the agent's word on a due step began
 
 
 @dataclasses.dataclass
@@ -130,6 +134,7 @@ class Simulation:
         self.last_verdict: Verdict | None = None
         self.begun = 0
         self.waited_ms = 0.0
+        self.due_waited_ms = 0.0
         self.slowest_ms = 0.0     # the longest any agent took to react (the property tests' precondition)
         self.withdrawn = 0        # verdicts that named no job-safe step after one had been named
         self.uncovered = 0        # samples at which no step was held on every node
@@ -182,19 +187,39 @@ class Simulation:
         if limit > 0 and lag > limit and self.now - since < max(200.0, 4 * self.c.step_ms * min(lag - limit, limit)):
             self.at(self.now + 1.0, lambda: self.gate(node, rank, step, since, budget))
             return
+        if self.due_waits(node, rank):
+            self.at(self.now + 1.0, lambda: self.gate(node, rank, step, since, budget))
+            return
         self.waited_ms += self.now - since
         self.begin(node, rank, step)
         self.begun += 1
         if self.begun == self.c.nodes * self.c.ranks:
             self.at(self.now + self.c.step_ms, lambda: self.step_begins(step + 1))
 
+    def choice(self, node: Node, rank: Rank) -> tuple[list[SlotView], int | None, list[int]]:
+        """``RankSlots._order``: the slot headers, the undecided due step to spare and the write order."""
+        views = [SlotView(i, True, s >= 0, s, g) for i, (s, g) in enumerate(rank.slots)]
+        spare = undecided_due(views, every=self.c.interval, decided=node.decided)
+        return views, spare, write_order(views, lambda s: s in node.published, spare=spare)
+
+    def due_waits(self, node: Node, rank: Rank) -> bool:
+        """``RankSlots._let_due_be_decided``: whether the rank still waits for its agent's word on the undecided due
+        step in its one free slot (at most ``due_wait_ms`` or four steps, the longer)."""
+        views, spare, order = self.choice(node, rank)
+        if self.c.due_wait_ms > 0 and node.alive and waits_for_due(views, order, spare, gated=True):
+            rank.due_since = self.now if rank.due_since is None else rank.due_since
+            if self.now - rank.due_since < max(self.c.due_wait_ms, 4 * self.c.step_ms):
+                return True
+        if rank.due_since is not None:
+            self.due_waited_ms += self.now - rank.due_since
+            rank.due_since = None
+        return False
+
     def begin(self, node: Node, rank: Rank, step: int) -> None:
         if not node.alive:
             return
         self.newest_begun = max(self.newest_begun, step)
-        views = [SlotView(i, True, s >= 0, s, g) for i, (s, g) in enumerate(rank.slots)]
-        spare = undecided_due(views, every=self.c.interval, decided=node.decided)
-        order = write_order(views, lambda s: s in node.published, spare=spare)
+        views, _, order = self.choice(node, rank)
         if not order:
             self.skipped += 1
             return
@@ -364,7 +389,8 @@ def run(config: Config, seed: int, fault: str | None = None, fault_step: int | N
     due = [s for s in range(config.steps) if s % config.interval == 0]
     result.update(persisted=sorted(sim.persisted), passed=dict(sorted(sim.passed.items())), due=due,
                   skipped=sim.skipped, job_lags=sim.job_lags, node_lags=sim.node_lags,
-                  waited_ms=sim.waited_ms, elapsed_ms=sim.now, slowest_reaction_ms=sim.slowest_ms,
+                  waited_ms=sim.waited_ms, due_waited_ms=sim.due_waited_ms, elapsed_ms=sim.now,
+                  slowest_reaction_ms=sim.slowest_ms,
                   job_safe_withdrawn=sim.withdrawn, uncovered=sim.uncovered, backups_failed=sim.backups_failed)
     return result
 

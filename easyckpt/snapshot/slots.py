@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from easyckpt.config import MIN_SLOTS
-from easyckpt.snapshot.slot_choice import SlotView, keep_newest, overwrites_due, undecided_due, write_order
+from easyckpt.snapshot.slot_choice import SlotView, keep_newest, undecided_due, waits_for_due, write_order
 from easyckpt_wire.control import ControlReader, ControlView, control_path
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.records import SlotMeta, TensorEntry
@@ -406,7 +406,7 @@ class RankSlots:
                 return None
         for attempt in range(2):
             views, spare, order = self._order(word)
-            if word is not None and spare is not None and overwrites_due(views, order, spare):
+            if word is not None and spare is not None and waits_for_due(views, order, spare, gated=word.gated):
                 word = self._let_due_be_decided(word, spare)
                 views, spare, order = self._order(word)
             for index in order:

@@ -457,8 +457,12 @@ def test_a_due_step_overwritten_during_a_persist_is_passed_over_for_that_persist
                                                                                  seed: int) -> None:
     no_due_step_lost_for_want_of_a_hold(config, seed, None, None)
     prompt_config = dataclasses.replace(config, agent_ms=8.0)
-    passed = cluster_sim.run(prompt_config, seed)["passed"]
+    # Ranks that do not wait for their agent's word on a due step (three slots across nodes never do): 18 is passed
+    # over, for the persist. Ranks that wait (four slots, easyckpt.snapshot.slots.DUE_WAIT) keep it until the persist
+    # of 12 ends, and it reaches disk.
+    passed = cluster_sim.run(dataclasses.replace(prompt_config, due_wait_ms=0), seed)["passed"]
     assert passed.get(18, "").startswith("node n0001 still persisted step 12 when its ranks committed it"), passed
+    assert 18 in cluster_sim.run(prompt_config, seed)["persisted"]
 
 
 def test_persists_longer_than_the_interval_never_leave_the_nodes_without_a_common_step() -> None:
@@ -482,7 +486,7 @@ def test_an_agent_asleep_past_the_interval_misses_a_due_step_and_says_so() -> No
     config = cluster_sim.Config(nodes=2, ranks=1, slots=4, steps=30, interval=2, step_ms=100.0, jitter_ms=11.7,
                                 copy_ms=18.2, agent_ms=10.4, slow_node=1, slow_factor=3.0, net_ms=1.0, hash_ms=18.6,
                                 persist_ms=515)
-    outcome = cluster_sim.run(config, 342051)
+    outcome = cluster_sim.run(dataclasses.replace(config, due_wait_ms=0), 342051)
     assert outcome["slowest_reaction_ms"] > config.step_ms * (config.interval - 1) / 2
     missed = {step: why for step, why in outcome["passed"].items()
               if "still persist" not in why and "every node persists" not in why}
@@ -490,6 +494,10 @@ def test_an_agent_asleep_past_the_interval_misses_a_due_step_and_says_so() -> No
     [(step, why)] = missed.items()
     assert why == "the ranks of node(s) ['n0001'] moved past it before their agent held it", outcome
     assert step + config.interval in outcome["persisted"], "the next due step is persisted"
+    # The ranks as they are: they wait for the agent's word on a due step in their one free slot (at most 500 ms or
+    # four steps), so the same sleep costs training time instead of the due step.
+    waiting = cluster_sim.run(config, 342051)
+    assert step in waiting["persisted"] and waiting["due_waited_ms"] > 0, waiting
 
 
 def test_starved_agents_cost_more_steps_but_always_leave_a_step() -> None:

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from easyckpt.snapshot.slot_choice import SlotView, keep_newest, write_order
+from easyckpt.snapshot.slot_choice import SlotView, keep_newest, undecided_due, waits_for_due, write_order
 from easyckpt_agent import policy
 
 
@@ -28,6 +28,23 @@ def views(*slots: tuple[int, int]) -> list[SlotView]:
 def test_write_order_never_offers_a_kept_step_and_prefers_the_oldest() -> None:
     order = write_order(views((5, 10), (6, 12), (7, 14)), lambda step: step in (6,))
     assert order == [0, 2]   # 6 is kept; of the others the oldest first, the newest (7) last
+
+
+def test_a_rank_waits_for_its_due_step_only_when_it_is_the_one_free_slot_and_a_slot_is_kept_spare_for_it() -> None:
+    """Four slots across nodes: the agent keeps 3, 4 and 6 and has not decided due step 5, the one free slot: wait.
+    Three slots across nodes never wait (the agent's two holds are the job-safe step and the candidate); on one node
+    they do. Another free slot first, or no undecided due step: no wait."""
+    def waits(slots: list[SlotView], kept: set[int], *, gated: bool, decided: int = 0) -> bool:
+        spare = undecided_due(slots, every=5, decided=decided)
+        return waits_for_due(slots, write_order(slots, kept.__contains__, spare=spare), spare, gated=gated)
+
+    four = views((3, 1), (4, 2), (5, 3), (6, 4))
+    assert waits(four, {3, 4, 6}, gated=True)
+    assert not waits(four, {3, 4, 6}, gated=True, decided=5)
+    assert not waits(four, {4, 6}, gated=True)   # 3's slot is free and goes first
+    three = views((4, 2), (5, 3), (6, 4))
+    assert not waits(three, {4, 6}, gated=True)
+    assert waits(three, {4, 6}, gated=False)
 
 
 def test_write_order_takes_unused_and_torn_slots_before_committed_ones() -> None:

@@ -331,16 +331,24 @@ def test_a_rank_keeps_its_newest_step_for_a_late_agent_while_a_kill_would_otherw
 
 
 def _due_in_the_one_free_slot(shm: Path) -> tuple[ControlWriter, RankSlots, dict[int, int], list[SlotMap]]:
-    """A multi-node rank holds steps 4, 5 and 6; its agent keeps 6 (job-safe) and 4 (node-safe), flocks included, and
-    has not seen due step 5 yet (decided 0): the one free slot holds it."""
-    write_snapshots(shm, 0, 1, {4: NEUTRAL, 5: NEUTRAL, 6: NEUTRAL})
+    """A multi-node rank with four slots holds steps 3 to 6; its agent keeps 6 (job-safe), 4 (node-safe) and 3 (the
+    floor of a persist), flocks included, and has not seen due step 5 yet (decided 0): the one free slot holds it."""
+    config = CheckpointerConfig(save_dir=shm / "unused-save-dir", save_mem_interval=1, save_storage_interval=5,
+                                max_ckpt_num=1, job_id=JOB, shm_dir=shm, start_agent=False)
+    slots = RankSlots(shm, JOB, 0, 1, 1, 4, persist_every=5)
+    stager = Stager(config, slots, rank=0, world_size=1, local_rank=0, local_world_size=1)
+    try:
+        for step in (3, 4, 5, 6):
+            assert stager.snapshot(step, {"w": torch.full((8,), float(step))})
+            stager.wait()
+    finally:
+        stager.close()
     control = ControlWriter(control_path(shm, JOB))
     control.set_job(4, [], 0)
-    control.publish(6, frozenset({4}), gated=True)
-    slots = RankSlots(shm, JOB, 0, 1, 1, 3, persist_every=5)
+    control.publish(6, frozenset({3, 4}), gated=True)
     index_of = {step: index for step, (index, _) in slots.committed().items()}
     agent_maps = [SlotMap(slots.maps[index_of[step]].path, writable=False)   # type: ignore[union-attr]
-                  for step in (4, 6)]
+                  for step in (4, 6, 3)]
     for slot in agent_maps:
         assert slot.try_lock(exclusive=False)
     return control, slots, index_of, agent_maps
@@ -374,7 +382,7 @@ def test_a_rank_waits_for_a_late_agents_word_on_the_due_step_in_its_one_free_slo
         agent_maps[0].close()
         agent_maps[0] = five
         control.set_job(4, [], 5)
-        control.publish(6, frozenset({5}), gated=True)
+        control.publish(6, frozenset({3, 5}), gated=True)
 
     thread = threading.Thread(target=agent)
     try:
