@@ -219,7 +219,7 @@ class Simulation:
         if not node.alive:
             return
         self.newest_begun = max(self.newest_begun, step)
-        views, _, order = self.choice(node, rank)
+        _, _, order = self.choice(node, rank)
         if not order:
             self.skipped += 1
             return

@@ -454,22 +454,29 @@ class RankSlots:
         if self._due_stalled_at == word.generation:
             return word
         started = time.monotonic()
-        deadline = started + self.due_wait
-        current = word
-        while not (current.keeps(due) or current.decided >= due or due in current.passed):
-            if time.monotonic() > deadline:
-                self._due_stalled_at = current.generation
-                self._due_late.hit("rank %d: the node agent has neither held nor passed over due step %d within "
-                                   "%.2fs (starved of CPU?): the snapshot goes over it, the one free slot, so it "
-                                   "never reaches disk (the agent announces it passed over)", self.rank, due,
-                                   self.due_wait)
-                break
-            time.sleep(0.0005)   # polling the control block for the agent's word, against the deadline above
-            current = self.control.read(wait=MOVE_WAIT) or current
-        else:
-            self._due_late.end("rank %d: the node agent decides due steps in time again (step %d)", self.rank, due)
+        # ``decided`` covers a due step passed over too (the agent publishes both together).
+        current = self._await_word(lambda view: view.keeps(due) or view.decided >= due, self.due_wait)
         self.due_waited += time.monotonic() - started
+        if current is not None:
+            self._due_late.end("rank %d: the node agent decides due steps in time again (step %d)", self.rank, due)
+            return current
+        current = self.control.read() or word
+        self._due_stalled_at = current.generation
+        self._due_late.hit("rank %d: the node agent has neither held nor passed over due step %d within %.2fs (starved "
+                           "of CPU?): the snapshot goes over it, the one free slot, so it never reaches disk (the agent "
+                           "announces it passed over)", self.rank, due, self.due_wait)
         return current
+
+    def _await_word(self, done: Callable[[ControlView], bool], bound: float) -> ControlView | None:
+        """The agent's first word for which ``done`` holds, polled for at most ``bound`` seconds; None if none came."""
+        deadline = time.monotonic() + bound
+        while True:
+            current = self.control.read()
+            if current is not None and done(current):
+                return current
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.0002)   # polling the control block (shared memory, no syscall) against the deadline
 
     def _let_newest_become_safe(self, word: ControlView, step: int | None) -> tuple[ControlView, int | None]:
         """Freshness with one free slot (the others hold the safe step and a persist): that slot holds this
@@ -495,13 +502,10 @@ class RankSlots:
             return word, self._keep(step, newest.step, word)
         if not self._peers_commit(newest.step):
             return word, None
-        deadline = time.monotonic() + SAFE_WAIT
-        while time.monotonic() < deadline:
-            time.sleep(0.0002)   # polling the control block for the agent's word, against a deadline
-            current = self.control.read()
-            if current is not None and (current.safe or -1) >= newest.step:
-                self._stalled.end("rank %d: the agent declares steps safe again", self.rank)
-                return current, None
+        current = self._await_word(lambda view: (view.safe or -1) >= newest.step, SAFE_WAIT)
+        if current is not None:
+            self._stalled.end("rank %d: the agent declares steps safe again", self.rank)
+            return current, None
         self._stalled_at = word.generation
         word = self.control.read() or word
         keep = self._keep(step, newest.step, word)
