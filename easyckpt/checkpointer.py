@@ -28,7 +28,7 @@ from easyckpt.node.replicas import introduce
 from easyckpt.recovery import LoadResult, load
 from easyckpt.recovery.worlds import release_old_world
 from easyckpt.snapshot.slots import RankSlots
-from easyckpt.snapshot.stager import Stager
+from easyckpt.snapshot.stager import Stager, settle_torch_thread_pool
 from easyckpt_wire import owner, procs, protocol
 from easyckpt_wire.health import RankHealth, rank_verdict
 from easyckpt_wire.records import FlushReply, PeerTable
@@ -87,6 +87,7 @@ class Checkpointer:
                                          save_storage_interval=save_storage_interval, max_ckpt_num=max_ckpt_num,
                                          log_file_path=log_file_path, **options)
         self.rank, self.world_size, self.local_rank, self.local_world_size = _topology()
+        settle_torch_thread_pool()   # before this process starts threads that run torch code
         if self.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
             logger.warning("rank %d of %d: torch.distributed is not initialised, so load() cannot make the ranks "
                            "agree on one step; call init_process_group() before creating the Checkpointer",

@@ -5,6 +5,8 @@ import contextlib
 import functools
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,13 +46,13 @@ class Job:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             # What CI prints is all a post-mortem gets: where each rank hung, the job's and the agent's last lines
-            dump_stacks(self.proc.pid)
+            native = dump_stacks(self.proc.pid)
             agents = "".join(f"\n--- {log}:\n" + log.read_text()[-3000:]
                              for log in Path(os.environ.get("EASYCKPT_RUNTIME_DIR", "/nonexistent")).glob("*/agent.log"))
             log = self.log()
             raise AssertionError(f"{self.log_path.parent.name}: the job did not end within {timeout:.0f}s\n"
                                  f"{log[-12000:]}{agents}\n--- innermost frames of every thread:\n"
-                                 f"{innermost_frames(log)}") from None
+                                 f"{innermost_frames(log)}\n--- native stacks of the main threads:\n{native}") from None
         finally:
             self._log.close()
 
@@ -96,7 +98,10 @@ def innermost_frames(log: str, depth: int = 4) -> str:
     loader worker's whole stack, and no rank's)."""
     lines, out, left = log.splitlines(), [], 0
     for line in lines:
-        if line.startswith(("Thread 0x", "Current thread 0x")):
+        if line.startswith("Fatal Python error"):
+            out.append("--- a process:")
+            left = 0
+        elif line.startswith(("Thread 0x", "Current thread 0x")):
             out.append(line)
             left = depth
         elif left and line.startswith("  File "):
@@ -107,7 +112,22 @@ def innermost_frames(log: str, depth: int = 4) -> str:
     return "\n".join(out) or "(no stack was dumped)"
 
 
-def dump_stacks(pid: int, timeout: float = 10) -> None:
+def native_stack(pid: int, frames: int = 14, timeout: float = 30) -> str:
+    """The C frames of ``pid``'s main thread, innermost first, by gdb when this machine has it: a CI hang left a
+    loader worker inside os.fork() with no Python frame to say where (2026-12-02), which only C frames tell."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return "(no gdb)"
+    try:
+        done = subprocess.run([gdb, "-p", str(pid), "-batch", "-nx", "-ex", f"thread apply 1 bt {frames}"],
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"(gdb took over {timeout:.0f}s)"
+    calls = re.findall(r"^#\d+\s+(?:0x[0-9a-f]+ in )?(\S+)", done.stdout, flags=re.MULTILINE)
+    return " < ".join(calls) or done.stderr.strip()[-300:]
+
+
+def dump_stacks(pid: int, timeout: float = 10) -> str:
     """Make every process under ``pid`` (torchrun's ranks and their data loader workers) print each thread's Python
     stack into the job's log, and die: ``Env.environ`` sets PYTHONFAULTHANDLER, so SIGABRT prints them first.
     The whole tree is frozen first and then dumped one process at a time: dumps taken together interleave in the
@@ -117,11 +137,18 @@ def dump_stacks(pid: int, timeout: float = 10) -> None:
         root = psutil.Process(pid)
         tree = [root, *root.children(recursive=True)]
     except psutil.Error:
-        return
+        return "(the job had ended)"
     for proc in tree:
         with contextlib.suppress(psutil.Error):
             proc.suspend()
+    native = []
     for proc in tree[1:]:
+        with contextlib.suppress(psutil.Error):
+            native.append(f"pid {proc.pid} (parent {proc.ppid()}): {native_stack(proc.pid)}")
+            proc.suspend()   # gdb's detach may have let it run
+    # The ranks last: CI shows a failure's tail, and a rank's stack tells more than its loader workers' do
+    ranks = {proc.pid for proc in root.children()}
+    for proc in sorted(tree[1:], key=lambda proc: proc.pid in ranks):
         with contextlib.suppress(psutil.Error):
             proc.send_signal(signal.SIGABRT)   # pending while stopped: the first thing it meets when continued
             proc.resume()
@@ -129,6 +156,7 @@ def dump_stacks(pid: int, timeout: float = 10) -> None:
             poll(functools.partial(gone, proc.pid), timeout, f"pid {proc.pid} to die of SIGABRT")
     with contextlib.suppress(psutil.Error):
         root.resume()
+    return "\n".join(native)
 
 
 def slot_states(env: Env, save_dir: Path) -> dict[int, list[tuple[str, int, int]]]:

@@ -101,6 +101,19 @@ class _Owed:
     moved: bool = False
 
 
+def settle_torch_thread_pool() -> None:
+    """Construct torch's intra-op thread pool (``caffe2::pthreadpool``) in this process now, before our threads run.
+
+    A process forked later (a DataLoader worker) calls ``torch.set_num_threads(1)`` first, which constructs the pool
+    if this process never did, and construction registers an exit handler under glibc's atexit lock. A fork copies
+    that lock as it is: if another thread of this process held it at that moment (ours run torch code beside the
+    training loop; gloo's and ZeroMQ's run too), the worker waits for it forever and so does the loader
+    (pytorch/pytorch#130610; a Lightning job hung so in CI, 2026-12-02). Setting the count the pool already
+    reports constructs it and changes nothing else.
+    """
+    torch.set_num_threads(torch.get_num_threads())
+
+
 class Stager:
     def __init__(self, config: CheckpointerConfig, slots: RankSlots, *, rank: int, world_size: int,
                  local_rank: int, local_world_size: int,

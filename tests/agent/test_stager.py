@@ -1,11 +1,13 @@
 """The stager in one process (no agent): copy consistency, re-planning, skipping, torn slots."""
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 import torch
-from conftest import Env, wait_for
+from conftest import ROOT, Env, wait_for
 
 import easyckpt
 from easyckpt_wire import layout
@@ -196,3 +198,46 @@ def test_cuda_slots_are_pinned_and_load_fills_cuda_templates_in_place(env: Env) 
         assert torch.equal(result.state["cpu"], state["cpu"]) and not result.state["cpu"].is_cuda
     finally:
         ck.close()
+
+
+# A DataLoader worker's start (torch.set_num_threads(1)) while another thread holds glibc's atexit lock: the thread
+# calls __cxa_finalize with a handle no exit handler has, which takes the lock and runs nothing.
+FORKS_UNDER_ATEXIT_LOCK = """
+import ctypes, os, signal, sys, threading, time
+import torch, easyckpt
+ck = easyckpt.Checkpointer(sys.argv[1], 1, 1000, 2, start_agent=False)
+libc, handle, stop = ctypes.CDLL(None), ctypes.create_string_buffer(8), threading.Event()
+def hold_atexit_lock():
+    while not stop.is_set():
+        libc.__cxa_finalize(handle)
+threading.Thread(target=hold_atexit_lock, daemon=True).start()
+hung = 0
+for forked in range(1, 31):
+    pid = os.fork()
+    if pid == 0:
+        torch.set_num_threads(1)
+        os._exit(0)
+    deadline = time.monotonic() + 10
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:
+            hung += 1
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.002)
+    if hung:
+        break
+stop.set()
+ck.close()
+print(f"forked {forked}, hung {hung}")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_process_forked_while_another_thread_holds_the_atexit_lock_starts(env: Env) -> None:
+    """pytorch/pytorch#130610, which hung a Lightning job's loader worker in CI: a child forked while any thread
+    held glibc's atexit lock used to wait for it forever in torch.set_num_threads (the first or second did, here). A
+    Checkpointer constructs torch's thread pool at once, so the child has nothing to register."""
+    proc = subprocess.run([sys.executable, "-c", FORKS_UNDER_ATEXIT_LOCK, str(env.save_dir)], check=False,
+                          capture_output=True, text=True, timeout=100, env=env.environ(), cwd=str(ROOT))
+    assert proc.returncode == 0 and "forked 30, hung 0" in proc.stdout, proc.stdout + proc.stderr[-2000:]
