@@ -11,12 +11,15 @@ Among the free slots, the rank's newest due step (a multiple of ``save_storage_i
 not decided yet (persist it, or pass it over) goes last: a starved agent that holds it a few steps late still
 finds it, and the disk keeps its cadence (invariant 12). That is a preference, never a hold: when it is the only
 free slot (``waits_for_due``), the rank waits a few step times for the agent's word on it, then overwrites it.
+Not while the node's agent holds a step for a persist: a due step that arrives then is passed over anyway
+(invariant 12), and sparing it left the rank one slot for every snapshot (CI, 2026-12-02: the first persist of a
+run held step 0, due step 5 was spared, and a kill at 10 resumed at 5).
 
-When the agent is late to declare the rank's newest step safe and that step's slot is the one left, the rank
-writes over it only while a kill during that copy (which resumes at the safe step) still costs at most two
-snapshot intervals; else it skips the snapshot while its newest step is less than two intervals old
-(``keep_newest``). So an agent late for two choices in a row costs a snapshot, not the bound of invariant 9;
-later than that, freshness wins again.
+When the agent is late to declare the rank's newest step safe and that step's slot is the one left (the spared
+due step's apart), the rank writes over it only while a kill during that copy (which resumes at the newest step
+left in the other slots) still costs at most two snapshot intervals; else it skips the snapshot while its newest
+step is less than two intervals old (``keep_newest``). Later than that, freshness wins again: over the spared due
+step if there is one (after the wait for the agent's word on it), else over the newest step (``past_newest``).
 
 The caller turns the order into a choice by trying each slot's exclusive flock: the agent also holds
 shared flocks on the slots it keeps, so a choice made from a stale view of the control block still never
@@ -25,6 +28,7 @@ takes a kept slot.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Callable, Sequence
 
 
@@ -37,18 +41,22 @@ class SlotView:
     generation: int
 
 
-def write_order(slots: Sequence[SlotView], keeps: Callable[[int], bool], *, spare: int | None = None) -> list[int]:
+def write_order(slots: Sequence[SlotView], keeps: Callable[[int], bool], *, spare: int | None = None,
+                spare_first: bool = False) -> list[int]:
     """Indices a new snapshot may be written to, best first; ``keeps(step)`` says the agent keeps ``step``;
-    the slot holding step ``spare`` (an undecided due step) is offered last."""
+    the slot holding step ``spare`` (an undecided due step) is offered last, or first (``spare_first``: the rank
+    keeps its newest step, ``PastNewest.SPARE``)."""
     free = [s for s in slots if not (s.committed and keeps(s.step))]
-    return [s.index for s in sorted(free, key=lambda s: (s.allocated, s.committed, s.committed and s.step == spare,
+    return [s.index for s in sorted(free, key=lambda s: (s.allocated, s.committed,
+                                                         (s.committed and s.step == spare) != spare_first,
                                                          s.generation, s.index))]
 
 
-def undecided_due(slots: Sequence[SlotView], *, every: int, decided: int) -> int | None:
+def undecided_due(slots: Sequence[SlotView], *, every: int, decided: int, persisting: bool = False) -> int | None:
     """The newest committed step of ``slots`` that is due (``every``: save_storage_interval) and above
-    ``decided`` (the agent's newest decided due step): the one to spare."""
-    if every <= 0:
+    ``decided`` (the agent's newest decided due step): the one to spare. None while a persist runs on this node
+    (``persisting``): the agent passes a due step over then."""
+    if every <= 0 or persisting:
         return None
     return max((s.step for s in slots if s.committed and s.step % every == 0 and s.step > decided), default=None)
 
@@ -66,13 +74,46 @@ def waits_for_due(slots: Sequence[SlotView], order: Sequence[int], spare: int | 
     return first.committed and first.step == spare
 
 
-def keep_newest(step: int, *, newest: int, safe: int | None, bound: int) -> bool:
+def lone_newest(slots: Sequence[SlotView], order: Sequence[int], spare: int | None) -> SlotView | None:
+    """The rank's newest committed snapshot when its slot is the only one in ``order`` (the slots the rank may
+    write) apart from the spared due step's: the next write goes over it unless the agent declares it safe."""
+    committed = [s for s in slots if s.committed]
+    if not committed:
+        return None
+    newest = max(committed, key=lambda s: s.generation)
+    by_index = {s.index: s for s in slots}
+    others = [i for i in order if i != newest.index and not (by_index[i].committed and by_index[i].step == spare)]
+    return newest if newest.index in order and newest.step != spare and not others else None
+
+
+def keep_newest(step: int, *, newest: int, fallback: int | None, bound: int) -> bool:
     """Whether to skip the snapshot of ``step`` rather than write over ``newest``, this rank's newest committed step
-    and its one writable slot, which the agent has not declared safe (its safe step is still ``safe``). ``bound``:
-    the most steps a kill may cost, two snapshot intervals (invariant 9)."""
+    and its one writable slot, which the agent has not declared safe. ``fallback``: the newest step left in the
+    other slots, where a kill during the copy resumes (at least the safe step). ``bound``: the most steps a kill may
+    cost, two snapshot intervals (invariant 9)."""
     if step <= newest:
         return False   # the same step snapshotted again: the new copy replaces the old one
-    lost_if_written = step - safe if safe is not None else step + 1   # a kill during the copy
+    lost_if_written = step - fallback if fallback is not None else step + 1   # a kill during the copy
     # Skipping only while the newest step is less than the bound behind: the next write, even with the agent in time
     # (the newest step becomes the safe one), then still leaves a kill during its copy within the bound.
     return lost_if_written > bound and step - newest < bound
+
+
+class PastNewest(enum.Enum):
+    """What the snapshot of a step does when the agent is late to declare the rank's newest step safe."""
+
+    WRITE = "write over the newest step"
+    SKIP = "skip the snapshot, keeping the newest step"
+    SPARE = "write over the spared due step, keeping the newest step"
+
+
+def past_newest(step: int, *, newest: int, fallback: int | None, bound: int, spare: int | None) -> PastNewest:
+    """``keep_newest``, and past it the spared due step (if any) rather than a kill beyond ``bound``: the due step
+    is then lost to disk (the agent announces it passed over), which invariant 12 allows; a kill beyond the bound,
+    invariant 9 does not."""
+    if keep_newest(step, newest=newest, fallback=fallback, bound=bound):
+        return PastNewest.SKIP
+    lost_if_written = step - fallback if fallback is not None else step + 1
+    if spare is not None and step > newest and lost_if_written > bound:
+        return PastNewest.SPARE
+    return PastNewest.WRITE

@@ -22,7 +22,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from easyckpt.config import MIN_SLOTS
-from easyckpt.snapshot.slot_choice import SlotView, keep_newest, undecided_due, waits_for_due, write_order
+from easyckpt.snapshot.slot_choice import (
+    PastNewest,
+    SlotView,
+    lone_newest,
+    past_newest,
+    undecided_due,
+    waits_for_due,
+    write_order,
+)
 from easyckpt_wire.control import ControlReader, ControlView, control_path
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.records import SlotMeta, TensorEntry
@@ -400,15 +408,17 @@ class RankSlots:
         left holds this rank's newest step, which the agent is late to declare safe (``kept_newest``)."""
         word = self.control.read()
         self.raced, self.kept_newest = False, None
+        past = PastNewest.WRITE
         if word is not None:
-            word, self.kept_newest = self._let_newest_become_safe(word, step)
-            if self.kept_newest is not None:
+            word, past = self._let_newest_become_safe(word, step)
+            if past is PastNewest.SKIP:
                 return None
         for attempt in range(2):
-            views, spare, order = self._order(word)
+            spare_first = past is PastNewest.SPARE
+            views, spare, order = self._order(word, spare_first=spare_first)
             if word is not None and spare is not None and waits_for_due(views, order, spare, gated=word.gated):
                 word = self._let_due_be_decided(word, spare)
-                views, spare, order = self._order(word)
+                views, spare, order = self._order(word, spare_first=spare_first)
             for index in order:
                 slot = self.maps[index]
                 if slot is None or slot.try_lock(exclusive=True):
@@ -427,16 +437,21 @@ class RankSlots:
                 return None
             # The move may have failed: the same rule as the first try before this rank's newest step is
             # overwritten (it waited for nothing and said nothing here before; a CI kill cost three steps).
-            word, self.kept_newest = self._let_newest_become_safe(word, step)
-            if self.kept_newest is not None:
+            word, past = self._let_newest_become_safe(word, step)
+            if past is PastNewest.SKIP:
                 return None
         return None
 
-    def _order(self, word: ControlView | None) -> tuple[list[SlotView], int | None, list[int]]:
+    def _order(self, word: ControlView | None, *, spare_first: bool = False
+               ) -> tuple[list[SlotView], int | None, list[int]]:
         """The slot headers, the undecided due step to spare and the write order, on the agent's ``word``."""
         views = self.views()
-        spare = undecided_due(views, every=self.persist_every, decided=word.decided) if word is not None else None
-        return views, spare, write_order(views, word.keeps if word is not None else (lambda step: False), spare=spare)
+        if word is None:
+            return views, None, write_order(views, lambda step: False)
+        # On one node the agent holds steps only for persists (its safe step apart); across nodes also for the job.
+        spare = undecided_due(views, every=self.persist_every, decided=word.decided,
+                              persisting=not word.gated and bool(word.held))
+        return views, spare, write_order(views, word.keeps, spare=spare, spare_first=spare_first)
 
     def scale_due_wait(self, step_seconds: float | None) -> None:
         """Bound the wait for the agent's word on a due step by a few of the observed ``step_seconds``."""
@@ -478,47 +493,47 @@ class RankSlots:
                 return None
             time.sleep(0.0002)   # polling the control block (shared memory, no syscall) against the deadline
 
-    def _let_newest_become_safe(self, word: ControlView, step: int | None) -> tuple[ControlView, int | None]:
-        """Freshness with one free slot (the others hold the safe step and a persist): that slot holds this
-        rank's newest snapshot, and overwriting it before the agent declares it safe would leave the safe
-        step where it is for as long as the persist runs. When every local rank has committed that step,
+    def _let_newest_become_safe(self, word: ControlView, step: int | None) -> tuple[ControlView, PastNewest]:
+        """Freshness with one free slot (the others hold the safe step and a persist, or the spared due step): that
+        slot holds this rank's newest snapshot, and overwriting it before the agent declares it safe would leave
+        the safe step where it is for as long as the persist runs. When every local rank has committed that step,
         the agent (woken by their commits) declares it within a moment: wait for that, at most SAFE_WAIT,
         and not again while an agent that let a wait run out shows no sign of life. Not in a multi-node job
         (``gated``): there the step also waits for another node's backup, which may take longer than a step.
 
-        Returns the word to choose on, and the newest step when the snapshot of ``step`` is to be skipped to keep it:
-        the agent is still late, and ``slot_choice.keep_newest`` says writing over the newest step would let a kill
-        cost more than two intervals (CI, 2026-12-01: an agent late twice in a row let two snapshots overwrite the
-        newest step, and a kill at step 5 resumed at 2)."""
-        views = self.views()
-        order = write_order(views, word.keeps)
-        committed = [v for v in views if v.committed]
-        if len(order) != 1 or not committed or word.gated:
-            return word, None
-        newest = max(committed, key=lambda v: v.generation)
-        if order[0] != newest.index or (word.safe is not None and newest.step <= word.safe):
-            return word, None
+        Returns the word to choose on, and what to do past the newest step (``slot_choice.past_newest``): write
+        over it, or, the agent still late and a kill during that copy costing more than two intervals, skip the
+        snapshot to keep it (CI, 2026-12-01: an agent late twice in a row let two snapshots overwrite the newest
+        step, and a kill at step 5 resumed at 2) or write over the spared due step instead."""
+        views, spare, order = self._order(word)
+        newest = lone_newest(views, order, spare)
+        if newest is None or word.gated or (word.safe is not None and newest.step <= word.safe):
+            return word, PastNewest.WRITE
         if self._stalled_at == word.generation:
-            return word, self._keep(step, newest.step, word)
+            return word, self._past(step, newest, views, spare, word)
         if not self._peers_commit(newest.step):
-            return word, None
+            return word, PastNewest.WRITE
         current = self._await_word(lambda view: (view.safe or -1) >= newest.step, SAFE_WAIT)
         if current is not None:
             self._stalled.end("rank %d: the agent declares steps safe again", self.rank)
-            return current, None
+            return current, PastNewest.WRITE
         self._stalled_at = word.generation
         word = self.control.read() or word
-        keep = self._keep(step, newest.step, word)
+        past = self._past(step, newest, views, spare, word)
         self._stalled.hit("rank %d: the agent did not declare step %d safe within %.0f ms although every local rank "
                           "holds it; %s (the safe step stays %s until the agent catches up)", self.rank, newest.step,
-                          SAFE_WAIT * 1000, "keeping it" if keep is not None else "overwriting it", word.safe)
-        return word, keep
+                          SAFE_WAIT * 1000, "overwriting it" if past is PastNewest.WRITE else "keeping it", word.safe)
+        return word, past
 
-    def _keep(self, step: int | None, newest: int, word: ControlView) -> int | None:
-        """``newest`` when the snapshot of ``step`` is to be skipped to keep it (``slot_choice.keep_newest``)."""
-        if step is None or (word.safe or -1) >= newest:
-            return None
-        return newest if keep_newest(step, newest=newest, safe=word.safe, bound=2 * self.snapshot_every) else None
+    def _past(self, step: int | None, newest: SlotView, views: list[SlotView], spare: int | None,
+              word: ControlView) -> PastNewest:
+        """``slot_choice.past_newest`` for the snapshot of ``step``; sets ``kept_newest`` when it is skipped."""
+        if step is None or (word.safe or -1) >= newest.step:
+            return PastNewest.WRITE
+        fallback = max((v.step for v in views if v.committed and v.index != newest.index), default=word.safe)
+        past = past_newest(step, newest=newest.step, fallback=fallback, bound=2 * self.snapshot_every, spare=spare)
+        self.kept_newest = newest.step if past is PastNewest.SKIP else None
+        return past
 
     def _peers_commit(self, step: int) -> bool:
         """Whether every local rank holds ``step`` committed, waiting at most ``peer_wait`` for the others' copies.

@@ -15,7 +15,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from easyckpt.snapshot.slot_choice import SlotView, keep_newest, undecided_due, waits_for_due, write_order
+from easyckpt.snapshot.slot_choice import (
+    PastNewest,
+    SlotView,
+    keep_newest,
+    lone_newest,
+    past_newest,
+    undecided_due,
+    waits_for_due,
+    write_order,
+)
 from easyckpt_agent import policy
 
 
@@ -298,14 +307,41 @@ def test_three_slots_lose_at_most_two_intervals_however_slow_the_persist(ranks: 
 
 # a late agent ---------------------------------------------------------------------------------------
 def test_keep_newest_skips_only_while_writing_would_break_the_bound_and_skipping_keeps_it() -> None:
-    assert not keep_newest(6, newest=5, safe=4, bound=2)   # a kill during the copy resumes at 4: two steps
-    assert keep_newest(7, newest=6, safe=4, bound=2)       # it would resume at 4, three back; 6 is one back
+    assert not keep_newest(6, newest=5, fallback=4, bound=2)   # a kill during the copy resumes at 4: two steps
+    assert keep_newest(7, newest=6, fallback=4, bound=2)       # it would resume at 4, three back; 6 is one back
     # Two back: skipping would keep the bound now, but the next write (safe step 6 at best) would break it.
-    assert not keep_newest(8, newest=6, safe=4, bound=2)
-    assert not keep_newest(6, newest=6, safe=2, bound=2)   # the same step again: the new copy replaces the old
-    assert keep_newest(3, newest=2, safe=None, bound=2) and not keep_newest(4, newest=2, safe=None, bound=2)
-    assert not keep_newest(12, newest=10, safe=8, bound=4) and keep_newest(14, newest=12, safe=8, bound=4)
-    assert not keep_newest(16, newest=12, safe=8, bound=4)
+    assert not keep_newest(8, newest=6, fallback=4, bound=2)
+    assert not keep_newest(6, newest=6, fallback=2, bound=2)   # the same step again: the new copy replaces the old
+    assert keep_newest(3, newest=2, fallback=None, bound=2) and not keep_newest(4, newest=2, fallback=None, bound=2)
+    assert not keep_newest(12, newest=10, fallback=8, bound=4) and keep_newest(14, newest=12, fallback=8, bound=4)
+    assert not keep_newest(16, newest=12, fallback=8, bound=4)
+
+
+def test_no_due_step_is_spared_while_the_agent_persists_on_one_node() -> None:
+    """The agent passes a due step over while a persist runs (invariant 12), so sparing it only costs the rank a slot
+    (CI, 2026-12-02: step 0 persisted, due step 5 spared, every snapshot after it went over the newest one)."""
+    three = views((0, 2), (5, 12), (6, 14))
+    assert undecided_due(three, every=5, decided=-1) == 5
+    assert undecided_due(three, every=5, decided=-1, persisting=True) is None
+    assert write_order(three, {0}.__contains__, spare=None) == [1, 2]   # 5 is the oldest free: a kill resumes at 6
+
+
+def test_the_newest_step_is_alone_when_the_spared_due_step_is_its_only_company() -> None:
+    three = views((4, 10), (5, 12), (6, 14))
+    order = write_order(three, {4}.__contains__, spare=5)
+    assert order == [2, 1] and lone_newest(three, order, 5) == three[2]
+    assert lone_newest(three, write_order(three, {4}.__contains__), None) is None   # two slots to alternate
+    assert lone_newest(three, [1], 5) is None   # the newest is kept: nothing to decide
+    assert write_order(three, {4}.__contains__, spare=5, spare_first=True) == [1, 2]
+
+
+def test_past_the_newest_step_a_late_agent_costs_a_skip_then_the_spared_due_step_never_the_bound() -> None:
+    """Safe step 4, spared due step 5, newest 6, the agent silent."""
+    assert past_newest(7, newest=6, fallback=5, bound=2, spare=5) is PastNewest.WRITE   # resumes at 5: two back
+    assert past_newest(8, newest=7, fallback=5, bound=2, spare=5) is PastNewest.SKIP    # would be three back
+    assert past_newest(9, newest=7, fallback=5, bound=2, spare=5) is PastNewest.SPARE   # 7 stays: two back
+    assert past_newest(9, newest=7, fallback=5, bound=2, spare=None) is PastNewest.WRITE   # freshness wins
+    assert past_newest(7, newest=7, fallback=5, bound=2, spare=5) is PastNewest.WRITE   # the same step again
 
 
 def late_agent_losses(answers: list[bool], *, keep: bool) -> list[int]:
@@ -321,7 +357,7 @@ def late_agent_losses(answers: list[bool], *, keep: bool) -> list[int]:
             safe = newest
         order = write_order(views(*slots), lambda step, kept=safe: step in (0, kept))
         newest_slot = max(range(3), key=lambda i: slots[i][1])
-        if keep and order == [newest_slot] and newest > safe and keep_newest(k, newest=newest, safe=safe, bound=2):
+        if keep and order == [newest_slot] and newest > safe and keep_newest(k, newest=newest, fallback=safe, bound=2):
             losses.append(k - newest)   # skipped: the slots stay as they are
             continue
         target = order[0]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import seeded_random
 from tiers_sources import JOB, write_snapshots
 
 from easyckpt.config import CheckpointerConfig
@@ -415,3 +416,115 @@ def test_a_wait_for_a_silent_agent_runs_out_is_said_once_and_is_not_repeated(
                         "announces it passed over)"], said
     finally:
         close_all(slots, control, *agent_maps)
+
+
+def test_an_agent_silent_while_it_persists_the_first_step_lets_no_kill_cost_more_than_two(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The start of a run: the agent's first round declares step 0 safe and claims it for a persist, then says nothing
+    for ten steps (a fresh agent on a busy machine, the loop at a few ms a step). The ranks used to spare due step 5 as
+    well, which left them one slot: every snapshot from 6 on went over the newest one, and a kill during the copy of
+    10 resumed at 5 (CI, 2026-12-02, test_ux). A due step that arrives while a persist runs is passed over anyway
+    (invariant 12), so it is not spared: a kill during any copy resumes at most two steps back."""
+    control = ControlWriter(control_path(tmp_path, JOB))
+    control.publish(None, frozenset())
+    slots = RankSlots(tmp_path, JOB, 0, 1, 1, 3, persist_every=5)
+    slots.due_wait = 0.05
+    agent_map: SlotMap | None = None
+    caplog.set_level(logging.INFO, logger="easyckpt.snapshot")
+    try:
+        for step in range(11):
+            write = slots.write(4096, step=step)
+            if write is None:
+                continue
+            left = slots.committed()   # what a kill during this copy resumes at: the newest step in the other slots
+            assert step == 0 or max(left, default=-9) >= step - 2, f"a kill during step {step}'s copy resumes at {left}"
+            with write:
+                write.commit(step, 0, b"")
+            if step == 0:   # the agent's first and last round: 0 is safe and claimed for a persist
+                agent_map = SlotMap(slots.path(write.index), writable=False)
+                assert agent_map.try_lock(exclusive=False)
+                control.publish(0, frozenset({0}))
+        assert 0 in slots.committed(), "the slot the agent holds was overwritten"
+    finally:
+        close_all(slots, control, *([agent_map] if agent_map is not None else []))
+
+
+class LateAgent:
+    """A one-node agent reduced to its rules, with real flocks and a real control block: a round declares the
+    newest step safe, claims the newest due step when no persist runs (else passes it over) and may finish the
+    persist. Between rounds it is silent, as a starved agent is."""
+
+    def __init__(self, shm: Path, slots: RankSlots, every: int) -> None:
+        self.control = ControlWriter(control_path(shm, JOB))
+        self.control.publish(None, frozenset())
+        self.slots, self.every = slots, every
+        self.flocks: dict[int, SlotMap] = {}   # step -> the agent's shared flock on its slot
+        self.safe: int | None = None
+        self.persisting: int | None = None
+        self.floor = self.decided = -1
+        self.passed: list[int] = []
+
+    def round(self, finish_persist: bool) -> None:
+        committed = {step: index for step, (index, _) in self.slots.committed().items()}
+        if finish_persist and self.persisting is not None:
+            self.floor, self.persisting = self.persisting, None
+        if committed:
+            self.safe = max(committed)
+        due = max((s for s in committed if s % self.every == 0 and s > max(self.floor, self.decided)), default=None)
+        if due is not None and self.persisting is None:
+            self.persisting = self.decided = due
+        elif due is not None:
+            self.passed.append(due)
+            self.decided = due
+        keep = {s for s in (self.safe, self.persisting) if s is not None}
+        for step in [s for s in self.flocks if s not in keep]:
+            self.flocks.pop(step).close()
+        for step in keep - set(self.flocks):
+            self.flocks[step] = SlotMap(self.slots.path(committed[step]), writable=False)
+            assert self.flocks[step].try_lock(exclusive=False), f"the agent could not hold step {step}"
+        self.control.set_job(None, self.passed, self.decided)
+        self.control.publish(self.safe, frozenset() if self.persisting is None else frozenset({self.persisting}))
+
+    def close(self) -> None:
+        for flock in self.flocks.values():
+            flock.close()
+        self.control.close()
+
+
+@pytest.mark.parametrize("every", [1, 3, 5])
+def test_a_kill_costs_at_most_two_steps_while_the_agent_answers_one_choice_in_two_whatever_its_persists(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, every: int) -> None:
+    """The real slot choice against an agent that, drawn from a printed seed, runs a round before a rank's choice
+    or not, and ends a persist in a round or not (persists of a few rounds to tens). Whatever the draw, a kill
+    during any copy resumes at most two steps back while the agent ran a round before one of the last two choices,
+    or however long it is silent while it keeps only one of the rank's slots (its safe step is the step it persists,
+    the start of a run); the slots the agent holds are never written (their flocks)."""
+    rng = seeded_random()
+    monkeypatch.setattr(slots_module, "SAFE_WAIT", 0.0005)   # the agent runs on this thread: no round comes meanwhile
+    for trial in range(12):
+        shm = tmp_path / f"trial{trial}"
+        shm.mkdir()
+        slots = RankSlots(shm, JOB, 0, 1, 1, 3, persist_every=every)
+        slots.due_wait = 0.0005
+        agent = LateAgent(shm, slots, every)
+        on_time, finish = rng.uniform(0.2, 1.0), rng.uniform(0.02, 0.6)
+        answered: list[bool] = []
+        try:
+            for step in range(60):
+                answered.append(rng.random() < on_time)
+                if answered[-1]:
+                    agent.round(finish_persist=rng.random() < finish)
+                write = slots.write(4096, step=step)
+                if write is None:
+                    continue
+                left = slots.committed()
+                # Either the agent was in time lately, or it keeps one slot only and the rank has two to alternate.
+                if step > 0 and answered[0] and (any(answered[-2:]) or len(agent.flocks) <= 1):
+                    assert max(left) >= step - 2, (f"trial {trial} step {step}: a kill during the copy resumes at "
+                                                   f"{max(left)} (answers {answered[-6:]}, safe {agent.safe}, "
+                                                   f"persisting {agent.persisting}, slots {sorted(left)})")
+                with write:
+                    write.commit(step, 0, b"")
+        finally:
+            agent.close()
+            slots.close()
