@@ -86,6 +86,11 @@ def lone_newest(slots: Sequence[SlotView], order: Sequence[int], spare: int | No
     return newest if newest.index in order and newest.step != spare and not others else None
 
 
+def _lost_during_copy(step: int, fallback: int | None) -> int:
+    """What a kill during the copy of ``step`` over the newest step costs: it resumes at ``fallback``."""
+    return step - fallback if fallback is not None else step + 1
+
+
 def keep_newest(step: int, *, newest: int, fallback: int | None, bound: int) -> bool:
     """Whether to skip the snapshot of ``step`` rather than write over ``newest``, this rank's newest committed step
     and its one writable slot, which the agent has not declared safe. ``fallback``: the newest step left in the
@@ -93,7 +98,7 @@ def keep_newest(step: int, *, newest: int, fallback: int | None, bound: int) -> 
     cost, two snapshot intervals (invariant 9)."""
     if step <= newest:
         return False   # the same step snapshotted again: the new copy replaces the old one
-    lost_if_written = step - fallback if fallback is not None else step + 1   # a kill during the copy
+    lost_if_written = _lost_during_copy(step, fallback)
     # Skipping only while the newest step is less than the bound behind: the next write, even with the agent in time
     # (the newest step becomes the safe one), then still leaves a kill during its copy within the bound.
     return lost_if_written > bound and step - newest < bound
@@ -113,7 +118,6 @@ def past_newest(step: int, *, newest: int, fallback: int | None, bound: int, spa
     invariant 9 does not."""
     if keep_newest(step, newest=newest, fallback=fallback, bound=bound):
         return PastNewest.SKIP
-    lost_if_written = step - fallback if fallback is not None else step + 1
-    if spare is not None and step > newest and lost_if_written > bound:
+    if spare is not None and step > newest and _lost_during_copy(step, fallback) > bound:
         return PastNewest.SPARE
     return PastNewest.WRITE
