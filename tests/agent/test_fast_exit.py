@@ -1,0 +1,37 @@
+"""The processes the tests start skip CPython's final garbage collection (tests/fast_exit/sitecustomize.py): what
+they run is the interpreter's own sitecustomize as well, and nothing but the collection at exit changes."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import FAST_EXIT
+
+PROBE = """
+import atexit, gc, sitecustomize
+print(sitecustomize.__file__)
+print(gc.isenabled(), gc.get_freeze_count())
+atexit._run_exitfuncs()
+print(gc.get_freeze_count() > 0)
+"""
+
+
+def run(code: str, env: dict[str, str]) -> list[str]:
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
+
+
+def test_a_child_process_freezes_the_collector_only_once_its_exit_hooks_ran() -> None:
+    lines = run(PROBE, dict(os.environ))
+    assert Path(lines[0]) == FAST_EXIT / "sitecustomize.py", lines
+    assert lines[1] == "True 0", f"the collector must run as usual until exit: {lines}"
+    assert lines[2] == "True", f"nothing froze the collector at exit: {lines}"
+
+
+def test_the_sitecustomize_it_shadows_still_runs(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text("import builtins\nbuiltins.SHADOWED_RAN = True\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAST_EXIT), str(tmp_path)])}
+    assert run("import builtins; print(getattr(builtins, 'SHADOWED_RAN', False))", env) == ["True"]
