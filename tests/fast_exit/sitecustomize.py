@@ -4,8 +4,8 @@ process's own ``atexit`` hooks have run.
 
 Why: at exit CPython runs full collections over every object still alive, and a process that imported torch holds
 about 300,000 of them (torch._dynamo, which every optimizer's first call imports, and sympy add most). That walk costs
-0.6 to 1 CPU-second per rank, launcher and CLI call; the suite starts well over a thousand such processes on two
-cores, and the soak's 20-fault smoke spent a quarter of its CPU there (428 CPU-s against 320, seed 77, 2026-12-02).
+0.6 to 1 CPU-second per rank, launcher and CLI call, and every job of the tests starts several on two cores: the
+soak's 20-fault smoke (seed 77, runs alternated on 2026-12-02) spent 383-405 CPU-s without this and 323-344 with it.
 
 It changes nothing easyckpt does: hooks registered with ``atexit`` (the library's, weakref finalizers) run before it
 (``atexit`` runs them last-registered first, and this one is registered before any other), objects that are not
