@@ -25,13 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from common import FAST_EXIT  # first on every job's PYTHONPATH: some 15% of the smoke's CPU is the exit it skips
 from soak_plan import Config, Shape
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = {"plain": ROOT / "examples" / "plain_ddp.py", "hf": ROOT / "examples" / "hf_trainer.py"}
-# Put first on every job's PYTHONPATH: its sitecustomize skips CPython's final garbage collection, about a CPU-second
-# per process that imported torch, some 15% of the smoke's CPU (the file says why that changes no fault's outcome)
-FAST_EXIT = ROOT / "tests" / "fast_exit"
 PEER_TIMEOUT = 3.0   # plain_ddp.py --peer-timeout: one request to another node's agent
 POLL = 0.01
 PASSED = ("EASYCKPT_LOG_LEVEL", "EASYCKPT_AGENT_LOG_LEVEL")   # taken from the soak's environment

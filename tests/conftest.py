@@ -26,11 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # The benchmarks' shared helpers (tests/jobs/test_benchmarks.py loads the benchmarks, which import it as ``common``).
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import poll  # noqa: E402
+from common import FAST_EXIT, poll  # noqa: E402
 
 # Every process the tests start skips CPython's final garbage collection (tests/fast_exit/sitecustomize.py says why:
 # about a second of CPU per process that imported torch)
-FAST_EXIT = ROOT / "tests" / "fast_exit"
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(FAST_EXIT), os.environ.get("PYTHONPATH")) if p)
 
 # --cpu-times=PATH: each test's wall and CPU time, to tell a test that waits from one that computes
