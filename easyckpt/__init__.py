@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from easyckpt.node.client import AgentElsewhereError
     from easyckpt.node.persist_watch import PersistError
     from easyckpt.recovery import LoadError, LoadResult, StateMismatchError
-    from easyckpt.snapshot.slots import ShmSpaceError
+    from easyckpt.snapshot.shm_space import ShmSpaceError
     from easyckpt.storage import CheckpointCorruptError
     from easyckpt_wire.layout import CheckpointFormatError
     from easyckpt_wire.owner import SaveDirInUseError
@@ -46,7 +46,7 @@ _LAZY = {
     "CheckpointerConfig": "easyckpt.config",
     "DataSkipper": "easyckpt.health", "TrainingAborted": "easyckpt.health",
     "LoadResult": "easyckpt.recovery", "LoadError": "easyckpt.recovery", "StateMismatchError": "easyckpt.recovery",
-    "ShmSpaceError": "easyckpt.snapshot.slots",
+    "ShmSpaceError": "easyckpt.snapshot.shm_space",
     "PersistError": "easyckpt.node.persist_watch", "AgentElsewhereError": "easyckpt.node.client",
     "CheckpointCorruptError": "easyckpt.storage",
     "CheckpointFormatError": "easyckpt_wire.layout",

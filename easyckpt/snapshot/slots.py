@@ -13,15 +13,21 @@ slot is free the snapshot is skipped, never waited for.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from easyckpt.config import MIN_SLOTS
+from easyckpt.snapshot.shm_space import (
+    check_space,
+    fitting_count,
+    free_bytes,
+    reserve,
+    say_count,
+    warn_if_not_memory,
+)
 from easyckpt.snapshot.slot_choice import (
     PastNewest,
     SlotView,
@@ -34,16 +40,7 @@ from easyckpt.snapshot.slot_choice import (
 from easyckpt_wire.control import ControlReader, ControlView, control_path
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.records import SlotMeta, TensorEntry
-from easyckpt_wire.shm import (
-    MEMORY_FILESYSTEMS,
-    SlotFormatError,
-    SlotHeader,
-    SlotMap,
-    filesystem_type,
-    format_bytes,
-    list_slots,
-    slot_path,
-)
+from easyckpt_wire.shm import SlotFormatError, SlotHeader, SlotMap, format_bytes, list_slots, slot_path
 from easyckpt_wire.transfer import tensor_checksum
 
 logger = logging.getLogger(__name__)
@@ -58,30 +55,6 @@ SAFE_WAIT = 0.02   # longest a rank waits for the agent to declare a step every 
 PEER_WAIT_MAX = 0.5   # cap on the wait for the other local ranks' commits of this rank's newest step
 DUE_WAIT = 0.5    # floor of a rank's wait for the agent's word on the undecided due step in its one free slot
 DUE_WAIT_STEPS = 4   # ... which is otherwise this many observed step times
-
-
-class ShmSpaceError(RuntimeError):
-    """The shared-memory file system cannot hold the snapshot."""
-
-
-_checked_dirs: set[str] = set()   # shm dirs whose file system this process has judged (said once)
-
-
-def warn_if_not_memory(directory: Path, *, rank: int, first_local: bool) -> None:
-    """Say once per process and directory when the slots would not live in memory (a disk file system), and
-    what that costs; the node's first rank at WARNING, the others at INFO. Nothing is refused: it works."""
-    key = os.path.realpath(directory)
-    if key in _checked_dirs:
-        return
-    _checked_dirs.add(key)
-    kind = filesystem_type(directory)
-    if kind is None or kind in MEMORY_FILESYSTEMS:
-        return
-    logger.log(logging.WARNING if first_local else logging.INFO,
-               "rank %d: shm_dir %s (EASYCKPT_SHM_DIR or shm_dir=) is on %s, not on a tmpfs: the snapshots meant for "
-               "memory are written to that disk by the kernel's writeback, every snapshot, so each one costs its size "
-               "in disk bandwidth (and copies stall when writeback falls behind) instead of being near-free. Point "
-               "it at a tmpfs such as /dev/shm (said once)", rank, directory, kind)
 
 
 class SlotWrite:
@@ -297,10 +270,6 @@ class RankSlots:
             raise RuntimeError(f"{result.path} was locked by another process right after rank {self.rank} created it")
         return result
 
-    def _free(self) -> int:
-        stats = os.statvfs(self.directory)
-        return stats.f_bavail * stats.f_frsize
-
     def _decide_count(self, slot_bytes: int) -> None:
         """The default count (4 across nodes, else 3) when every local rank's slots fit in shared memory, else
         fewer, down to two, said once and loudly: fewer slots keep fewer steps at once."""
@@ -308,53 +277,27 @@ class RankSlots:
             return
         # Bytes this job already has there count as room: they are re-used, not added.
         ours = sum(p.stat().st_size for p in list_slots(self.directory, self.job_id).values() if p.exists())
-        free = self._free()
+        free = free_bytes(self.directory)
         local = max(1, self.local_world_size)
-        wanted = self.default * slot_bytes * local
-        if free + ours < MIN_SLOTS * slot_bytes * local:
+        count = fitting_count(default=self.default, slot_bytes=slot_bytes, local_ranks=local, room=free + ours)
+        if count is None:
             # Not even two fit: the free-space check refuses the snapshot with the one message that holds
-            # (ShmSpaceError); a warning about using fewer slots first would be contradicted at once. The count
-            # is left alone, so that a smaller state later is judged afresh.
+            # (ShmSpaceError); a warning about using fewer slots first would be contradicted at once.
             return
-        fits = next((n for n in range(self.default, MIN_SLOTS, -1) if free + ours >= n * slot_bytes * local), MIN_SLOTS)
-        if fits == self.default:
-            logger.info("rank %d: %d slots of %s each (%s for %d local ranks; %s free in %s)", self.rank,
-                        self.default, format_bytes(slot_bytes), format_bytes(wanted), local, format_bytes(free),
-                        self.directory)
-            return
-        self.count = fits
-        del self.maps[fits:]
-        suggest = math.ceil(wanted * 1.25 / (1 << 30))
-        cost = ("a kill may then cost the time of a persist plus two snapshot intervals instead of two intervals"
-                if fits == MIN_SLOTS else "a node loss may then resume further back while a backup or a persist runs")
-        (logger.warning if self._first_local() else logger.info)(
-            "rank %d: %s has %s free, %d slots per rank need %s (%d local ranks x %d x %s): using %d slots. %s; run "
-            "the container with --shm-size=%dg (or set EASYCKPT_SLOTS=%d to choose this)", self.rank, self.directory,
-            format_bytes(free + ours), self.default, format_bytes(wanted), local, self.default,
-            format_bytes(slot_bytes), fits, cost[0].upper() + cost[1:], suggest, fits)
+        say_count(rank=self.rank, directory=self.directory, count=count, default=self.default, slot_bytes=slot_bytes,
+                  local_ranks=local, free=free, room=free + ours, loud=self._first_local())
+        self.count = count
+        del self.maps[count:]
 
     def _first_local(self) -> bool:
         local = max(1, self.local_world_size)
         return self.rank % local == 0 or local == 1
 
     def check_space(self, needed: int, slot_bytes: int) -> None:
-        free = self._free()
-        if needed > free:
-            local = max(1, self.local_world_size)
-            # The size to ask for is the job's full count: the one chosen, else the default three (two were
-            # taken only because memory was short).
-            count = self.wanted or self.default
-            total = slot_bytes * count * local
-            suggest = math.ceil(total * 1.25 / (1 << 30))
-            two_fit = self.count > MIN_SLOTS and MIN_SLOTS * slot_bytes * local <= free
-            raise ShmSpaceError(
-                f"{self.directory} has {format_bytes(free)} free, the snapshot of rank {self.rank} needs "
-                f"{format_bytes(needed)} more ({self.count} slots of {format_bytes(slot_bytes)}): run the container "
-                f"with --shm-size={suggest}g ({count} slots per rank x {local} local rank(s) x "
-                f"{format_bytes(slot_bytes)} = {format_bytes(total)}, plus room), or set EASYCKPT_SHM_DIR to a larger "
-                "tmpfs"
-                + (f" or EASYCKPT_SLOTS={MIN_SLOTS}" if two_fit else "")
-            )
+        # The size to ask for is the job's full count: the one chosen, else the default (fewer were taken only
+        # because memory was short).
+        check_space(self.directory, rank=self.rank, needed=needed, slot_bytes=slot_bytes, count=self.count,
+                    full_count=self.wanted or self.default, local_ranks=max(1, self.local_world_size))
 
     def _grow(self, index: int, size: int) -> None:
         """Create or enlarge slot ``index``; an existing slot keeps its fd, and so its flock."""
@@ -363,21 +306,8 @@ class RankSlots:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600) if slot is None else slot.fd
         if slot is not None:
             slot.unmap()
-        previous = os.fstat(fd).st_size
         try:
-            os.ftruncate(fd, size)
-            try:
-                # Reserve (and touch) every page now: a tmpfs that fills up later would SIGBUS the copy.
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                os.ftruncate(fd, previous)
-                if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                    raise ShmSpaceError(
-                        f"{path}: cannot reserve {format_bytes(size)} for rank {self.rank}: {exc.strerror}; "
-                        "run the container with a larger --shm-size, or set EASYCKPT_SHM_DIR to a larger tmpfs"
-                    ) from None
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
+            reserve(fd, path, size, rank=self.rank)
         finally:
             if slot is None:
                 os.close(fd)

@@ -94,7 +94,7 @@ def test_shm_with_room_for_two_slots_only_uses_two_and_says_so_once(env: Env, tm
     state = {"model": {"weight": torch.ones(1024, 1024)}}  # 4 MiB
     ck = make_ck(env, save_storage_interval=1000)
     try:
-        with caplog.at_level(logging.WARNING, logger="easyckpt.snapshot.slots"):
+        with caplog.at_level(logging.WARNING, logger="easyckpt.snapshot.shm_space"):
             for step in (2, 4, 6):
                 assert ck.save_if_needed(step, state)
                 ck.wait()

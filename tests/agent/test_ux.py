@@ -247,7 +247,7 @@ def test_shm_dir_on_a_disk_file_system_is_named_once(env: Env, caplog: pytest.Lo
     kind = filesystem_type(env.tmp_path)
     if kind in (None, "tmpfs", "ramfs"):
         pytest.skip(f"{env.tmp_path} is on {kind}: this test needs a disk file system there")
-    with caplog.at_level(logging.INFO, logger="easyckpt.snapshot.slots"):
+    with caplog.at_level(logging.INFO, logger="easyckpt.snapshot.shm_space"):
         for _ in range(2):
             easyckpt.Checkpointer(env.save_dir, 1, 10, 2, shm_dir=shm, start_agent=False).close()
     said = [r for r in caplog.records if "not on a tmpfs" in r.getMessage()]

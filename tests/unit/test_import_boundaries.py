@@ -4,7 +4,8 @@
   neither imports the other, and the wire layer imports neither;
 * the agent and the wire layer never import torch (an agent must start in well under a second, and the wire
   layer is what ``easyckpt ls/verify`` run on without torch);
-* no module imports a private name (``_x``) from another module.
+* no module imports a private name (``_x``) from another module;
+* no module is longer than 600 lines (issue 25: a module that outgrows that holds more than one box).
 """
 from __future__ import annotations
 
@@ -66,6 +67,16 @@ def test_no_private_name_is_imported_from_another_module(package: str) -> None:
              if module.split(".")[0] in PACKAGES
              for name in names if name.startswith("_") and not name.startswith("__")]
     assert not wrong, "private names imported across modules (make them public or move the code):\n" + "\n".join(wrong)
+
+
+MAX_LINES = 600
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_module_is_longer_than_600_lines(package: str) -> None:
+    long = [f"{path.relative_to(ROOT)}: {n} lines" for path in modules(package)
+            if (n := len(path.read_text().splitlines())) > MAX_LINES]
+    assert not long, f"modules over {MAX_LINES} lines (split them by role):\n" + "\n".join(long)
 
 
 def test_the_rule_sees_a_violation(tmp_path: Path) -> None:
