@@ -282,7 +282,8 @@ class RankSlots:
         count = fitting_count(default=self.default, slot_bytes=slot_bytes, local_ranks=local, room=free + ours)
         if count is None:
             # Not even two fit: the free-space check refuses the snapshot with the one message that holds
-            # (ShmSpaceError); a warning about using fewer slots first would be contradicted at once.
+            # (ShmSpaceError); a warning about using fewer slots first would be contradicted at once. The count
+            # is left alone, so that a smaller state later is judged afresh.
             return
         say_count(rank=self.rank, directory=self.directory, count=count, default=self.default, slot_bytes=slot_bytes,
                   local_ranks=local, free=free, room=free + ours, loud=self._first_local())
