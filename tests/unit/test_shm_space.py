@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from easyckpt.config import MIN_SLOTS
 from easyckpt.snapshot import shm_space
 from easyckpt.snapshot.shm_space import ShmSpaceError, check_space, fitting_count, reserve
+from easyckpt.snapshot.slots import RankSlots
 
 MIB = 1 << 20
 
@@ -73,3 +74,22 @@ def test_a_full_file_system_keeps_the_old_size_and_names_the_fix(tmp_path: Path,
         assert f"{path}: cannot reserve 4.0 MiB for rank 5" in str(info.value) and "--shm-size" in str(info.value)
     finally:
         os.close(fd)
+
+
+def test_slots_on_a_file_system_without_fallocate_are_usable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same through ``RankSlots``: before ``reserve``, a new slot went back to 0 bytes there and its mapping
+    failed ("0 bytes is smaller than a slot header")."""
+    def unsupported(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    slots = RankSlots(tmp_path, "job", 0, 1, 1, count=2)
+    try:
+        write = slots.write(MIB, step=0)
+        assert write is not None
+        with write:
+            write.commit(0, 0, b"")
+        assert sorted(p.stat().st_size for p in tmp_path.glob("easyckpt-job-*")) == [MIB, MIB]
+        assert list(slots.committed()) == [0]
+    finally:
+        slots.close()
