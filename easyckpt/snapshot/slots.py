@@ -260,7 +260,10 @@ class RankSlots:
         sizes = [m.size if m is not None else 0 for m in self.maps]
         targets = [i for i in range(self.count) if sizes[i] < size] if first else [index]
         current = sum(sizes[i] for i in targets)
-        self.check_space(size * len(targets) - current, size)
+        # The size to ask for is the job's full count: the one chosen, else the default (fewer were taken only
+        # because memory was short).
+        check_space(self.directory, rank=self.rank, needed=size * len(targets) - current, slot_bytes=size,
+                    count=self.count, full_count=self.wanted or self.default, local_ranks=max(1, self.local_world_size))
         for target in targets:
             self._grow(target, size)
         self.sized = True
@@ -293,12 +296,6 @@ class RankSlots:
     def _first_local(self) -> bool:
         local = max(1, self.local_world_size)
         return self.rank % local == 0 or local == 1
-
-    def check_space(self, needed: int, slot_bytes: int) -> None:
-        # The size to ask for is the job's full count: the one chosen, else the default (fewer were taken only
-        # because memory was short).
-        check_space(self.directory, rank=self.rank, needed=needed, slot_bytes=slot_bytes, count=self.count,
-                    full_count=self.wanted or self.default, local_ranks=max(1, self.local_world_size))
 
     def _grow(self, index: int, size: int) -> None:
         """Create or enlarge slot ``index``; an existing slot keeps its fd, and so its flock."""
