@@ -45,7 +45,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak_check import Reference, format_table, judge, reference_rows, table  # noqa: E402
 from soak_faults import DISK_MB, RUNNERS, STOP_BEYOND, Strike, tmpfs  # noqa: E402
 from soak_job import Cluster, Hung  # noqa: E402
-from soak_plan import CONFIGS, KINDS, Fault, Shape, available_kinds, check_names, expected_cost, plan  # noqa: E402
+from soak_plan import (  # noqa: E402
+    CONFIGS,
+    KINDS,
+    Fault,
+    Shape,
+    available_kinds,
+    check_names,
+    expected_cost,
+    fitting,
+    plan,
+)
 
 # every kind two or three times (kinds come in blocks, soak_plan.plan)
 SMOKE = {"faults": 20, "configs": ["plain-1x1", "plain-2x1"], "steps": 12, "interval": 3}
@@ -63,7 +73,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--only", type=int, action="append", default=None, help="run only fault K of the seed (repeatable)")
     p.add_argument("--smoke", action="store_true", help="20 faults on 1x1 and 2x1 plain jobs of 12 steps (CI)")
     p.add_argument("--kinds", default=None, help="fault kinds to draw from, comma separated (default: every kind "
-                   "the product can take)")
+                   "the product can take that applies to one of --configs)")
     p.add_argument("--configs", default=None, help=f"job configurations, comma separated (of {', '.join(CONFIGS)})")
     p.add_argument("--steps", type=int, default=None, help="steps per job (default 20)")
     p.add_argument("--interval", type=int, default=None, help="save_storage_interval / save_steps (default 5)")
@@ -254,6 +264,12 @@ def settle(args: argparse.Namespace, prior: dict[str, Any]) -> dict[str, Any]:
         settings[key] = prior.get(key, value) if value is None else value
         if settings[key] is None:
             settings[key] = defaults[key] if key != "seed" else random.SystemRandom().randrange(1 << 30)
+    if args.kinds is None and not (prior and "kinds" in prior):
+        # every kind by default: those that fit none of the chosen configurations are left out, and said so
+        left_out = [kind for kind in settings["kinds"] if not fitting(kind, settings["configs"])]
+        if left_out:
+            print(f"left out: {', '.join(left_out)} (applies to none of {', '.join(settings['configs'])})", flush=True)
+            settings["kinds"] = [kind for kind in settings["kinds"] if kind not in left_out]
     check_names(settings["kinds"], settings["configs"])
     return settings
 

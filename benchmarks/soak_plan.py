@@ -200,6 +200,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
 
 
 def check_names(kinds: Sequence[str], configs: Sequence[str]) -> None:
+    """Refuse a kind or configuration that does not exist, and a kind that applies to none of ``configs``, naming
+    the fix (``plan`` would refuse that kind too, but without the fix, and only once the seed's header is out)."""
     for name in kinds:
         if name not in KINDS:
             raise SystemExit(f"--kinds: no fault kind {name!r}; the kinds are {', '.join(KINDS)}")
@@ -208,6 +210,16 @@ def check_names(kinds: Sequence[str], configs: Sequence[str]) -> None:
     for name in configs:
         if name not in CONFIGS:
             raise SystemExit(f"--configs: no configuration {name!r}; they are {', '.join(CONFIGS)}")
+    for name in kinds:
+        if not fitting(name, configs):
+            fits = [config for config in CONFIGS if KINDS[name].applies(CONFIGS[config])]
+            raise SystemExit(f"--kinds: {name} applies to none of the configurations {', '.join(configs)}: leave it "
+                             f"out of --kinds, or add one of {', '.join(fits)} to --configs")
+
+
+def fitting(kind: str, configs: Sequence[str]) -> list[str]:
+    """The configurations of ``configs`` that fault kind ``kind`` applies to."""
+    return [name for name in configs if KINDS[kind].applies(CONFIGS[name])]
 
 
 def plan(seed: int, index: int, *, kinds: Sequence[str], configs: Sequence[str], steps: int,
