@@ -212,9 +212,8 @@ def check_names(kinds: Sequence[str], configs: Sequence[str]) -> None:
             raise SystemExit(f"--configs: no configuration {name!r}; they are {', '.join(CONFIGS)}")
     for name in kinds:
         if not fitting(name, configs):
-            fits = [config for config in CONFIGS if KINDS[name].applies(CONFIGS[config])]
             raise SystemExit(f"--kinds: {name} applies to none of the configurations {', '.join(configs)}: leave it "
-                             f"out of --kinds, or add one of {', '.join(fits)} to --configs")
+                             f"out of --kinds, or add one of {', '.join(fitting(name, list(CONFIGS)))} to --configs")
 
 
 def fitting(kind: str, configs: Sequence[str]) -> list[str]:
