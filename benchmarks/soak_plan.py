@@ -230,7 +230,7 @@ def plan(seed: int, index: int, *, kinds: Sequence[str], configs: Sequence[str],
     random.Random(f"soak:{seed}:block:{index // len(block)}").shuffle(block)
     kind = KINDS[block[index % len(block)]]
     rng = random.Random(f"soak:{seed}:{index}")
-    fits = [CONFIGS[name] for name in configs if kind.applies(CONFIGS[name])]
+    fits = [CONFIGS[name] for name in fitting(kind.name, configs)]
     if not fits:
         raise SystemExit(f"fault kind {kind.name} applies to none of the configurations {list(configs)}")
     config = rng.choices(fits, weights=[c.weight for c in fits])[0]
