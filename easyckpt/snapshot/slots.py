@@ -347,11 +347,21 @@ class RankSlots:
             if word is not None and spare is not None and waits_for_due(views, order, spare, gated=word.gated):
                 word = self._let_due_be_decided(word, spare)
                 views, spare, order = self._order(word, spare_first=spare_first)
+            flocked: set[int] = set()
             for index in order:
                 slot = self.maps[index]
                 if slot is None or slot.try_lock(exclusive=True):
+                    if slot is not None and flocked and word is not None:
+                        then = self._past_flocked(step, index, views, [i for i in order if i not in flocked], spare,
+                                                  word)
+                        if then is not PastNewest.WRITE:
+                            slot.unlock()
+                            if then is PastNewest.SKIP:
+                                return None
+                            continue   # SPARE: the spared due step's slot comes later in the order
                     self.raced = False
                     return index
+                flocked.add(index)
             # Slots the word leaves free, flocked all the same: the agent took a hold (a persist claim, a step kept
             # for the job) that it publishes at the end of its round, and it marks the word as changing before it
             # flocks. If the word moved since it was read, the choice is made again on the agent's new word (the
@@ -452,6 +462,18 @@ class RankSlots:
                           "holds it; %s (the safe step stays %s until the agent catches up)", self.rank, newest.step,
                           SAFE_WAIT * 1000, "overwriting it" if past is PastNewest.WRITE else "keeping it", word.safe)
         return word, past
+
+    def _past_flocked(self, step: int | None, index: int, views: list[SlotView], left: list[int], spare: int | None,
+                      word: ControlView) -> PastNewest:
+        """What to do with slot ``index``, locked, when the agent flocks other slots its word leaves free (``left``:
+        those it does not): it is in the middle of a round, moving the safe step, or starved there. When ``index``
+        holds this rank's newest step and is the one slot left, the same rule as when the word leaves it alone
+        (CI, 2026-12-02: an agent stopped while it moved the safe step from 0 to 1 flocked the slot of 1; the
+        snapshots of 3 and 4 went over 2 and 3, and a kill during the copy of 4 resumed at 1)."""
+        newest = lone_newest(views, left, spare)
+        if newest is None or newest.index != index or word.gated:
+            return PastNewest.WRITE
+        return self._past(step, newest, views, spare, word)
 
     def _past(self, step: int | None, newest: SlotView, views: list[SlotView], spare: int | None,
               word: ControlView) -> PastNewest:

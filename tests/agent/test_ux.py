@@ -97,7 +97,9 @@ def test_plain_loop_without_logging_says_one_resume_line_and_nothing_else(env: E
     # step, had not yet declared the newest step safe as the next snapshot took its slot (CI, 2026-11-28: killed at
     # 12, resumed at 10; issue 24 tracks the one-step bound). Three back was an agent late for two snapshots in a
     # row (CI, 2026-12-01, seed 760437856: killed at 5, resumed at 2): the rank now skips one rather than write over
-    # its newest step (slot_choice.keep_newest).
+    # its newest step (slot_choice.keep_newest). And an agent starved in the middle of moving the safe step (CI,
+    # 2026-12-02, seed 720066417: killed at 4, resumed at 1): its flock on the new safe step's slot left the newest
+    # step's slot the one free, which the rank now treats as when the agent's word leaves it alone.
     assert kill_at - 2 <= int(match.group(1)) <= kill_at, (kill_at, lines[0])
 
     # The job ended cleanly (the agent freed the memory): the next run resumes from disk and names it.

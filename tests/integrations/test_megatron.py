@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import signal
 import socket
 import sys
@@ -588,8 +589,8 @@ HEALTH_THRESHOLD = "5"
 
 
 def test_megatron_kill_after_an_unhealthy_iteration_resumes_the_newest_healthy_one_from_memory(env: Env) -> None:
-    """Iteration 14 alone is spiked; rank 1 dies once its snapshot of 14 is in memory; torchrun restarts
-    the group, which passes 14 over and resumes at the newest healthy snapshot in memory."""
+    """Iteration 14 alone is spiked; rank 1 dies once its snapshot of 14 is in memory (if it took one); torchrun
+    restarts the group, which passes 14 over and resumes at the newest healthy snapshot in memory."""
     from easyckpt_wire import health
 
     job = Job(env, env.tmp_path / "run", save_dir=env.save_dir, max_restarts=1, idle="0",
@@ -608,8 +609,15 @@ def test_megatron_kill_after_an_unhealthy_iteration_resumes_the_newest_healthy_o
         assert sorted(job.losses(rank)) == list(range(1, ITERS + 1))
     assert len(resumed) == 1, resumed
     log = job.log()
-    assert f"passing over unhealthy snapshots newer than step {resumed.pop()}: step 14 (unhealthy on ranks [0, 1]: " \
-           "rank 0: embedding_local_norm" in log, log[-4000:]
+    # Rank 1 dies once its copy of 14 is done, if it took one: a starved agent late to declare 13 safe makes a rank
+    # skip the snapshot of 14 to keep 13 (slot_choice.keep_newest; CI, 2026-12-02: rank 0 held 14, rank 1 did not).
+    # Then 14 is in rank 0's memory only, no candidate, and there is nothing unhealthy to pass over. The resumed
+    # ranks drop the slots newer than the resumed step, and say so.
+    if re.search(r"rank 1: (dropped )?slot \d with step 14 ", log):
+        assert f"passing over unhealthy snapshots newer than step {resumed.pop()}: step 14 (unhealthy on ranks " \
+               "[0, 1]: rank 0: embedding_local_norm" in log, log[-4000:]
+    else:   # the skip began at 14, or at 13 and went on (an episode is said once, when it begins)
+        assert re.search(r"rank 1: snapshot of step 1[34] skipped", log), log[-4000:]
     entries = {e.step: e.is_health for e in health.read_health_file(env.save_dir) or []}
     assert entries and set(entries.values()) == {health.HEALTHY}, entries   # 14 was never persisted
 

@@ -449,6 +449,45 @@ def test_an_agent_silent_while_it_persists_the_first_step_lets_no_kill_cost_more
         close_all(slots, control, *([agent_map] if agent_map is not None else []))
 
 
+def test_an_agent_stopped_while_it_moves_the_safe_step_lets_no_kill_cost_more_than_two(tmp_path: Path) -> None:
+    """The agent holds step 0 (safe, and claimed for a persist) and begins to move the safe step to 1: it marks the
+    word as changing, flocks the slot of 1, and is stopped there (a starved agent). The word still leaves the slots
+    of 1 and 2 free, but only 2's can be locked: the rank's newest step, the same case as a word that leaves it
+    alone. The snapshot of 3 went over 2 and that of 4 over 3, and a kill during the copy of 4 resumed at 1 (CI,
+    2026-12-02, test_ux, seed 720066417); now 3 goes over 2 (a kill during its copy costs two) and 4 is skipped."""
+    control = ControlWriter(control_path(tmp_path, JOB))
+    control.publish(None, frozenset())
+    slots = RankSlots(tmp_path, JOB, 0, 1, 1, 3, persist_every=5)
+    flocks: list[SlotMap] = []
+
+    def agent_flocks(step: int) -> None:
+        index, _ = slots.committed()[step]
+        flocks.append(SlotMap(slots.path(index), writable=False))
+        assert flocks[-1].try_lock(exclusive=False), f"the agent could not hold step {step}"
+
+    skipped = []
+    try:
+        for step in range(5):
+            write = slots.write(4096, step=step)
+            if write is None:
+                skipped.append((step, slots.kept_newest))
+                continue
+            left = slots.committed()   # what a kill during this copy resumes at: the newest step in the other slots
+            assert step == 0 or max(left, default=-9) >= step - 2, f"a kill during step {step}'s copy resumes at {left}"
+            with write:
+                write.commit(step, 0, b"")
+            if step == 0:
+                agent_flocks(0)
+                control.publish(0, frozenset({0}))
+            if step == 2:   # the agent's next round begins to move the safe step to 1, and stops
+                control.begin_move()
+                agent_flocks(1)
+        assert skipped == [(4, 3)], skipped
+        assert sorted(slots.committed()) == [0, 1, 3]
+    finally:
+        close_all(slots, control, *flocks)
+
+
 class LateAgent:
     """A one-node agent reduced to its rules, with real flocks and a real control block: a round declares the
     newest step safe, claims the newest due step when no persist runs (else passes it over) and may finish the
