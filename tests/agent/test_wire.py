@@ -11,7 +11,7 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from conftest import ROOT
+from conftest import ROOT, wait_for
 
 from easyckpt_wire import faults, layout, protocol, shm
 from easyckpt_wire.protocol import Kind, ProtocolError
@@ -136,10 +136,15 @@ def test_protocol_round_trip_and_rejections() -> None:
         protocol.encode(Kind.HELLO, rank=0)
 
 
-def test_fault_spec_parsing(tmp_path: Path) -> None:
+def test_fault_spec_parsing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert faults._parse("stager.mid_copy@7#1") == ("stager.mid_copy", 7, 1, "kill")
     assert faults._parse("agent.persist.after_file") == ("agent.persist.after_file", None, None, "kill")
     assert faults._parse("agent.replica.fetch:stop") == ("agent.replica.fetch", None, None, "stop")
+    monkeypatch.delenv(faults.ARM_ENV, raising=False)
+    with pytest.raises(ValueError, match=f"':hold' holds the thread while the file {faults.ARM_ENV} names exists"):
+        faults._parse("agent.persist.after_file@3:hold")   # a hold nothing could end
+    monkeypatch.setenv(faults.ARM_ENV, str(tmp_path / "arm"))
+    assert faults._parse("agent.persist.after_file@3:hold") == ("agent.persist.after_file", 3, None, "hold")
     with pytest.raises(ValueError, match="malformed"):
         faults._parse("bad point!")
     with pytest.raises(ValueError, match="names no fault point.*stager.mid_copy"):
@@ -172,6 +177,36 @@ def test_fault_point_fires_only_where_named(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL, (proc.returncode, proc.stdout, proc.stderr)
     assert proc.stdout == "survived\n" and "fault point agent.persist.after_file reached" in proc.stderr
+
+
+_HOLD = """
+import sys, threading
+from easyckpt_wire import faults
+held = threading.Thread(target=faults.fault_point, args=("agent.persist.after_file",), kwargs={"step": 3})
+held.start()
+open(sys.argv[1], "w").close()   # the main thread goes on while the other one is held
+held.join()
+print("released", flush=True)
+"""
+
+
+def test_a_held_fault_point_stops_only_its_thread_until_the_arm_file_goes(tmp_path: Path) -> None:
+    """In a real process: the thread that reaches a ':hold' point waits while the arm file exists, the main thread
+    goes on; removing the file lets the held thread go on, and the process ends by itself."""
+    arm, going_on = tmp_path / "arm", tmp_path / "main-goes-on"
+    arm.touch()
+    env = {**os.environ, faults.ENV: "agent.persist.after_file@3:hold", faults.ARM_ENV: str(arm), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(going_on)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: going_on.exists() or proc.poll() is not None, 60, "the main thread to go on past the hold")
+        assert proc.poll() is None, proc.communicate()
+        arm.unlink()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and out == "released\n", (proc.returncode, out, err)
+    assert "holds this thread while" in err and "removed, the thread goes on" in err, err
 
 
 def test_misspelled_fault_point_stops_the_process_at_import(tmp_path: Path) -> None:

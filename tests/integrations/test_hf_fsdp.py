@@ -19,10 +19,10 @@ pytest.importorskip("transformers", reason="the HF integration needs transformer
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate: pip install -e '.[hf]'")
 
 import torch  # noqa: E402
-from conftest import ROOT, Env, seeded_random, wipe_memory  # noqa: E402
+from conftest import ROOT, Env, seeded_random, wait_for, wipe_memory  # noqa: E402
 from hf_job import STEPS, HFJob, assert_continues_exactly, resumed_at, run_to_end  # noqa: E402
 
-from easyckpt_wire import layout  # noqa: E402
+from easyckpt_wire import faults, layout  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -145,15 +145,28 @@ def test_fsdp2_trainer_skips_a_spike_on_both_ranks(env: Env) -> None:
 
 
 def test_fsdp2_synchronous_save_writes_the_live_state(env: Env) -> None:
-    """The fallback when no slot is free (two slots, a persist capped to take seconds, pin_timeout 1 s): the
+    """The fallback when no slot is free (two slots, the persist of step 3 held in flight, pin_timeout 1 s): the
     final save (step 7, which save_steps=3 does not cover) is written synchronously from the live DTensors
     in the Trainer's FULL_STATE_DICT layout: its model and optimizer files equal the state the run ended
-    with, gathered from every rank's shards, bitwise."""
+    with, gathered from every rank's shards, bitwise. The agent's persist of step 3 is held at a fault point until
+    that write is done (it was throttled to take 3.6 s, and a CI run on 2026-12-03, its agent and ranks stalled for
+    5 s, found a slot free at step 7: no synchronous write)."""
     output_dir = env.tmp_path / "hf"
-    job = run_to_end(HFJob(env, output_dir, env.tmp_path / "out", via=VIA,
-                           extra_env={"EASYCKPT_SLOTS": "2", "EASYCKPT_PERSIST_MBPS": "0.1"},
-                           extra_args=FSDP + ["--steps", "7", "--save-steps", "3", "--pin-timeout", "1",
-                                              "--save-full-at", "end"]), timeout=180)
+    arm = env.tmp_path / "hold-the-persist-of-3"
+    arm.touch()
+    job = HFJob(env, output_dir, env.tmp_path / "out", via=VIA,
+                extra_env={"EASYCKPT_SLOTS": "2", faults.ENV: "agent.persist.after_file@3:hold",
+                           faults.ARM_ENV: str(arm)},
+                extra_args=FSDP + ["--steps", "7", "--save-steps", "3", "--pin-timeout", "1", "--save-full-at", "end"])
+    try:
+        wait_for(lambda: "writing checkpoint-7 synchronously" in job.log() or job.proc.poll() is not None, 180,
+                 "the synchronous write of checkpoint-7")
+    except AssertionError:
+        job.kill()
+        raise
+    finally:
+        arm.unlink()   # the persist of step 3 goes on, and the run can end
+    run_to_end(job, timeout=180)
     assert "writing checkpoint-7 synchronously" in job.log(), job.log()[-4000:]
     folder = output_dir / "checkpoint-7"
     assert {p.name for p in folder.iterdir()} >= {"pytorch_model_fsdp.bin", "optimizer.bin", "trainer_state.json",
