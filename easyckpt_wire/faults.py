@@ -97,11 +97,6 @@ def fault_point(name: str, *, step: int | None = None, rank: int | None = None) 
     os.kill(os.getpid(), signum)
 
 
-if os.environ.get(ENV):
-    # At import, in every process that can fire a point: a bad spec stops the test's job at its start.
-    _parse(os.environ[ENV])
-
-
 def _hold(name: str, step: int | None, rank: int | None, armed: str) -> None:
     logger.warning("fault point %s reached (step=%s rank=%s): pid %d holds this thread while %s exists (at most "
                    "%.0fs)", name, step, rank, os.getpid(), armed, HOLD_LIMIT)
@@ -114,3 +109,9 @@ def _hold(name: str, step: int | None, rank: int | None, armed: str) -> None:
         time.sleep(0.02)   # polled: the test ends the hold by removing a file, from another process
     logger.warning("fault point %s: %s removed, the thread goes on after %.2fs", name, armed,
                    time.monotonic() - started)
+
+
+if os.environ.get(ENV):
+    # At import, in every process that can fire a point: a bad spec stops the test's job at its start.
+    _parse(os.environ[ENV])
+
