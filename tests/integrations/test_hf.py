@@ -36,7 +36,7 @@ from hf_job import (  # noqa: E402
     run_to_end,
 )
 
-from easyckpt_wire import health, layout  # noqa: E402
+from easyckpt_wire import faults, health, layout  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -656,12 +656,25 @@ def test_hf_diverged_run_keeps_and_resumes_the_newest_healthy_iteration_from_dis
     assert "passing over unhealthy snapshots newer than step 10: step 20" in log, log[-4000:]
 
 
+class _UnlinkOnLine(logging.Handler):
+    """Removes ``arm`` (a held fault point goes on) once a log record says ``text``: the test's event, in the very
+    process that logs it, with no polling."""
+
+    def __init__(self, text: str, arm: Path) -> None:
+        super().__init__(logging.INFO)
+        self.text, self.arm = text, arm
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.arm.unlink(missing_ok=True)
+
+
 def test_hf_synchronous_save_carries_the_health_verdict(env: Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         caplog: pytest.LogCaptureFixture) -> None:
-    """Two slots and a persist capped to take many steps: the agent holds both slots (the persisted step and
-    the safe one), so the final save (step 5) finds no free slot within pin_timeout and is written
-    synchronously from the live state. Its checkpoint-5 records the job's verdict like an exported one
-    (every step is unhealthy under this threshold), so a resume passes it over. (Before, the export of the
+    """Two slots and the first persist held at a fault point until the synchronous save is logged: the agent
+    holds both slots (the persisted step and the safe one), so the final save (step 5) finds no free slot within
+    pin_timeout and is written synchronously from the live state. Its checkpoint-5 records the job's verdict like an
+    exported one (every step is unhealthy under this threshold), so a resume passes it over. (Before, the export of the
     due step 4, which was never snapshotted, held the end of training for export_timeout.)"""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -669,7 +682,13 @@ def test_hf_synchronous_save_carries_the_health_verdict(env: Env, tmp_path: Path
     from easyckpt.transformers.folders import HEALTH_NAME
 
     monkeypatch.setenv("EASYCKPT_SLOTS", "2")
-    monkeypatch.setenv("EASYCKPT_PERSIST_MBPS", "0.03")
+    # A held persist, not a throttled one: a throttle lasts only as long as the machine's speed lets it (CI,
+    # 2026-12-03: a stall let the FSDP2 twin of this test find a free slot). The line releases it.
+    arm = tmp_path / "hold-the-first-persist"
+    arm.touch()
+    monkeypatch.setenv(faults.ENV, "agent.persist.after_file:hold")
+    monkeypatch.setenv(faults.ARM_ENV, str(arm))
+    release = _UnlinkOnLine("writing checkpoint-5 synchronously", arm)
     example = _example_module()
     args = TrainingArguments(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, max_steps=5, save_strategy="steps",
@@ -679,10 +698,14 @@ def test_hf_synchronous_save_carries_the_health_verdict(env: Env, tmp_path: Path
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=example.VOCAB, n_positions=32))
     trainer = Trainer(model=model, args=args, train_dataset=example.SyntheticTokens(64))
     caplog.set_level(logging.INFO, logger="easyckpt")
-    # final_persist=False: at 0.03 MB/s the end-of-run persist of step 5 would hold close() 12 s for nothing this
-    # test reads (checkpoint-5 is the synchronous save's)
-    TrainerWrapper(trainer, save_mem_interval=1, pin_timeout=1.0, use_checkpoint_health_monitor=True,
-                   final_persist=False, embedding_local_norm_threshold=1e-9).train()
+    logging.getLogger("easyckpt").addHandler(release)
+    try:
+        # final_persist=False: checkpoint-5 is the synchronous save's; the end-of-run persist adds nothing to read
+        TrainerWrapper(trainer, save_mem_interval=1, pin_timeout=1.0, use_checkpoint_health_monitor=True,
+                       final_persist=False, embedding_local_norm_threshold=1e-9).train()
+    finally:
+        logging.getLogger("easyckpt").removeHandler(release)
+        arm.unlink(missing_ok=True)
     assert "writing checkpoint-5 synchronously" in caplog.text, caplog.text[-4000:]
     # the due step 4 found no slot either: its export gave up at once rather than holding up the end
     assert "no checkpoint-4: step 4 was not snapshotted on every rank" in caplog.text, caplog.text[-4000:]

@@ -232,14 +232,20 @@ def test_rollback_across_two_nodes_moves_aside_once_and_commits_the_new_timeline
 
 
 def test_a_persist_in_flight_when_the_rollback_arrives_publishes_nothing(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The agent is still writing step 40 (writes capped) when load(load_dir=iteration_20) arrives: the
-    finished copy is removed with an audit line instead of becoming iteration_40 or the tracked step."""
+    """The agent is still writing step 40 (held at a fault point after its first file) when
+    load(load_dir=iteration_20) arrives: the finished copy is removed with an audit line instead of becoming
+    iteration_40 or the tracked step. (A persist throttled to last 1 s was once the stand-in: a test process
+    stalled that long would have sent the load after the persist had ended.)"""
     import torch
     from agent_client_status import agent_status
 
     import easyckpt
+    from easyckpt_wire import faults
 
-    monkeypatch.setenv("EASYCKPT_PERSIST_MBPS", "8")       # 8 MiB: ~1 s for each persist, 40 still in flight
+    arm = env.tmp_path / "hold-the-persist-of-40"
+    arm.touch()
+    monkeypatch.setenv(faults.ENV, "agent.persist.after_file@40:hold")
+    monkeypatch.setenv(faults.ARM_ENV, str(arm))
     ck = easyckpt.Checkpointer(env.save_dir, 1, 10, 10)
     state = {"w": torch.zeros(2 << 20)}
     try:
@@ -254,6 +260,8 @@ def test_a_persist_in_flight_when_the_rollback_arrives_publishes_nothing(env: En
         wait_for(lambda: (agent_status(env) or {}).get("persisting") == 40, 30, "the persist of step 40 to start")
         result = ck.load(load_dir=env.save_dir / layout.iteration_dirname(20))
         assert (result.step, result.source) == (20, "disk")
+        assert (agent_status(env) or {}).get("persisting") == 40, "the persist of step 40 ended before the load"
+        arm.unlink()   # the persist of step 40 goes on to its publish, which the resume has abandoned
         wait_for(lambda: (agent_status(env) or {}).get("persisting") is None, 60, "the persist of step 40 to end")
         status = agent_status(env)
         assert status is not None and status["persisted_step"] == 20, status
