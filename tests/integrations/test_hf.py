@@ -682,8 +682,8 @@ def test_hf_synchronous_save_carries_the_health_verdict(env: Env, tmp_path: Path
     from easyckpt.transformers.folders import HEALTH_NAME
 
     monkeypatch.setenv("EASYCKPT_SLOTS", "2")
-    # A held persist, not a throttled one: a throttle lasts only as long as the machine's speed lets it (CI,
-    # 2026-12-03: a stall let the FSDP2 twin of this test find a free slot). The line releases it.
+    # A held persist, not a throttled one: a throttle lasts only as long as the machine's speed lets it (a rehearsal
+    # on 2026-12-03: a 5 s stall let the FSDP2 twin of this test find a free slot). The line releases it.
     arm = tmp_path / "hold-the-first-persist"
     arm.touch()
     monkeypatch.setenv(faults.ENV, "agent.persist.after_file:hold")

@@ -149,7 +149,7 @@ def test_fsdp2_synchronous_save_writes_the_live_state(env: Env) -> None:
     final save (step 7, which save_steps=3 does not cover) is written synchronously from the live DTensors
     in the Trainer's FULL_STATE_DICT layout: its model and optimizer files equal the state the run ended
     with, gathered from every rank's shards, bitwise. The agent's persist of step 3 is held at a fault point until
-    that write is done (it was throttled to take 3.6 s, and a CI run on 2026-12-03, its agent and ranks stalled for
+    that write is done (it was throttled to take 3.6 s, and in a rehearsal on 2026-12-03, its agent and ranks stalled for
     5 s, found a slot free at step 7: no synchronous write)."""
     output_dir = env.tmp_path / "hf"
     arm = env.tmp_path / "hold-the-persist-of-3"

@@ -266,6 +266,7 @@ def test_a_persist_in_flight_when_the_rollback_arrives_publishes_nothing(env: En
         status = agent_status(env)
         assert status is not None and status["persisted_step"] == 20, status
     finally:
+        arm.unlink(missing_ok=True)   # a failed assertion must not leave close() waiting on the hold
         ck.close()
     assert [s for s, _ in layout.complete_iterations(env.save_dir)] == [0, 10, 20]
     assert layout.read_tracker(env.save_dir) == 20
