@@ -20,6 +20,10 @@ from easyckpt_wire import layout
 KEYS = {"plain": ("loss", "digest"), "hf": ("loss", "digest", "py_rand", "np_rand", "learning_rate", "grad_norm")}
 TIERS = ("memory", "replica", "disk")        # a resume is as stale as its stalest rank's source
 SOURCES = ("memory", "replica", "disk", "scratch", "none")
+# The HF wrapper's other sources (easyckpt/transformers/resume.py): a complete checkpoint-N folder it found at least as
+# new as anything easyckpt held ("checkpoint"), or the path resume_from_checkpoint named ("path"). Both are storage.
+# Until 2026-12-03 they fell into "scratch", the fresh starts (seed 1215: four HF resumes at steps 5 and 10).
+ON_STORAGE = {"checkpoint": "disk", "path": "disk"}
 Reference = dict[int, dict[int, dict[str, Any]]]   # rank -> step -> logged row
 
 
@@ -80,7 +84,8 @@ def _judge_resume(c: Cluster, ref: Reference, strike: Strike, reports: list[list
     if len(steps) != 1:
         torn.append(f"ranks resumed different steps: {[report.get('step') for report in last.values()]}")
     step = max((s for s in steps if s is not None), default=None)
-    sources = [last[rank].get("source") or "scratch" if rank in last else "unfinished" for rank in range(len(reports))]
+    sources = [ON_STORAGE.get(last[rank].get("source"), last[rank].get("source")) or "scratch" if rank in last
+               else "unfinished" for rank in range(len(reports))]
     record["sources"] = sources
     record["source"] = next((t for t in reversed(TIERS) if t in sources), None) or "scratch"
     record["resumed_at"] = step if step is not None else c.shape.first - 1

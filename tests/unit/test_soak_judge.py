@@ -40,6 +40,15 @@ def test_a_rank_the_job_ended_around_while_it_loaded_is_not_a_torn_resume() -> N
     assert record["notes"] == ["rank(s) [3] never finished loading in the last restart"]
 
 
+def test_an_hf_resume_from_a_checkpoint_folder_counts_as_disk_not_as_a_fresh_start() -> None:
+    """Seed 1215: four HF jobs resumed at steps 5 and 10 from a complete checkpoint-N folder (the wrapper's source
+    "checkpoint"), and the table counted them as fresh starts ("scratch"). A report with no step stays "scratch"."""
+    record, torn = judge([[fresh(0), resumed(0) | {"source": "checkpoint"}], [fresh(1), resumed(1) | {"source": "path"}]])
+    assert torn == [] and record["source"] == "disk" and record["sources"] == ["disk", "disk"], record
+    record, _ = judge([[fresh(0), fresh(0)], [fresh(1), fresh(1)]])
+    assert record["source"] == "scratch" and record["sources"] == ["scratch", "scratch"], record
+
+
 def test_ranks_of_one_restart_that_resumed_different_steps_or_states_are_torn() -> None:
     _, torn = judge([[fresh(0), resumed(0)], [fresh(1), resumed(1, 18)]])
     assert torn and torn[0].startswith("ranks resumed different steps"), torn
