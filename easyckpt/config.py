@@ -40,8 +40,9 @@ class CheckpointerConfig:
     # close() (and the end of a process that never called it) makes the newest snapshot durable, so the
     # steps after the last save_storage_interval multiple are not lost; False: only due steps reach disk
     final_persist: bool = True
-    # slots per rank: None takes 3 when shared memory has room (EASYCKPT_SLOTS overrides), else 2; with 2 a
-    # kill may cost a persist's time plus two intervals instead of two intervals
+    # slots per rank: None takes 3 (4 across nodes) when shared memory has room (EASYCKPT_SLOTS overrides), else
+    # fewer; with 2 a kill may cost a persist's time plus two intervals instead of two intervals, with 3 across nodes
+    # more than two intervals while persists outlast a step (said once when asked for: shm_space.say_asked_count)
     slots: int | None = None
     pin_timeout: float = 60.0            # HF Trainer: longest a due snapshot that found no free slot retries
     copy_threads: int = 1                # CPU copy threads: more copies faster, but takes cores from training

@@ -25,6 +25,7 @@ from easyckpt.snapshot.shm_space import (
     fitting_count,
     free_bytes,
     reserve,
+    say_asked_count,
     say_count,
     warn_if_not_memory,
 )
@@ -141,6 +142,9 @@ class RankSlots:
         existing = sorted(s for (r, s) in list_slots(directory, job_id) if r == rank)
         # A restarted rank keeps every slot its predecessor left: they may hold the step to resume from.
         self.count = max([count or self.default, *(s + 1 for s in existing)])
+        if count is not None:
+            say_asked_count(rank=rank, count=count, default=self.default, multi_node=world_size > local_world_size,
+                            loud=self._first_local())
         self.sized = False   # the count is final once the first snapshot allocated its slots
         self.maps: list[SlotMap | None] = [None] * self.count
         self.control = ControlReader(control_path(directory, job_id))
