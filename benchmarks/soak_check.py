@@ -8,8 +8,10 @@ not the failure the fault must cause, steps never logged, the tracker not naming
 """
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from soak_faults import Strike
@@ -62,6 +64,8 @@ def judge(c: Cluster, ref: Reference, strike: Strike, codes: dict[int, int]) -> 
             failed.append("the fault needed a resume, but no rank restarted")
     else:
         _judge_resume(c, ref, strike, reports, record, torn)
+        if strike.storage_intact and c.store is None:
+            _judge_storage_tier(c.save_dir / layout.AUDIT_LOG, [r[-1] for r in reports if r], record, failed)
     _judge_rows(c, ref, record, refused, torn, failed)
     _judge_end(c, strike, codes, record, refused, failed)
     record.update(torn=bool(torn), failed=bool(failed), why=torn + failed)
@@ -99,6 +103,48 @@ def _judge_resume(c: Cluster, ref: Reference, strike: Strike, reports: list[list
             torn.append(f"rank {rank} resumed step {step}, which the job never reached")
         elif want is not None and digest is not None and digest != want["digest"]:
             torn.append(f"rank {rank} resumed step {step} with a state unlike the reference's")
+
+
+def tracked_before(audit: Path, moment: float) -> tuple[int, float] | None:
+    """(step, time) of the last tracker update the audit log records before ``moment``, by its clock (the load's
+    ``time.time()``); None: none, the last one removed the tracker, or there is no log."""
+    try:
+        lines = audit.read_text().splitlines()
+    except OSError:
+        return None
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+            records.append((float(record["time"]), record["op"], record.get("step")))
+        except (ValueError, TypeError, KeyError):
+            continue   # a torn last line
+    named: tuple[int, float] | None = None
+    for when, op, step in sorted(records, key=lambda r: r[0]):   # the nodes' agents append side by side
+        if when >= moment:
+            break
+        if op == "tracker" and type(step) is int:
+            named = (step, when)
+        elif op == "tracker-remove":
+            named = None
+    return named
+
+
+def _judge_storage_tier(audit: Path, last: list[dict[str, Any]], record: dict[str, Any], failed: list[str]) -> None:
+    """A resume from disk, or a fresh start, while storage was intact: the step it took is at least the one the
+    tracker named when the load began. An older one passed over a complete iteration, which costs steps that no
+    digest shows (the run from an older step is as bit-exact as any). Only reports that say when their load began
+    (``examples/plain_ddp.py``'s ``load_began``), on a directory ``save_dir``."""
+    if record.get("source") not in ("disk", "scratch"):
+        return
+    began = [report["load_began"] for report in last if isinstance(report.get("load_began"), (int, float))]
+    if not began or len(began) != len(last):
+        return
+    named = tracked_before(audit, min(began))
+    resumed = record.get("resumed_at")
+    if named is not None and resumed is not None and resumed < named[0]:
+        failed.append(f"resumed at step {resumed} from {record['source']} although the tracker named step {named[0]} "
+                      f"({min(began) - named[1]:.2f} s before the load began), and nothing damaged storage")
 
 
 def _judge_rows(c: Cluster, ref: Reference, record: dict[str, Any], refused: bool, torn: list[str],

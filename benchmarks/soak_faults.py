@@ -45,6 +45,7 @@ class Strike:
     may_refuse: str | None = None        # words of a refusal to load that is right here (the only iteration damaged)
     flipped: tuple[int, int] | None = None   # flip_slot: (rank, step) of the slot whose byte was flipped
     verify: bool = False                 # run `easyckpt verify` on the save_dir after the job
+    storage_intact: bool = True          # False: the fault damaged storage (a flipped byte) or cut it off (an outage)
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -263,7 +264,7 @@ def flip_disk(c: Cluster, f: Fault) -> Strike:
     c.wait_until(tracker.exists, "the job's first persist (a file to flip)", limit=60.0)
     for node in range(c.config.nodes):
         c.kill_node(node, wipe=True)
-    strike = Strike(at=c.newest_all())   # after the kills: the other node runs on until its own
+    strike = Strike(at=c.newest_all(), storage_intact=False)   # after the kills: the other node runs on until its own
     text = tracker.read_text().strip() if tracker.exists() else ""
     iteration = next((p for p in c.save_dir.glob("iteration_*") if text.isdigit()
                       and p.name.removeprefix("iteration_").isdigit() and int(p.name[10:]) == int(text)), None)
@@ -299,7 +300,8 @@ def object_store_outage(c: Cluster, f: Fault) -> Strike:
     with proxy.lock:   # inside the next persist: its ``write``-th object under an iteration
         proxy.down_at = proxy.writes + f.params["write"]
     c.wait_until(lambda: proxy.went_down.is_set() or c.ended(), "the object store to go down inside a persist")
-    strike = Strike(at=c.newest_all(), resume=f.variant == "crash" or f.params.get("kill", -1) >= 0, verify=True)
+    strike = Strike(at=c.newest_all(), resume=f.variant == "crash" or f.params.get("kill", -1) >= 0, verify=True,
+                    storage_intact=False)
     if not proxy.went_down.is_set():
         strike.fired = False
         strike.notes.append("the job ended before its next persist wrote that many objects")

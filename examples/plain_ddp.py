@@ -136,6 +136,7 @@ def main() -> None:
                                  args.max_ckpt_num, log_file_path=str(out / "persist.log"),
                                  peer_timeout=args.peer_timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    load_began = time.time()   # the soak's judge: what storage held when this load began (its audit log's clock)
     result = ckpt.load({"model": net.state_dict(), "optim": optimizer.state_dict()},
                        load_dir=args.load_dir if attempt == "0" else None)
     start = 0
@@ -155,7 +156,7 @@ def main() -> None:
             ballast.copy_(saved)
     report = {"rank": rank, "step": result.step, "source": result.source, "seconds": result.seconds,
               "bytes": result.nbytes, "attempt": attempt, "pid": os.getpid(),
-              "node": os.environ.get("EASYCKPT_NODE_ID"),
+              "node": os.environ.get("EASYCKPT_NODE_ID"), "load_began": load_began,
               "digest": state_digest(result.state) if result.step is not None else None}
     write_report(out / f"resume-rank{rank}-{len(list(out.glob(f'resume-rank{rank}-*.json')))}.json", report)
     if rank == 0 and result.step is not None:

@@ -103,3 +103,36 @@ def test_a_damaged_cached_reference_is_run_again_and_replaced(tmp_path: Path, ca
             (rows, {"seconds": 2.0})
         assert str(damaged) in capsys.readouterr().out
         assert soak.cached_reference(tmp_path, "plain-1x1", shape, lambda: ({}, {}))[0] == rows, "replaced"
+
+
+def test_a_resume_from_disk_or_a_fresh_start_older_than_the_tracked_step_fails(tmp_path: Path) -> None:
+    """The judge reads the audit log: a resume from disk (or from scratch) with storage intact must take at least the
+    step the tracker named when the load began. Such a resume is as bit-exact as any, so only this catches it."""
+    import json
+
+    audit = tmp_path / "easyckpt-audit.log"
+    audit.write_text("".join(json.dumps(line) + "\n" for line in [
+        {"time": 100.0, "op": "write", "path": "iteration_0000005", "step": 5},
+        {"time": 100.1, "op": "tracker", "path": "latest_checkpointed_iteration.txt", "step": 5},
+        {"time": 101.0, "op": "tracker", "path": "latest_checkpointed_iteration.txt", "step": 10},
+        {"time": 103.0, "op": "tracker", "path": "latest_checkpointed_iteration.txt", "step": 15},
+    ]) + '{"time": 104.0, "op": "trac')   # a torn last line is passed over
+
+    def failed(source: str, resumed_at: int, began: list[float | None]) -> list[str]:
+        out: list[str] = []
+        reports = [{"rank": r, "load_began": b} if b is not None else {"rank": r} for r, b in enumerate(began)]
+        soak_check._judge_storage_tier(audit, reports, {"source": source, "resumed_at": resumed_at}, out)
+        return out
+
+    assert soak_check.tracked_before(audit, 102.0) == (10, 101.0)
+    why = failed("disk", 5, [102.0, 102.5])
+    assert why == ["resumed at step 5 from disk although the tracker named step 10 (1.00 s before the load began), "
+                   "and nothing damaged storage"], why
+    assert failed("scratch", -1, [100.5, 102.0]) and failed("disk", 10, [102.0, 102.0]) == []
+    assert failed("disk", 10, [103.5, 102.0]) == [], "the earliest load began before step 15 was tracked"
+    assert failed("memory", 5, [102.0, 102.0]) == [] and failed("disk", 5, [102.0, None]) == []
+    assert failed("scratch", -1, [99.0, 99.0]) == [], "nothing was tracked before the load began"
+    with audit.open("a") as log:
+        log.write("\n" + json.dumps({"time": 101.5, "op": "tracker-remove", "path": "t"}) + "\n")
+    assert soak_check.tracked_before(audit, 102.0) is None
+    assert soak_check.tracked_before(tmp_path / "missing.log", 102.0) is None
