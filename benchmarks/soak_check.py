@@ -4,7 +4,8 @@
 differs from the reference's, a plain rank resumed a state whose digest is not the reference's at that step, or
 the ranks resumed different steps. **failed**: the job did not end as it should (a launcher's non-zero exit that is
 not the failure the fault must cause, steps never logged, the tracker not naming the last step after a clean end,
-`easyckpt verify` finding damage). **hung** and **leaked** are decided by the caller (``soak.py``).
+`easyckpt verify` finding damage, a resume from disk or a fresh start older than the step the tracker named as the
+load began while storage was intact). **hung** and **leaked** are decided by the caller (``soak.py``).
 """
 from __future__ import annotations
 
