@@ -135,7 +135,8 @@ def _judge_storage_tier(audit: Path, last: list[dict[str, Any]], record: dict[st
     """A resume from disk, or a fresh start, while storage was intact: the step it took is at least the one the
     tracker named when the load began. An older one passed over a complete iteration, which costs steps that no
     digest shows (the run from an older step is as bit-exact as any). Only reports that say when their load began
-    (``examples/plain_ddp.py``'s ``load_began``), on a directory ``save_dir``."""
+    (``load_began`` in the reports of ``examples/plain_ddp.py`` and ``examples/hf_trainer.py``), on a directory
+    ``save_dir``."""
     if record.get("source") not in ("disk", "scratch"):
         return
     began = [report["load_began"] for report in last if isinstance(report.get("load_began"), (int, float))]

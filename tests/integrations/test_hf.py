@@ -151,6 +151,7 @@ def test_memory_wiped_resumes_from_newest_complete_on_disk(env: Env, reference: 
     second = run_to_end(HFJob(env, output_dir, env.tmp_path / "second", resume="newest"))
     for report in resumed_at(second):
         assert (report["step"], report["source"]) == (newest, "disk"), report
+        assert isinstance(report.get("load_began"), float), "the soak's judge reads when the load began"
     assert_continues_exactly(second, reference[0], newest)
 
 
