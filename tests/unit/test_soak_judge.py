@@ -1,6 +1,8 @@
-"""The soak's judge (benchmarks/soak_check.py) over plain reports: what counts as torn after a resume."""
+"""The soak's judge (benchmarks/soak_check.py) over plain reports: what counts as torn after a resume, and a
+resume from disk older than the tracked step."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -108,8 +110,6 @@ def test_a_damaged_cached_reference_is_run_again_and_replaced(tmp_path: Path, ca
 def test_a_resume_from_disk_or_a_fresh_start_older_than_the_tracked_step_fails(tmp_path: Path) -> None:
     """The judge reads the audit log: a resume from disk (or from scratch) with storage intact must take at least the
     step the tracker named when the load began. Such a resume is as bit-exact as any, so only this catches it."""
-    import json
-
     audit = tmp_path / "easyckpt-audit.log"
     audit.write_text("".join(json.dumps(line) + "\n" for line in [
         {"time": 100.0, "op": "write", "path": "iteration_0000005", "step": 5},
