@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from easyckpt.snapshot.slot_choice import SlotView, undecided_due, waits_for_due, write_order  # noqa: E402
+from easyckpt.snapshot.slots import MULTI_NODE_SLOTS  # noqa: E402
 from easyckpt_agent.agreement import (  # noqa: E402
     Book,
     NodeState,
@@ -432,7 +433,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--faults", type=int, default=20, help="rank kills and node losses each, per node count")
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--slots", type=int, default=MULTI_NODE_SLOTS, help="slots per rank (the multi-node default)")
     parser.add_argument("--persist-ms", type=float, default=30.0)
     parser.add_argument("--slow-factor", type=float, default=10.0, help="the last node's agent reacts this much later")
     parser.add_argument("--backup-ms", type=float, default=0.0,
