@@ -18,8 +18,8 @@ logger = logging.getLogger(__name__)
 SLOTS_ENV = "EASYCKPT_SLOTS"
 MIN_SLOTS = 2
 # One text for slots= and EASYCKPT_SLOTS, so that what the message offers is what is accepted.
-SLOTS_RANGE = (f"use an int from {MIN_SLOTS} to {MAX_SLOTS} slots per rank (the default is 3, 5 across nodes, when "
-               "shared memory has room, else fewer; 2 needs less memory, more keep older snapshots in memory)")
+SLOTS_RANGE = (f"use an int from {MIN_SLOTS} to {MAX_SLOTS} slots per rank (the default is 3 when shared memory has "
+               "room, else 2; 2 needs less memory, more keep older snapshots in memory)")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -40,9 +40,9 @@ class CheckpointerConfig:
     # close() (and the end of a process that never called it) makes the newest snapshot durable, so the
     # steps after the last save_storage_interval multiple are not lost; False: only due steps reach disk
     final_persist: bool = True
-    # slots per rank: None takes 3 (5 across nodes) when shared memory has room (EASYCKPT_SLOTS overrides), else
-    # fewer; with 2 a kill may cost a persist's time plus two intervals instead of two intervals, with 3 or 4 across
-    # nodes more than one step while persists outlast a step (said once when asked for: shm_space.say_asked_count)
+    # slots per rank: None takes 3 (4 across nodes) when shared memory has room (EASYCKPT_SLOTS overrides), else
+    # fewer; with 2 a kill may cost a persist's time plus two intervals instead of two intervals, with 3 across nodes
+    # more than two intervals while persists outlast a step (said once when asked for: shm_space.say_asked_count)
     slots: int | None = None
     pin_timeout: float = 60.0            # HF Trainer: longest a due snapshot that found no free slot retries
     copy_threads: int = 1                # CPU copy threads: more copies faster, but takes cores from training

@@ -250,7 +250,7 @@ def counts_on(verdict: Verdict, step: int | None) -> bool:
     """Whether the verdict counts on ``step`` as the job-safe, candidate or node-safe step. Such a step is held by a
     role of its own even while a persist or a claim holds it too (both share the slots' one flock, so it costs no
     slot), and the floor (``persist_floor``) is held after its persist only then: otherwise its slot stays with the
-    ranks, as a spare for the next due step (four slots or more).
+    ranks, as a spare for the next due step (four slots).
 
     The floor not held at all after its persist left no step held on every node: with three slots (the default) the
     candidate stays the persisted step until it is job-safe, so from each persist's end to the next due step the job

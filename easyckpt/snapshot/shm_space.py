@@ -77,16 +77,12 @@ def say_count(*, rank: int, directory: Path, count: int, default: int, slot_byte
 
 
 def fewer_slots_cost(count: int) -> str:
-    """What a rank gives up with ``count`` slots, fewer than its default (3 on one node, 5 across nodes: the
+    """What a rank gives up with ``count`` slots, fewer than its default (3 on one node, 4 across nodes: the
     bounds of invariant 9 are for those). Three across nodes leave the agent two holds for the persisted step, the
     job-safe step, the node-safe step and a due step being decided; the simulation (``benchmarks/cluster_sim.py``)
-    then finds rank kills that cost 3 to 5 steps (``tests/unit/test_agreement.py``, KNOWN_MISSES). Four leave the
-    ranks of a node that holds three steps one slot, over their newest step: rarely, a kill costs 2 or 3."""
+    then finds rank kills that cost 3 to 5 steps (``tests/unit/test_agreement.py``, KNOWN_MISSES)."""
     if count <= MIN_SLOTS:
         return "a kill may then cost the time of a persist plus two snapshot intervals instead of two intervals"
-    if count >= 4:
-        return ("a rank kill or a node loss may then cost two or three steps instead of at most one while a persist "
-                "outlasts a step (in the simulation, 12 of 4,000 rank kills)")
     return ("a rank kill may then cost more than two snapshot intervals while persists outlast a step, and a node "
             "loss resume further back while a backup or a persist runs")
 

@@ -47,10 +47,10 @@ from easyckpt_wire.transfer import tensor_checksum
 logger = logging.getLogger(__name__)
 
 DEFAULT_SLOTS = 3
-# Across nodes the agent may keep three steps (job-safe, node-safe, a due step decided or persisted) and a rank needs
-# two more, to write and to keep its newest step for a kill during that copy: five when shared memory has room
-# (plan_holds uses what there is; four cost 2-3 steps in 12 of 4,000 simulated rank kills: test_agreement.py).
-MULTI_NODE_SLOTS = 5
+# Across nodes the agent may keep three steps at once (the job-safe step for a rank kill, the node-safe step for
+# a node loss, and a due step being decided or persisted) and the ranks need one to write: four when shared
+# memory has room (agent.agreement.plan_holds uses what there is).
+MULTI_NODE_SLOTS = 4
 MOVE_WAIT = 0.05   # longest a rank waits for the agent to finish moving the safe step (a few flock calls)
 SAFE_WAIT = 0.02   # longest a rank waits for the agent to declare a step every local rank holds safe
 PEER_WAIT_MAX = 0.5   # cap on the wait for the other local ranks' commits of this rank's newest step
@@ -278,7 +278,7 @@ class RankSlots:
         return result
 
     def _decide_count(self, slot_bytes: int) -> None:
-        """The default count (5 across nodes, else 3) when every local rank's slots fit in shared memory, else
+        """The default count (4 across nodes, else 3) when every local rank's slots fit in shared memory, else
         fewer, down to two, said once and loudly: fewer slots keep fewer steps at once."""
         if self.wanted is not None or any(m is not None for m in self.maps[self.default:]):
             return

@@ -97,14 +97,13 @@ def test_slots_on_a_file_system_without_fallocate_are_usable(tmp_path: Path, mon
 
 
 @pytest.mark.parametrize("world,local,count,cost", [
-    (4, 2, 4, "two or three steps instead of at most one"),   # four-slot-three-lost, test_agreement.py
     (4, 2, 3, "a rank kill may then cost more than two snapshot intervals"),   # three-lost, test_agreement.py
     (4, 2, 2, "the time of a persist plus two snapshot intervals"),
     (2, 2, 2, "the time of a persist plus two snapshot intervals"),
 ])
 def test_fewer_slots_than_the_default_asked_for_say_what_they_cost(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, world: int, local: int, count: int, cost: str) -> None:
-    """slots= (or EASYCKPT_SLOTS) below the default (5 across nodes, 3 on one node) works, but invariant 9's bound is
+    """slots= (or EASYCKPT_SLOTS) below the default (4 across nodes, 3 on one node) works, but invariant 9's bound is
     for the default: the node's first rank says so once at WARNING, naming the count, the default and the fix;
     the others at INFO. The default count and more say nothing."""
     caplog.set_level(logging.INFO, logger="easyckpt")
@@ -113,7 +112,7 @@ def test_fewer_slots_than_the_default_asked_for_say_what_they_cost(
     said = [r for r in caplog.records if "slots per rank asked for" in r.getMessage()]
     assert [r.levelno for r in said] == [logging.WARNING, logging.INFO], said
     message = said[0].getMessage()
-    default = 5 if world > local else 3
+    default = 4 if world > local else 3
     assert f"rank 0: {count} slots per rank asked for" in message and f"fewer than the {default}" in message, message
     assert cost in message and f"EASYCKPT_SLOTS={default}" in message, message
     caplog.clear()
