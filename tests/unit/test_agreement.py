@@ -307,10 +307,14 @@ def failures(rows: list[tuple[cluster_sim.Config, int, str | None, int | None]],
     return found
 
 
-def costs_at_most_two_steps(config: cluster_sim.Config, seed: int, fault: str | None, at: int | None) -> None:
+def costs_at_most(bound: int, config: cluster_sim.Config, seed: int, fault: str | None, at: int | None) -> None:
     outcome = cluster_sim.run(config, seed, fault, at)
     assert outcome["resumed"] is not None, f"nothing to resume from: {outcome}"
-    assert outcome["lost"] <= 2, f"{fault} at step {outcome['step']} resumed at {outcome['resumed']}: {outcome}"
+    assert outcome["lost"] <= bound, f"{fault} at step {outcome['step']} resumed at {outcome['resumed']}: {outcome}"
+
+
+def costs_at_most_two_steps(config: cluster_sim.Config, seed: int, fault: str | None, at: int | None) -> None:
+    costs_at_most(2, config, seed, fault, at)
 
 
 def test_a_rank_kill_or_a_node_loss_at_any_moment_costs_at_most_two_steps() -> None:
@@ -322,9 +326,7 @@ def test_a_rank_kill_or_a_node_loss_at_any_moment_costs_at_most_two_steps() -> N
 
 
 def costs_at_most_one_step(config: cluster_sim.Config, seed: int, fault: str | None, at: int | None) -> None:
-    outcome = cluster_sim.run(config, seed, fault, at)
-    assert outcome["resumed"] is not None, f"nothing to resume from: {outcome}"
-    assert outcome["lost"] <= 1, f"{fault} at step {outcome['step']} resumed at {outcome['resumed']}: {outcome}"
+    costs_at_most(1, config, seed, fault, at)
 
 
 def test_five_slots_cost_a_rank_kill_or_a_node_loss_at_most_one_step() -> None:
