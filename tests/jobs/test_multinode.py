@@ -182,8 +182,9 @@ def test_uninterrupted_run_persists_every_due_step(reference: Cluster) -> None:
 def test_lost_node_resumes_from_replicas_at_most_two_steps_back(cluster: Cluster, reference: Cluster,
                                                                 which: int, replacement_first: bool) -> None:
     """Node 1 lost whole at a seeded step: every rank resumes from memory or replicas (never from disk), at most
-    two steps back (invariant 9: two snapshot intervals plus the backup's lag; on this machine the backup lags by a
-    step at most when the two cores are busy). CI, 2026-11-27: node 1 lost at 23, the survivors held [23, 22,
+    two steps back (invariant 9: two snapshot intervals plus the backup's lag; one such job on this machine's two
+    cores has lagged a step at most, while three at a time reach the lag gate's bound: ``benchmarks/README.md``, "Five
+    slots, a second trial"). CI, 2026-11-27: node 1 lost at 23, the survivors held [23, 22,
     20, 19], the node-safe step's slots had been let go, and every rank resumed from disk at 15: a node-safe step
     that trails is now held (``agreement.plan_holds``). In the second case the replacement node takes ranks 0-1
     (CI, 2026-12-01, by a pid wrap-around; a replacement machine whose name sorts first does it too): the survivors
