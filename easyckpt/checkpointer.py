@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from easyckpt.config import CheckpointerConfig
+from easyckpt.config import CheckpointerConfig, check_step
 from easyckpt.logs import apply_env_level, notice
 from easyckpt.node.client import AgentClient, check_running_agent
 from easyckpt.node.lag_gate import LagGate
@@ -83,7 +83,7 @@ class Checkpointer:
     def __init__(self, save_dir: str | os.PathLike[str], save_mem_interval: int, save_storage_interval: int,
                  max_ckpt_num: int, log_file_path: str | None = None, **options: Any) -> None:
         apply_env_level()
-        self.config = CheckpointerConfig(save_dir=location(save_dir), save_mem_interval=save_mem_interval,
+        self.config = CheckpointerConfig(save_dir=location(save_dir, "save_dir"), save_mem_interval=save_mem_interval,
                                          save_storage_interval=save_storage_interval, max_ckpt_num=max_ckpt_num,
                                          log_file_path=log_file_path, **options)
         self.rank, self.world_size, self.local_rank, self.local_world_size = _topology()
@@ -123,6 +123,7 @@ class Checkpointer:
                              request_persist=functools.partial(self.agent.flush, wait=False, timeout=0),
                              committed=self.agent.waker.wake)
         self._closed = False
+        self._newest_step: int | None = None   # the newest step given since the last load(): steps never go back
         self._resumed: int | None = None   # the step load() resumed from memory
         self._old_world: int | None = None  # the step load() resharded from another world's memory
         assert config.max_backup_lag is not None
@@ -162,7 +163,7 @@ class Checkpointer:
         """
         self.stager.wait()
         result = load(slots=self.slots, save_dir=self.config.save_dir, rank=self.rank, world_size=self.world_size,
-                      template=state_dict, load_dir=location(load_dir) if load_dir is not None else None,
+                      template=state_dict, load_dir=location(load_dir, "load_dir") if load_dir is not None else None,
                       timeout=self.config.load_timeout, peers=self.peers, peer_timeout=self.config.peer_timeout,
                       allow_unhealthy=allow_unhealthy, reshard=reshard,
                       checksums=functools.partial(self.agent.checksums, timeout=self.config.peer_timeout))
@@ -179,6 +180,7 @@ class Checkpointer:
             took = f"{result.seconds:.2f} s" if result.seconds >= 0.1 else f"{result.seconds * 1000:.1f} ms"
             notice(logger, logging.INFO, "resumed at step %d from %s (%s%s, %s)", result.step, result.source, where,
                    format_bytes(result.nbytes), took)
+        self._newest_step = result.step
         if result.step is not None:
             self.lag_gate.resume_at(result.step)
             # This process's snapshots before the resume belong to the abandoned timeline (or are the resumed
@@ -217,6 +219,10 @@ class Checkpointer:
                         self.rank, step, reply.moved)
         self.slots.retry_abandoned()
 
+    def _step(self, step: int) -> int:
+        self._newest_step = check_step(step, rank=self.rank, newest=self._newest_step)
+        return self._newest_step
+
     def due(self, step: int) -> bool:
         """Whether ``save_if_needed(step, ...)`` takes a snapshot: ``step % save_mem_interval == 0``. For a loop
         or an integration that builds (or measures) the state only for the steps that are snapshotted."""
@@ -228,6 +234,7 @@ class Checkpointer:
         a loop that does not build its state on such steps."""
         if self._closed:
             raise RuntimeError(f"note_step(step={step}) after close(): create a new Checkpointer")
+        step = self._step(step)
         self.stager.wait()
         self.agent.ensure()
         self.watch.observe(self.slots.agent_word())
@@ -243,6 +250,7 @@ class Checkpointer:
         health verdict on the snapshot against ``health_thresholds``; without them the rank is neutral."""
         if self._closed:
             raise RuntimeError(f"save_if_needed(step={step}) after close(): create a new Checkpointer")
+        step = self._step(step)
         self.note_step(step)
         if not self.due(step):
             return False
@@ -263,6 +271,7 @@ class Checkpointer:
         """
         if self._closed:
             raise RuntimeError(f"save(step={step}) after close(): create a new Checkpointer")
+        step = self._step(step)
         self.stager.wait()
         self.agent.ensure()
         self.watch.observe(self.slots.agent_word())

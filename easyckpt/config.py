@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
+import operator
 import os
 import tempfile
 from pathlib import Path
@@ -63,7 +64,7 @@ class CheckpointerConfig:
     health_thresholds: dict[str, float] | None = None
 
     def __post_init__(self) -> None:
-        self.save_dir = location(self.save_dir)   # a URL of a scheme with no storage here is refused now
+        self.save_dir = location(self.save_dir, "save_dir")   # a URL of a scheme with no storage here is refused now
         for name in ("save_mem_interval", "save_storage_interval", "max_ckpt_num", "copy_threads",
                      "cuda_copy_streams"):
             value = getattr(self, name)
@@ -194,3 +195,26 @@ def _restart_count() -> int:
         return max(0, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
     except ValueError:
         return 0
+
+
+def check_step(step: object, *, rank: int, newest: int | None) -> int:
+    """``step`` as given to ``save_if_needed``, ``save`` or ``note_step``: the global training step as an int (a numpy
+    integer or a one-element integer tensor is taken as its value), not below ``newest``, the newest step this
+    Checkpointer was given since its last ``load()``."""
+    try:
+        if isinstance(step, bool):
+            raise TypeError
+        value = operator.index(step)   # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"easyckpt rank {rank}: the step must be an int, the global training step (the number of "
+                        f"optimizer steps taken), got {type(step).__name__} {step!r}") from None
+    if not 0 <= value <= protocol.MAX_STEP:
+        raise ValueError(f"easyckpt rank {rank}: step {value} is out of range: steps count from 0 (at most "
+                         f"{protocol.MAX_STEP})")
+    if newest is not None and value < newest:
+        # A resume takes the newest step every rank holds: snapshots of the old numbers would win over the new.
+        raise ValueError(f"easyckpt rank {rank}: step {value} comes after step {newest} in this run, and steps must "
+                         f"not go back: a resume would then take step {newest}'s snapshot for the newer state. Pass "
+                         "the global step (a batch index that starts again at 0 every epoch is not one); to train "
+                         "again from an earlier step, load() it first")
+    return value

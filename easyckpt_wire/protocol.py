@@ -186,10 +186,11 @@ def decode(blob: bytes | memoryview, *, limit: int = MAX_MESSAGE_BYTES) -> tuple
 # Inclusive bounds for int fields: a well-typed but absurd value (say local_world_size=10**6) would
 # otherwise wedge the agent's bookkeeping.
 _MAX_RANKS = 1 << 20
+MAX_STEP = 1 << 62
 _RANGES: dict[str, tuple[int, int]] = {
     "rank": (0, _MAX_RANKS - 1), "pid": (1, 1 << 22), "world_size": (1, _MAX_RANKS),
     "local_world_size": (1, 4096), "save_storage_interval": (1, 1 << 62), "max_ckpt_num": (1, 1 << 20),
-    "step": (0, 1 << 62), "offset": (0, 1 << 50), "length": (1, MAX_CHUNK_BYTES),
+    "step": (0, MAX_STEP), "offset": (0, 1 << 50), "length": (1, MAX_CHUNK_BYTES),
 }
 
 

@@ -110,7 +110,7 @@ class Resumer:
             return self._resolve_newest()
         if not isinstance(resume, (str, os.PathLike)):
             raise TypeError(f"resume_from_checkpoint must be True, False, None or a path, got {resume!r}")
-        path = location(resume)   # a local path, or an s3:// iteration_N of a save_dir
+        path = location(resume, "resume_from_checkpoint")   # a local path, or an s3:// iteration_N of a save_dir
         if not path.exists():
             raise FileNotFoundError(f"resume_from_checkpoint={str(resume)!r} does not exist: pass True to resume from "
                                     f"the newest state of {self.output_dir}, or the path of a checkpoint-N folder")

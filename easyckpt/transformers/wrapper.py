@@ -152,7 +152,7 @@ class TrainerWrapper:
         self.save_steps = self._save_steps(args)
         self.persist_interval = self.save_steps if self.save_steps else save_mem_interval * _NEVER
         # location(): an s3:// URL stays one (Path() would make it the local folder "s3:/bucket/prefix")
-        self.save_dir = location(checkpointer_kwargs.pop("save_dir", self.output_dir / "easyckpt"))
+        self.save_dir = location(checkpointer_kwargs.pop("save_dir", self.output_dir / "easyckpt"), "save_dir")
         self.max_ckpt_num = int(checkpointer_kwargs.pop("max_ckpt_num", 2))
         self.log_file_path = checkpointer_kwargs.pop("log_file_path", None)
         staging = checkpointer_kwargs.pop("staging_dir", None)

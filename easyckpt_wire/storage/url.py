@@ -137,14 +137,20 @@ class StorageURL:
         return self.is_dir() or self.is_file()
 
 
-def location(where: str | os.PathLike[str]) -> Path:
+def location(where: str | os.PathLike[str], name: str = "the path") -> Path:
     """A save_dir or load_dir as given by a user: a resolved local ``Path``, or a ``StorageURL`` typed as one (it
-    implements the part of ``Path`` that save_dir code uses). Raises UnsupportedLocation for other schemes."""
+    implements the part of ``Path`` that save_dir code uses). Raises UnsupportedLocation for other schemes, ValueError
+    for an empty string (``name`` says which setting it was)."""
     if isinstance(where, StorageURL):
         return cast(Path, where)
     text = os.fspath(where)
     if isinstance(text, bytes):
         text = os.fsdecode(text)
+    if not text.strip():
+        # Path("") is the working directory: a setting read from an unset variable would scatter iteration_N
+        # folders there.
+        raise ValueError(f"{name} is empty ({where!r}): give a directory or an s3:// URL ('.' for the working "
+                         "directory); a setting read from an environment variable that is not set is the usual cause")
     if split_url(text) is not None:
         return cast(Path, StorageURL(text))
     return Path(local_path(text)).expanduser().resolve()

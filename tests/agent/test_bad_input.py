@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy
 import pytest
 import torch
 import zmq
@@ -525,6 +526,45 @@ def test_unsupported_value_in_state_raises_type_error_naming_the_key(env: Env) -
         result = ck.load()
         assert (result.step, result.source) == (4, "memory")
         assert_same(good, result.state)
+    finally:
+        ck.close()
+
+
+def test_empty_save_dir_is_refused_before_anything_is_written(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty save_dir (a setting read from an unset environment variable) used to mean the working directory."""
+    work = env.tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    with pytest.raises(ValueError) as info:
+        make_ck(env, save_dir="")   # type: ignore[arg-type]
+    assert "save_dir is empty" in str(info.value), str(info.value)
+    assert list(work.iterdir()) == [] and list(env.runtime_dir.iterdir()) == [], "nothing may be written or started"
+
+
+def test_steps_that_are_not_ints_or_go_back_are_refused_and_change_nothing(env: Env) -> None:
+    """A per-epoch batch index passed as the step goes back to 0 each epoch: a resume would then take the old
+    numbers' snapshots for the newer state. Refused at the call, naming both steps; the snapshots stay as they were."""
+    ck = make_ck(env)
+    try:
+        assert ck.save_if_needed(torch.tensor(2), state_at(2)) is True   # type: ignore[arg-type]
+        ck.wait()
+        assert ck.save(numpy.int64(4), state_at(4))   # type: ignore[arg-type] is True
+        ck.wait()
+        before = env.slot_files()
+        with pytest.raises(TypeError, match="got float 6.0"):
+            ck.save_if_needed(6.0, state_at(6))   # type: ignore[arg-type]
+        for call in (ck.save_if_needed, ck.save):
+            with pytest.raises(ValueError) as info:
+                call(2, state_at(2))
+            assert "step 2 comes after step 4" in str(info.value) and "global step" in str(info.value)
+        with pytest.raises(ValueError, match="step 3 comes after step 4"):
+            ck.note_step(3)
+        assert env.slot_files() == before
+        result = ck.load()
+        assert (result.step, result.source) == (4, "memory") and type(result.step) is int
+        assert_same(state_at(4), result.state)
+        assert ck.save_if_needed(6, state_at(6)) is True, "the run goes on from the step it loaded"
+        ck.wait()
     finally:
         ck.close()
 

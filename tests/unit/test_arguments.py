@@ -1,0 +1,61 @@
+"""Arguments a user passes on every step or once at start, checked in process before anything runs:
+``easyckpt.config.check_step`` (the step given to ``save_if_needed``, ``save`` and ``note_step``) and the empty
+``save_dir`` refused by ``easyckpt_wire.storage.location``. The Checkpointer's use of both, with an agent, is in
+``tests/agent/test_bad_input.py``."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from easyckpt.config import check_step
+from easyckpt_wire import protocol
+from easyckpt_wire.storage import location
+
+
+@pytest.mark.parametrize("step, value", [(7, 7), (numpy.int64(7), 7), (torch.tensor(7), 7), (0, 0),
+                                         (protocol.MAX_STEP, protocol.MAX_STEP)])
+def test_a_step_is_taken_as_its_int_value(step: object, value: int) -> None:
+    taken = check_step(step, rank=3, newest=None)
+    assert taken == value and type(taken) is int
+
+
+@pytest.mark.parametrize("step", [7.0, "7", True, None, torch.tensor(7.0), torch.tensor([7, 8]), numpy.float32(7)])
+def test_a_step_that_is_not_an_int_is_refused_naming_its_type(step: object) -> None:
+    with pytest.raises(TypeError) as info:
+        check_step(step, rank=3, newest=None)
+    message = str(info.value)
+    assert "rank 3" in message and type(step).__name__ in message and "global training step" in message, message
+
+
+@pytest.mark.parametrize("step", [-1, protocol.MAX_STEP + 1])
+def test_a_step_out_of_range_is_refused(step: int) -> None:
+    with pytest.raises(ValueError, match=f"step {step} is out of range"):
+        check_step(step, rank=0, newest=None)
+
+
+@given(newest=st.integers(0, 10_000), step=st.integers(0, 10_000))
+def test_a_step_may_repeat_or_grow_never_go_back(newest: int, step: int) -> None:
+    if step >= newest:
+        assert check_step(step, rank=1, newest=newest) == step
+        return
+    with pytest.raises(ValueError) as info:
+        check_step(step, rank=1, newest=newest)
+    message = str(info.value)
+    assert f"step {step} comes after step {newest}" in message and "load() it first" in message, message
+    assert "starts again at 0 every epoch" in message, "the message names the usual cause"
+
+
+@pytest.mark.parametrize("where", ["", "  ", b""])
+def test_an_empty_save_dir_is_refused_naming_the_setting(where: str | bytes, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as info:
+        location(where, "save_dir")   # type: ignore[arg-type]
+    message = str(info.value)
+    assert "save_dir is empty" in message and "'.' for the working directory" in message, message
+    assert location(".", "save_dir") == tmp_path.resolve(), "'.' still names the working directory"
