@@ -30,6 +30,7 @@ from easyckpt.recovery.worlds import release_old_world
 from easyckpt.snapshot.slots import RankSlots
 from easyckpt.snapshot.stager import Stager, settle_torch_thread_pool
 from easyckpt_wire import owner, procs, protocol
+from easyckpt_wire.episode import Episode
 from easyckpt_wire.health import RankHealth, rank_verdict
 from easyckpt_wire.records import FlushReply, PeerTable
 from easyckpt_wire.shm import format_bytes
@@ -123,7 +124,8 @@ class Checkpointer:
                              request_persist=functools.partial(self.agent.flush, wait=False, timeout=0),
                              committed=self.agent.waker.wake)
         self._closed = False
-        self._newest_step: int | None = None   # the newest step given since the last load(): steps never go back
+        self._newest_step: int | None = None   # the newest step given since the last load()
+        self._step_back = Episode(logger)   # steps given below it: said once, not refused (scripts that did it ran)
         self._resumed: int | None = None   # the step load() resumed from memory
         self._old_world: int | None = None  # the step load() resharded from another world's memory
         assert config.max_backup_lag is not None
@@ -181,6 +183,7 @@ class Checkpointer:
             notice(logger, logging.INFO, "resumed at step %d from %s (%s%s, %s)", result.step, result.source, where,
                    format_bytes(result.nbytes), took)
         self._newest_step = result.step
+        self._step_back.end("easyckpt rank %d: load() at step %s; the steps start from there", self.rank, result.step)
         if result.step is not None:
             self.lag_gate.resume_at(result.step)
             # This process's snapshots before the resume belong to the abandoned timeline (or are the resumed
@@ -220,8 +223,19 @@ class Checkpointer:
         self.slots.retry_abandoned()
 
     def _step(self, step: int) -> int:
-        self._newest_step = check_step(step, rank=self.rank, newest=self._newest_step)
-        return self._newest_step
+        value, newest = check_step(step, rank=self.rank), self._newest_step
+        if newest is not None and value < newest:
+            self._step_back.hit(
+                "easyckpt rank %d: step %d after step %d: the steps of a run should only grow. A resume takes the "
+                "newest step every rank holds, so until the steps pass %d again it may take a snapshot of an older "
+                "state that has a higher step. Pass the global step (a batch index that starts again at 0 every "
+                "epoch is not one); to train again from an earlier step, load() it first",
+                self.rank, value, newest, newest)
+            return value
+        if newest is not None:
+            self._step_back.end("easyckpt rank %d: steps pass step %d again at %d", self.rank, newest, value)
+        self._newest_step = value
+        return value
 
     def due(self, step: int) -> bool:
         """Whether ``save_if_needed(step, ...)`` takes a snapshot: ``step % save_mem_interval == 0``. For a loop

@@ -197,10 +197,9 @@ def _restart_count() -> int:
         return 0
 
 
-def check_step(step: object, *, rank: int, newest: int | None) -> int:
+def check_step(step: object, *, rank: int) -> int:
     """``step`` as given to ``save_if_needed``, ``save`` or ``note_step``: the global training step as an int (a numpy
-    integer or a one-element integer tensor is taken as its value), not below ``newest``, the newest step this
-    Checkpointer was given since its last ``load()``."""
+    integer or a one-element integer tensor is taken as its value), from 0 to ``protocol.MAX_STEP``."""
     try:
         if isinstance(step, bool):
             raise TypeError
@@ -211,10 +210,4 @@ def check_step(step: object, *, rank: int, newest: int | None) -> int:
     if not 0 <= value <= protocol.MAX_STEP:
         raise ValueError(f"easyckpt rank {rank}: step {value} is out of range: steps count from 0 (at most "
                          f"{protocol.MAX_STEP})")
-    if newest is not None and value < newest:
-        # A resume takes the newest step every rank holds: snapshots of the old numbers would win over the new.
-        raise ValueError(f"easyckpt rank {rank}: step {value} comes after step {newest} in this run, and steps must "
-                         f"not go back: a resume would then take step {newest}'s snapshot for the newer state. Pass "
-                         "the global step (a batch index that starts again at 0 every epoch is not one); to train "
-                         "again from an earlier step, load() it first")
     return value
