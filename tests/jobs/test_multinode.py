@@ -302,11 +302,23 @@ def test_corrupted_replica_is_caught(cluster: Cluster, reference: Cluster) -> No
     runtime = next(p for p in job.env.runtime_dir.iterdir() if p.name.endswith("@node0"))
 
     def all_hashed() -> bool:
+        # Against the slots' own headers, not only the agent's view: an agent that has not read a slot's new header
+        # yet reports the older snapshot there, hashed (CI rehearsal, 2026-12-04: rank 0 resumed the flipped bytes,
+        # hashed after the flip, from memory).
         try:
-            slots = query_status(runtime, timeout=5)["slots"]
+            seen = {(Path(s["path"]).name, s["step"]) for s in query_status(runtime, timeout=5)["slots"]
+                    if s["state"] == "COMMITTED" and s["hashed"]}
         except (AgentTimeout, OSError):
             return False
-        return all(s["hashed"] for s in slots if s["state"] == "COMMITTED")
+        for path in shm.list_slots(job.shm[0], job_id_for(job.env.save_dir)).values():
+            slot = shm.SlotMap(path, writable=False)
+            try:
+                header = slot.header()
+                if header.committed and (path.name, header.step) not in seen:
+                    return False
+            finally:
+                slot.close()
+        return True
 
     wait_for(all_hashed, 60, "node 0's agent to checksum every committed snapshot")
     slots = shm.list_slots(job.shm[0], job_id_for(job.env.save_dir))
