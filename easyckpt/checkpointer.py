@@ -248,7 +248,9 @@ class Checkpointer:
         a loop that does not build its state on such steps."""
         if self._closed:
             raise RuntimeError(f"note_step(step={step}) after close(): create a new Checkpointer")
-        step = self._step(step)
+        self._reached(self._step(step))
+
+    def _reached(self, step: int) -> None:
         self.stager.wait()
         self.agent.ensure()
         self.watch.observe(self.slots.agent_word())
@@ -265,7 +267,7 @@ class Checkpointer:
         if self._closed:
             raise RuntimeError(f"save_if_needed(step={step}) after close(): create a new Checkpointer")
         step = self._step(step)
-        self.note_step(step)
+        self._reached(step)
         if not self.due(step):
             return False
         self.lag_gate.before_snapshot(step)
