@@ -68,7 +68,7 @@ class Config:
     #                                a starved agent's fetch that takes steps, failing if its source overwrote the step
     persist_ms: float = 30.0
     leader_us_per_node: float = 20.0
-    max_backup_lag: int = 5        # Checkpointer(max_backup_lag=): ranks wait while the node-safe step trails more
+    max_backup_lag: int = 2        # Checkpointer(max_backup_lag=): ranks wait while the node-safe step trails more
     due_wait_ms: float = 500.0     # easyckpt.snapshot.slots.DUE_WAIT: a rank waits this long (or 4 steps, the longer)
     #                                for its agent's word on a due step in its one free slot (four slots or
     #                                more); 0: it never waits
@@ -423,7 +423,8 @@ def table(nodes_list: list[int], seed: int, faults: int, base: Config) -> list[d
             "node_safe_lag_p99": pct(whole["node_lags"], 0.99), "node_safe_lag_max": max(whole["node_lags"]),
             "due": len(whole["due"]), "persisted": len(whole["persisted"]), "passed_busy": passed_busy,
             "passed_other": len(whole["passed"]) - passed_busy, "skipped": whole["skipped"],
-            "uncovered": whole["uncovered"], "withdrawn": whole["job_safe_withdrawn"]})
+            "uncovered": whole["uncovered"], "withdrawn": whole["job_safe_withdrawn"],
+            "elapsed_s": round(whole["elapsed_ms"] / 1000, 2), "gate_waited_s": round(whole["waited_ms"] / 1000, 2)})
     return rows
 
 
@@ -438,17 +439,22 @@ def main() -> None:
     parser.add_argument("--slow-factor", type=float, default=10.0, help="the last node's agent reacts this much later")
     parser.add_argument("--backup-ms", type=float, default=0.0,
                         help="a backup's further time, mean ms (a starved agent; the slow node's times --slow-factor)")
+    parser.add_argument("--step-ms", type=float, default=Config.step_ms)
+    parser.add_argument("--hash-ms", type=float, default=Config.hash_ms, help="hashing and pushing one step's backup")
+    parser.add_argument("--max-backup-lag", type=int, default=Config.max_backup_lag,
+                        help="the ranks' lag gate, in steps (Checkpointer's default: two snapshots)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 30)
     print(f"seed {seed}")
     base = Config(steps=args.steps, slots=args.slots, persist_ms=args.persist_ms, slow_factor=args.slow_factor,
-                  backup_ms=args.backup_ms)
+                  backup_ms=args.backup_ms, step_ms=args.step_ms, hash_ms=args.hash_ms,
+                  max_backup_lag=args.max_backup_lag)
     rows = table([int(n) for n in args.nodes.split(",")], seed, args.faults, base)
     header = ["nodes", "rank_kill_lost_median", "rank_kill_lost_max", "node_loss_lost_median", "node_loss_lost_max",
               "job_safe_lag_median", "job_safe_lag_p99", "job_safe_lag_max", "node_safe_lag_median",
               "node_safe_lag_p99", "node_safe_lag_max", "due", "persisted", "passed_busy", "passed_other", "skipped",
-              "uncovered", "withdrawn"]
+              "uncovered", "withdrawn", "elapsed_s", "gate_waited_s"]
     print(" | ".join(header))
     for row in rows:
         print(" | ".join(str(row[h]) for h in header))

@@ -188,7 +188,10 @@ def test_lost_node_resumes_from_replicas_at_most_two_steps_back(cluster: Cluster
     20, 19], the node-safe step's slots had been let go, and every rank resumed from disk at 15: a node-safe step
     that trails is now held (``agreement.plan_holds``). In the second case the replacement node takes ranks 0-1
     (CI, 2026-12-01, by a pid wrap-around; a replacement machine whose name sorts first does it too): the survivors
-    run ranks 2-3, whose snapshots died with node 1, and every rank loads from the replicas."""
+    run ranks 2-3, whose snapshots died with node 1, and every rank loads from the replicas. CI, 2026-12-04: node 1
+    lost at 8, resumed at 5, the backups three steps behind in the job's first second, within the lag gate's bound
+    of the time (save_storage_interval); the gate now holds the node-safe step within two snapshots by default
+    (``easyckpt.config.BACKUP_LAG_SNAPSHOTS``)."""
     at = FAULT_STEPS[which]
     job = cluster(extra_args=node_loss_args(NODES, RANKS_PER_NODE, at))
     job.start_all()

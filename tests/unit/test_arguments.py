@@ -10,7 +10,7 @@ import numpy
 import pytest
 import torch
 
-from easyckpt.config import check_step
+from easyckpt.config import CheckpointerConfig, check_step
 from easyckpt_wire import protocol
 from easyckpt_wire.storage import location
 
@@ -45,3 +45,17 @@ def test_an_empty_save_dir_is_refused_naming_the_setting(where: str | bytes, tmp
     message = str(info.value)
     assert "save_dir is empty" in message and "'.' for the working directory" in message, message
     assert location(".", "save_dir") == tmp_path.resolve(), "'.' still names the working directory"
+
+
+@pytest.mark.parametrize("mem, storage, lag", [(1, 5, 2), (1, 1, 1), (2, 10, 4), (10, 10, 10), (1, 100, 2)])
+def test_the_default_backup_lag_is_two_snapshot_intervals_at_most_the_persist_interval(
+        mem: int, storage: int, lag: int, tmp_path: Path) -> None:
+    """A node loss resumes from the node-safe step, which the lag gate keeps within ``max_backup_lag`` steps: by
+    default two snapshot intervals, what a rank kill may cost (invariant 9), and never more than the disk's interval.
+    In steps, so that a gate whose bound is below one snapshot interval does not wait at every snapshot."""
+    def config(given: int | None) -> CheckpointerConfig:
+        return CheckpointerConfig(save_dir=tmp_path, save_mem_interval=mem, save_storage_interval=storage,
+                                  max_ckpt_num=2, max_backup_lag=given)
+
+    assert config(None).max_backup_lag == lag
+    assert config(0).max_backup_lag == 0, "0 still turns the gate off"
