@@ -52,7 +52,7 @@ def test_the_default_backup_lag_is_two_snapshot_intervals_at_most_the_persist_in
         mem: int, storage: int, lag: int, tmp_path: Path) -> None:
     """A node loss resumes from the node-safe step, which the lag gate keeps within ``max_backup_lag`` steps: by
     default two snapshot intervals, what a rank kill may cost (invariant 9), and never more than the disk's interval.
-    In steps, so that a gate whose bound is below one snapshot interval does not wait at every snapshot."""
+    Counted in snapshot intervals, not steps: a bound below one snapshot interval would wait at every snapshot."""
     def config(given: int | None) -> CheckpointerConfig:
         return CheckpointerConfig(save_dir=tmp_path, save_mem_interval=mem, save_storage_interval=storage,
                                   max_ckpt_num=2, max_backup_lag=given)
