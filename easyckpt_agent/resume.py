@@ -10,10 +10,17 @@ of newer steps or of snapshots the rank could not invalidate (``Protection.rewin
 ranks' calls moves anything; the others find nothing newer left. Those snapshots of the abandoned timeline are
 invalidated once nothing holds them (:meth:`Resume.invalidate_abandoned`, every round while there are any), so
 that no later load, in this process or after a crash, takes them for the job's memory.
+
+The store is read once per restart: the first rank's RESUME lists it (and moves what is newer aside); the restart's
+other ranks, at the same step moments later, are answered with what it found (:class:`Found`). Each reading is a few
+requests (listings, the tracker) that an object store answers in tens of milliseconds, or in seconds under
+throttling or an outage, and the agent's loop answers no rank meanwhile: read once per rank, a node of eight ranks
+held its last rank's resume for the sum.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -33,9 +40,28 @@ from easyckpt_wire.storage import unavailable
 
 logger = logging.getLogger(__name__)
 
-# The ranks of one restart send RESUME within moments of each other: for this long after one of them found the store
-# unreachable, the others at the same step are answered with what it found, not tried again.
-DOWN_REMEMBERED_S = 10.0
+# The ranks of one restart send RESUME within moments of each other: for this long after the first, the others at the
+# same step are answered with what it found in the store (reachable or not), not read again.
+RESTART_REMEMBERED_S = 10.0
+
+
+@dataclasses.dataclass(kw_only=True)
+class Found:
+    """What the first RESUME of a restart found in the store, for the restart's other ranks."""
+
+    step: int
+    when: float                 # time.monotonic() of the first RESUME
+    answered: set[int]          # ranks answered with it: the same rank again is a new restart
+    persisted: int | None       # the newest step on disk after it: a persist since then ends it
+    moved: list[int]            # what it moved aside (the others find nothing left to move)
+    tracker: int | None
+    complete: list[int]
+    error: str | None
+    down: bool                  # the store was unreachable
+
+    def answers(self, rank: int, step: int, persisted: int | None, now: float) -> bool:
+        return (step == self.step and rank not in self.answered and persisted == self.persisted
+                and now - self.when < RESTART_REMEMBERED_S)
 
 
 class Resume:
@@ -52,7 +78,7 @@ class Resume:
         self.agreement = agreement
         self.cluster = cluster
         self.publish = publish
-        self._down: tuple[int, float, str] | None = None   # (step, when, error) of a resume that found the store down
+        self._found: Found | None = None
 
     def resume(self, rank: int, step: int, stale: Iterable[Iterable[int]]) -> ResumeReply:
         """``rank`` resumed at ``step``. Newer iterations are moved aside (by the agent that commits them),
@@ -63,27 +89,15 @@ class Resume:
             self.watcher.abandoned.add((rank, slot, generation))
         self.watcher.abandoned.update(self.watcher.leftovers_newer_than(step))
         commits = self.cluster.peers is None or self.cluster.peers.is_leader
-        remembered = self._down_at(step)
-        if remembered is None:
-            moved, tracker, error, down = self._move_aside(rank, step, commits)
-        else:
-            moved, tracker, error, down = [], None, remembered, True
+        found = self._found_for(rank, step)
+        if found is None:
+            found = self._read_store(rank, step, commits)
+            self._found = found
+        found.answered.add(rank)
+        moved = found.moved if len(found.answered) == 1 else []
         # The store down as torchrun restarts the workers: the new timeline still starts here (the rewind below
-        # needs no listing: a step persisted at or below ``step`` stands, a newer one is forgotten). Once a call
-        # found it unreachable the others are not tried: each would take the client's retries (seconds) out of
-        # the loop that answers the ranks.
-        complete: list[int] = []
-        if not down:
-            try:
-                complete = [s for s, _ in layout.complete_iterations(self.save_dir)]
-            except OSError as exc:
-                down = unavailable(exc)
-                if error is None:
-                    error = f"cannot list {self.save_dir}: {exc}"
-                    logger.warning("rank %d resumed at step %d: %s; persists of the new timeline go on once it "
-                                   "answers", rank, step, error)
-        if remembered is None:
-            self._down = (step, time.monotonic(), error or "") if down else None
+        # needs no listing: a step persisted at or below ``step`` stands, a newer one is forgotten).
+        complete, error = found.complete, found.error
         scheduler = self.scheduler
         before = scheduler.rewind(step, complete)
         if before != (scheduler.persisted, scheduler.given_up):
@@ -92,7 +106,7 @@ class Resume:
         if self.cluster.complete is not None and self.cluster.complete > step:
             self.cluster.complete = policy.tracker_after_resume(complete, step)
         inflight = scheduler.inflight_step()
-        if not commits and not down:
+        if not commits and not found.down and len(found.answered) == 1:
             try:
                 self._drop_stale_shards(step, inflight)
             except OSError as exc:   # the leader drops whole stages newer than the resume once it can list them
@@ -105,21 +119,36 @@ class Resume:
             scheduler.flushes.give_up(wanted, f"the job resumed at step {step}: step {wanted} was abandoned")
         if self.protection.rewind(step):
             self.cluster.safe_step = None
+        found.persisted = scheduler.persisted
         self.publish()
-        return ResumeReply(moved, tracker, scheduler.persisted, error)
+        return ResumeReply(moved, found.tracker, scheduler.persisted, error)
 
-    def _down_at(self, step: int) -> str | None:
-        """What a resume at ``step`` found moments ago when the store was unreachable (None: try the store). Tried
-        again, each rank's call of a restart would take the client's retries (seconds) out of the loop that answers
+    def _found_for(self, rank: int, step: int) -> Found | None:
+        """What the first RESUME of this restart found, if ``rank`` is another of its ranks (None: read the store).
+        Read again per rank, an unreachable store took the client's retries (seconds) out of the loop that answers
         the ranks, one after the other: a node's last rank resumed seconds after its first (soak, seed 11301)."""
-        if self._down is None:
+        found, now = self._found, time.monotonic()
+        if found is None or not found.answers(rank, step, self.scheduler.persisted, now):
             return None
-        at, when, error = self._down
-        if at != step or time.monotonic() - when >= DOWN_REMEMBERED_S:
-            return None
-        logger.debug("a resume at step %d found the store unreachable %.1fs ago: not tried again", step,
-                     time.monotonic() - when)
-        return error
+        logger.debug("rank %d resumed at step %d: answered with what the restart's first RESUME found in %s %.1fs "
+                     "ago", rank, step, self.save_dir, now - found.when)
+        return found
+
+    def _read_store(self, rank: int, step: int, commits: bool) -> Found:
+        """The first RESUME of a restart: move the newer iterations aside (``commits``) and list what is left."""
+        moved, tracker, error, down = self._move_aside(rank, step, commits)
+        complete: list[int] = []
+        if not down:
+            try:
+                complete = [s for s, _ in layout.complete_iterations(self.save_dir)]
+            except OSError as exc:
+                down = unavailable(exc)
+                if error is None:
+                    error = f"cannot list {self.save_dir}: {exc}"
+                    logger.warning("rank %d resumed at step %d: %s; persists of the new timeline go on once it "
+                                   "answers", rank, step, error)
+        return Found(step=step, when=time.monotonic(), answered=set(), persisted=None, moved=moved, tracker=tracker,
+                     complete=complete, error=error, down=down)
 
     def _move_aside(self, rank: int, step: int, commits: bool) -> tuple[list[int], int | None, str | None, bool]:
         """Move the iterations newer than ``step`` aside (``commits``: this agent publishes iterations);

@@ -93,6 +93,40 @@ def test_a_resume_while_the_store_is_down_starts_the_new_timeline_and_tries_the_
     assert agent.scheduler.persisted is None and agent.protection.safe is None, agent.scheduler.persisted
 
 
+def test_the_store_is_read_once_per_restart_not_once_per_rank(node: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank of a restart sends RESUME at the same step, and the agent's loop answers no one while it reads the
+    store (listings and the tracker: a few requests, tens of milliseconds each on an object store and seconds when
+    it throttles; a node of eight ranks paid it eight times over). The first rank's reading answers the others; the
+    same rank again is a new restart, and reads again. Against a real S3 server process."""
+    import s3server
+    from botocore.client import BaseClient
+
+    for slot, step in enumerate((5, 10)):
+        persist(node, slot, step)
+    s3server.server()
+    live = location(f"s3://{s3server.bucket()}/ckpt")
+    agent = node.agent
+    for part in (agent.resumer, agent.timeline):
+        part.save_dir = live
+    agent.timeline.store = open_storage(live)
+    calls: list[str] = []
+    real = BaseClient._make_api_call
+    monkeypatch.setattr(BaseClient, "_make_api_call", lambda self, name, params: calls.append(name) or real(
+        self, name, params))
+    node.request(b"r0", Kind.RESUME, rank=0, step=10, stale=[], id=1)
+    first = node.sent[-1][1]
+    assert first["ok"] and first["error"] is None and first["persisted"] == 10, first
+    read = len(calls)
+    assert read >= 2, f"the first RESUME should list the store: {calls}"
+    node.request(b"r1", Kind.RESUME, rank=1, step=10, stale=[], id=2)
+    second = node.sent[-1][1]
+    assert {k: second[k] for k in ("ok", "tracker", "persisted", "error")} == \
+        {k: first[k] for k in ("ok", "tracker", "persisted", "error")} and second["moved"] == [], second
+    assert len(calls) == read, f"the restart's second rank read the store again: {calls[read:]}"
+    node.request(b"r0", Kind.RESUME, rank=0, step=10, stale=[], id=3)   # rank 0 again: another restart
+    assert node.sent[-1][1]["ok"] and len(calls) == 2 * read, calls
+
+
 def test_snapshots_a_rank_could_not_invalidate_are_let_go_and_invalidated_once_free(node: Harness) -> None:
     ranks, agent = node.ranks, node.agent
     ranks.commit_all(0, 5)
