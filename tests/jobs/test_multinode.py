@@ -65,24 +65,33 @@ def cluster(env: Env) -> Cluster:
         item.cleanup()
 
 
-def node_loss_args(job_nodes: int, ranks_per_node: int, at: int) -> list[str]:
+def node_loss_args(job_nodes: int, ranks_per_node: int, at: int, *, leads: bool = False) -> list[str]:
     """The last node's ranks freeze themselves right after step ``at``'s snapshot starts (plain_ddp.py), so that
-    the test kills that node at that very step, whatever the speed of the loop."""
-    lost = range((job_nodes - 1) * ranks_per_node, job_nodes * ranks_per_node)
+    the test kills that node at that very step, whatever the speed of the loop. ``leads``: the last node runs
+    ranks 0 and up (``lead_with_last_node``)."""
+    lost = range(ranks_per_node) if leads else range((job_nodes - 1) * ranks_per_node, job_nodes * ranks_per_node)
     return ["--kill-at", str(at), "--kill-rank", ",".join(map(str, lost)), "--kill-signal", "STOP"]
+
+
+def lead_with_last_node(job: Cluster) -> None:
+    """Before the start: the last node's address sorts first, so torchrun gives it ranks 0 and up, and its agent
+    (the node of rank 0) leads the job: it decides the job-wide steps and commits every multi-node checkpoint."""
+    job.addrs[job.nodes - 1] = "127.0.0.1"
 
 
 def lose_last_node(job: Cluster, *, replacement_first: bool = False) -> None:
     """Wait for the last node's ranks to freeze at their kill step, then kill everything of that node (ranks,
     torchrun, agent, shared memory) and start it again, as a replacement machine would join. With
     ``replacement_first`` its address sorts before every other node's, so torchrun gives it ranks 0 and up and the
-    survivors run ranks they never snapshotted."""
+    survivors run ranks they never snapshotted; otherwise it rejoins at its own address, after the survivors'
+    if it led (``lead_with_last_node``), and the survivors then run the ranks it ran."""
     lost = job.nodes - 1
-    wait_for(lambda: job.frozen(job.ranks_of(lost)) or job.procs[0].poll() is not None, 180,
+    led = job.addrs[lost] == "127.0.0.1"
+    ranks = range(job.ranks_per_node) if led else job.ranks_of(lost)
+    wait_for(lambda: job.frozen(ranks) or job.procs[0].poll() is not None, 180,
              f"node {lost}'s ranks to reach their kill step")
     job.kill_node(lost)
-    if replacement_first:
-        job.addrs[lost] = "127.0.0.1"
+    job.addrs[lost] = "127.0.0.1" if replacement_first else f"127.0.0.{lost + 2}"
     job.start(lost)
 
 
@@ -178,9 +187,10 @@ def test_uninterrupted_run_persists_every_due_step(reference: Cluster) -> None:
     never_skipped(reference)
 
 
-@pytest.mark.parametrize("which,replacement_first", [(0, False), (1, True)], ids=["0", "1-replacement-first"])
-def test_lost_node_resumes_from_replicas_at_most_two_steps_back(cluster: Cluster, reference: Cluster,
-                                                                which: int, replacement_first: bool) -> None:
+@pytest.mark.parametrize("which,replacement_first,leads", [(0, False, False), (1, True, False), (1, False, True)],
+                         ids=["0", "1-replacement-first", "1-the-leader"])
+def test_lost_node_resumes_from_replicas_at_most_two_steps_back(cluster: Cluster, reference: Cluster, which: int,
+                                                                replacement_first: bool, leads: bool) -> None:
     """Node 1 lost whole at a seeded step: every rank resumes from memory or replicas (never from disk), at most
     two steps back (invariant 9: two snapshot intervals plus the backup's lag; one such job on this machine's two
     cores has lagged a step at most, while three at a time reach the lag gate's bound: ``benchmarks/README.md``, "Five
@@ -191,18 +201,28 @@ def test_lost_node_resumes_from_replicas_at_most_two_steps_back(cluster: Cluster
     run ranks 2-3, whose snapshots died with node 1, and every rank loads from the replicas. CI, 2026-12-04: node 1
     lost at 8, resumed at 5, the backups three steps behind in the job's first second, within the lag gate's bound
     of the time (save_storage_interval); the gate now holds the node-safe step within two snapshots by default
-    (``easyckpt.config.BACKUP_LAG_SNAPSHOTS``)."""
+    (``easyckpt.config.BACKUP_LAG_SNAPSHOTS``). In the third the lost node ran ranks 0-1, so its agent led the
+    job (decided the job-wide steps, committed the multi-node checkpoints) until it died with its stage of the newest
+    persist: the survivor's agent leads from the restart on, commits what the dead leader left, and its node runs
+    ranks 0-1 from the replicas it holds."""
     at = FAULT_STEPS[which]
-    job = cluster(extra_args=node_loss_args(NODES, RANKS_PER_NODE, at))
+    job = cluster(extra_args=node_loss_args(NODES, RANKS_PER_NODE, at, leads=leads))
+    if leads:
+        lead_with_last_node(job)
     job.start_all()
     lose_last_node(job, replacement_first=replacement_first)
     reports = wait_all(job)
     step = check_exact(job, reference, reports)
     print(f"node 1 lost at step {at}, resumed at {step} from {[r['source'] for r in reports]}")
     assert [r["source"] for r in reports] == job.expected_sources(reports, lost={NODES - 1}), reports
-    if replacement_first:
-        assert {r["node"] for r in reports[:RANKS_PER_NODE]} == {"node1"}, f"node 1 should run ranks 0-1: {reports}"
+    if replacement_first or leads:
+        runs_low = "node1" if replacement_first else "node0"
+        assert {r["node"] for r in reports[:RANKS_PER_NODE]} == {runs_low}, f"{runs_low} should run ranks 0-1: {reports}"
         assert {r["source"] for r in reports} == {"replica"}, reports
+    if leads:
+        led = re.findall(r"job spans nodes .*; leader (\w+);", agent_log(job, 0))
+        assert led[:1] == ["node1"] and led[-1] == "node0", f"node 0's agent should lead after the loss: {led}"
+        assert (job.env.save_dir / layout.iteration_dirname(STEPS - 1)).is_dir(), "the new leader commits the last step"
     assert at - 2 <= step <= at, f"node 1 lost at step {at}, resumed at {step}"
     log = job.log(1)
     assert "pulled step" in log and "served" in log and "GB/s" in log, "the log must say who served what"
