@@ -7,7 +7,7 @@ whatever numbers the abandoned one reached: the newest step on disk and the step
 (``PersistScheduler.rewind``), the leader's committed step, this node's shards in an abandoned stage, the due
 steps taken, lost and passed over (``NodeAgreement.rewind``), claims and requests of newer steps, and holds
 of newer steps or of snapshots the rank could not invalidate (``Protection.rewind``). Only the first of the
-ranks' calls moves anything; the others find nothing newer left. Those snapshots of the abandoned timeline are
+ranks' calls reads the store and moves anything (see below). Those snapshots of the abandoned timeline are
 invalidated once nothing holds them (:meth:`Resume.invalidate_abandoned`, every round while there are any), so
 that no later load, in this process or after a crash, takes them for the job's memory.
 

@@ -36,6 +36,25 @@ def on_disk(save_dir: Path) -> list[int]:
     return [step for step, _ in layout.complete_iterations(save_dir)]
 
 
+def store_at(node: Harness, url: str) -> None:
+    """The agent's resume and timeline read ``url`` from now on (its persists still go to the harness's directory)."""
+    where = location(url)
+    for part in (node.agent.resumer, node.agent.timeline):
+        part.save_dir = where
+    node.agent.timeline.store = open_storage(where)
+
+
+def count_requests(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The name of every request the S3 client sends from now on, in order (each still goes to the server)."""
+    from botocore.client import BaseClient
+
+    calls: list[str] = []
+    real = BaseClient._make_api_call
+    monkeypatch.setattr(BaseClient, "_make_api_call", lambda self, name, params: calls.append(name) or real(
+        self, name, params))
+    return calls
+
+
 def test_a_resume_moves_newer_iterations_aside_once_and_the_new_timeline_is_persisted_again(node: Harness) -> None:
     for slot, step in enumerate((5, 10, 15)):
         persist(node, slot, step)
@@ -67,16 +86,8 @@ def test_a_resume_while_the_store_is_down_starts_the_new_timeline_and_tries_the_
         persist(node, slot, step)
     agent = node.agent
     s3_endpoint_down(monkeypatch)
-    down = location("s3://bucket/ckpt")
-    for part in (agent.resumer, agent.timeline):
-        part.save_dir = down
-    agent.timeline.store = open_storage(down)
-    calls: list[str] = []
-    from botocore.client import BaseClient
-
-    real = BaseClient._make_api_call
-    monkeypatch.setattr(BaseClient, "_make_api_call", lambda self, name, params: calls.append(name) or real(
-        self, name, params))
+    store_at(node, "s3://bucket/ckpt")
+    calls = count_requests(monkeypatch)
     node.request(b"r0", Kind.RESUME, rank=0, step=5, stale=[], id=1)
     reply = node.sent[-1][1]
     assert not reply["ok"] and "could not move the iterations newer than step 5 aside in s3://bucket/ckpt" in \
@@ -99,20 +110,12 @@ def test_the_store_is_read_once_per_restart_not_once_per_rank(node: Harness, mon
     it throttles; a node of eight ranks paid it eight times over). The first rank's reading answers the others; the
     same rank again is a new restart, and reads again. Against a real S3 server process."""
     import s3server
-    from botocore.client import BaseClient
 
     for slot, step in enumerate((5, 10)):
         persist(node, slot, step)
     s3server.server()
-    live = location(f"s3://{s3server.bucket()}/ckpt")
-    agent = node.agent
-    for part in (agent.resumer, agent.timeline):
-        part.save_dir = live
-    agent.timeline.store = open_storage(live)
-    calls: list[str] = []
-    real = BaseClient._make_api_call
-    monkeypatch.setattr(BaseClient, "_make_api_call", lambda self, name, params: calls.append(name) or real(
-        self, name, params))
+    store_at(node, f"s3://{s3server.bucket()}/ckpt")
+    calls = count_requests(monkeypatch)
     node.request(b"r0", Kind.RESUME, rank=0, step=10, stale=[], id=1)
     first = node.sent[-1][1]
     assert first["ok"] and first["error"] is None and first["persisted"] == 10, first
