@@ -79,6 +79,8 @@ def rank_kill(c: Cluster, f: Fault) -> Strike:
 
 
 def node_loss(c: Cluster, f: Fault) -> Strike:
+    if f.variant == "leader":
+        c.lead_with(f.victim)
     ranks = c.ranks_of(f.victim)
     strike = Strike()
     if f.moment.startswith("stop_"):

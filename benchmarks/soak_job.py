@@ -111,6 +111,20 @@ class Cluster:
         self.launches = 0
         self.port = free_port()
         self.rdzv = 0
+        # torchrun's c10d rendezvous gives the ranks to the nodes in the order of (address, launcher pid): with one
+        # address for all, a restarted node took the lower ranks whenever the pids wrapped. An address of its own per
+        # node (all of 127/8 is loopback) fixes the order; ``lead_with`` gives one node the lowest.
+        self.addrs = {n: self.address(n) for n in range(config.nodes)}
+
+    @staticmethod
+    def address(node: int) -> str:
+        return f"127.0.0.{node + 2}"
+
+    def lead_with(self, node: int) -> None:
+        """Before the start: ``node`` runs ranks 0 and up, so its agent leads the job (decides the job-wide steps and
+        commits every checkpoint). A replacement started after ``kill_node`` rejoins at its own address, after the
+        other nodes', and they then run the ranks it ran."""
+        self.addrs[node] = "127.0.0.1"
 
     # launching ------------------------------------------------------------------------------------------
     def environ(self, node: int, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -138,7 +152,7 @@ class Cluster:
                    # a lost node leaves the rendezvous after 5 missed 1 s heartbeats, not torchrun's 3 x 5 s: the
                    # survivors restart 10 s sooner (tests/multinode.py says why)
                    f"--rdzv-conf=is_host={1 if node == 0 else 0},keep_alive_interval=1,keep_alive_max_attempt=5",
-                   f"--max-restarts={max_restarts}",
+                   f"--local-addr={self.addrs[node]}", f"--max-restarts={max_restarts}",
                    str(SCRIPTS[self.config.api]), *self.args]
         with open(log, "w") as handle:
             self.procs[node] = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
@@ -175,7 +189,10 @@ class Cluster:
         return {node: proc.returncode for node, proc in self.procs.items()}
 
     def ranks_of(self, node: int) -> range:
-        return range(node * self.config.ranks_per_node, (node + 1) * self.config.ranks_per_node)
+        """The ranks ``node`` runs in the current rendezvous round: the nodes take them in the order of their
+        addresses."""
+        place = sorted(self.addrs, key=lambda n: tuple(map(int, self.addrs[n].split(".")))).index(node)
+        return range(place * self.config.ranks_per_node, (place + 1) * self.config.ranks_per_node)
 
     def rows(self, rank: int) -> list[dict[str, Any]]:
         path = self.out / f"losses-rank{rank}.jsonl"
@@ -255,6 +272,7 @@ class Cluster:
         if wipe:
             for path in self.shm[node].iterdir():
                 path.unlink()
+        self.addrs[node] = self.address(node)   # its replacement is another machine
 
     def kill_launchers_and_ranks(self) -> None:
         """Every rank of the job dies (and its launcher), the agents and their memory live on."""

@@ -118,8 +118,13 @@ def _rank_kill(rng: random.Random, config: Config, shape: Shape) -> dict[str, An
 def _node_loss(rng: random.Random, config: Config, shape: Shape) -> dict[str, Any]:
     # node 0 hosts the rendezvous store (as a launcher host would): a 2-node job loses node 1; a 1-node job
     # loses its only node, and with it all memory
-    return {"step": shape.strike(rng), "victim": config.nodes - 1,
-            "moment": rng.choice(["stop_mid_copy", "stop_before_commit", "external"])}
+    fault = {"step": shape.strike(rng), "victim": config.nodes - 1,
+             "moment": rng.choice(["stop_mid_copy", "stop_before_commit", "external"])}
+    # "leader": half the time the lost node runs rank 0, so its agent is the one that decides the job-wide steps and
+    # commits every checkpoint (soak_job.Cluster.lead_with). Drawn last: every earlier draw of a seed stays what it was.
+    if config.nodes > 1 and rng.random() < 0.5:
+        fault["variant"] = "leader"
+    return fault
 
 
 def _agent_kill(rng: random.Random, config: Config, shape: Shape) -> dict[str, Any]:
@@ -181,7 +186,8 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind(name="rank_kill", what="SIGKILL of one rank (inside its snapshot copy, before the commit, or from outside)",
          draw=_rank_kill),
     Kind(name="node_loss", what="SIGKILL of every process of a simulated node (launcher, ranks, agent), its shared "
-                                "memory wiped; a replacement node joins", draw=_node_loss),
+                                "memory wiped; a replacement node joins. In a 2-node job half of them lose the node "
+                                "that leads (variant 'leader': it runs rank 0)", draw=_node_loss),
     Kind(name="agent_kill", what="SIGKILL of a node agent in the middle of a persist (after a file, before the "
                                  "marker, before the tracker) or idle", draw=_agent_kill),
     Kind(name="rank_stop", what="SIGSTOP of one rank for longer than the job's timeouts, then SIGCONT or SIGKILL",

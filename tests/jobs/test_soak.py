@@ -160,8 +160,9 @@ REPLAYS = [
                  "1's torchrun died with the rendezvous; the soak's judge took its first run's fresh start for its "
                  "resume (\"ranks resumed different steps: [19, 19, 19, None]\", torn)", id="11301-0",
                  marks=pytest.mark.extended),
-    # Extended: the bug needs the restarted rendezvous to swap the nodes' ranks, which it does now and then only;
-    # tests/unit/test_agent_node_agreement.py swaps them every time.
+    # Extended: the bug needs the restarted rendezvous to swap the nodes' ranks. It did so now and then only when it
+    # was found; since 2026-12-04 this fault draws the soak's "leader" variant, which swaps them every time (node 1
+    # runs rank 0 until it is lost), as tests/unit/test_agent_node_agreement.py does in one process.
     pytest.param(["--smoke", "--seed", "7"], 7,
                  "node 1 lost in a 2x1 job; the restarted rendezvous put rank 0 on node 1 and rank 1 on node 0, whose "
                  "agent still counted its dead rank 0 as local: no step after the resume was backed up or persisted "

@@ -1,0 +1,57 @@
+"""The fault soak's plan (benchmarks/soak_plan.py) and its simulated nodes' rank order (benchmarks/soak_job.py):
+the node losses that strike the leader's node."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import soak_job
+import soak_plan
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def node_losses(seed: int, configs: list[str], count: int) -> list[soak_plan.Fault]:
+    return [soak_plan.plan(seed, index, kinds=["node_loss"], configs=configs, steps=20, interval=5)
+            for index in range(count)]
+
+
+def test_half_the_node_losses_of_a_two_node_job_lose_the_leader_and_a_one_node_job_has_no_leader_to_lose() -> None:
+    two = node_losses(1313, ["plain-2x1", "plain-2x2", "hf-2x1"], 200)
+    leaders = sum(fault.variant == "leader" for fault in two)
+    assert 70 <= leaders <= 130, f"{leaders} of 200 node losses lost the leader's node"
+    assert {fault.variant for fault in two} == {"", "leader"}
+    assert all(fault.victim == 1 for fault in two)
+    one = node_losses(1313, ["plain-1x1", "plain-1x2", "hf-1x2"], 100)
+    assert all(fault.variant == "" and fault.victim == 0 for fault in one)
+
+
+def test_the_leader_variant_leaves_every_earlier_draw_of_a_seed_as_it_was() -> None:
+    """The node losses of a soak run before the variant existed (seed 1311, 2026-12-04) draw the same configuration,
+    step, moment and victim now: its JSON still replays them (``--only K``), a leader loss now and then aside."""
+    result = json.loads((RESULTS / "soak-1311-multinode-outage.json").read_text())
+    runs = [run for run in result["runs"] if run["fault"] == "node_loss"]
+    assert len(runs) >= 5
+    for run in runs:
+        fault = soak_plan.plan(result["seed"], run["index"], kinds=result["kinds"], configs=result["configs"],
+                               steps=result["steps"], interval=result["interval"])
+        drawn = (fault.kind, fault.config, fault.step, fault.moment, fault.victim)
+        assert drawn == ("node_loss", run["config"], run["step"], run["moment"], run["victim"]), run["index"]
+
+
+@pytest.mark.parametrize("name", ["plain-2x1", "plain-2x2"])
+def test_the_node_that_leads_has_the_lowest_address_and_runs_rank_0(
+        tmp_path: Path, name: str) -> None:
+    config = soak_plan.CONFIGS[name]
+    cluster = soak_job.Cluster(config, tmp_path, shape=soak_plan.Shape.of(config.api, 12, 3),
+                               deadline=time.monotonic() + 60)
+    try:
+        per = config.ranks_per_node
+        assert [cluster.ranks_of(n) for n in range(2)] == [range(0, per), range(per, 2 * per)]
+        cluster.lead_with(1)
+        assert [cluster.ranks_of(n) for n in range(2)] == [range(per, 2 * per), range(0, per)]
+        assert cluster.addrs == {0: "127.0.0.2", 1: "127.0.0.1"}   # what torchrun's --local-addr gets
+    finally:
+        cluster.cleanup()
