@@ -8,12 +8,13 @@
     python benchmarks/soak.py --faults 100 --seed 8 --jobs 3 --json soak-8.json  # three jobs side by side
     python benchmarks/soak.py --seed 7 --only 3 --json r.json --reference-cache /tmp/refs   # reuse references
 
-Each job runs examples/plain_ddp.py or examples/hf_trainer.py on one or two simulated nodes (a torchrun, a shared-
-memory directory and an agent each) at full speed, and takes one fault (``soak_plan.KINDS``) at a step drawn from
-the seed. Each job is compared with one uninterrupted reference run of its configuration: **torn** if any logged
-loss or state differs; **hung** if it outlives its deadline; **leaked** if processes or shared-memory files of the
-job are left after it ends; **failed** if it did not end as it should. A progress line per job; the table and the
-JSON at the end (the JSON is rewritten after every job, so an interrupted soak can ``--resume-from`` it).
+Each job runs examples/plain_ddp.py or examples/hf_trainer.py on one or two simulated nodes (three with
+``--configs plain-3x1``; a torchrun, a shared-memory directory, an address and an agent each) at full speed, and
+takes one fault (``soak_plan.KINDS``) at a step drawn from the seed. Each job is compared with one uninterrupted
+reference run of its configuration: **torn** if any logged loss or state differs; **hung** if it outlives its
+deadline; **leaked** if processes or shared-memory files of the job are left after it ends; **failed** if it did
+not end as it should. A progress line per job; the table and the JSON at the end (the JSON is rewritten after every
+job, so an interrupted soak can ``--resume-from`` it).
 An object_store_outage job persists to an ``s3://`` save_dir on a local S3 server (moto's server mode, one per
 soak, ``soak_store``) through a fault proxy that goes down inside a persist. Kinds the product cannot take yet
 would be named as pending, never thrown; a disk_full whose tmpfs cannot be mounted (not root) is "not run", with
@@ -47,6 +48,7 @@ from soak_faults import DISK_MB, RUNNERS, STOP_BEYOND, Strike, tmpfs  # noqa: E4
 from soak_job import Cluster, Hung  # noqa: E402
 from soak_plan import (  # noqa: E402
     CONFIGS,
+    DEFAULT_CONFIGS,
     KINDS,
     Fault,
     Shape,
@@ -74,7 +76,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="20 faults on 1x1 and 2x1 plain jobs of 12 steps (CI)")
     p.add_argument("--kinds", default=None, help="fault kinds to draw from, comma separated (default: every kind "
                    "the product can take that applies to one of --configs)")
-    p.add_argument("--configs", default=None, help=f"job configurations, comma separated (of {', '.join(CONFIGS)})")
+    p.add_argument("--configs", default=None, help=f"job configurations, comma separated (of {', '.join(CONFIGS)}; "
+                   f"default {', '.join(DEFAULT_CONFIGS)})")
     p.add_argument("--steps", type=int, default=None, help="steps per job (default 20)")
     p.add_argument("--interval", type=int, default=None, help="save_storage_interval / save_steps (default 5)")
     p.add_argument("--job-timeout", type=float, default=600.0, help="seconds a job may take before it counts as hung "
@@ -256,7 +259,7 @@ def settle(args: argparse.Namespace, prior: dict[str, Any]) -> dict[str, Any]:
     settings = {"seed": args.seed, "kinds": args.kinds.split(",") if args.kinds else None, "steps": args.steps,
                 "interval": args.interval, "configs": args.configs.split(",") if args.configs else None,
                 "faults": args.faults}
-    defaults = {**SMOKE} if args.smoke else {"faults": 100, "configs": list(CONFIGS), "steps": 20, "interval": 5}
+    defaults = {**SMOKE} if args.smoke else {"faults": 100, "configs": DEFAULT_CONFIGS, "steps": 20, "interval": 5}
     defaults["kinds"] = available_kinds()
     for key, value in settings.items():
         if prior and value is not None and key in prior and prior[key] != value:

@@ -18,19 +18,21 @@ from typing import Any
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     """One job shape: the integration, simulated nodes, ranks per node; ``weight`` says how often it is drawn
-    (HuggingFace jobs cost two to three times a plain one on CPU, mostly importing transformers)."""
+    (HuggingFace jobs cost two to three times a plain one on CPU, mostly importing transformers); ``default``: drawn
+    when ``--configs`` is not given (a configuration added later is not, so that every earlier seed keeps its draws)."""
 
     api: str
     nodes: int
     ranks_per_node: int
     weight: int
+    default: bool = True
 
     def __post_init__(self) -> None:
         if self.api not in ("plain", "hf"):
             raise ValueError(f"api must be 'plain' (examples/plain_ddp.py) or 'hf' (examples/hf_trainer.py), "
                              f"got {self.api!r}")
-        if self.nodes not in (1, 2) or self.ranks_per_node not in (1, 2) or self.weight < 1:
-            raise ValueError(f"{self.api}: 1 or 2 nodes of 1 or 2 ranks and a positive weight, got {self}")
+        if self.nodes not in (1, 2, 3) or self.ranks_per_node not in (1, 2) or self.weight < 1:
+            raise ValueError(f"{self.api}: 1 to 3 nodes of 1 or 2 ranks and a positive weight, got {self}")
 
     @property
     def name(self) -> str:
@@ -52,7 +54,11 @@ CONFIGS: dict[str, Config] = {c.name: c for c in (
     Config(api="hf", nodes=1, ranks_per_node=1, weight=1),
     Config(api="hf", nodes=1, ranks_per_node=2, weight=1),
     Config(api="hf", nodes=2, ranks_per_node=1, weight=1),
+    # Since 2026-12-04, asked for by name: a node's buddy is then not the only other node (the backups go round a
+    # ring), and a lost node leaves two survivors to agree on the job-wide steps
+    Config(api="plain", nodes=3, ranks_per_node=1, weight=2, default=False),
 )}
+DEFAULT_CONFIGS = [name for name, config in CONFIGS.items() if config.default]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -116,8 +122,8 @@ def _rank_kill(rng: random.Random, config: Config, shape: Shape) -> dict[str, An
 
 
 def _node_loss(rng: random.Random, config: Config, shape: Shape) -> dict[str, Any]:
-    # node 0 hosts the rendezvous store (as a launcher host would): a 2-node job loses node 1; a 1-node job
-    # loses its only node, and with it all memory
+    # node 0 hosts the rendezvous store (as a launcher host would): a multi-node job loses its last node; a 1-node
+    # job loses its only node, and with it all memory
     fault = {"step": shape.strike(rng), "victim": config.nodes - 1,
              "moment": rng.choice(["stop_mid_copy", "stop_before_commit", "external"])}
     # "leader": half the time the lost node runs rank 0, so its agent is the one that decides the job-wide steps and
@@ -250,7 +256,7 @@ def plan(seed: int, index: int, *, kinds: Sequence[str], configs: Sequence[str],
 _KIND_COST = {("disk_full", "never"): 1.8, ("object_store_outage", "never"): 2.5, ("object_store_outage", "crash"): 1.6,
               ("disk_full", "crash"): 1.2, ("flip_disk", ""): 1.6, ("rank_stop", "kill"): 1.3, ("agent_kill", ""): 0.8}
 _CONFIG_COST = {"plain-1x1": 1.0, "plain-1x2": 1.0, "plain-2x1": 1.4, "plain-2x2": 1.4, "hf-1x1": 1.4,
-                "hf-1x2": 1.6, "hf-2x1": 1.9}
+                "hf-1x2": 1.6, "hf-2x1": 1.9, "plain-3x1": 1.8}
 
 
 def expected_cost(fault: Fault) -> float:
