@@ -192,7 +192,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind(name="rank_kill", what="SIGKILL of one rank (inside its snapshot copy, before the commit, or from outside)",
          draw=_rank_kill),
     Kind(name="node_loss", what="SIGKILL of every process of a simulated node (launcher, ranks, agent), its shared "
-                                "memory wiped; a replacement node joins. In a 2-node job half of them lose the node "
+                                "memory wiped; a replacement node joins. In a multi-node job half of them lose the node "
                                 "that leads (variant 'leader': it runs rank 0)", draw=_node_loss),
     Kind(name="agent_kill", what="SIGKILL of a node agent in the middle of a persist (after a file, before the "
                                  "marker, before the tracker) or idle", draw=_agent_kill),
