@@ -9,6 +9,7 @@ waited for.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import re
@@ -191,7 +192,7 @@ class Cluster:
     def ranks_of(self, node: int) -> range:
         """The ranks ``node`` runs in the current rendezvous round: the nodes take them in the order of their
         addresses."""
-        place = sorted(self.addrs, key=lambda n: tuple(map(int, self.addrs[n].split(".")))).index(node)
+        place = sorted(self.addrs, key=lambda n: ipaddress.ip_address(self.addrs[n])).index(node)
         return range(place * self.config.ranks_per_node, (place + 1) * self.config.ranks_per_node)
 
     def rows(self, rank: int) -> list[dict[str, Any]]:
