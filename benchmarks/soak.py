@@ -53,6 +53,7 @@ from soak_plan import (  # noqa: E402
     Fault,
     Shape,
     available_kinds,
+    check_configs,
     check_names,
     expected_cost,
     fitting,
@@ -267,6 +268,7 @@ def settle(args: argparse.Namespace, prior: dict[str, Any]) -> dict[str, Any]:
         settings[key] = prior.get(key, value) if value is None else value
         if settings[key] is None:
             settings[key] = defaults[key] if key != "seed" else random.SystemRandom().randrange(1 << 30)
+    check_configs(settings["configs"])   # the kinds left out below are looked up by configuration
     if args.kinds is None and "kinds" not in prior:
         # every kind by default: those that fit none of the chosen configurations are left out, and said so
         left_out = [kind for kind in settings["kinds"] if not fitting(kind, settings["configs"])]

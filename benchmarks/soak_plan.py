@@ -219,13 +219,18 @@ def check_names(kinds: Sequence[str], configs: Sequence[str]) -> None:
             raise SystemExit(f"--kinds: no fault kind {name!r}; the kinds are {', '.join(KINDS)}")
         if KINDS[name].unavailable:
             raise SystemExit(f"--kinds: {name} is not available yet: {KINDS[name].unavailable}")
-    for name in configs:
-        if name not in CONFIGS:
-            raise SystemExit(f"--configs: no configuration {name!r}; they are {', '.join(CONFIGS)}")
+    check_configs(configs)
     for name in kinds:
         if not fitting(name, configs):
             raise SystemExit(f"--kinds: {name} applies to none of the configurations {', '.join(configs)}: leave it "
                              f"out of --kinds, or add one of {', '.join(fitting(name, list(CONFIGS)))} to --configs")
+
+
+def check_configs(configs: Sequence[str]) -> None:
+    """Refuse a configuration that does not exist, naming those that do (before anything looks one up)."""
+    for name in configs:
+        if name not in CONFIGS:
+            raise SystemExit(f"--configs: no configuration {name!r}; they are {', '.join(CONFIGS)}")
 
 
 def fitting(kind: str, configs: Sequence[str]) -> list[str]:

@@ -37,3 +37,12 @@ def test_a_kind_asked_for_that_fits_none_of_the_configurations_is_refused_before
                                          r"leave it out of --kinds, or add one of plain-1x1, .* to --configs"):
         soak.settle(soak.parse(["--configs", "hf-1x1", "--kinds", "rank_kill,object_store_outage", "--seed", "1",
                                "--json", "x.json"]), {})
+
+
+def test_a_configuration_that_does_not_exist_is_refused_by_name_with_the_default_kinds_too() -> None:
+    """``--configs plain-4x1`` without ``--kinds`` once ended in a KeyError: the default kinds were matched against
+    the configurations before any name was checked."""
+    soak = importlib.import_module("soak")
+    for argv in (["--configs", "plain-4x1"], ["--configs", "plain-2x1,plain-4x1", "--kinds", "rank_kill"]):
+        with pytest.raises(SystemExit, match=r"--configs: no configuration 'plain-4x1'; they are plain-1x1, .*plain-3x1"):
+            soak.settle(soak.parse([*argv, "--seed", "1", "--json", "x.json"]), {})
