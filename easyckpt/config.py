@@ -86,14 +86,15 @@ class CheckpointerConfig:
             )
         for name in ("agent_idle_timeout", "agent_start_timeout", "load_timeout", "close_timeout", "pin_timeout",
                      "peer_timeout", "flush_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+            setattr(self, name, _seconds(name, getattr(self, name)))
         if self.max_backup_lag is None:
             self.max_backup_lag = min(BACKUP_LAG_SNAPSHOTS * self.save_mem_interval, self.save_storage_interval)
         if not isinstance(self.max_backup_lag, int) or isinstance(self.max_backup_lag, bool) or self.max_backup_lag < 0:
             raise ValueError(f"max_backup_lag must be an int >= 0 (steps; 0: never wait), got {self.max_backup_lag!r}")
-        if not isinstance(self.final_persist, bool):
-            raise ValueError(f"final_persist must be True or False, got {self.final_persist!r}")
+        for name in ("final_persist", "start_agent", "replicate_unique"):
+            if not isinstance(getattr(self, name), bool):
+                # a string from a config file or the environment ("false") would be taken as True
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.slots is None and os.environ.get(SLOTS_ENV):
             text = os.environ[SLOTS_ENV]
             if not text.strip().isdigit() or not MIN_SLOTS <= int(text) <= MAX_SLOTS:
@@ -116,7 +117,7 @@ class CheckpointerConfig:
             raise OSError(f"shm_dir {self.shm_dir} (EASYCKPT_SHM_DIR or shm_dir=) does not exist and cannot be "
                           f"created: {exc.strerror or exc}; point it at a writable tmpfs such as /dev/shm") from None
         if self.log_file_path is not None:
-            self.log_file_path = str(Path(self.log_file_path).expanduser().resolve())
+            self.log_file_path = str(_log_file(Path(self.log_file_path).expanduser().resolve()))
         # torchrun counts only the restarts its own workers' failures caused: workers restarted because another
         # node's failed (a membership change) see TORCHELASTIC_RESTART_COUNT=0, but find this job's slots here
         check_writable(self.save_dir, resuming=is_url(self.save_dir) and bool(list_slots(self.shm_dir, self.job_id)))
@@ -127,6 +128,33 @@ class CheckpointerConfig:
 
 def _is_a_file(path: Path) -> str:
     return f"{path} is a file, not a directory"
+
+
+def _seconds(name: str, value: object) -> float:
+    """A timeout in seconds: a positive, finite real number (a string read from a config file, NaN or infinity is
+    refused here, naming the setting, rather than failing in a comparison or never ending a wait)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds (int or float), got {type(value).__name__} {value!r}")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    return value
+
+
+def _log_file(path: Path) -> Path:
+    """The agent appends one line per persist to ``path``: a directory there, or a folder that cannot be created,
+    is said now (the agent could only warn in its own log, which nobody reads, at every persist)."""
+    if path.is_dir():
+        raise IsADirectoryError(f"log_file_path {path} is a directory; give a file in it, e.g. "
+                                f"log_file_path='{path / 'easyckpt-persists.log'}'")
+    blocker = protocol.file_in_the_way(path.parent)
+    if blocker is not None:
+        raise NotADirectoryError(f"log_file_path {path}: {_is_a_file(blocker)}; give a file in a directory")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OSError(f"log_file_path {path}: its directory cannot be created: {exc.strerror or exc}; give a file "
+                      "in a writable directory") from None
+    return path
 
 
 def check_writable(save_dir: Path, *, resuming: bool = False) -> None:

@@ -97,6 +97,7 @@ class PersistScheduler:
         # agent a rank just started hears a rank's FLUSH, or finds due steps in the slots, before the PEERS that
         # another rank's socket carries. It waits for them, up to PEERS_GRACE seconds.
         self.no_peers = Episode(logger, logging.INFO)
+        self.log_file_failing = Episode(logger)   # log_file_path cannot be appended to (said once, and when it can)
         self.last_passed = -1
         self.passed_since_claim = False
 
@@ -307,7 +308,10 @@ class PersistScheduler:
                 with open(path, "a", encoding="utf-8") as handle:
                     handle.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
             except OSError as exc:
-                logger.warning("cannot append to log_file_path %s: %s", path, exc)
+                self.log_file_failing.hit("cannot append to log_file_path %s: %s (the persists go on; said once)",
+                                          path, exc)
+            else:
+                self.log_file_failing.end("log_file_path %s takes the persists' lines again", path)
 
     def persist_failed(self, step: int, exc: PersistFailed) -> None:
         """One line per failed persist; the step is not retried (a newer due step, or a rank's request, is)."""

@@ -59,3 +59,50 @@ def test_the_default_backup_lag_is_two_snapshot_intervals_at_most_the_persist_in
 
     assert config(None).max_backup_lag == lag
     assert config(0).max_backup_lag == 0, "0 still turns the gate off"
+
+
+def _config(tmp_path: Path, **given: object) -> CheckpointerConfig:
+    return CheckpointerConfig(save_dir=tmp_path / "ckpt", save_mem_interval=1, save_storage_interval=5, max_ckpt_num=2,
+                              shm_dir=tmp_path / "shm", **given)   # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["flush_timeout", "peer_timeout", "load_timeout", "agent_start_timeout"])
+@pytest.mark.parametrize("value, error, says", [
+    ("10", TypeError, "must be a number of seconds (int or float), got str '10'"),   # read from a config file
+    (True, TypeError, "got bool True"),
+    (float("nan"), ValueError, "positive, finite number of seconds, got nan"),
+    (float("inf"), ValueError, "positive, finite number of seconds, got inf"),
+    (0, ValueError, "positive, finite number of seconds, got 0"),
+    (-1.5, ValueError, "got -1.5"),
+])
+def test_a_timeout_that_is_not_a_positive_finite_number_is_refused_by_name(
+        name: str, value: object, error: type[Exception], says: str, tmp_path: Path) -> None:
+    """A timeout read from a YAML file or the environment arrives as a string: refused naming the setting, not with
+    a comparison's TypeError; NaN and infinity would end a wait at once or never."""
+    with pytest.raises(error) as info:
+        _config(tmp_path, **{name: value})
+    assert str(info.value).startswith(f"{name} must be") and says in str(info.value), info.value
+    assert _config(tmp_path, **{name: 2}).__dict__[name] == 2, "an int of seconds is fine"
+
+
+@pytest.mark.parametrize("name", ["start_agent", "replicate_unique", "final_persist"])
+@pytest.mark.parametrize("value", ["false", 0, None])
+def test_a_switch_that_is_not_a_bool_is_refused(name: str, value: object, tmp_path: Path) -> None:
+    """``start_agent="false"`` from the environment would be taken as True and spawn an agent."""
+    with pytest.raises(ValueError, match=f"{name} must be True or False, got {value!r}"):
+        _config(tmp_path, **{name: value})
+
+
+def test_a_log_file_path_that_names_a_directory_is_refused_with_a_file_to_use(tmp_path: Path) -> None:
+    """The agent appends a line per persist to log_file_path: a directory there could only be warned about in the
+    agent's own log. A file in a folder that does not exist yet is fine: the folder is made."""
+    with pytest.raises(IsADirectoryError) as info:
+        _config(tmp_path, log_file_path=str(tmp_path))
+    assert f"log_file_path {tmp_path} is a directory" in str(info.value)
+    assert f"log_file_path='{tmp_path / 'easyckpt-persists.log'}'" in str(info.value), info.value
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(NotADirectoryError, match=f"{tmp_path / 'a-file'} is a file, not a directory"):
+        _config(tmp_path, log_file_path=str(tmp_path / "a-file" / "persists.log"))
+    wanted = tmp_path / "logs" / "new" / "persists.log"
+    assert _config(tmp_path, log_file_path=str(wanted)).log_file_path == str(wanted)
+    assert wanted.parent.is_dir() and not wanted.exists(), "the folder is made, the file is the agent's to write"
