@@ -51,15 +51,6 @@ def _epilog(lines: tuple[str, ...] | None) -> str:
     return f"{env}\n\nmore: {where}"
 
 
-def _target(text: str) -> Path:
-    """A save_dir or iteration directory on the command line: a path or an ``s3://`` URL (SystemExit naming the
-    schemes that work for any other)."""
-    try:
-        return as_path(text)
-    except UnsupportedLocation as exc:
-        raise SystemExit(str(exc)) from None
-
-
 def _not_a_directory(path: Path) -> str | None:
     """Why ``path`` cannot be listed or verified (None: it is a directory)."""
     if path.is_dir():
@@ -78,7 +69,7 @@ def _iterations(target: Path) -> tuple[Path, list[tuple[int, Path, bool]], bool]
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    target = _target(args.dir)
+    target = as_path(args.dir)   # another scheme: UnsupportedLocation, said by main
     problem = _not_a_directory(target)
     if problem is not None:
         print(problem, file=sys.stderr)
@@ -154,7 +145,7 @@ def _parses(path: Path) -> bool:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    target = _target(args.dir)
+    target = as_path(args.dir)   # another scheme: UnsupportedLocation, said by main
     problem = _not_a_directory(target)
     if problem is not None:
         print(problem, file=sys.stderr)
@@ -197,7 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "reading the tensors, `easyckpt verify` reads every byte); INCOMPLETE (no commit "
                                     "marker: a persist that never finished, never loaded). Marks the iteration the "
                                     "tracker names, the health verdicts of health_ckpts.json, and iterations a resume "
-                                    "moved aside (.abandoned-*). Exit 0, or 2 when DIR is not a directory.")
+                                    "moved aside (.abandoned-*). Exit 0, or 2 when DIR is not a directory or cannot "
+                                    "be read.")
     ls.add_argument("dir", metavar="DIR", help="a save_dir, or one iteration_N directory in it")
     ls.set_defaults(func=cmd_ls)
     verify = sub.add_parser("verify", help="re-read every file and check every checksum (exit 1 on damage)",
@@ -208,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
                                         "iterations. Prints OK or DAMAGED with the file and the tensor per iteration, "
                                         "or INCOMPLETE for one without its commit marker (a persist under way or one "
                                         "that failed: never loaded, not damage). Exit 0 when all is well, 1 on "
-                                        "damage, 2 when DIR is not a directory.")
+                                        "damage, 2 when DIR is not a directory or cannot be read.")
     verify.add_argument("dir", metavar="DIR", help="a save_dir, or one iteration_N directory in it")
     verify.set_defaults(func=cmd_verify)
     status = sub.add_parser(
@@ -269,7 +261,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"easyckpt: {exc}", file=sys.stderr)
             return 2
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except (UnsupportedLocation, OSError) as exc:
+        # A location that cannot be read (a scheme with no storage, a store that refuses us, a folder we may not
+        # list): the message names the path and the fix; a traceback would only bury it. DEBUG keeps it.
+        logging.getLogger(__name__).debug("easyckpt %s failed", args.command, exc_info=True)
+        said = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        where = f"{exc.filename}: " if isinstance(exc, OSError) and exc.filename else ""
+        print(f"easyckpt {args.command}: {where}{said}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -159,6 +159,27 @@ def test_verify_of_a_missing_dir_exits_2(env: Env) -> None:
     assert proc.returncode == 2 and f"{missing}: no such directory" in proc.stderr
 
 
+@pytest.mark.parametrize("command", ["ls", "verify", "status", "clean"])
+@pytest.mark.parametrize("where, says", [
+    ("gs://bucket/run", "gs://bucket/run: the gs:// scheme has no storage implementation here"),
+    ("s3:/bucket/run", "looks like the URL s3://bucket/run with its '//' lost"),   # str(Path("s3://bucket/run"))
+    ("s3://bucket/run", "s3://bucket/run: no AWS credentials found"),
+])
+def test_a_location_that_cannot_be_read_exits_2_with_the_message_and_no_traceback(env: Env, command: str, where: str,
+                                                                                   says: str) -> None:
+    """Every command that takes a save_dir says why it cannot read it (the scheme, the lost '//', the credentials to
+    set) in one line on stderr: a traceback buried the message (``status gs://...``, ``ls s3://...`` without
+    credentials did)."""
+    environ = {name: value for name, value in env.environ().items() if not name.startswith("AWS_")}
+    missing = str(env.tmp_path / "no-aws-files")
+    environ.update(AWS_SHARED_CREDENTIALS_FILE=missing, AWS_CONFIG_FILE=missing, AWS_EC2_METADATA_DISABLED="true")
+    proc = subprocess.run([sys.executable, "-m", "easyckpt.cli", command, where], capture_output=True, text=True,
+                          timeout=60, env=environ, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.startswith(f"easyckpt {command}: "), proc.stderr
+    assert says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
 # status -----------------------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_status_shows_rank_pid_and_slots_while_a_checkpointer_is_open(env: Env) -> None:
