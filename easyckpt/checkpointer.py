@@ -308,11 +308,17 @@ class Checkpointer:
         started = time.monotonic()
         self.stager.take_owed(timeout / 2)   # the newest state, if its snapshot was skipped and it did not move
         self.stager.wait()
-        step = self.stager.last_commit_step
+        step = self._newest_own_step()
         if step is None:
             return FlushResult(step=None, durable=False, committed=False, persisted=None, seconds=0.0,
-                               error="this process has taken no snapshot")
+                               error="this process has taken no snapshot and resumed from none in its memory")
         return self._flush_step(step, timeout, started)
+
+    def _newest_own_step(self) -> int | None:
+        """The newest step in this rank's slots: its last snapshot, else the step ``load()`` resumed from memory
+        or replicas (a flush or the end of a run right after a resume, before the next snapshot)."""
+        step = self.stager.last_commit_step
+        return self._resumed if step is None else step
 
     def _flush_step(self, step: int, timeout: float, started: float, what: str = "flush_timeout") -> FlushResult:
         reply = self.agent.flush(step, wait=True, timeout=max(0.0, timeout - (time.monotonic() - started)))
@@ -438,9 +444,7 @@ class Checkpointer:
         """Make the newest snapshot durable at the end of the run (None: not wanted, or nothing to persist).
         A process that resumed from memory and took no snapshot since ends with that step (a rerun after
         close() raised PersistError, say)."""
-        step = self.stager.last_commit_step
-        if step is None:
-            step = self._resumed
+        step = self._newest_own_step()
         if not self.config.final_persist or step is None:
             return None
         result = self._flush_step(step, timeout, started, what)

@@ -353,6 +353,28 @@ def test_flush_makes_the_newest_snapshot_durable_before_it_returns(env: Env) -> 
     assert (restored.step, restored.source) == (5, "disk") and torch.equal(restored.state["w"], torch.full((4096,), 5.0))
 
 
+def test_a_flush_right_after_a_resume_from_memory_makes_the_resumed_step_durable(env: Env) -> None:
+    """A process that resumed from memory holds that step in its slot before its first snapshot: flush() (a SIGTERM
+    handler's, right after a restart) makes it durable, as the end of such a run does, instead of answering that
+    the process has taken no snapshot. Nothing is due (save_storage_interval=1000), so the disk has only the
+    flush's."""
+    first = make(env, save_storage_interval=1000, final_persist=False)
+    for step in (1, 2):
+        first.save_if_needed(step, {"w": torch.full((256,), float(step)), "step": step})
+    first.wait()
+    first.close(failed=True)   # a failed run: the agent keeps the snapshots in memory for the restart
+    assert complete_steps(env) == [], "nothing was due, and final_persist=False"
+    ck = make(env, save_storage_interval=1000)
+    try:
+        resumed = ck.load({"w": torch.zeros(256), "step": 0})
+        assert (resumed.step, resumed.source) == (2, "memory"), resumed
+        result = ck.flush(timeout=60)
+        assert (result.step, result.durable, result.error) == (2, True, None), result
+        assert complete_steps(env) == [2]
+    finally:
+        ck.close()
+
+
 def test_a_flush_no_local_rank_can_complete_is_answered_at_once(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 asks for step 2, which rank 1 (same node) moved past without: the agent says so instead of
     letting rank 0 wait out its timeout; and nothing is written."""
