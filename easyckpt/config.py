@@ -73,9 +73,7 @@ class CheckpointerConfig:
         self.save_dir = location(self.save_dir, "save_dir")   # a URL of a scheme with no storage here is refused now
         for name in ("save_mem_interval", "save_storage_interval", "max_ckpt_num", "copy_threads",
                      "cuda_copy_streams"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_count(name, getattr(self, name))
         if self.save_storage_interval % self.save_mem_interval:
             suggestion = self.save_storage_interval // self.save_mem_interval * self.save_mem_interval \
                 or self.save_mem_interval
@@ -86,7 +84,7 @@ class CheckpointerConfig:
             )
         for name in ("agent_idle_timeout", "agent_start_timeout", "load_timeout", "close_timeout", "pin_timeout",
                      "peer_timeout", "flush_timeout"):
-            setattr(self, name, _seconds(name, getattr(self, name)))
+            setattr(self, name, check_seconds(name, getattr(self, name)))
         if self.max_backup_lag is None:
             self.max_backup_lag = min(BACKUP_LAG_SNAPSHOTS * self.save_mem_interval, self.save_storage_interval)
         if not isinstance(self.max_backup_lag, int) or isinstance(self.max_backup_lag, bool) or self.max_backup_lag < 0:
@@ -130,7 +128,15 @@ def _is_a_file(path: Path) -> str:
     return f"{path} is a file, not a directory"
 
 
-def _seconds(name: str, value: object) -> float:
+def check_count(name: str, value: object) -> int:
+    """A positive int (steps, slots, checkpoints, threads), refused by name otherwise: also what the integrations
+    check their own counts with, when they are constructed rather than when training starts."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def check_seconds(name: str, value: object) -> float:
     """A timeout in seconds: a positive, finite real number (a string read from a config file, NaN or infinity is
     refused here, naming the setting, rather than failing in a comparison or never ending a wait)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

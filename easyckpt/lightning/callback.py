@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Sin
 
 from easyckpt.checkpointer import Checkpointer
 from easyckpt.collectives import all_ok
+from easyckpt.config import check_count, check_seconds
 from easyckpt.health import configure, embedding_local_norm
 from easyckpt.lightning import connector, data, sampling, sharded
 from easyckpt.lightning.export import Exporter
@@ -101,10 +102,8 @@ class EasyCkpt(Callback):
                  embedding_local_norm_threshold: float | None = None, export_timeout: float = 600.0,
                  **checkpointer_kwargs: Any) -> None:
         super().__init__()
-        if not isinstance(save_mem_interval, int) or isinstance(save_mem_interval, bool) or save_mem_interval < 1:
-            raise ValueError(f"EasyCkpt: save_mem_interval must be a positive int, got {save_mem_interval!r}")
-        if export_timeout <= 0:
-            raise ValueError(f"EasyCkpt: export_timeout must be positive, got {export_timeout!r}")
+        check_count("EasyCkpt: save_mem_interval", save_mem_interval)
+        check_seconds("EasyCkpt: export_timeout", export_timeout)
         self.skipper, thresholds = configure(
             use_skip_data_by_global_norm=use_skip_data_by_global_norm,
             global_norm_spike_threshold=global_norm_spike_threshold,

@@ -18,6 +18,7 @@ from transformers import Trainer, TrainerCallback
 
 from easyckpt.checkpointer import Checkpointer
 from easyckpt.collectives import all_gather_text, all_ok
+from easyckpt.config import check_count, check_seconds
 from easyckpt.health import configure
 from easyckpt.transformers import fsdp, snapshot, zero
 from easyckpt.transformers.export import POLL, Exporter
@@ -110,8 +111,7 @@ class TrainerWrapper:
                  **checkpointer_kwargs: Any) -> None:
         if not isinstance(trainer, Trainer):
             raise TypeError(f"TrainerWrapper wraps a transformers.Trainer, got {type(trainer).__qualname__}")
-        if not isinstance(save_mem_interval, int) or isinstance(save_mem_interval, bool) or save_mem_interval < 1:
-            raise ValueError(f"save_mem_interval must be a positive int, got {save_mem_interval!r}")
+        check_count("save_mem_interval", save_mem_interval)
         # Before anything is created or written: a misconfigured job must not touch output_dir or save_dir.
         check_world_size(trainer)
         self.zero_stage = zero.check_config(trainer) if getattr(trainer, "is_deepspeed_enabled", False) else None
@@ -153,11 +153,12 @@ class TrainerWrapper:
         self.persist_interval = self.save_steps if self.save_steps else save_mem_interval * _NEVER
         # location(): an s3:// URL stays one (Path() would make it the local folder "s3:/bucket/prefix")
         self.save_dir = location(checkpointer_kwargs.pop("save_dir", self.output_dir / "easyckpt"), "save_dir")
-        self.max_ckpt_num = int(checkpointer_kwargs.pop("max_ckpt_num", 2))
+        self.max_ckpt_num = check_count("TrainerWrapper: max_ckpt_num", checkpointer_kwargs.pop("max_ckpt_num", 2))
         self.log_file_path = checkpointer_kwargs.pop("log_file_path", None)
         staging = checkpointer_kwargs.pop("staging_dir", None)
         self.staging_dir = Path(staging) if staging is not None else None
-        self.export_timeout = float(checkpointer_kwargs.pop("export_timeout", 600.0))
+        self.export_timeout = check_seconds("TrainerWrapper: export_timeout",
+                                            checkpointer_kwargs.pop("export_timeout", 600.0))
         self.options = checkpointer_kwargs
         self.ckpt: Checkpointer | None = None
         self.resumed: ResumeInfo | None = None

@@ -373,6 +373,13 @@ def test_configuration_errors_name_the_fix(tmp_path: Path) -> None:
         TrainerWrapper(trainer(), save_storage_interval=10)
     with pytest.raises(NotImplementedError, match="save_on_each_node=False"):
         TrainerWrapper(trainer(save_on_each_node=True))
+    # read from a config file as strings: refused by name when the wrapper is made, not once train() starts
+    with pytest.raises(ValueError, match=r"TrainerWrapper: max_ckpt_num must be a positive int, got '3'"):
+        TrainerWrapper(trainer(), max_ckpt_num="3")
+    with pytest.raises(TypeError, match=r"TrainerWrapper: export_timeout must be a number of seconds .* got str '60'"):
+        TrainerWrapper(trainer(), export_timeout="60")
+    with pytest.raises(ValueError, match=r"save_mem_interval must be a positive int, got '1'"):
+        TrainerWrapper(trainer(), save_mem_interval="1")
     with pytest.raises(TypeError, match="wraps a transformers.Trainer"):
         TrainerWrapper(object())  # type: ignore[arg-type]
     wrapper = TrainerWrapper(trainer(save_strategy="no"))

@@ -261,4 +261,6 @@ def test_unsupported_strategies_and_bad_keywords_are_refused_at_start(tmp_path: 
         EasyCkpt(global_norm_spike_threshold=1.0)
     with pytest.raises(ValueError, match="save_mem_interval must be a positive int"):
         EasyCkpt(save_mem_interval=0)
+    with pytest.raises(ValueError, match="EasyCkpt: export_timeout must be a positive, finite number of seconds"):
+        EasyCkpt(export_timeout=float("nan"))
     assert not (tmp_path / "easyckpt").exists(), "nothing written"
