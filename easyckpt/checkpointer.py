@@ -449,7 +449,15 @@ class Checkpointer:
             return None
         result = self._flush_step(step, timeout, started, what)
         if result.durable and not result.committed:
-            result = self._await_commit(result, timeout, started)
+            if self.world_size > self.local_world_size:
+                result = self._await_commit(result, timeout, started)
+            else:
+                # One node: the agent publishes an iteration before it counts the step as persisted, so only a
+                # removal behind its back leaves the step persisted and unpublished; no wait would bring it back.
+                logger.warning("easyckpt rank %d: the agent persisted step %d, but it is not the tracked, complete "
+                               "iteration in %s (removed or replaced while the job ran?): the newest snapshot is "
+                               "not on disk; `easyckpt ls %s` shows what is", self.rank, step,
+                               self.config.save_dir, self.config.save_dir)
         if result.committed:
             logger.info("easyckpt rank %d: the final snapshot (step %d) is durable in %s", self.rank, step,
                         self.config.save_dir)

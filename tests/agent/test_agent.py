@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -373,6 +376,29 @@ def test_a_flush_right_after_a_resume_from_memory_makes_the_resumed_step_durable
         assert complete_steps(env) == [2]
     finally:
         ck.close()
+
+
+def test_the_end_of_a_run_whose_persisted_iteration_was_removed_says_so_at_once(
+        env: Env, caplog: pytest.LogCaptureFixture) -> None:
+    """One node: the agent publishes an iteration before it counts the step persisted, so a close() that finds its
+    final step persisted but not published (someone removed the iteration while the job ran) cannot be helped by
+    waiting: it says so now, naming the step and save_dir, instead of waiting flush_timeout for a leader's commit
+    that only a multi-node job has."""
+    ck = make(env, save_storage_interval=2, flush_timeout=20.0)
+    try:
+        for step in (1, 2):
+            ck.save_if_needed(step, {"w": torch.full((256,), float(step)), "step": step})
+        ck.wait()
+        wait_for(lambda: complete_steps(env) == [2], 30, "the agent to persist due step 2")
+        shutil.rmtree(env.save_dir / layout.iteration_dirname(2))
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="easyckpt"):
+            ck.close()
+    finally:
+        ck.close()
+    assert time.monotonic() - started < 10, "close() waited for a commit that no agent would make"
+    said = [r.getMessage() for r in caplog.records if "is not the tracked, complete iteration" in r.getMessage()]
+    assert len(said) == 1 and "step 2" in said[0] and str(env.save_dir) in said[0], said
 
 
 def test_a_flush_no_local_rank_can_complete_is_answered_at_once(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
