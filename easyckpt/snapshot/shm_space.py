@@ -108,21 +108,29 @@ def check_space(directory: Path, *, rank: int, needed: int, slot_bytes: int, cou
     free = free_bytes(directory)
     if needed <= free:
         return
-    total = slot_bytes * full_count * local_ranks
-    suggest = math.ceil(total * 1.25 / (1 << 30))
     two_fit = count > MIN_SLOTS and MIN_SLOTS * slot_bytes * local_ranks <= free
     raise ShmSpaceError(
         f"{directory} has {format_bytes(free)} free, the snapshot of rank {rank} needs {format_bytes(needed)} more "
-        f"({count} slots of {format_bytes(slot_bytes)}): run the container with --shm-size={suggest}g ({full_count} "
-        f"slots per rank x {local_ranks} local rank(s) x {format_bytes(slot_bytes)} = {format_bytes(total)}, plus "
-        "room), or set EASYCKPT_SHM_DIR to a larger tmpfs"
+        f"({count} slots of {format_bytes(slot_bytes)}): "
+        + shm_size_advice(slot_bytes=slot_bytes, full_count=full_count, local_ranks=local_ranks)
         + (f" or EASYCKPT_SLOTS={MIN_SLOTS}" if two_fit else "")
     )
 
 
-def reserve(fd: int, path: Path, size: int, *, rank: int) -> None:
+def shm_size_advice(*, slot_bytes: int, full_count: int, local_ranks: int) -> str:
+    """The fix for a shared memory too small for the node's slots: the ``--shm-size`` that holds them, with the sum."""
+    total = slot_bytes * full_count * local_ranks
+    suggest = math.ceil(total * 1.25 / (1 << 30))
+    return (f"run the container with --shm-size={suggest}g ({full_count} slots per rank x {local_ranks} local rank(s) "
+            f"x {format_bytes(slot_bytes)} = {format_bytes(total)}, plus room), or set EASYCKPT_SHM_DIR to a larger "
+            "tmpfs")
+
+
+def reserve(fd: int, path: Path, size: int, *, rank: int, advice: str | None = None) -> None:
     """Size the slot file ``fd`` (at ``path``) to ``size`` bytes and reserve (and touch) every page now; on a full
-    file system the file keeps its old size and ShmSpaceError names the fix."""
+    file system the file keeps its old size and ShmSpaceError names the fix (``advice``, from
+    :func:`shm_size_advice`). The free-space check before it judges each rank alone, so the node's ranks sizing
+    their slots at once can each pass it and then fill the file system together: this says how full it is."""
     previous = os.fstat(fd).st_size
     os.ftruncate(fd, size)
     try:
@@ -132,8 +140,11 @@ def reserve(fd: int, path: Path, size: int, *, rank: int) -> None:
             return   # no fallocate on this file system: the slot keeps its new size, its pages come on first touch
         os.ftruncate(fd, previous)
         if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            stats = os.statvfs(path.parent)
             raise ShmSpaceError(
-                f"{path}: cannot reserve {format_bytes(size)} for rank {rank}: {exc.strerror}; run the container "
-                "with a larger --shm-size, or set EASYCKPT_SHM_DIR to a larger tmpfs"
+                f"{path}: cannot reserve {format_bytes(size)} for rank {rank}: {exc.strerror} ({path.parent}: "
+                f"{format_bytes(stats.f_bavail * stats.f_frsize)} free of {format_bytes(stats.f_blocks * stats.f_frsize)}"
+                f"); " + (advice or "run the container with a larger --shm-size, or set EASYCKPT_SHM_DIR to a larger "
+                                    "tmpfs")
             ) from None
         raise

@@ -27,6 +27,7 @@ from easyckpt.snapshot.shm_space import (
     reserve,
     say_asked_count,
     say_count,
+    shm_size_advice,
     warn_if_not_memory,
 )
 from easyckpt.snapshot.slot_choice import (
@@ -266,10 +267,12 @@ class RankSlots:
         current = sum(sizes[i] for i in targets)
         # The size to ask for is the job's full count: the one chosen, else the default (fewer were taken only
         # because memory was short).
+        full_count, local = self.wanted or self.default, max(1, self.local_world_size)
         check_space(self.directory, rank=self.rank, needed=size * len(targets) - current, slot_bytes=size,
-                    count=self.count, full_count=self.wanted or self.default, local_ranks=max(1, self.local_world_size))
+                    count=self.count, full_count=full_count, local_ranks=local)
+        advice = shm_size_advice(slot_bytes=size, full_count=full_count, local_ranks=local)
         for target in targets:
-            self._grow(target, size)
+            self._grow(target, size, advice)
         self.sized = True
         result = self.maps[index]
         assert result is not None
@@ -301,7 +304,7 @@ class RankSlots:
         local = max(1, self.local_world_size)
         return self.rank % local == 0 or local == 1
 
-    def _grow(self, index: int, size: int) -> None:
+    def _grow(self, index: int, size: int, advice: str) -> None:
         """Create or enlarge slot ``index``; an existing slot keeps its fd, and so its flock."""
         path = self.path(index)
         slot = self.maps[index]
@@ -309,7 +312,7 @@ class RankSlots:
         if slot is not None:
             slot.unmap()
         try:
-            reserve(fd, path, size, rank=self.rank)
+            reserve(fd, path, size, rank=self.rank, advice=advice)
         finally:
             if slot is None:
                 os.close(fd)

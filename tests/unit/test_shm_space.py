@@ -73,6 +73,13 @@ def test_a_full_file_system_keeps_the_old_size_and_names_the_fix(tmp_path: Path,
             reserve(fd, path, 4 * MIB, rank=5)
         assert os.fstat(fd).st_size == MIB
         assert f"{path}: cannot reserve 4.0 MiB for rank 5" in str(info.value) and "--shm-size" in str(info.value)
+        # the node's ranks sizing their slots at once each pass the free-space check and fill it together: the
+        # message says how full the file system is and the size that holds every local rank's slots
+        with pytest.raises(ShmSpaceError) as info:
+            reserve(fd, path, 4 * MIB, rank=5,
+                    advice=shm_space.shm_size_advice(slot_bytes=4 * MIB, full_count=3, local_ranks=8))
+        assert f"({tmp_path}: " in str(info.value) and " free of " in str(info.value), info.value
+        assert "--shm-size=1g (3 slots per rank x 8 local rank(s) x 4.0 MiB = 96.0 MiB, plus room)" in str(info.value)
     finally:
         os.close(fd)
 
