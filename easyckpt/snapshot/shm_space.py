@@ -101,18 +101,18 @@ def say_asked_count(*, rank: int, count: int, default: int, multi_node: bool, lo
 
 
 def check_space(directory: Path, *, rank: int, needed: int, slot_bytes: int, count: int, full_count: int,
-                local_ranks: int) -> None:
+                local_ranks: int) -> str:
     """Raise ShmSpaceError, naming the ``--shm-size`` to ask for, when ``directory`` has less than ``needed`` bytes
     free for rank ``rank``'s ``count`` slots of ``slot_bytes``; ``full_count`` is the count the job asked for (or
-    the default), which the suggested size covers."""
+    the default), which the suggested size covers. Returns that advice, for :func:`reserve`."""
     free = free_bytes(directory)
+    advice = shm_size_advice(slot_bytes=slot_bytes, full_count=full_count, local_ranks=local_ranks)
     if needed <= free:
-        return
+        return advice
     two_fit = count > MIN_SLOTS and MIN_SLOTS * slot_bytes * local_ranks <= free
     raise ShmSpaceError(
         f"{directory} has {format_bytes(free)} free, the snapshot of rank {rank} needs {format_bytes(needed)} more "
-        f"({count} slots of {format_bytes(slot_bytes)}): "
-        + shm_size_advice(slot_bytes=slot_bytes, full_count=full_count, local_ranks=local_ranks)
+        f"({count} slots of {format_bytes(slot_bytes)}): {advice}"
         + (f" or EASYCKPT_SLOTS={MIN_SLOTS}" if two_fit else "")
     )
 

@@ -27,7 +27,6 @@ from easyckpt.snapshot.shm_space import (
     reserve,
     say_asked_count,
     say_count,
-    shm_size_advice,
     warn_if_not_memory,
 )
 from easyckpt.snapshot.slot_choice import (
@@ -265,12 +264,10 @@ class RankSlots:
         sizes = [m.size if m is not None else 0 for m in self.maps]
         targets = [i for i in range(self.count) if sizes[i] < size] if first else [index]
         current = sum(sizes[i] for i in targets)
-        # The size to ask for is the job's full count: the one chosen, else the default (fewer were taken only
-        # because memory was short).
-        full_count, local = self.wanted or self.default, max(1, self.local_world_size)
-        check_space(self.directory, rank=self.rank, needed=size * len(targets) - current, slot_bytes=size,
-                    count=self.count, full_count=full_count, local_ranks=local)
-        advice = shm_size_advice(slot_bytes=size, full_count=full_count, local_ranks=local)
+        # The size to ask for holds the job's full count: the one chosen, else the default (fewer: memory was short).
+        advice = check_space(self.directory, rank=self.rank, needed=size * len(targets) - current, slot_bytes=size,
+                             count=self.count, full_count=self.wanted or self.default,
+                             local_ranks=max(1, self.local_world_size))
         for target in targets:
             self._grow(target, size, advice)
         self.sized = True
