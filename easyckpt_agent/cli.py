@@ -10,6 +10,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -54,32 +55,58 @@ def _under_torchrun() -> bool:
     return all(name in os.environ for name in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_ADDR"))
 
 
+def _location(text: str) -> Path:
+    """--save-dir: a path or an s3:// URL; argparse says the reason (another scheme, a lost '//'), not only that
+    the value is invalid."""
+    try:
+        return location(text, "--save-dir")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _number(kind: type[int] | type[float], least: float, what: str, most: float = float("inf")) -> Any:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not least <= value <= most or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+    return parse
+
+
+_COUNT = _number(int, 1, "a positive int")
+_SECONDS = _number(float, 1e-9, "a positive number of seconds")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="easyckpt-agent", description=__doc__, epilog=_EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--save-dir", required=True, type=location,
+    parser.add_argument("--save-dir", required=True, type=_location,
                         help="checkpoint directory: a POSIX path or s3://bucket/prefix")
     parser.add_argument("--job-id", help="job id (default: EASYCKPT_JOB_ID, else derived from --save-dir)")
     parser.add_argument("--shm-dir", type=Path, help="where the slots live (default: EASYCKPT_SHM_DIR or /dev/shm)")
-    parser.add_argument("--save-storage-interval", type=int, default=0,
-                        help="persist every Nth step (default: learned from the training ranks)")
-    parser.add_argument("--max-ckpt-num", type=int, default=3, help="complete checkpoints to keep")
+    parser.add_argument("--save-storage-interval", type=_number(int, 0, "an int >= 0 (0: learned from the ranks)"),
+                        default=0, help="persist every Nth step (default: learned from the training ranks)")
+    parser.add_argument("--max-ckpt-num", type=_COUNT, default=3, help="complete checkpoints to keep")
     parser.add_argument("--log-file", help="append one line per persist (step, bytes, seconds, GB/s)")
-    parser.add_argument("--idle-timeout", type=float, default=300.0,
+    parser.add_argument("--idle-timeout", type=_SECONDS, default=300.0,
                         help="exit after this many seconds with no live rank (default 300)")
     parser.add_argument("--nice", type=int, default=10,
                         help="lower the CPU priority of persisting and hashing by this much (default 10)")
-    parser.add_argument("--persist-threads", type=int, default=2, help="files written in parallel (default 2)")
+    parser.add_argument("--persist-threads", type=_COUNT, default=2, help="files written in parallel (default 2)")
     parser.add_argument("--node-id", help="this node's name in the job (default: EASYCKPT_NODE_ID, else the host name)")
     parser.add_argument("--addr", help="address peers reach this agent at, multi-node jobs only "
                                        "(default: EASYCKPT_AGENT_ADDR, else the route to MASTER_ADDR)")
-    parser.add_argument("--port", type=int, help="tcp port of the replica server (default: EASYCKPT_AGENT_PORT, else any)")
+    parser.add_argument("--port", type=_number(int, 0, "a tcp port, 0 to 65535 (0: any)", 65535),
+                        help="tcp port of the replica server (default: EASYCKPT_AGENT_PORT, else any)")
     parser.add_argument("--serve-peers", action="store_true",
                         help="start the tcp replica server at once (set by the torchrun launcher)")
-    parser.add_argument("--shutdown-timeout", type=float,
-                        default=float(os.environ.get(SHUTDOWN_TIMEOUT_ENV, "") or "20"),
+    parser.add_argument("--shutdown-timeout", default=os.environ.get(SHUTDOWN_TIMEOUT_ENV) or "20",
                         help="on SIGTERM/SIGINT, persist for at most this many seconds before exiting "
-                             f"(default: {SHUTDOWN_TIMEOUT_ENV}, else 20)")
+                             f"(default: {SHUTDOWN_TIMEOUT_ENV}, else 20)",
+                        type=_number(float, 1e-9, f"a positive number of seconds (or {SHUTDOWN_TIMEOUT_ENV})"))
     parser.add_argument("--log-level", default=os.environ.get("EASYCKPT_AGENT_LOG_LEVEL") or "INFO", type=str.upper,
                         choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                         help="what the agent logs to stderr: the library starts it with stderr appended to "
@@ -93,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [agent %(process)d] %(name)s: %(message)s")
     save_dir = args.save_dir.resolve()
+    blocker = protocol.file_in_the_way(save_dir)
+    if blocker is not None:
+        build_parser().error(f"--save-dir {save_dir}: {blocker} is a file, not a directory; give the directory that "
+                             "holds (or will hold) the iteration_N checkpoints")
     job_id = check_job_id(args.job_id or protocol.job_id_for(save_dir))
     if args.node_id:
         os.environ[protocol.NODE_ID_ENV] = args.node_id  # the runtime directory is per node

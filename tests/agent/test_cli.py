@@ -180,6 +180,32 @@ def test_a_location_that_cannot_be_read_exits_2_with_the_message_and_no_tracebac
     assert says in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--save-dir", "gs://bucket/run"], "argument --save-dir: gs://bucket/run: the gs:// scheme has no storage"),
+    (["--save-dir", "s3:/bucket/run"], "looks like the URL s3://bucket/run with its '//' lost"),
+    (["--save-dir", "{file}"], "{file} is a file, not a directory"),
+    (["--max-ckpt-num", "0"], "argument --max-ckpt-num: '0' is not a positive int"),
+    (["--save-storage-interval", "-5"], "argument --save-storage-interval: '-5' is not an int >= 0"),
+    (["--idle-timeout", "nan"], "argument --idle-timeout: 'nan' is not a positive number of seconds"),
+    (["--port", "70000"], "argument --port: '70000' is not a tcp port, 0 to 65535"),
+    (["--persist-threads", "two"], "argument --persist-threads: 'two' is not a positive int"),
+])
+def test_the_standalone_agent_refuses_bad_arguments_naming_them(env: Env, args: list[str], says: str) -> None:
+    """``python -m easyckpt_agent`` as a user starts it (standalone, or under torchrun): a bad argument is one usage
+    line naming it and why, exit 2, before any lock, runtime directory or slot is touched. A save_dir that is a
+    file was a FileExistsError traceback; a count of 0 was taken (an agent that kept no checkpoint ran)."""
+    file = env.tmp_path / "a-file"
+    file.write_text("")
+    argv = [a.format(file=file) for a in args]
+    if "--save-dir" not in argv:
+        argv += ["--save-dir", str(env.save_dir)]
+    proc = subprocess.run([sys.executable, "-m", "easyckpt_agent", *argv], capture_output=True, text=True,
+                          timeout=60, env=env.environ(), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert says.format(file=file) in proc.stderr.splitlines()[-1], proc.stderr
+    assert not env.runtime_dir.exists() or not any(env.runtime_dir.iterdir()), "nothing of a job was created"
+
+
 # status -----------------------------------------------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_status_shows_rank_pid_and_slots_while_a_checkpointer_is_open(env: Env) -> None:
