@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (2-D mesh dp x tp when > 1)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args()
+    if "RANK" not in os.environ:   # else torch.distributed only says that RANK is not set
+        parser.error(f"run it under torchrun: torchrun --nproc-per-node=2 {sys.argv[0]} ARGS")
     logging.basicConfig(level=os.environ.get("EASYCKPT_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s rank%(process)d %(name)s: %(message)s")
     if args.device == "cuda":

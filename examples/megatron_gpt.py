@@ -60,6 +60,7 @@ import logging
 import os
 import random
 import signal
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -293,6 +294,8 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=None, help="rank 1 SIGKILLs itself once its snapshot of this "
                         "iteration is in memory (a fresh start only)")
     cli = parser.parse_args()
+    if "RANK" not in os.environ:   # else torch.distributed only says that RANK is not set
+        parser.error(f"run it under torchrun: torchrun --nproc-per-node=2 {sys.argv[0]} ARGS")
     logging.basicConfig(level=os.environ.get("EASYCKPT_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s rank%(process)d %(name)s: %(message)s")
     if cli.cuda:

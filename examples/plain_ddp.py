@@ -26,6 +26,7 @@ import logging
 import os
 import random
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -113,6 +114,8 @@ def main() -> None:
     parser.add_argument("--peer-timeout", type=float, default=10.0,
                         help="multi-node: seconds one request to another node's agent may take")
     args = parser.parse_args()
+    if "RANK" not in os.environ:   # else torch.distributed only says that RANK is not set
+        parser.error(f"run it under torchrun: torchrun --nproc-per-node=2 {sys.argv[0]} ARGS")
     logging.basicConfig(level=os.environ.get("EASYCKPT_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s rank%(process)d %(name)s: %(message)s")
     dist.init_process_group("gloo")

@@ -442,6 +442,21 @@ def test_status_with_a_stuck_or_dead_agent_names_the_job_and_which(env: Env) -> 
 
 
 # entry points -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("example", ["plain_ddp.py", "fsdp2_train.py", "megatron_gpt.py"])
+def test_an_example_run_without_torchrun_says_how_to_run_it(env: Env, example: str) -> None:
+    """``python examples/plain_ddp.py ...`` is what a new user types first: one usage line with the torchrun command,
+    not torch.distributed's traceback about an unset RANK."""
+    environ = {k: v for k, v in env.environ().items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    script = ROOT / "examples" / example
+    args = ["--save-dir", str(env.save_dir), "--out", str(env.tmp_path / "out")]
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=120,
+                          env=environ, check=False, cwd=str(ROOT))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"run it under torchrun: torchrun --nproc-per-node=2 {script}" in proc.stderr, proc.stderr[-3000:]
+    assert not env.save_dir.exists() or not any(env.save_dir.iterdir()), "nothing was written"
+
+
 @pytest.mark.parametrize("module, expect", [("easyckpt_agent", "--save-dir"), ("easyckpt.cli", "verify")])
 def test_python_m_help_exits_0(env: Env, module: str, expect: str) -> None:
     proc = subprocess.run([sys.executable, "-m", module, "--help"], check=False, capture_output=True, text=True,
