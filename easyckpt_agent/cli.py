@@ -19,7 +19,7 @@ from easyckpt_agent.server import Agent, AgentConfig
 from easyckpt_wire import protocol
 from easyckpt_wire.runtime import remove_runtime_dir, take_lock
 from easyckpt_wire.shm import check_job_id, shm_dir
-from easyckpt_wire.storage import location
+from easyckpt_wire.storage import is_url, location
 
 logger = logging.getLogger("easyckpt_agent")
 
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [agent %(process)d] %(name)s: %(message)s")
     save_dir = args.save_dir.resolve()
-    blocker = protocol.file_in_the_way(save_dir)
+    blocker = None if is_url(save_dir) else protocol.file_in_the_way(save_dir)
     if blocker is not None:
         build_parser().error(f"--save-dir {save_dir}: {blocker} is a file, not a directory; give the directory that "
                              "holds (or will hold) the iteration_N checkpoints")
