@@ -84,7 +84,7 @@ class CheckpointerConfig:
             )
         for name in ("agent_idle_timeout", "agent_start_timeout", "load_timeout", "close_timeout", "pin_timeout",
                      "peer_timeout", "flush_timeout"):
-            setattr(self, name, check_seconds(name, getattr(self, name)))
+            check_seconds(name, getattr(self, name))
         if self.max_backup_lag is None:
             self.max_backup_lag = min(BACKUP_LAG_SNAPSHOTS * self.save_mem_interval, self.save_storage_interval)
         if not isinstance(self.max_backup_lag, int) or isinstance(self.max_backup_lag, bool) or self.max_backup_lag < 0:
