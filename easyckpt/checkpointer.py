@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from easyckpt.config import CheckpointerConfig, check_step
+from easyckpt.config import PERSIST_ON_REQUEST, CheckpointerConfig, check_step
 from easyckpt.logs import apply_env_level, notice
 from easyckpt.node.client import AgentClient, check_running_agent
 from easyckpt.node.lag_gate import LagGate
@@ -135,9 +135,11 @@ class Checkpointer:
         # sockets and maps are released without blocking; at interpreter exit an unclosed one says goodbye.
         self._finalizer = weakref.finalize(self, _release, self.stager, self.agent, self.slots)
         atexit.register(Checkpointer._goodbye_at_exit, weakref.ref(self))
-        logger.info("easyckpt rank %d/%d: job %s, save_dir %s, shm %s, snapshot every %d, persist every %d, keep %d",
+        persist = ("the steps asked for" if config.save_storage_interval >= PERSIST_ON_REQUEST
+                   else f"every {config.save_storage_interval}")
+        logger.info("easyckpt rank %d/%d: job %s, save_dir %s, shm %s, snapshot every %d, persist %s, keep %d",
                     self.rank, self.world_size, config.job_id, config.save_dir, config.shm_dir,
-                    config.save_mem_interval, config.save_storage_interval, config.max_ckpt_num)
+                    config.save_mem_interval, persist, config.max_ckpt_num)
 
     def load(self, state_dict: Any = None, *, load_dir: str | os.PathLike[str] | None = None,
              allow_unhealthy: bool = False, reshard: bool = True, announce: bool = True) -> LoadResult:

@@ -23,6 +23,9 @@ SLOTS_ENV = "EASYCKPT_SLOTS"
 # gate at two snapshots").
 BACKUP_LAG_SNAPSHOTS = 2
 MIN_SLOTS = 2
+# A save_storage_interval this large persists no step by the interval, only those asked for (the HF and Lightning
+# integrations' saves, flush, close): those integrations pass save_mem_interval times this.
+PERSIST_ON_REQUEST = 1 << 40
 # One text for slots= and EASYCKPT_SLOTS, so that what the message offers is what is accepted.
 SLOTS_RANGE = (f"use an int from {MIN_SLOTS} to {MAX_SLOTS} slots per rank (the default is 3 when shared memory has "
                "room, else 2; 2 needs less memory, more keep older snapshots in memory)")

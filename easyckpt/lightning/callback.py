@@ -18,7 +18,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Sin
 
 from easyckpt.checkpointer import Checkpointer
 from easyckpt.collectives import all_ok
-from easyckpt.config import check_count, check_seconds
+from easyckpt.config import PERSIST_ON_REQUEST, check_count, check_seconds
 from easyckpt.health import configure, embedding_local_norm
 from easyckpt.lightning import connector, data, sampling, sharded
 from easyckpt.lightning.export import Exporter
@@ -29,7 +29,6 @@ from easyckpt_wire.storage import as_path
 
 logger = logging.getLogger(__name__)
 
-_NEVER = 1 << 40     # save_storage_interval = save_mem_interval * _NEVER: persist only what Lightning saves
 POLL = 0.05          # seconds between tries for a free slot (a save waits for the agent to release one)
 HPARAMS_KEYS = (pl.LightningModule.CHECKPOINT_HYPER_PARAMS_KEY, pl.LightningModule.CHECKPOINT_HYPER_PARAMS_NAME,
                 pl.LightningModule.CHECKPOINT_HYPER_PARAMS_TYPE)
@@ -148,7 +147,7 @@ class EasyCkpt(Callback):
                 "step there (easyckpt.health.DataSkipper), or drop the keyword")
         self._trainer = trainer
         save_dir = self.save_dir or Path(trainer.default_root_dir) / "easyckpt"
-        persist = self.save_storage_interval or self.save_mem_interval * _NEVER
+        persist = self.save_storage_interval or self.save_mem_interval * PERSIST_ON_REQUEST
         if self.ckpt is None:
             self.ckpt = Checkpointer(save_dir, self.save_mem_interval, persist, self.max_ckpt_num, **self.options)
         if self.skipper is not None:

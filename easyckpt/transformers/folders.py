@@ -97,6 +97,17 @@ def checkpoint_problem(path: Path, *, world_size: int, need_optimizer: bool = Tr
     return None
 
 
+def best_checkpoint(resume_path: str | None) -> str | None:
+    """The ``best_model_checkpoint`` that the trainer state in ``resume_path`` names, if any."""
+    if resume_path is None:
+        return None
+    try:
+        best = json.loads((Path(resume_path) / TRAINER_STATE_NAME).read_text(encoding="utf-8")).get("best_model_checkpoint")
+    except (OSError, ValueError, AttributeError):
+        return None   # the Trainer reads it next and says what is wrong with it
+    return best if isinstance(best, str) else None
+
+
 def has_deepspeed_layout(path: Path) -> bool:
     """Whether ``path`` holds a DeepSpeed checkpoint (``latest`` names an existing ``global_stepN`` folder)."""
     try:
@@ -181,12 +192,23 @@ class CheckpointFolders:
         self.output_dir = output_dir
         # Both threads publish and rotate: one rename-and-rotate at a time keeps the listing consistent.
         self._publish_lock = threading.Lock()
+        # The best checkpoint that the resumed state names, for rotations before Trainer.train has loaded that state
+        # (its fresh TrainerState names none): a catch-up export deleted the best folder of a save_total_limit run.
+        self.resumed_best: str | None = None
 
     def path(self, step: int) -> Path:
         return self.output_dir / f"{CHECKPOINT_PREFIX}-{step}"
 
     def tmp_path(self, step: int) -> Path:
         return self.output_dir / f"{EXPORT_TMP_PREFIX}{step}"
+
+    def existing(self) -> list[tuple[int, Path]]:
+        """The checkpoint-N folders there are, oldest first."""
+        try:
+            entries = list(self.output_dir.iterdir())
+        except FileNotFoundError:
+            return []
+        return sorted((int(m.group(1)), p) for p in entries if (m := CHECKPOINT_RE.match(p.name)) and p.is_dir())
 
     def clean_stale(self) -> None:
         """Remove the temporary and trash folders of a writer that died."""
@@ -334,14 +356,12 @@ class CheckpointFolders:
         limit = self.trainer.args.save_total_limit
         if not limit or limit <= 0:
             return
-        found = sorted((int(m.group(1)), p) for p in self.output_dir.iterdir()
-                       if (m := CHECKPOINT_RE.match(p.name)) and p.is_dir())
+        found = self.existing()
         if len(found) <= limit:
             return
         protected = {found[-1][1].name}
-        best = self.trainer.state.best_model_checkpoint
-        if best:
-            protected.add(Path(best).name)
+        protected.update(Path(best).name for best in (self.trainer.state.best_model_checkpoint, self.resumed_best)
+                         if best)
         remaining, keep = len(found), max(limit, len(protected))
         for step, path in found:
             if remaining <= keep:

@@ -18,11 +18,11 @@ from transformers import Trainer, TrainerCallback
 
 from easyckpt.checkpointer import Checkpointer
 from easyckpt.collectives import all_gather_text, all_ok
-from easyckpt.config import check_count, check_seconds
+from easyckpt.config import PERSIST_ON_REQUEST, check_count, check_seconds
 from easyckpt.health import configure
 from easyckpt.transformers import fsdp, snapshot, zero
 from easyckpt.transformers.export import POLL, Exporter
-from easyckpt.transformers.folders import CheckpointFolders, mark_health, rng_file_name
+from easyckpt.transformers.folders import CheckpointFolders, best_checkpoint, mark_health, rng_file_name
 from easyckpt.transformers.health import STATE_KEY, StepGuard
 from easyckpt.transformers.resume import ResumeInfo, Resumer
 from easyckpt_wire import layout
@@ -150,7 +150,7 @@ class TrainerWrapper:
         self.save_mem_interval = save_mem_interval
         self.strategy = str(getattr(args.save_strategy, "value", args.save_strategy))
         self.save_steps = self._save_steps(args)
-        self.persist_interval = self.save_steps if self.save_steps else save_mem_interval * _NEVER
+        self.persist_interval = self.save_steps if self.save_steps else save_mem_interval * PERSIST_ON_REQUEST
         # location(): an s3:// URL stays one (Path() would make it the local folder "s3:/bucket/prefix")
         self.save_dir = location(checkpointer_kwargs.pop("save_dir", self.output_dir / "easyckpt"), "save_dir")
         self.max_ckpt_num = check_count("TrainerWrapper: max_ckpt_num", checkpointer_kwargs.pop("max_ckpt_num", 2))
@@ -242,7 +242,7 @@ class TrainerWrapper:
             self._resumer.announce(self.resumed, asked=resume_from_checkpoint is True)
             self._last_step = self.resumed.step
             self._checkpoint_steps.clear()
-            self._catch_up(self.resumed.step)
+            self._catch_up(self.resumed.step, path)
             if fsdp.enabled(self.trainer) and self.resumed.source in ("memory", "replica", "disk"):
                 # staged sharded: the Trainer reads it so, and saves as the user chose from its first step on
                 undo = fsdp.ShardedResume(self.trainer)
@@ -297,21 +297,32 @@ class TrainerWrapper:
     def _metrics(self, step: int) -> dict[str, float] | None:
         return self.guard.metrics_for(step) if self.guard is not None else None
 
-    def _catch_up(self, resumed: int | None) -> None:
+    def _catch_up(self, resumed: int | None, path: str | None) -> None:
         """Export persisted due iterations up to the resumed step that have no checkpoint-N yet (a job died
-        before or while exporting them). Now, before training: the agent's rotation would soon delete them."""
+        before or while exporting them). Now, before training: the agent's rotation would soon delete them.
+
+        Only those newer than the newest checkpoint-N, or whose export a dead run still holds: an older one
+        missing was deleted by save_total_limit, and exporting it again made its rotation delete the best
+        checkpoint instead, which the Trainer's state does not name until ``Trainer.train`` loads it."""
         if self._exporter is None:
             return
         owed = layout.export_holds(self.save_dir)
         if resumed is not None and self.save_steps:
-            for step, _ in layout.complete_iterations(self.save_dir):
-                if step <= resumed and step % self.save_steps == 0 and not self.folders.path(step).exists():
-                    logger.info("exporting iteration %d, which has no checkpoint-%d yet", step, step)
-                    try:
-                        self._exporter.export(step)
-                    except Exception:
-                        logger.exception("export of iteration %d to checkpoint-%d failed; training goes on", step,
-                                         step)
+            existing = self.folders.existing()
+            newest = existing[-1][0] if existing else -1
+            self.folders.resumed_best = best_checkpoint(path)
+            try:
+                for step, _ in layout.complete_iterations(self.save_dir):
+                    if (step <= resumed and step % self.save_steps == 0 and (step > newest or step in owed)
+                            and not self.folders.path(step).exists()):
+                        logger.info("exporting iteration %d, which has no checkpoint-%d yet", step, step)
+                        try:
+                            self._exporter.export(step)
+                        except Exception:
+                            logger.exception("export of iteration %d to checkpoint-%d failed; training goes on", step,
+                                             step)
+            finally:
+                self.folders.resumed_best = None
         # Every hold a dead run left is settled now (exported above, on disk already, or of an abandoned
         # timeline): none may keep rotation from deleting its iteration for ever.
         for step in owed:

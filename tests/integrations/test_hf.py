@@ -292,26 +292,28 @@ IN_PROCESS = {
 }
 
 
-def _in_process_run(output_dir: Path, wrapped: bool, setup: str) -> Any:
+def _in_process_run(output_dir: Path, wrapped: bool, setup: str, *, overrides: dict[str, Any] | None = None,
+                    scores: list[float] | None = None, resume: bool = False) -> Any:
     """One process, no torchrun, the best model loaded at the end (see IN_PROCESS)."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from easyckpt.transformers import TrainerWrapper
 
     example = _example_module()
-    overrides, score_list, _, _ = IN_PROCESS[setup]
-    scores = iter(score_list)
+    setup_overrides, score_list, _, _ = IN_PROCESS[setup]
+    scores_left = iter(score_list if scores is None else scores)
     args = TrainingArguments(
         output_dir=str(output_dir), per_device_train_batch_size=4, learning_rate=3e-3, warmup_steps=2,
         logging_steps=1, metric_for_best_model="score", greater_is_better=True, load_best_model_at_end=True,
         seed=0, data_seed=1234, report_to="none", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
-        **overrides)
+        **{**setup_overrides, **(overrides or {})})
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=example.VOCAB, n_positions=32))
     trainer = Trainer(model=model, args=args, train_dataset=example.SyntheticTokens(32),
-                      eval_dataset=example.SyntheticTokens(8, seed=1), compute_metrics=lambda _: {"score": next(scores)})
+                      eval_dataset=example.SyntheticTokens(8, seed=1),
+                      compute_metrics=lambda _: {"score": next(scores_left)})
     runner = TrainerWrapper(trainer, save_mem_interval=2) if wrapped else trainer
-    runner.train(resume_from_checkpoint=True if wrapped else None)
+    runner.train(resume_from_checkpoint=True if wrapped or resume else None)
     return trainer
 
 
@@ -351,6 +353,32 @@ def test_single_process_best_checkpoint_final_save_and_limit_as_the_trainer(
         assert [r.get("eval_score") for r in a["log_history"]] == [r.get("eval_score") for r in b["log_history"]]
     # the model in memory at the end is the best one, loaded back from its checkpoint
     for (key, a), (_, b) in zip(plain.model.state_dict().items(), wrapped.model.state_dict().items()):
+        assert torch.equal(a, b), key
+
+
+def test_a_resumed_run_keeps_the_best_checkpoint_of_the_run_before_as_the_trainer(
+        env: Env, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The "steps" setup (best at 8, kept: checkpoint-8 and checkpoint-14), then a second run to step 22 resumed from
+    it, with no better score: the best folder of the first run stays, as with a plain Trainer. Before, the second
+    run's start exported iteration 12 again (save_total_limit had deleted its checkpoint-12), and that export's
+    rotation, before the Trainer had loaded the state that names the best checkpoint, deleted checkpoint-8."""
+    later = {"max_steps": 22}
+    runs = {}
+    for wrapped, name in ((False, "plain"), (True, "wrapped")):
+        _in_process_run(tmp_path / name, wrapped=wrapped, setup="steps")
+        if wrapped:
+            caplog.set_level(logging.INFO, logger="easyckpt")
+        runs[name] = _in_process_run(tmp_path / name, wrapped=wrapped, setup="steps", overrides=later,
+                                     scores=[1.0, 1.0, 1.0], resume=True)
+    assert "exporting iteration 12" not in caplog.text, "a checkpoint that save_total_limit deleted came back"
+    for name, trainer in runs.items():
+        kept = sorted(p.name for p in (tmp_path / name).iterdir() if p.name.startswith("checkpoint-"))
+        assert kept == ["checkpoint-22", "checkpoint-8"], f"{name}: {kept}"
+        assert Path(trainer.state.best_model_checkpoint).name == "checkpoint-8", name
+    plain, wrapped_trainer = runs["plain"], runs["wrapped"]
+    assert [r.get("loss") for r in plain.state.log_history] == [r.get("loss") for r in wrapped_trainer.state.log_history]
+    # load_best_model_at_end loaded the first run's best in both
+    for (key, a), (_, b) in zip(plain.model.state_dict().items(), wrapped_trainer.model.state_dict().items()):
         assert torch.equal(a, b), key
 
 
