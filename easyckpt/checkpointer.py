@@ -29,7 +29,7 @@ from easyckpt.recovery import LoadResult, load
 from easyckpt.recovery.worlds import release_old_world
 from easyckpt.snapshot.slots import RankSlots
 from easyckpt.snapshot.stager import Stager, settle_torch_thread_pool
-from easyckpt_wire import owner, procs, protocol
+from easyckpt_wire import layout, owner, procs, protocol
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.health import RankHealth, rank_verdict
 from easyckpt_wire.records import FlushReply, PeerTable
@@ -125,6 +125,7 @@ class Checkpointer:
                              committed=self.agent.waker.wake)
         self._closed = False
         self._newest_step: int | None = None   # the newest step given since the last load()
+        self._started = False   # load() called or a step given: the first step of a run that never loaded is checked
         self._step_back = Episode(logger)   # steps given below it: said once, not refused (scripts that did it ran)
         self._resumed: int | None = None   # the step load() resumed from memory
         self._old_world: int | None = None  # the step load() resharded from another world's memory
@@ -184,7 +185,7 @@ class Checkpointer:
             took = f"{result.seconds:.2f} s" if result.seconds >= 0.1 else f"{result.seconds * 1000:.1f} ms"
             notice(logger, logging.INFO, "resumed at step %d from %s (%s%s, %s)", result.step, result.source, where,
                    format_bytes(result.nbytes), took)
-        self._newest_step = result.step
+        self._newest_step, self._started = result.step, True
         self._step_back.end("easyckpt rank %d: load() at step %s; the steps start from there", self.rank, result.step)
         if result.step is not None:
             self.lag_gate.resume_at(result.step)
@@ -226,6 +227,9 @@ class Checkpointer:
 
     def _step(self, step: int) -> int:
         value, newest = check_step(step, rank=self.rank), self._newest_step
+        if not self._started:
+            self._started = True
+            self._check_unloaded_start(value)
         if newest is not None and value < newest:
             self._step_back.hit(
                 "easyckpt rank %d: step %d after step %d: the steps of a run should only grow. A resume takes the "
@@ -238,6 +242,24 @@ class Checkpointer:
             self._step_back.end("easyckpt rank %d: steps pass step %d again at %d", self.rank, newest, value)
         self._newest_step = value
         return value
+
+    def _check_unloaded_start(self, step: int) -> None:
+        """A run that never called load() (a fresh start by choice, or a forgotten load) whose save_dir or memory
+        holds a newer step of an earlier run: a resume before this run passes it would take that run's state."""
+        if self.rank != 0:
+            return
+        try:
+            on_disk = [done for done, _ in layout.complete_iterations(self.config.save_dir)]
+        except Exception as exc:   # a warning only: an unreachable save_dir is said where it matters
+            logger.debug("rank 0: cannot list %s: %s", self.config.save_dir, exc)
+            on_disk = []
+        newest = max([*on_disk, *self.slots.committed()], default=None)
+        if newest is not None and newest > step:
+            logger.warning("easyckpt rank 0: this run starts at step %d without load(), and %s (or this node's memory) "
+                           "holds step %d of an earlier run: a resume before this run passes step %d takes that run's "
+                           "state. To continue it, load() first (HF: resume_from_checkpoint=True; Lightning: "
+                           "ckpt_path=\"last\"); for a new run, use a new save_dir", step, self.config.save_dir,
+                           newest, newest)
 
     def due(self, step: int) -> bool:
         """Whether ``save_if_needed(step, ...)`` takes a snapshot: ``step % save_mem_interval == 0``. For a loop

@@ -31,7 +31,6 @@ from easyckpt_wire.storage import location
 
 logger = logging.getLogger(__name__)
 
-_NEVER = 1 << 40           # save_storage_interval = save_mem_interval * _NEVER: memory only
 VERDICT_BYTES = 2048       # one rank's verdict as JSON, gathered for a synchronous save
 AGENT_CHECK = 1.0          # seconds between looks for a dead node agent while the end of training drains exports
 

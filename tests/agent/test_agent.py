@@ -378,6 +378,34 @@ def test_a_flush_right_after_a_resume_from_memory_makes_the_resumed_step_durable
         ck.close()
 
 
+def test_a_run_that_starts_below_an_earlier_runs_step_without_load_is_warned_once(
+        env: Env, caplog: pytest.LogCaptureFixture) -> None:
+    """A second run into the same save_dir that never calls load() (Lightning's fit() without ckpt_path="last", a
+    forgotten load) starts at step 0 while the disk holds step 4 of the first: a resume before it passes step 4
+    would take the first run's state, so rank 0 says so once, naming both steps, save_dir and the fix. A run that
+    load()ed, or starts past every held step, is not warned."""
+    first = make(env, save_storage_interval=2)
+    for step in range(5):
+        first.save_if_needed(step, {"w": torch.full((64,), float(step)), "step": step})
+    first.close()
+    assert complete_steps(env)[-1] == 4
+    said = lambda: [r.getMessage() for r in caplog.records if "without load()" in r.getMessage()]  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="easyckpt"):
+        with make(env, save_storage_interval=2) as fresh:
+            for step in range(3):
+                fresh.save_if_needed(step, {"w": torch.zeros(64), "step": step})
+        assert len(said()) == 1, said()
+        assert "starts at step 0" in said()[0] and "holds step 4" in said()[0] and str(env.save_dir) in said()[0]
+        assert 'ckpt_path="last"' in said()[0]
+        caplog.clear()
+        with make(env, save_storage_interval=2) as resumed:
+            result = resumed.load({"w": torch.zeros(64), "step": 0})
+            resumed.save_if_needed(result.step + 1, {"w": torch.zeros(64), "step": result.step + 1})
+        with make(env, save_storage_interval=2) as past:
+            past.save_if_needed(50, {"w": torch.zeros(64), "step": 50})
+        assert said() == []
+
+
 def test_the_end_of_a_run_whose_persisted_iteration_was_removed_says_so_at_once(
         env: Env, caplog: pytest.LogCaptureFixture) -> None:
     """One node: the agent publishes an iteration before it counts the step persisted, so a close() that finds its
