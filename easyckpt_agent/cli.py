@@ -17,6 +17,7 @@ import psutil
 from easyckpt_agent import persister
 from easyckpt_agent.server import Agent, AgentConfig
 from easyckpt_wire import protocol
+from easyckpt_wire.faults import fault_point
 from easyckpt_wire.runtime import remove_runtime_dir, take_lock
 from easyckpt_wire.shm import check_job_id, shm_dir
 from easyckpt_wire.storage import is_url, location
@@ -25,6 +26,8 @@ logger = logging.getLogger("easyckpt_agent")
 
 SHUTDOWN_TIMEOUT_ENV = "EASYCKPT_AGENT_SHUTDOWN_TIMEOUT"
 KEEP_LOG_ENV = "EASYCKPT_KEEP_AGENT_LOG"   # 1: a job that ended cleanly keeps its runtime dir with agent.log
+LOG_LEVEL_ENV = "EASYCKPT_AGENT_LOG_LEVEL"
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
 class _Warned(logging.Handler):
@@ -59,6 +62,9 @@ def _location(text: str) -> Path:
     """--save-dir: a path or an s3:// URL; argparse says the reason (another scheme, a lost '//'), not only that
     the value is invalid."""
     try:
+        if text == text.lstrip() and text != text.rstrip() and not is_url(text):
+            # A rank starts its agent with save_dir resolved: whitespace at its end was in a pathlib.Path it was given
+            return location(Path(text), "--save-dir")
         return location(text, "--save-dir")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
@@ -99,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--node-id", help="this node's name in the job (default: EASYCKPT_NODE_ID, else the host name)")
     parser.add_argument("--addr", help="address peers reach this agent at, multi-node jobs only "
                                        "(default: EASYCKPT_AGENT_ADDR, else the route to MASTER_ADDR)")
-    parser.add_argument("--port", type=_number(int, 0, "a tcp port, 0 to 65535 (0: any)", 65535),
+    # argparse converts a default given as text too: a bad EASYCKPT_AGENT_PORT is a usage error, not a traceback
+    parser.add_argument("--port", type=_number(int, 0, f"a tcp port, 0 to 65535 (0: any; or {protocol.AGENT_PORT_ENV})",
+                                               65535), default=os.environ.get(protocol.AGENT_PORT_ENV) or None,
                         help="tcp port of the replica server (default: EASYCKPT_AGENT_PORT, else any)")
     parser.add_argument("--serve-peers", action="store_true",
                         help="start the tcp replica server at once (set by the torchrun launcher)")
@@ -107,16 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="on SIGTERM/SIGINT, persist for at most this many seconds before exiting "
                              f"(default: {SHUTDOWN_TIMEOUT_ENV}, else 20)",
                         type=_number(float, 1e-9, f"a positive number of seconds (or {SHUTDOWN_TIMEOUT_ENV})"))
-    parser.add_argument("--log-level", default=os.environ.get("EASYCKPT_AGENT_LOG_LEVEL") or "INFO", type=str.upper,
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+    parser.add_argument("--log-level", default=os.environ.get(LOG_LEVEL_ENV) or "INFO", type=str.upper,
+                        choices=LOG_LEVELS,
                         help="what the agent logs to stderr: the library starts it with stderr appended to "
                              "EASYCKPT_RUNTIME_DIR/<job id>/agent.log (default INFO: one line per persist, "
-                             "rotation and rank event; EASYCKPT_AGENT_LOG_LEVEL sets it for agents the library starts)")
+                             f"rotation and rank event; {LOG_LEVEL_ENV} sets it for agents the library starts)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.log_level not in LOG_LEVELS:   # argparse checks the choices of a given value, not of its default
+        parser.error(f"{LOG_LEVEL_ENV}={os.environ.get(LOG_LEVEL_ENV)!r} is not a logging level: use one of "
+                     f"{', '.join(LOG_LEVELS)}")
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s [agent %(process)d] %(name)s: %(message)s")
     save_dir = args.save_dir.resolve()
@@ -125,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error(f"--save-dir {save_dir}: {blocker} is a file, not a directory; give the directory that "
                              "holds (or will hold) the iteration_N checkpoints")
     job_id = check_job_id(args.job_id or protocol.job_id_for(save_dir))
+    fault_point("agent.start")
     if args.node_id:
         os.environ[protocol.NODE_ID_ENV] = args.node_id  # the runtime directory is per node
     if _under_torchrun() and not args.serve_peers:
@@ -153,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                          max_ckpt_num=args.max_ckpt_num, log_file_path=args.log_file,
                          idle_timeout=args.idle_timeout, persist_threads=args.persist_threads,
                          node_id=protocol.node_id(), bind_host=args.addr or protocol.advertised_address(),
-                         port=args.port if args.port is not None else int(os.environ.get(protocol.AGENT_PORT_ENV, 0)),
+                         port=args.port if args.port is not None else 0,
                          serve_peers=args.serve_peers, shutdown_timeout=args.shutdown_timeout)
     agent: Agent | None = None
     try:

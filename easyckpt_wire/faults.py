@@ -30,6 +30,7 @@ HOLD_LIMIT = 300.0                # seconds a ':hold' waits for its arm file to 
 POINTS: dict[str, str] = {
     "stager.mid_copy": "rank: half-way through copying a snapshot into its slot",
     "stager.before_commit": "rank: every byte copied, the slot not yet committed",
+    "agent.start": "agent: its arguments taken, before its lock (it dies before serving, every time it is started)",
     "agent.persist.after_file": "agent: one file of the iteration written",
     "agent.persist.before_marker": "agent: every file written, metadata.json (the completion marker) not yet",
     "agent.persist.after_publish": "agent: the iteration renamed into place, nothing else done since",

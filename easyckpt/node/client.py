@@ -26,10 +26,18 @@ from easyckpt_wire.records import ByeReply, FlushReply, RecordError, ResumeReply
 logger = logging.getLogger(__name__)
 
 _CHECK_EVERY = 1.0  # seconds between liveness checks on the training path
+# argparse's exit status: the agent refused the command line this rank gave it, and would refuse it every time
+USAGE_EXIT = 2
+_RESPAWN_MAX = 60.0  # seconds: the longest wait before starting again an agent that keeps failing at start
 
 
 class AgentTimeout(TimeoutError):
     pass
+
+
+class AgentRefused(RuntimeError):
+    """The agent this rank started refused its command line: nothing can be persisted, so no agent is started
+    again."""
 
 
 class AgentClient:
@@ -55,6 +63,10 @@ class AgentClient:
         self.spawned = 0
         self._proc: subprocess.Popen[bytes] | None = None
         self._settled = True   # whether the fate of the agent this rank started was said (_settle_spawn)
+        self.refused: str | None = None   # why the agent refused its command line (then none is started again)
+        # Agents this rank started that failed before serving, in a row: each next start waits twice as long
+        self._failed_starts = 0
+        self._next_spawn = 0.0
         self._peers: dict[str, Any] | None = None   # the last PEERS sent: a restarted agent gets it again
         self._introduced_to = ""   # the pid (agent.pid) serving when this rank last sent HELLO (and PEERS)
 
@@ -79,7 +91,7 @@ class AgentClient:
             else:
                 self._reintroduce()
             return
-        if self.spawn_allowed:
+        if self.spawn_allowed and self.refused is None and now >= self._next_spawn:
             if self.spawned:
                 logger.warning("rank %d: the easyckpt agent of job %s is gone; starting a new one", self.rank, self.job_id)
             self._spawn()
@@ -121,12 +133,22 @@ class AgentClient:
         if serving == str(proc.pid):
             logger.info("rank %d started the easyckpt agent (pid %d, log %s)", self.rank, proc.pid,
                         self.job_dir / "agent.log")
+            self._failed_starts = 0
         elif answered or proc.poll() == 0:
             logger.debug("rank %d: the agent it started (pid %d) exited as a duplicate; agent pid %s serves job %s",
                          self.rank, proc.pid, serving or "?", self.job_id)
+        elif proc.returncode == USAGE_EXIT:
+            self.refused = (f"the easyckpt agent refused the command line rank {self.rank} started it with: "
+                            f"{_last_line(self.job_dir / 'agent.log')}")
+            logger.error("rank %d: %s. No agent is started again, so nothing is persisted (%s)", self.rank,
+                         self.refused, self.job_dir / "agent.log")
         elif proc.poll() is not None:
-            logger.warning("rank %d: the easyckpt agent it started (pid %d) exited with code %d: see %s", self.rank,
-                           proc.pid, proc.returncode, self.job_dir / "agent.log")
+            self._failed_starts += 1
+            wait = min(_RESPAWN_MAX, _CHECK_EVERY * 2 ** (self._failed_starts - 1))
+            self._next_spawn = time.monotonic() + wait
+            logger.warning("rank %d: the easyckpt agent it started (pid %d) exited with code %d before serving (%d in "
+                           "a row; the next start in %.0f s): see %s", self.rank, proc.pid, proc.returncode,
+                           self._failed_starts, wait, self.job_dir / "agent.log")
         else:
             return   # still starting: decided at a later check
         self._settled = True
@@ -148,6 +170,8 @@ class AgentClient:
                     logger.warning("%s; training goes on, snapshots are persisted once an agent runs", exc)
                     return False
             self.ensure(force=True)
+            if self.refused is not None:
+                raise AgentRefused(self.refused)
 
     def _connect(self) -> None:
         if self.sock is not None:
@@ -370,3 +394,14 @@ def query_status(job_dir: Path, timeout: float = 5.0) -> dict[str, Any]:
         return protocol.request_agent(job_dir, Kind.STATUS, timeout)
     except protocol.AgentNoReply as exc:
         raise AgentTimeout(str(exc)) from None
+
+
+def _last_line(log: Path) -> str:
+    """The last line of the agent's log: what it said as it exited (argparse's error)."""
+    try:
+        with open(log, "rb") as handle:
+            handle.seek(max(0, handle.seek(0, os.SEEK_END) - 4096))
+            lines = handle.read().decode(errors="replace").strip().splitlines()
+    except OSError as exc:
+        return f"(cannot read {log}: {exc})"
+    return lines[-1] if lines else "(its log is empty)"

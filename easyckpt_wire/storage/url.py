@@ -151,6 +151,10 @@ def location(where: str | os.PathLike[str], name: str = "the path") -> Path:
         # folders there.
         raise ValueError(f"{name} is empty ({where!r}): give a directory or an s3:// URL ('.' for the working "
                          "directory); a setting read from an environment variable that is not set is the usual cause")
+    if isinstance(where, str) and text != text.strip():
+        # " /data/ckpt" was put in a folder named " " of the working directory, "/data/ckpt\n" beside the one meant
+        raise ValueError(f"{name} {where!r} begins or ends with whitespace: strip it (a value read from a file, a "
+                         "YAML or an environment variable?); a directory whose name has it can be given as a pathlib.Path")
     if split_url(text) is not None:
         return cast(Path, StorageURL(text))
     return Path(local_path(text)).expanduser().resolve()

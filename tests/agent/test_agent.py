@@ -406,6 +406,24 @@ def test_a_run_that_starts_below_an_earlier_runs_step_without_load_is_warned_onc
         assert said() == []
 
 
+def test_a_save_dir_whose_name_ends_with_a_space_given_as_a_path_is_persisted_there(env: Env) -> None:
+    """A string with whitespace at an end is refused (tests/unit/test_arguments.py); the same name given as a
+    pathlib.Path is taken, and the agent a rank starts for it (with the resolved path in its command line) takes it
+    too, persisting into that directory."""
+    save_dir = env.tmp_path / "odd name "
+    ck = easyckpt.Checkpointer(save_dir, 1, 2, 2)
+    try:
+        for step in range(3):
+            ck.save_if_needed(step, {"w": torch.full((64,), float(step)), "step": step})
+        ck.wait()
+        # step 2 at least: an agent busy with step 0 when step 2 came may have passed 0 over
+        wait_for(lambda: 2 in [s for s, _ in layout.complete_iterations(save_dir)], 60,
+                 "the agent to persist due step 2 into the directory named with a trailing space")
+    finally:
+        ck.close()
+    assert not (env.tmp_path / "odd name").exists()
+
+
 def test_the_end_of_a_run_whose_persisted_iteration_was_removed_says_so_at_once(
         env: Env, caplog: pytest.LogCaptureFixture) -> None:
     """One node: the agent publishes an iteration before it counts the step persisted, so a close() that finds its

@@ -189,6 +189,10 @@ def test_a_location_that_cannot_be_read_exits_2_with_the_message_and_no_tracebac
     (["--idle-timeout", "nan"], "argument --idle-timeout: 'nan' is not a positive number of seconds"),
     (["--port", "70000"], "argument --port: '70000' is not a tcp port, 0 to 65535"),
     (["--persist-threads", "two"], "argument --persist-threads: 'two' is not a positive int"),
+    # the environment variables behind defaults (a traceback, exit 1, before; a rank started such agents for ever)
+    (["EASYCKPT_AGENT_PORT=abc"], "argument --port: 'abc' is not a tcp port, 0 to 65535 (0: any; or EASYCKPT_AGENT_PORT)"),
+    (["EASYCKPT_AGENT_LOG_LEVEL=loud"], "EASYCKPT_AGENT_LOG_LEVEL='loud' is not a logging level: use one of DEBUG"),
+    (["--save-dir", " {file}"], "begins or ends with whitespace: strip it"),
 ])
 def test_the_standalone_agent_refuses_bad_arguments_naming_them(env: Env, args: list[str], says: str) -> None:
     """``python -m easyckpt_agent`` as a user starts it (standalone, or under torchrun): a bad argument is one usage
@@ -196,11 +200,12 @@ def test_the_standalone_agent_refuses_bad_arguments_naming_them(env: Env, args: 
     file was a FileExistsError traceback; a count of 0 was taken (an agent that kept no checkpoint ran)."""
     file = env.tmp_path / "a-file"
     file.write_text("")
-    argv = [a.format(file=file) for a in args]
+    variables = dict(a.split("=", 1) for a in args if a.startswith("EASYCKPT_"))
+    argv = [a.format(file=file) for a in args if not a.startswith("EASYCKPT_")]
     if "--save-dir" not in argv:
         argv += ["--save-dir", str(env.save_dir)]
     proc = subprocess.run([sys.executable, "-m", "easyckpt_agent", *argv], capture_output=True, text=True,
-                          timeout=60, env=env.environ(), check=False)
+                          timeout=60, env=env.environ(**variables), check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert says.format(file=file) in proc.stderr.splitlines()[-1], proc.stderr
     assert not env.runtime_dir.exists() or not any(env.runtime_dir.iterdir()), "nothing of a job was created"

@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,8 @@ import torch
 from conftest import ROOT, Env, run_cli, save_and_persist, seeded_random, wait_for
 
 import easyckpt
-from easyckpt.node.client import AgentClient
+from easyckpt.node.client import AgentClient, AgentRefused
+from easyckpt_wire import protocol
 from easyckpt_wire.protocol import Kind
 from easyckpt_wire.records import PeerNode, PeerTable, PingReply
 from easyckpt_wire.shm import filesystem_type
@@ -133,6 +135,39 @@ def test_a_log_level_that_is_not_one_is_refused_naming_the_variable(env: Env, mo
     finally:
         library.setLevel(logging.NOTSET)
         logging.getLogger("easyckpt_wire").setLevel(logging.NOTSET)
+
+
+def test_an_agent_that_refuses_its_command_line_fails_the_checkpointer_at_once(
+        env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EASYCKPT_AGENT_LOG_LEVEL=LOUD: the agent a rank starts exits with argparse's usage error, and would every time.
+    Before, the rank started a new one every second for ever (a warning each time; training went on and nothing was
+    ever persisted); now the Checkpointer raises at once with the agent's own words, and leaves no slot behind."""
+    monkeypatch.setenv("EASYCKPT_AGENT_LOG_LEVEL", "LOUD")
+    started = time.monotonic()
+    with pytest.raises(AgentRefused) as info:
+        easyckpt.Checkpointer(env.save_dir, 1, 10, 2)
+    assert time.monotonic() - started < 30, "the refusal took the whole agent_start_timeout"
+    message = str(info.value)
+    assert "the easyckpt agent refused the command line rank 0 started it with" in message, message
+    assert "EASYCKPT_AGENT_LOG_LEVEL='LOUD' is not a logging level: use one of DEBUG, INFO" in message, message
+    assert not list(env.shm_dir.glob("easyckpt-*")), "a slot was left behind"
+    log = (env.runtime_dir / protocol.job_id_for(env.save_dir) / "agent.log").read_text()
+    assert log.count("EASYCKPT_AGENT_LOG_LEVEL='LOUD' is not a logging level") == 1, "the agent was started again"
+
+
+def test_an_agent_that_dies_before_serving_is_started_again_less_and_less_often(
+        env: Env, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Every agent the rank starts dies before it serves (EASYCKPT_FAULT=agent.start): each next start waits twice as
+    long (1, 2, 4 s ... at most a minute) instead of a new agent and two warnings every second, and the Checkpointer
+    still comes up after agent_start_timeout, training without an agent as before."""
+    monkeypatch.setenv("EASYCKPT_FAULT", "agent.start")
+    with caplog.at_level(logging.WARNING, logger="easyckpt"):
+        ck = easyckpt.Checkpointer(env.save_dir, 1, 10, 2, agent_start_timeout=6.0)
+        ck.close()
+    waits = [int(m.group(2)) for r in caplog.records
+             if (m := re.search(r"exited with code -9 before serving \((\d+) in a row; the next start in (\d+) s\)",
+                                r.getMessage()))]
+    assert len(waits) >= 2 and waits == [2 ** k for k in range(len(waits))], caplog.text
 
 
 @pytest.mark.timeout(240)

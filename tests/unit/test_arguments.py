@@ -47,6 +47,21 @@ def test_an_empty_save_dir_is_refused_naming_the_setting(where: str | bytes, tmp
     assert location(".", "save_dir") == tmp_path.resolve(), "'.' still names the working directory"
 
 
+@pytest.mark.parametrize("where", [" /data/ckpt", "/data/ckpt\n", "ckpt ", "\ts3://bucket/ckpt"])
+def test_a_save_dir_with_whitespace_at_an_end_is_refused_and_a_path_object_taken(
+        where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """" /data/ckpt" (a value read from a file or a YAML) went to a folder named " " of the working directory."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as info:
+        location(where, "save_dir")
+    message = str(info.value)
+    assert f"save_dir {where!r} begins or ends with whitespace: strip it" in message, message
+    with pytest.raises(ValueError, match="begins or ends with whitespace"):
+        CheckpointerConfig(save_dir=where, save_mem_interval=1, save_storage_interval=5, max_ckpt_num=2)
+    assert location(Path(" odd name "), "save_dir") == tmp_path / " odd name ", "a Path is taken as it is"
+    assert location("/data/my ckpt", "save_dir") == Path("/data/my ckpt"), "a space inside a name is fine"
+
+
 @pytest.mark.parametrize("mem, storage, lag", [(1, 5, 2), (1, 1, 1), (2, 10, 4), (10, 10, 10), (1, 100, 2)])
 def test_the_default_backup_lag_is_two_snapshot_intervals_at_most_the_persist_interval(
         mem: int, storage: int, lag: int, tmp_path: Path) -> None:
