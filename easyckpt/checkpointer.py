@@ -34,7 +34,7 @@ from easyckpt_wire.episode import Episode
 from easyckpt_wire.health import RankHealth, rank_verdict
 from easyckpt_wire.records import FlushReply, PeerTable
 from easyckpt_wire.shm import format_bytes
-from easyckpt_wire.storage import location
+from easyckpt_wire.storage import is_url, location
 
 logger = logging.getLogger(__name__)
 # How often the end of a multi-node run asks whether the leader committed its final step (a few ms of the agent's
@@ -248,11 +248,12 @@ class Checkpointer:
         holds a newer step of an earlier run: a resume before this run passes it would take that run's state."""
         if self.rank != 0:
             return
-        try:
-            on_disk = [done for done, _ in layout.complete_iterations(self.config.save_dir)]
-        except Exception as exc:   # a warning only: an unreachable save_dir is said where it matters
-            logger.debug("rank 0: cannot list %s: %s", self.config.save_dir, exc)
-            on_disk = []
+        on_disk: list[int] = []
+        if not is_url(self.config.save_dir):   # an object store's listing may retry for minutes: not on this path
+            try:
+                on_disk = [done for done, _ in layout.complete_iterations(self.config.save_dir)]
+            except OSError as exc:   # a warning only: an unreadable save_dir is said where it matters
+                logger.debug("rank 0: cannot list %s: %s", self.config.save_dir, exc)
         newest = max([*on_disk, *self.slots.committed()], default=None)
         if newest is not None and newest > step:
             logger.warning("easyckpt rank 0: this run starts at step %d without load(), and %s (or this node's memory) "
