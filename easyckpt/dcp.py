@@ -22,6 +22,7 @@ import io
 import logging
 import os
 import uuid
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -342,7 +343,13 @@ def load_into(state: dict[str, Any], iteration_dir: Path, *, no_dist: bool = Fal
     collective over the default process group when one is initialised (``no_dist``: in this process alone,
     whole tensors)."""
     try:
-        dcp.load(state, storage_reader=StorageReader(iteration_dir), no_dist=no_dist)
+        with warnings.catch_warnings():
+            if no_dist:
+                # DCP warns that it "assumes the intent is to load in a single process" even when told so: once per
+                # export and conversion, in a user's log. (Not thread-safe, as catch_warnings never is: at worst
+                # another thread's warning in these milliseconds is filtered by this rule too, which names one text.)
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp.load(state, storage_reader=StorageReader(iteration_dir), no_dist=no_dist)
     except CheckpointException as exc:
         # A BaseException that every rank receives (DCP gathers the failures): turned into the error a failed
         # read is everywhere else, so that load() moves every rank on to the next candidate together, and a
