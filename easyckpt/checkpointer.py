@@ -34,7 +34,7 @@ from easyckpt_wire.episode import Episode
 from easyckpt_wire.health import RankHealth, rank_verdict
 from easyckpt_wire.records import FlushReply, PeerTable
 from easyckpt_wire.shm import format_bytes
-from easyckpt_wire.storage import is_url, location
+from easyckpt_wire.storage import is_url, location, open_storage
 
 logger = logging.getLogger(__name__)
 # How often the end of a multi-node run asks whether the leader committed its final step (a few ms of the agent's
@@ -250,8 +250,8 @@ class Checkpointer:
             return
         on_disk: list[int] = []
         if not is_url(self.config.save_dir):   # an object store's listing may retry for minutes: not on this path
-            try:
-                on_disk = [done for done, _ in layout.complete_iterations(self.config.save_dir)]
+            try:   # the markers' presence, not their parse: a big model's metadata.json is megabytes, on step one
+                on_disk = [done for done, _, marked in layout.iterations(open_storage(self.config.save_dir)) if marked]
             except OSError as exc:   # a warning only: an unreadable save_dir is said where it matters
                 logger.debug("rank 0: cannot list %s: %s", self.config.save_dir, exc)
         newest = max([*on_disk, *self.slots.committed()], default=None)
