@@ -29,7 +29,8 @@ _RUNTIME_ENV = ("EASYCKPT_RUNTIME_DIR  where agents keep their socket, lock and 
                 "EASYCKPT_JOB_ID       the job id, when the job set one (instead of one derived from SAVE_DIR)")
 _ALL_ENV = (*_RUNTIME_ENV,
             f"{LOG_LEVEL_ENV}    easyckpt's log level in training processes and here (DEBUG, INFO, WARNING, ...)",
-            "EASYCKPT_SLOTS        slots per rank, 2 to 8 (default 3 when shared memory has room, else 2)",
+            "EASYCKPT_SLOTS        slots per rank, 2 to 8 (default 3, 4 in a multi-node job, fewer down to 2 when shared "
+            "memory lacks room)",
             "EASYCKPT_PERSIST_MBPS cap on the agent's write rate (MB/s)",
             "EASYCKPT_AGENT_ADDR, EASYCKPT_AGENT_PORT, EASYCKPT_AGENT_SHUTDOWN_TIMEOUT, EASYCKPT_KEEP_AGENT_LOG: the agent")
 

@@ -36,9 +36,18 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(FAST_EXIT), os.enviro
 pytest_plugins = ("cpu_times",)
 
 _OWN_EXTENSIONS_DIR: list[str] = []
+_CHILDREN_TMPDIR: list[str] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Every torchrun launch leaves a torchelastic_* folder in the temporary directory (torch's DefaultLogsSpecs makes
+    # one per launch and never removes it): some 300 in /tmp after each run of the suite. The processes the tests
+    # start get a temporary directory of this session's own, removed at its end; this process keeps /tmp (read
+    # before TMPDIR changes, and cached by tempfile), so pytest's tmp_path folders stay for post-mortems.
+    if not _CHILDREN_TMPDIR:
+        tempfile.gettempdir()
+        _CHILDREN_TMPDIR.append(tempfile.mkdtemp(prefix="easyckpt-test-tmp-"))
+        os.environ["TMPDIR"] = _CHILDREN_TMPDIR[0]
     # DeepSpeed on CPU builds its shm op at start-up under TORCH_EXTENSIONS_DIR, guarded by a lock file that a build
     # killed midway leaves behind for good: every later DeepSpeed job, of this run or any later one, then waits in
     # FileBaton.wait until its test times out (2026-11-28: one slow build, then six tests). A fresh clone rebuilds
@@ -49,7 +58,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    for path in _OWN_EXTENSIONS_DIR:
+    for path in _OWN_EXTENSIONS_DIR + _CHILDREN_TMPDIR:
         shutil.rmtree(path, ignore_errors=True)
 
 
