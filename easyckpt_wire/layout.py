@@ -12,6 +12,7 @@
                                                      #   file; the others' records say "stored_by")
       latest_checkpointed_iteration.txt
       easyckpt-audit.log
+      easyckpt-audit.node-<node id>.log              # object stores, multi-node: each node's own lines (below)
       .tmp-iteration_0000100-<pid>/                  # a persist in progress (or a dead writer's)
       .aside-iteration_0000100-<pid>/                # the old copy while replace_dir swaps a step in
       .trash-iteration_0000100-<pid>/                # an iteration being deleted
@@ -86,7 +87,18 @@ def stage_dirname(step: int) -> str:
 
 
 def node_file_name(node: str) -> str:
-    return "node-" + re.sub(r"[^A-Za-z0-9_.-]", "_", node)[:64] + ".json"
+    return "node-" + _node_part(node) + ".json"
+
+
+def node_audit_log(node: str) -> str:
+    """The audit log of one node's own lines (its part of a multi-node persist) on a storage whose appends
+    rewrite the object (``Storage.shared_appends`` false): one log that every node appends to would make each
+    append race every other node's, and a persist's appends cost grow with the square of the node count."""
+    return f"easyckpt-audit.node-{_node_part(node)}.log"
+
+
+def _node_part(node: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", node)[:64]
 
 
 def rank_file_name(group: str, rank: int, world_size: int) -> str:

@@ -24,7 +24,15 @@ logger = logging.getLogger(__name__)
 
 class AuditLog:
     """Append-only JSON lines in ``save_dir/easyckpt-audit.log``, one per write or delete, each durable before
-    the operation it announces."""
+    the operation it announces.
+
+    On a storage whose appends rewrite the object (an object store), a line that names a ``node`` (a node's own
+    part of a multi-node persist) goes to that node's log, ``easyckpt-audit.node-<id>.log``: every node writes
+    those lines at the same moment of each persist, and in one object they would race (measured on a local moto
+    server, 2026-12-05: one line from each of 32 / 64 / 128 writers at once took 1.6 / 6.6 / 23.6 s, against
+    0.17 s for 4). The main log keeps every line of the single writer of a step (the leader's commit, the
+    tracker, rotation, timelines), which is all that the readers of the log (``timeline.published_untracked``)
+    need. On POSIX every line stays in the main log."""
 
     def __init__(self, save_dir: StorageLike) -> None:
         self.store = open_storage(save_dir)
@@ -33,7 +41,9 @@ class AuditLog:
     def record(self, op: str, path: str | os.PathLike[str], **fields: Any) -> None:
         """``path``: where the operation happens, as ``Storage.where`` names it (or a path)."""
         line = json.dumps({"time": time.time(), "pid": os.getpid(), "op": op, "path": os.fspath(path), **fields})
-        self.store.append(layout.AUDIT_LOG, (line + "\n").encode())
+        node = fields.get("node")
+        key = layout.node_audit_log(str(node)) if node is not None and not self.store.shared_appends else layout.AUDIT_LOG
+        self.store.append(key, (line + "\n").encode())
 
 
 def write_tracker(save_dir: StorageLike, step: int, audit: AuditLog) -> None:

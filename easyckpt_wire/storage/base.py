@@ -151,6 +151,10 @@ class Pending(Protocol):
 class Storage(Protocol):
     """One save_dir. Every method may raise OSError naming the path (see the module's contract)."""
 
+    # True: writers anywhere may append to one file at once at no extra cost (POSIX: O_APPEND). False: an append
+    # rewrites the object, and writers that append to one at once race (each loser reads and writes it again).
+    shared_appends: bool
+
     def where(self, key: str = "") -> str:
         """The key as a user would name it in a message: a path, or a URL."""
         ...
@@ -182,7 +186,7 @@ class Storage(Protocol):
         ...
 
     def append(self, key: str, data: bytes) -> None:
-        """Append durably (the audit log); an object store may rewrite the object."""
+        """Append durably (the audit log); an object store may rewrite the object (``shared_appends``)."""
         ...
 
     def make_dir(self, key: str) -> None:

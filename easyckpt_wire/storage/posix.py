@@ -344,6 +344,8 @@ class _Pending:
 class PosixStorage:
     """``Storage`` over the directory ``root``."""
 
+    shared_appends = True
+
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
 

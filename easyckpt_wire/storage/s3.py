@@ -48,12 +48,15 @@ TMP_PREFIX, STAGE_PREFIX = ".tmp-", ".stage-"
 LEASE_S = 24 * 3600.0               # a lease of another host is taken as a live writer's for this long
 _COPY_MAX = 5 << 30                 # larger objects are copied in parts (``client.copy``)
 _APPEND_TRIES = 50                  # an append that keeps losing the race to other writers gives up
+APPEND_RACE = "append race"         # the tally's reason for an append written again after losing a race
 _ACTIVE: set[str] = set()           # pending iterations in progress in this process (their lease is live)
 _HOST = socket.gethostname()
 
 
 class S3Storage:
     """``Storage`` over ``s3://bucket/prefix``; thread-safe (one client and one pool of part threads)."""
+
+    shared_appends = False   # ``append`` reads and rewrites the object, conditional on nobody else having written
 
     def __init__(self, bucket: str, prefix: str = "", *, settings: S3Settings | None = None) -> None:
         self.bucket, self.prefix = bucket, prefix.strip("/")
@@ -190,6 +193,7 @@ class S3Storage:
                           **(condition if self._conditional else {}))
                 return
             except FileExistsError:   # 412: another writer appended between our read and our write
+                self.tally.count(APPEND_RACE)
                 continue
             except OSError as exc:
                 if not self._conditional or exc.errno != errno.EIO:

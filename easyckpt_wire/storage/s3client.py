@@ -75,8 +75,12 @@ class RetryTally:
             if getattr(http, "status_code", 200) >= 500 or parsed.get("Error", {}).get("Code") in ("SlowDown", "Throttling"):
                 reason = parsed.get("Error", {}).get("Code") or f"HTTP {http.status_code}"
         if reason is not None:
-            with self.lock:
-                self.reasons[reason] += 1
+            self.count(reason)
+
+    def count(self, reason: str) -> None:
+        """One more request made again for ``reason`` (the client's retries, and the storage's own)."""
+        with self.lock:
+            self.reasons[reason] += 1
 
     def snapshot(self) -> collections.Counter[str]:
         with self.lock:

@@ -65,6 +65,11 @@ def test_two_nodes_commit_one_s3_save_dir_and_a_lost_node_resumes(env: Env, monk
     assert leftovers == [], f"half-written iterations or stages left: {leftovers}"
     audit = [json.loads(line) for line in store.read(layout.AUDIT_LOG).decode().splitlines()]
     assert any(row["op"] == "write" and row.get("nodes") == "all" for row in audit), "the leader's commits are audited"
+    # Each node's part of a persist is audited in a log of its own (appends to one object would race every node's).
+    assert not [row for row in audit if "node" in row], "a node's own line in the log that every node would race for"
+    for node in range(NODES):
+        own = [json.loads(line) for line in store.read(layout.node_audit_log(f"node{node}")).decode().splitlines()]
+        assert {row["op"] for row in own} >= {"write-begin", "write"} and {row["node"] for row in own} == {f"node{node}"}
     verified = run_cli("verify", url, env=env)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert os.environ["AWS_ENDPOINT_URL_S3"] == server.url

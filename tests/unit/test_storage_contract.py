@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -22,6 +23,7 @@ import s3server
 from conftest import ROOT, seeded_random
 
 from easyckpt_wire import layout
+from easyckpt_wire.savedir import AuditLog
 from easyckpt_wire.storage import PosixStorage, Storage, open_storage
 
 FINAL = "iteration_0000100"
@@ -137,6 +139,48 @@ def test_append_adds_lines_durably(store: Storage) -> None:
     for i in range(3):
         store.append("audit.log", f"line {i}\n".encode())
     assert store.read("audit.log").decode().splitlines() == ["line 0", "line 1", "line 2"]
+
+
+def test_every_nodes_audit_lines_land_whole_in_order_and_nodes_never_race(store: Storage) -> None:
+    """Every node records its part of a multi-node persist at the same moment, while the leader records its
+    own lines. Each node's lines land whole and in order, the leader's in the main log; where an append rewrites
+    the object, each node appends to its own log, so no append loses a race to another node's (in one object,
+    the appends of N nodes cost O(N^2) requests per persist)."""
+    nodes, ops = 12, ("write-begin", "write", "delete")
+    audit = AuditLog(store)
+    tally = getattr(store, "tally", None)
+    races_before = tally.snapshot()["append race"] if tally is not None else 0
+    barrier = threading.Barrier(nodes + 1, timeout=60)
+    errors: list[BaseException] = []
+
+    def node(i: int) -> None:
+        try:
+            barrier.wait()
+            for op in ops:
+                audit.record(op, f"stage/node{i}", step=100, node=f"node{i}")
+        except BaseException as exc:   # noqa: BLE001 (reported by the test's thread)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=node, args=(i,)) for i in range(nodes)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    audit.record("tracker", store.where(layout.TRACKER), step=100)
+    for thread in threads:
+        thread.join(120)
+    assert not errors and not any(thread.is_alive() for thread in threads), errors
+
+    def lines(key: str) -> list[dict]:
+        return [json.loads(line) for line in store.read(key).decode().splitlines()]
+
+    main = lines(layout.AUDIT_LOG)
+    assert [row["op"] for row in main if "node" not in row] == ["tracker"], main
+    for i in range(nodes):
+        own = main if store.shared_appends else lines(layout.node_audit_log(f"node{i}"))
+        assert [row["op"] for row in own if row.get("node") == f"node{i}"] == list(ops), (i, own)
+    if not store.shared_appends:
+        assert not [row for row in main if "node" in row], "a node's line in the log every node would race for"
+        assert tally is not None and tally.snapshot()["append race"] == races_before, tally.snapshot()
 
 
 def test_a_reader_gives_views_of_ranges(store: Storage) -> None:
