@@ -25,6 +25,7 @@ from conftest import ROOT, seeded_random
 from easyckpt_wire import layout
 from easyckpt_wire.savedir import AuditLog
 from easyckpt_wire.storage import PosixStorage, Storage, open_storage
+from easyckpt_wire.storage.s3 import APPEND_RACE
 
 FINAL = "iteration_0000100"
 
@@ -149,7 +150,7 @@ def test_every_nodes_audit_lines_land_whole_in_order_and_nodes_never_race(store:
     nodes, ops = 12, ("write-begin", "write", "delete")
     audit = AuditLog(store)
     tally = getattr(store, "tally", None)
-    races_before = tally.snapshot()["append race"] if tally is not None else 0
+    races_before = tally.snapshot()[APPEND_RACE] if tally is not None else 0
     barrier = threading.Barrier(nodes + 1, timeout=60)
     errors: list[BaseException] = []
 
@@ -180,7 +181,7 @@ def test_every_nodes_audit_lines_land_whole_in_order_and_nodes_never_race(store:
         assert [row["op"] for row in own if row.get("node") == f"node{i}"] == list(ops), (i, own)
     if not store.shared_appends:
         assert not [row for row in main if "node" in row], "a node's line in the log every node would race for"
-        assert tally is not None and tally.snapshot()["append race"] == races_before, tally.snapshot()
+        assert tally is not None and tally.snapshot()[APPEND_RACE] == races_before, tally.snapshot()
 
 
 def test_a_reader_gives_views_of_ranges(store: Storage) -> None:
