@@ -32,6 +32,8 @@ _ALL_ENV = (*_RUNTIME_ENV,
             "EASYCKPT_SLOTS        slots per rank, 2 to 8 (default 3, 4 in a multi-node job, fewer down to 2 when shared "
             "memory lacks room)",
             "EASYCKPT_PERSIST_MBPS cap on the agent's write rate (MB/s)",
+            "EASYCKPT_S3_MAX_ATTEMPTS, EASYCKPT_S3_TIMEOUT, EASYCKPT_S3_THREADS, EASYCKPT_S3_PART_MB: an s3:// save_dir's "
+            "client (with the standard AWS_* variables: credentials, AWS_ENDPOINT_URL_S3 for another server)",
             "EASYCKPT_AGENT_ADDR, EASYCKPT_AGENT_PORT, EASYCKPT_AGENT_SHUTDOWN_TIMEOUT, EASYCKPT_KEEP_AGENT_LOG: the agent")
 
 
