@@ -13,6 +13,7 @@
       latest_checkpointed_iteration.txt
       easyckpt-audit.log
       easyckpt-audit.node-<node id>.log              # object stores, multi-node: each node's own lines (below)
+      easyckpt-audit.log.<UTC time>                  # object stores: a log's lines before it passed 4 MiB
       .tmp-iteration_0000100-<pid>/                  # a persist in progress (or a dead writer's)
       .aside-iteration_0000100-<pid>/                # the old copy while replace_dir swaps a step in
       .trash-iteration_0000100-<pid>/                # an iteration being deleted

@@ -57,6 +57,7 @@ class S3Storage:
     """``Storage`` over ``s3://bucket/prefix``; thread-safe (one client and one pool of part threads)."""
 
     shared_appends = False   # ``append`` reads and rewrites the object, conditional on nobody else having written
+    append_segment_bytes = 4 << 20   # ``append`` sets an object this large aside and starts it again
 
     def __init__(self, bucket: str, prefix: str = "", *, settings: S3Settings | None = None) -> None:
         self.bucket, self.prefix = bucket, prefix.strip("/")
@@ -178,9 +179,15 @@ class S3Storage:
         self.call(self.where(key), "put_object", Key=self.name(key), Body=bytes(data))
 
     def append(self, key: str, data: bytes) -> None:
-        """Objects are immutable: the object is read and written again with ``data`` at its end (the audit log;
-        small), on condition that nobody wrote it meanwhile (``If-Match`` its ETag, ``If-None-Match`` when new);
-        a writer that lost the race reads again. A server without conditional writes gets a plain PUT."""
+        """Objects are immutable: the object is read and written again with ``data`` at its end (the audit log),
+        on condition that nobody wrote it meanwhile (``If-Match`` its ETag, ``If-None-Match`` when new); a writer
+        that lost the race reads again. A server without conditional writes gets a plain PUT.
+
+        An object that would grow past ``append_segment_bytes`` is first copied aside, server-side and on the same
+        condition, to ``<key>.<UTC time>`` (names that sort in the order they were made), and starts again with
+        ``data``: so an append never moves more than that, however long the job (an audit log grows about 1 KB
+        a persist). The copy of a writer that then loses the race is deleted; one left by a writer that died
+        between the copy and its write repeats lines that the object still has."""
         where, name = self.where(key), self.name(key)
         for _ in range(_APPEND_TRIES):
             try:
@@ -188,12 +195,18 @@ class S3Storage:
                 old, condition = self._body(reply, where), {"IfMatch": reply["ETag"]}
             except FileNotFoundError:
                 old, condition = b"", {"IfNoneMatch": "*"}
+            aside = None
             try:
+                if old and len(old) + len(data) > self.append_segment_bytes and self._conditional:
+                    aside = self._set_aside(key, condition["IfMatch"])
+                    old = b""
                 self.call(where, "put_object", Key=name, Body=old + bytes(data),
                           **(condition if self._conditional else {}))
                 return
-            except FileExistsError:   # 412: another writer appended between our read and our write
+            except FileExistsError:   # 412: another writer appended between our read and our write (or copy)
                 self.tally.count(APPEND_RACE)
+                if aside is not None:
+                    self._drop_aside(aside)
                 continue
             except OSError as exc:
                 if not self._conditional or exc.errno != errno.EIO:
@@ -201,6 +214,23 @@ class S3Storage:
                 logger.info("%s: conditional writes refused (%s): appending without them", where, exc)
                 self._conditional = False
         raise OSError(errno.EAGAIN, f"another writer kept appending ({_APPEND_TRIES} tries)", where)
+
+    def _drop_aside(self, aside: str) -> None:
+        try:
+            self.delete(aside)
+        except OSError as exc:   # its lines are all in the object still: a repeat, not a loss
+            logger.warning("%s: a copy set aside by an append that lost a race stays (its lines repeat the log's): "
+                           "%s", self.where(aside), exc)
+
+    def _set_aside(self, key: str, etag: str) -> str:
+        """Copy ``key`` to a new ``<key>.<UTC time>`` if it is still the object of ``etag``; the copy's key."""
+        now = time.time()
+        aside = f"{key}.{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}.{int(now * 1e6) % 1_000_000:06d}Z"
+        self.call(self.where(aside), "copy_object", Key=self.name(aside), CopySourceIfMatch=etag,
+                  CopySource={"Bucket": self.bucket, "Key": self.name(key)})
+        logger.info("%s reached %d MiB: its lines so far are now in %s, and it starts again", self.where(key),
+                    self.append_segment_bytes >> 20, self.where(aside))
+        return aside
 
     def make_dir(self, key: str) -> None:
         if self.is_dir(key) or self.exists(key):

@@ -84,23 +84,56 @@ def test_an_aborted_multipart_upload_leaves_no_parts(store: s3.S3Storage) -> Non
     assert pending.names() == []
 
 
-def test_appends_of_writers_at_the_same_moment_lose_no_line(store: s3.S3Storage) -> None:
-    """The audit log of a multi-node job: every node's agent appends to one object."""
+def _appended(store: s3.S3Storage, key: str) -> tuple[list[str], list[str]]:
+    """(every line appended to ``key``, in the copies set aside oldest first, then the object; the copies' keys)."""
+    asides = sorted(e.name for e in store.entries() if e.name.startswith(f"{key}."))
+    lines = [line for name in (*asides, key) for line in store.read(name).decode().splitlines()]
+    return lines, asides
+
+
+@pytest.mark.parametrize("segment", [None, 300], ids=["one-object", "set-aside-past-300-bytes"])
+def test_appends_of_writers_at_the_same_moment_lose_no_line(store: s3.S3Storage, segment: int | None) -> None:
+    """The main audit log of a multi-node job: writers at the same moment (a leader's threads, every node's agent at
+    start-up). With a small segment the object is set aside many times under the race: still every line once,
+    in each writer's order, and the object never grows past the segment."""
     import threading
+
+    if segment is not None:
+        store.append_segment_bytes = segment
 
     def append(writer: int) -> None:
         for line in range(8):
-            store.append("audit.log", f"{writer}-{line}\n".encode())
+            store.append("audit.log", f"{writer}-{line} {'x' * 40}\n".encode())
 
     threads = [threading.Thread(target=append, args=(w,)) for w in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(120)
-    lines = store.read("audit.log").decode().splitlines()
+    lines, asides = _appended(store, "audit.log")
+    lines = [line.split()[0] for line in lines]
     assert sorted(lines) == sorted(f"{w}-{n}" for w in range(4) for n in range(8)), lines
     for writer in range(4):
         assert [x for x in lines if x.startswith(f"{writer}-")] == [f"{writer}-{n}" for n in range(8)], "order kept"
+    assert bool(asides) == (segment is not None), asides
+    if segment is not None:
+        assert store.size("audit.log") <= segment and all(store.size(name) <= segment for name in asides)
+
+
+def test_an_append_moves_at_most_a_segment_however_long_the_log(store: s3.S3Storage,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """An object-store append reads and writes the whole object: past ``append_segment_bytes`` the lines so far are
+    set aside (``<key>.<UTC time>``, sorting in order) and the object starts again, said once each time."""
+    store.append_segment_bytes = 1000
+    written = [json.dumps({"op": "write", "step": step, "pad": "y" * 60}) for step in range(60)]
+    with caplog.at_level(logging.INFO, logger="easyckpt_wire.storage.s3"):
+        for line in written:
+            store.append(layout.AUDIT_LOG, (line + "\n").encode())
+    lines, asides = _appended(store, layout.AUDIT_LOG)
+    assert lines == written
+    assert len(asides) >= 4 and store.size(layout.AUDIT_LOG) <= 1000, asides
+    said = [r.getMessage() for r in caplog.records if "starts again" in r.getMessage()]
+    assert len(said) == len(asides) and all(store.where(name) in said[i] for i, name in enumerate(asides)), said
 
 
 def test_a_step_persisted_again_stays_readable_until_its_new_commit_object(store: s3.S3Storage) -> None:
