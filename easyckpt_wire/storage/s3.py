@@ -202,6 +202,9 @@ class S3Storage:
                     old = b""
                 self.call(where, "put_object", Key=name, Body=old + bytes(data),
                           **(condition if self._conditional else {}))
+                if aside is not None:
+                    logger.info("%s passed %d bytes: its lines so far are now in %s, and it starts again", where,
+                                self.append_segment_bytes, self.where(aside))
                 return
             except FileExistsError:   # 412: another writer appended between our read and our write (or copy)
                 self.tally.count(APPEND_RACE)
@@ -209,6 +212,8 @@ class S3Storage:
                     self._drop_aside(aside)
                 continue
             except OSError as exc:
+                if aside is not None:
+                    self._drop_aside(aside)
                 if not self._conditional or exc.errno != errno.EIO:
                     raise
                 logger.info("%s: conditional writes refused (%s): appending without them", where, exc)
@@ -228,8 +233,6 @@ class S3Storage:
         aside = f"{key}.{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}.{int(now * 1e6) % 1_000_000:06d}Z"
         self.call(self.where(aside), "copy_object", Key=self.name(aside), CopySourceIfMatch=etag,
                   CopySource={"Bucket": self.bucket, "Key": self.name(key)})
-        logger.info("%s reached %d MiB: its lines so far are now in %s, and it starts again", self.where(key),
-                    self.append_segment_bytes >> 20, self.where(aside))
         return aside
 
     def make_dir(self, key: str) -> None:
