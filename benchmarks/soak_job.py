@@ -134,7 +134,7 @@ class Cluster:
         env.setdefault("EASYCKPT_LOG_LEVEL", "INFO")
         env.update(EASYCKPT_NODE_ID=f"node{node}", EASYCKPT_SHM_DIR=str(self.shm[node]),
                    EASYCKPT_RUNTIME_DIR=str(self.runtime[node]), EASYCKPT_AGENT_ADDR="127.0.0.1",
-                   EASYCKPT_KEEP_AGENT_LOG="1",
+                   EASYCKPT_KEEP_AGENT_LOG="1", EASYCKPT_STACKS_ON_SIGUSR2="1",
                    # torch's shared rendezvous store hands restarted workers the previous attempt's gloo
                    # addresses (pytorch/pytorch#135712); a store of their own per attempt avoids that
                    TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
@@ -340,6 +340,17 @@ class Cluster:
             if (not procs and not files) or time.monotonic() > end:
                 return procs, files
             time.sleep(0.05)   # polling interval against a deadline
+
+    def dump_stacks(self, settle: float = 2.0) -> int:
+        """Every live process of the job writes its threads' stacks to its log (SIGUSR2: ``tests/fast_exit``), for
+        a job that hangs; returns how many were asked. ``settle``: time for the writes before the logs are read."""
+        pids = [pid for node in range(self.config.nodes) for pid in self.node_pids(node)]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGCONT)   # a stopped rank (the fault) cannot write
+                os.kill(pid, signal.SIGUSR2)
+        time.sleep(settle)   # the processes write to their logs: no event to wait on from here
+        return len(pids)
 
     def cleanup(self) -> None:
         for proc in self.procs.values():

@@ -35,3 +35,28 @@ def test_the_sitecustomize_it_shadows_still_runs(tmp_path: Path) -> None:
     (tmp_path / "sitecustomize.py").write_text("import builtins\nbuiltins.SHADOWED_RAN = True\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAST_EXIT), str(tmp_path)])}
     assert run("import builtins; print(getattr(builtins, 'SHADOWED_RAN', False))", env) == ["True"]
+
+
+def test_a_soak_job_process_writes_its_stacks_on_sigusr2() -> None:
+    """How the soak reads a hang: with EASYCKPT_STACKS_ON_SIGUSR2 set, SIGUSR2 makes the process write every
+    thread's stack to stderr and go on; without it, nothing is registered."""
+    import signal
+
+    code = ("import sys, time\n"
+            "def stuck_here():\n"
+            "    print('ready', flush=True)\n"
+            "    sys.stdin.readline()\n"
+            "stuck_here()\n")
+    for registered in (True, False):
+        env = {**os.environ, "PYTHONPATH": str(FAST_EXIT)}
+        env.pop("EASYCKPT_STACKS_ON_SIGUSR2", None)
+        if registered:
+            env["EASYCKPT_STACKS_ON_SIGUSR2"] = "1"
+        proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        if registered:
+            proc.send_signal(signal.SIGUSR2)
+        out, err = proc.communicate("go on\n", timeout=60)
+        assert proc.returncode == 0, err
+        assert ("stuck_here" in err) == registered, err

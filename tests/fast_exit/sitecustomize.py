@@ -27,6 +27,15 @@ import sys
 
 atexit.register(gc.freeze)
 
+# The soak sets this in its jobs: a job that hangs is sent SIGUSR2 before it is killed, and each of its Python
+# processes writes every thread's stack to its stderr (a rank's goes to its node's log, the agent's to agent.log),
+# so a hang that a seed met once can be read, not only replayed in the hope that it comes back.
+if os.environ.get("EASYCKPT_STACKS_ON_SIGUSR2"):
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
+
 
 def _run_the_shadowed_one() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
