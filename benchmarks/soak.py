@@ -199,10 +199,11 @@ def run_job(fault: Fault, shape: Shape, ref: Callable[[], Reference], work: Path
                 store.proxy.come_back()   # for the judge: the tracker and `easyckpt verify` read the store
             record.update(judge(cluster, ref(), strike, codes))
         except Hung as exc:
-            asked = cluster.dump_stacks()
+            alive = cluster.dump_stacks()
             record.update(hung=True, why=[f"hung: still waiting for {exc} after {limit:.0f} s"],
                           tail=cluster.tail(1500),
-                          notes=[f"{asked} live processes wrote their stacks to the job's logs ({cluster.out})"])
+                          notes=[f"{len(alive)} live processes (pid, state, command: {alive}) wrote their stacks to "
+                                 f"the job's logs in {cluster.out}"])
         except Exception as exc:  # noqa: BLE001 - a job that breaks the harness is a failed run, said and kept
             record.update(failed=True, why=[f"{type(exc).__name__}: {exc}"], tail=cluster.tail(1500))
         record.update(at=strike.at, fired=strike.fired, notes=record.get("notes", []) + strike.notes)

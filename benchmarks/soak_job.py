@@ -341,16 +341,20 @@ class Cluster:
                 return procs, files
             time.sleep(0.05)   # polling interval against a deadline
 
-    def dump_stacks(self, settle: float = 2.0) -> int:
+    def dump_stacks(self, settle: float = 2.0) -> list[str]:
         """Every live process of the job writes its threads' stacks to its log (SIGUSR2: ``tests/fast_exit``), for
-        a job that hangs; returns how many were asked. ``settle``: time for the writes before the logs are read."""
-        pids = [pid for node in range(self.config.nodes) for pid in self.node_pids(node)]
-        for pid in pids:
+        a job that hangs; returns each one's pid, command and state as found (a stopped one is continued first, so
+        its state is said here). ``settle``: time for the writes before the logs are read."""
+        found = []
+        for pid in (pid for node in range(self.config.nodes) for pid in self.node_pids(node)):
+            with contextlib.suppress(psutil.Error):
+                proc = psutil.Process(pid)
+                found.append(f"{pid} {proc.status()} {' '.join(proc.cmdline()[1:4])}")
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGCONT)   # a stopped rank (the fault) cannot write
+                os.kill(pid, signal.SIGCONT)   # a stopped process cannot write
                 os.kill(pid, signal.SIGUSR2)
         time.sleep(settle)   # the processes write to their logs: no event to wait on from here
-        return len(pids)
+        return found
 
     def cleanup(self) -> None:
         for proc in self.procs.values():
