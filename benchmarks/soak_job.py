@@ -341,11 +341,16 @@ class Cluster:
                 return procs, files
             time.sleep(0.05)   # polling interval against a deadline
 
-    def dump_stacks(self, settle: float = 2.0) -> list[str]:
+    def dump_stacks(self, limit: float = 5.0) -> list[str]:
         """Every live process of the job writes its threads' stacks to its log (SIGUSR2: ``tests/fast_exit``), for
         a job that hangs; returns each one's pid, command and state as found (a stopped one is continued first, so
-        its state is said here). ``settle``: time for the writes before the logs are read."""
-        found = []
+        its state is said here). Waits, at most ``limit`` seconds, until the logs hold a stack from each of them."""
+        def stacks() -> int:
+            agents = "".join(log.read_text(errors="replace") for runtime in self.runtime.values()
+                             for log in runtime.glob("*/agent.log"))
+            return (self.logs() + agents).count("(most recent call first)")
+
+        before, found = stacks(), []
         for pid in (pid for node in range(self.config.nodes) for pid in self.node_pids(node)):
             with contextlib.suppress(psutil.Error):
                 proc = psutil.Process(pid)
@@ -353,7 +358,9 @@ class Cluster:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGCONT)   # a stopped process cannot write
                 os.kill(pid, signal.SIGUSR2)
-        time.sleep(settle)   # the processes write to their logs: no event to wait on from here
+        deadline = time.monotonic() + limit
+        while stacks() - before < len(found) and time.monotonic() < deadline:
+            time.sleep(0.05)   # polling the logs against the deadline above
         return found
 
     def cleanup(self) -> None:
