@@ -19,13 +19,14 @@ from typing import Any
 import zmq
 
 import easyckpt
-from easyckpt_wire import protocol
+from easyckpt_wire import procs, protocol
 from easyckpt_wire.protocol import Kind, ProtocolError
 from easyckpt_wire.records import ByeReply, FlushReply, RecordError, ResumeReply
 
 logger = logging.getLogger(__name__)
 
 _CHECK_EVERY = 1.0  # seconds between liveness checks on the training path
+_REPLY_LOOK = 0.25  # seconds between looks at the agent a request went to, while its reply is awaited
 # argparse's exit status: the agent refused the command line this rank gave it, and would refuse it every time
 USAGE_EXIT = 2
 _RESPAWN_MAX = 60.0  # seconds: the longest wait before starting again an agent that keeps failing at start
@@ -33,6 +34,10 @@ _RESPAWN_MAX = 60.0  # seconds: the longest wait before starting again an agent 
 
 class AgentTimeout(TimeoutError):
     pass
+
+
+class AgentGone(AgentTimeout):
+    """The agent a request went to exited before it answered; another may serve the job already (ask it again)."""
 
 
 class AgentRefused(RuntimeError):
@@ -219,19 +224,26 @@ class AgentClient:
         return request_id
 
     def request(self, kind: Kind, timeout: float, **fields: Any) -> dict[str, Any]:
-        """Send and wait for the matching reply; raises AgentTimeout naming the request."""
+        """Send and wait for the matching reply; raises AgentTimeout naming the request, AgentGone when the agent it
+        went to exited before answering."""
         if kind == Kind.PEERS:
             self._peers = fields
         request_id = self.send(kind, **fields)
+        # The agent that got it, by (pid, start): one that dies before it answers may be replaced before this rank
+        # looks again (another local rank starts the new one), and the new one never got the request. An agent
+        # alive at every look was once taken for an answer on its way: a rank's FLUSH at close() waited
+        # close_timeout (600 s) and its job hung at torchrun's exit barrier (soak seed 1319, fault 24).
+        addressee = self._serving_agent()
         deadline = time.monotonic() + timeout
         while request_id:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or self.sock is None or not self.sock.poll(int(min(remaining, 1.0) * 1000)):
+            if remaining <= 0 or self.sock is None or not self.sock.poll(int(min(remaining, _REPLY_LOOK) * 1000)):
                 if remaining <= 0 or self.sock is None:
                     break
-                if not self.alive():
-                    raise AgentTimeout(f"agent {kind.name} request of rank {self.rank}: the agent exited before "
-                                       f"answering (agent log: {self.job_dir / 'agent.log'})")
+                gone = self._gone_before_answering(addressee)
+                if gone:
+                    raise AgentGone(f"agent {kind.name} request of rank {self.rank}: {gone} (agent log: "
+                                    f"{self.job_dir / 'agent.log'})")
                 continue
             try:
                 _, message = protocol.decode(self.sock.recv(), limit=protocol.MAX_PEER_MESSAGE_BYTES)
@@ -242,6 +254,27 @@ class AgentClient:
                 return message
         raise AgentTimeout(f"agent {kind.name} request of rank {self.rank}: no reply within {timeout:.0f}s "
                            f"(agent log: {self.job_dir / 'agent.log'})")
+
+    def _serving_agent(self) -> tuple[int, float] | None:
+        """(pid, start) of the live agent named by the job's pid file; None when none is named (an agent writes it
+        once it holds the lock) or the one named is dead (a killed agent leaves its file behind)."""
+        pid = self._serving_pid()
+        if not pid.isdigit():
+            return None
+        try:
+            return int(pid), procs.start_time(int(pid))
+        except (ProcessLookupError, PermissionError):
+            return None
+
+    def _gone_before_answering(self, addressee: tuple[int, float] | None) -> str | None:
+        """Why the reply to a request that went to ``addressee`` cannot come any more, or None while it can."""
+        if not self.alive():
+            return "the agent exited before answering"
+        if addressee is not None and not procs.is_alive(*addressee):
+            serving = self._serving_pid()   # still the dead one's until the new agent holds the lock
+            return (f"the agent that got it (pid {addressee[0]}) exited before answering, and another agent (pid "
+                    f"{serving if serving and serving != str(addressee[0]) else '?'}) serves the job now")
+        return None
 
     def flush(self, step: int, *, wait: bool, timeout: float) -> FlushReply | None:
         """Ask the agent to persist ``step`` now. With ``wait``, block (bounded) for its answer: a reply
@@ -265,7 +298,8 @@ class AgentClient:
                 logger.warning("rank %d: %s", self.rank, exc)
                 return None
             except AgentTimeout as exc:
-                logger.warning("%s", exc)
+                again = isinstance(exc, AgentGone) and time.monotonic() < deadline
+                logger.warning("%s%s", exc, "; asking again" if again else "")
                 if time.monotonic() >= deadline:
                     return None
 
@@ -315,16 +349,26 @@ class AgentClient:
         """Say goodbye; with ``wait`` block (bounded) until the agent has persisted what is due. ``failed``:
         the run failed, it did not end; the agent keeps this node's memory for the restart."""
         reply = None
-        self.ensure(force=True)
-        serving = self._serving_pid()
+        deadline = time.monotonic() + timeout
+        serving = ""
         try:
-            if self.alive():
-                reply = ByeReply.from_wire(self.request(Kind.BYE, timeout, rank=self.rank, pid=os.getpid(), wait=wait,
-                                                        failed=failed),
-                                           "agent BYE reply")
-            elif self.spawn_allowed:
-                logger.warning("rank %d: no easyckpt agent runs for job %s; due snapshots stay in %s unpersisted",
-                               self.rank, self.job_id, self.shm_dir)
+            while True:
+                self.ensure(force=True)
+                serving = self._serving_pid()
+                if not self.alive():
+                    if self.spawn_allowed:
+                        logger.warning("rank %d: no easyckpt agent runs for job %s; due snapshots stay in %s "
+                                       "unpersisted", self.rank, self.job_id, self.shm_dir)
+                    break
+                try:
+                    reply = ByeReply.from_wire(self.request(Kind.BYE, max(0.0, deadline - time.monotonic()),
+                                                            rank=self.rank, pid=os.getpid(), wait=wait, failed=failed),
+                                               "agent BYE reply")
+                    break
+                except AgentGone as exc:   # the goodbye goes to the agent that took over (it adopted the slots)
+                    if time.monotonic() >= deadline:
+                        raise
+                    logger.warning("%s; saying goodbye to it", exc)
         except (AgentTimeout, RecordError) as exc:
             logger.warning("%s", exc)
         finally:

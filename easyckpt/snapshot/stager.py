@@ -191,7 +191,14 @@ class Stager:
         self.wait()
         deadline = time.monotonic() + timeout
         # At the end the snapshot itself matters more than a kill during its copy: no skipping to keep the newest step.
+        waiting = False
         while not self._launch(owed.step, owed.state, owed.persist, owed.health, keep_newest=False):
+            if not waiting:   # said once: the wait can be long (a persist holds a slot until it ends)
+                waiting = True
+                word = self.slots.agent_word()
+                logger.info("rank %d: the skipped snapshot of step %d waits for a free slot at the end of the run "
+                            "(safe step %s, held %s; at most %.0fs)", self.rank, owed.step, word.safe if word else None,
+                            sorted(word.held) if word else [], timeout)
             if time.monotonic() > deadline:
                 logger.warning("rank %d: the snapshot of step %d was skipped and no slot came free within %.0fs "
                                "(end-of-run snapshot timeout): the newest snapshot stays step %s", self.rank,

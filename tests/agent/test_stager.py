@@ -1,6 +1,8 @@
 """The stager in one process (no agent): copy consistency, re-planning, skipping, torn slots."""
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import subprocess
 import sys
 from typing import Any
@@ -114,9 +116,10 @@ def test_snapshot_is_skipped_not_waited_for_when_no_slot_is_free(env: Env) -> No
         ck.close()
 
 
-def _skip_step_3(ck: easyckpt.Checkpointer, state: dict[str, Any]) -> None:
+def _skip_step_3(ck: easyckpt.Checkpointer, state: dict[str, Any], *, release: bool = True) -> SlotMap:
     """Steps 1 and 2 snapshotted, step 2 safe (held by the agent), the other slot read as a persist would:
-    the snapshot of step 3 is skipped; then the reader lets go. (``save`` snapshots whatever the interval.)"""
+    the snapshot of step 3 is skipped; then the reader lets go, unless ``release`` is False (the caller unlocks
+    and closes the reader it returns). (``save`` snapshots whatever the interval.)"""
     for step in (1, 2):
         state["w"].fill_(float(step))
         assert ck.save(step, state)
@@ -129,8 +132,10 @@ def _skip_step_3(ck: easyckpt.Checkpointer, state: dict[str, Any]) -> None:
         state["w"].fill_(3.0)
         assert not ck.save(3, state)
     finally:
-        reader.unlock()
-        reader.close()
+        if release:
+            reader.unlock()
+            reader.close()
+    return reader
 
 
 def test_close_takes_the_skipped_last_snapshot_so_the_end_of_the_run_is_durable(env: Env) -> None:
@@ -148,6 +153,29 @@ def test_close_takes_the_skipped_last_snapshot_so_the_end_of_the_run_is_durable(
         assert result.step == 3 and torch.equal(result.state["w"], torch.full((8,), 3.0))
     finally:
         loader.close()
+
+
+def test_close_says_once_that_the_skipped_last_snapshot_waits_for_a_slot(env: Env,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """The slot stays held as close() begins (a persist that takes long): the wait is said when it begins, not only
+    when it ends, so that a rank that seems to hang at the end of the run says what it waits for."""
+    ck = easyckpt.Checkpointer(env.save_dir, 1, 1000, 2, slots=2)
+    state = {"w": torch.zeros(8)}
+    reader = _skip_step_3(ck, state, release=False)
+    with caplog.at_level(logging.INFO, logger="easyckpt.snapshot.stager"), \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        try:
+            closing = pool.submit(ck.close)
+            wait_for(lambda: "waits for a free slot" in caplog.text or closing.done(), 30,
+                     "close() to say that the skipped snapshot waits")
+        finally:
+            reader.unlock()
+            reader.close()
+        closing.result(120)
+    assert caplog.text.count("the skipped snapshot of step 3 waits for a free slot at the end of the run") == 1, \
+        caplog.text
+    assert "took the skipped snapshot of step 3 at the end of the run" in caplog.text
+    assert layout.read_tracker(env.save_dir) == 3
 
 
 @pytest.mark.parametrize("move", ["optimizer", "next-step"])

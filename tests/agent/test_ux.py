@@ -7,6 +7,7 @@ killed with SIGKILL at a seeded step, and the CLI runs against the checkpoint di
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -420,3 +422,63 @@ def test_a_rerun_with_another_shm_dir_beside_the_first_runs_agent_is_refused_at_
     # 3 unless its copy was cut; 1 once on 2026-11-27 (neither 2 nor 3 committed when the kill came; 6 runs after
     # gave 2 or 3): the promise is that a kill costs at most two steps
     assert re.search(r"resumed at step [123] from memory", third.stderr), third.stderr
+
+
+class _Observed(AgentClient):
+    """An AgentClient that says when it has sent a request of one kind (all else is AgentClient's own)."""
+
+    def __init__(self, watch: Kind, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.watch = watch
+        self.sent = threading.Event()
+
+    def send(self, kind: Kind, **fields: Any) -> int:
+        request_id = super().send(kind, **fields)
+        if kind == self.watch and request_id:
+            self.sent.set()
+        return request_id
+
+
+@pytest.mark.parametrize("kind", [Kind.FLUSH, Kind.BYE], ids=["flush", "bye"])
+def test_a_request_whose_agent_dies_and_is_replaced_before_it_answers_is_asked_again(
+        env: Env, kind: Kind, caplog: pytest.LogCaptureFixture) -> None:
+    """Soak seed 1319, fault 24 (hung): a rank's FLUSH at close() went to its node's agent, which was SIGKILLed
+    before it answered; another rank started a new agent within the rank's next look, so the rank saw an agent
+    alive at every look and waited close_timeout (600 s) for an answer that no agent would give: the job hung at
+    torchrun's exit barrier. The request is now asked again of the agent that took over."""
+    job = "replaced"
+    agent_cmd = [sys.executable, "-m", "easyckpt_agent", "--save-dir", str(env.save_dir), "--job-id", job,
+                 "--shm-dir", str(env.shm_dir), "--idle-timeout", "30"]
+    agents = [subprocess.Popen(agent_cmd, env=env.environ(), cwd=str(ROOT))]
+    wait_for(env.agent_alive, 30, "the first agent to take the job's lock")   # else the client starts its own
+    client = _Observed(kind, job_id=job, save_dir=env.save_dir, shm_dir=env.shm_dir, rank=0, world_size=1,
+                       local_world_size=1, idle_timeout=30.0, spawn=True,
+                       hello={"save_storage_interval": 5, "max_ckpt_num": 2, "log_file_path": None, "pid_start": 0.0})
+    timeout = 40.0
+    try:
+        assert client.wait_ready(30.0)
+        wait_for(lambda: env.agent_pid() == agents[0].pid, 30, "the first agent to serve the job")
+        agents[0].send_signal(signal.SIGSTOP)   # it gets the request and never answers
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            started = time.monotonic()
+            if kind == Kind.FLUSH:
+                answer = pool.submit(client.flush, 0, wait=True, timeout=timeout)
+            else:
+                answer = pool.submit(client.close, wait=True, timeout=timeout)
+            assert client.sent.wait(30), f"{kind.name} was never sent"
+            agents[0].send_signal(signal.SIGKILL)
+            agents[0].wait(30)
+            agents.append(subprocess.Popen(agent_cmd, env=env.environ(), cwd=str(ROOT)))
+            reply = answer.result(timeout + 30)
+            took = time.monotonic() - started
+        said = caplog.text   # the agents' own lines are in the captured stderr
+        assert reply is not None, f"{kind.name}: no answer within {timeout:.0f}s\n{said}"
+        assert took < timeout / 2, f"{kind.name} answered after {took:.1f}s\n{said}"
+        assert "exited before answering" in caplog.text, said
+    finally:
+        client.detach()
+        spare = client._proc
+        for agent in agents + ([spare] if spare is not None else []):
+            if agent.poll() is None:
+                agent.kill()
+            agent.wait(30)
