@@ -40,6 +40,10 @@ class AgentGone(AgentTimeout):
     """The agent a request went to exited before it answered; another may serve the job already (ask it again)."""
 
 
+class NoAgent(RuntimeError):
+    """No agent runs for the job and none could be started (the request was not sent)."""
+
+
 class AgentRefused(RuntimeError):
     """The agent this rank started refused its command line: nothing can be persisted, so no agent is started
     again."""
@@ -204,7 +208,8 @@ class AgentClient:
         read here at most once a second (``ensure``)."""
         serving = self._serving_pid()
         if serving and serving != self._introduced_to:
-            # At start-up the agent this rank just started writes its pid only after the first HELLO: no news.
+            # At start-up the agent this rank just started writes its pid once it holds the job's lock, often after
+            # this rank's first HELLO went out (the socket queues it for the agent): no news.
             logger.log(logging.INFO if self._introduced_to else logging.DEBUG,
                        "rank %d: agent pid %s now serves job %s (was %s): introducing this rank to it", self.rank,
                        serving, self.job_id, self._introduced_to or "?")
@@ -276,6 +281,22 @@ class AgentClient:
                     f"{serving if serving and serving != str(addressee[0]) else '?'}) serves the job now")
         return None
 
+    def _ask(self, kind: Kind, timeout: float, **fields: Any) -> dict[str, Any]:
+        """request(), started or restarted as needed, and asked again of the agent that took over when the one it
+        went to dies before answering (the new one adopts the slots; the dead one's answer never comes). Raises
+        NoAgent when no agent runs, AgentTimeout when ``timeout`` passes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.ensure(force=True)   # an agent that died is replaced
+            if not self.alive():
+                raise NoAgent(f"rank {self.rank}: no easyckpt agent runs for job {self.job_id}")
+            try:
+                return self.request(kind, max(0.0, deadline - time.monotonic()), **fields)
+            except AgentGone as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                logger.warning("%s; asking again", exc)
+
     def flush(self, step: int, *, wait: bool, timeout: float) -> FlushReply | None:
         """Ask the agent to persist ``step`` now. With ``wait``, block (bounded) for its answer: a reply
         with ``persisted`` (the newest step durable on this node) and ``committed``, or ``error``; None when
@@ -286,36 +307,30 @@ class AgentClient:
                 logger.warning("rank %d: the request to persist step %d did not reach the agent (no agent, or "
                                "its queue is full); the step stays in memory", self.rank, step)
             return None
-        deadline = time.monotonic() + timeout
-        while True:
-            self.ensure(force=True)   # an agent that died is replaced; the new one adopts the slots
-            if not self.alive():
-                return None
-            try:
-                return FlushReply.from_wire(self.request(Kind.FLUSH, max(0.0, deadline - time.monotonic()),
-                                                         rank=self.rank, step=step, wait=True), "agent FLUSH reply")
-            except RecordError as exc:   # an agent of another build: no answer a program could act on
-                logger.warning("rank %d: %s", self.rank, exc)
-                return None
-            except AgentTimeout as exc:
-                again = isinstance(exc, AgentGone) and time.monotonic() < deadline
-                logger.warning("%s%s", exc, "; asking again" if again else "")
-                if time.monotonic() >= deadline:
-                    return None
+        try:
+            return FlushReply.from_wire(self._ask(Kind.FLUSH, timeout, rank=self.rank, step=step, wait=True),
+                                        "agent FLUSH reply")
+        except NoAgent:
+            return None
+        except RecordError as exc:   # an agent of another build: no answer a program could act on
+            logger.warning("rank %d: %s", self.rank, exc)
+            return None
+        except AgentTimeout as exc:
+            logger.warning("%s", exc)
+            return None
 
     def resume(self, step: int, stale: list[list[int]], *, timeout: float) -> ResumeReply | None:
         """Tell the agent this rank resumed at ``step`` (a new timeline: it moves newer iterations aside and
         persists the new timeline's steps) and which of its slots ([index, generation]) hold abandoned
         steps it could not invalidate. Waits (bounded) for the reply; None when no agent answered."""
-        self.ensure(force=True)
-        if not self.alive():
+        try:
+            return ResumeReply.from_wire(self._ask(Kind.RESUME, timeout, rank=self.rank, step=step, stale=stale),
+                                         "agent RESUME reply")
+        except NoAgent:
             logger.warning("rank %d: no easyckpt agent runs for job %s to record the resume at step %d; iterations "
                            "newer than it in %s stay where they are until a later resume", self.rank, self.job_id,
                            step, self.save_dir)
             return None
-        try:
-            return ResumeReply.from_wire(self.request(Kind.RESUME, timeout, rank=self.rank, step=step, stale=stale),
-                                         "agent RESUME reply")
         except (AgentTimeout, RecordError) as exc:
             logger.warning("%s; iterations newer than step %d in %s stay until the agent hears of the resume",
                            exc, step, self.save_dir)

@@ -439,13 +439,14 @@ class _Observed(AgentClient):
         return request_id
 
 
-@pytest.mark.parametrize("kind", [Kind.FLUSH, Kind.BYE], ids=["flush", "bye"])
+@pytest.mark.parametrize("kind", [Kind.FLUSH, Kind.BYE, Kind.RESUME], ids=["flush", "bye", "resume"])
 def test_a_request_whose_agent_dies_and_is_replaced_before_it_answers_is_asked_again(
         env: Env, kind: Kind, caplog: pytest.LogCaptureFixture) -> None:
     """Soak seed 1319, fault 24 (hung): a rank's FLUSH at close() went to its node's agent, which was SIGKILLed
     before it answered; another rank started a new agent within the rank's next look, so the rank saw an agent
     alive at every look and waited close_timeout (600 s) for an answer that no agent would give: the job hung at
-    torchrun's exit barrier. The request is now asked again of the agent that took over."""
+    torchrun's exit barrier. The request is now asked again of the agent that took over (a RESUME left unanswered
+    left the abandoned timeline's newer iterations on disk until a later resume)."""
     job = "replaced"
     agent_cmd = [sys.executable, "-m", "easyckpt_agent", "--save-dir", str(env.save_dir), "--job-id", job,
                  "--shm-dir", str(env.shm_dir), "--idle-timeout", "30"]
@@ -463,6 +464,8 @@ def test_a_request_whose_agent_dies_and_is_replaced_before_it_answers_is_asked_a
             started = time.monotonic()
             if kind == Kind.FLUSH:
                 answer = pool.submit(client.flush, 0, wait=True, timeout=timeout)
+            elif kind == Kind.RESUME:   # unanswered, newer iterations of an abandoned timeline stayed on disk
+                answer = pool.submit(client.resume, 0, [], timeout=timeout)
             else:
                 answer = pool.submit(client.close, wait=True, timeout=timeout)
             assert client.sent.wait(30), f"{kind.name} was never sent"
