@@ -508,14 +508,20 @@ class Checkpointer:
             logger.info("easyckpt rank %d: step %d committed by the leader's agent after %.2fs", self.rank, result.step,
                         seconds)
             return dataclasses.replace(result, committed=True, persisted=reply.persisted, seconds=seconds)
+        if reply is not None and reply.error is not None:
+            # Another node's persist of the step failed (the leader says so): the iteration will not be committed.
+            logger.warning("easyckpt rank %d: %s", self.rank, reply.error)
+            return dataclasses.replace(result, error=reply.error, failure=reply.failure, persisted=reply.persisted,
+                                       seconds=seconds)
         logger.warning("easyckpt rank %d: step %d is durable on this node but not committed yet after %.1fs "
                        "(flush_timeout): the leader's agent publishes it once every node's files are durable; see "
                        "the agent.log of rank 0's node", self.rank, result.step, seconds)
         return dataclasses.replace(result, seconds=seconds)
 
     def _final_error(self, result: FlushResult | None) -> PersistError | None:
-        """PersistError when the agent failed to persist the final snapshot; other shortfalls are logged."""
-        if result is None or result.durable:
+        """PersistError when the agent failed to persist the final snapshot (across nodes: any node's agent, so
+        that the job's iteration cannot be committed); other shortfalls are logged."""
+        if result is None or (result.durable and result.failure is None):
             return None
         if result.failure is None:
             # Slow (the agent goes on after we exit), no agent at all, or another rank's last snapshot is

@@ -28,14 +28,38 @@ Persists: a due step (a multiple of ``save_storage_interval``) is taken job-wide
 and no node's persister is busy; one that arrives while some node still persists is passed over, and the
 newer of two undecided due steps wins. Every decision is announced in the verdict (taken, passed and
 why), so nothing waits for a step that will not come.
+
+Failures: a node whose persist of a step failed (a full disk, the store down) says so in its state while it is not
+retrying it; the verdict names the newest such failure of a step the leader has not committed (:func:`job_failure`),
+so that a rank of another node waiting for that step's commit hears at once that it cannot come.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 MAX_STEPS = 8          # steps a state lists per field (the newest): slots per rank are a handful
 PASSED_KEPT = 16       # passed-over due steps a verdict repeats (the newest), for late listeners
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepFailure:
+    """A node's persist of ``step`` failed (its persister's newest failure, not being retried): the job's iteration
+    of ``step`` cannot be committed, since it needs every node's files."""
+
+    step: int
+    node: str
+    errno: int                  # 0 when the error was not an OSError
+    text: str                   # the path and the error, one line
+    needed: int | None = None   # bytes the persist needed, when known
+    free: int | None = None     # bytes free before it started, when known
+
+    def report(self, now: float) -> dict[str, Any]:
+        """The fields of ``easyckpt_wire.control.PersistFailure`` (what a rank's ``PersistError`` carries), as heard
+        at wall time ``now``."""
+        return {"step": self.step, "errno": self.errno, "text": f"on node {self.node}: {self.text}",
+                "needed": self.needed, "free": self.free, "since": now, "at": now, "failures": 1}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,6 +83,7 @@ class NodeState:
     # Whether a local rank lives (or may still come: no rank has registered yet). False once every local rank
     # died or said goodbye: what is not in ``local`` or ``held`` then, this node can never write.
     alive: bool = True
+    failure: StepFailure | None = None    # its newest failed persist, while it is not retried
 
     def newest(self) -> int | None:
         return max(self.local, default=None)
@@ -76,6 +101,7 @@ class Verdict:
     committed: int | None = None          # the newest iteration the leader committed
     newest: int | None = None             # the newest step every node's ranks committed
     decided: int = -1                     # due steps at or below are decided; a newer one is held until it is
+    failure: StepFailure | None = None    # a node's failed persist of a step newer than ``committed``
 
     def passed_steps(self) -> frozenset[int]:
         return frozenset(step for step, _ in self.passed)
@@ -225,7 +251,21 @@ def decide(states: Mapping[str, NodeState], nodes: Sequence[str], *, interval: i
     book = dataclasses.replace(book, candidate=candidate)
     # The newest taken step is repeated in every verdict: an agent that missed one (or restarted) still
     # learns it, and acts on it once (``NodeState.took``).
-    return Verdict(job_safe, node_safe, candidate, book.taken, book.passed, committed, common, book.decided), book
+    return Verdict(job_safe, node_safe, candidate, book.taken, book.passed, committed, common, book.decided,
+                   job_failure(states, nodes, committed)), book
+
+
+def job_failure(states: Mapping[str, NodeState], nodes: Sequence[str], committed: int | None) -> StepFailure | None:
+    """The newest failed persist of any node of ``nodes`` whose step the leader has not committed (the first node
+    by name among equals), or None.
+
+    Every node hears it in the verdict, so that a rank waiting for the job to commit a step whose files this node
+    wrote (the end of a run: ``close()``) learns at once that another node's files will not come, instead of
+    waiting flush_timeout for a commit that cannot happen; and its agent keeps the memory that holds the step
+    (soak seed 1323, fault 523: the leader's disk filled up after the other node had written its files)."""
+    failures = [s.failure for node in sorted(nodes) if (s := states.get(node)) is not None and s.failure is not None
+                and (committed is None or s.failure.step > committed)]
+    return max(failures, key=lambda f: f.step, default=None)
 
 
 def persist_floor(verdict: Verdict, present: Iterable[int]) -> int | None:
@@ -358,7 +398,7 @@ def state_to_wire(state: NodeState) -> dict[str, object]:
     return {"node": state.node, "local": sorted(newest(state.local)), "held": sorted(newest(state.held)),
             "backed": sorted(newest(state.backed)), "busy": _opt(state.busy), "took": state.took,
             "lost": sorted(newest(state.lost)), "wrote": _opt(state.wrote), "freed": state.freed,
-            "lost_to": _opt(state.lost_to), "alive": state.alive}
+            "lost_to": _opt(state.lost_to), "alive": state.alive, "failure": _failure_to_wire(state.failure)}
 
 
 def state_from_wire(message: Mapping[str, object]) -> NodeState:
@@ -375,14 +415,36 @@ def state_from_wire(message: Mapping[str, object]) -> NodeState:
     return NodeState(str(message["node"]), _read_steps(message, "local", where), _read_steps(message, "held", where),
                      _read_steps(message, "backed", where), _read_opt(message, "busy", where), took,
                      _read_steps(message, "lost", where), _read_opt(optional, "wrote", where),
-                     _decided(_read_opt(optional, "freed", where)), _read_opt(optional, "lost_to", where), alive)
+                     _decided(_read_opt(optional, "freed", where)), _read_opt(optional, "lost_to", where), alive,
+                     _failure_from_wire(message, where))
+
+
+def _failure_to_wire(failure: StepFailure | None) -> dict[str, object] | None:
+    return None if failure is None else {**dataclasses.asdict(failure), "text": failure.text[:300]}
+
+
+def _failure_from_wire(message: Mapping[str, object], where: str) -> StepFailure | None:
+    """The optional ``failure`` of a STATE or VERDICT (absent from older senders: no failure said)."""
+    value = message.get("failure")
+    if value is None:
+        return None
+    ints = ("step", "errno")
+    sizes = ("needed", "free")
+    if not isinstance(value, dict) or set(value) != {"node", "text", *ints, *sizes} \
+            or not isinstance(value["node"], str) or not isinstance(value["text"], str) \
+            or not all(type(value[k]) is int and value[k] >= 0 for k in ints) \
+            or not all(value[k] is None or (type(value[k]) is int and value[k] >= 0) for k in sizes):
+        raise ValueError(f"{where}: field 'failure' must be null or a node's failed persist (step, node, errno, "
+                         f"text, needed, free), got {value!r:.120}")
+    return StepFailure(value["step"], value["node"][:64], value["errno"], value["text"][:300], value["needed"],
+                       value["free"])
 
 
 def verdict_to_wire(verdict: Verdict) -> dict[str, object]:
     return {"job_safe": _opt(verdict.job_safe), "node_safe": _opt(verdict.node_safe),
             "candidate": _opt(verdict.candidate), "take": _opt(verdict.take), "committed": _opt(verdict.committed),
             "newest": _opt(verdict.newest), "decided": verdict.decided,
-            "passed": [[step, why[:200]] for step, why in verdict.passed]}
+            "passed": [[step, why[:200]] for step, why in verdict.passed], "failure": _failure_to_wire(verdict.failure)}
 
 
 def _decided(value: int | None) -> int:
@@ -401,4 +463,4 @@ def verdict_from_wire(message: Mapping[str, object]) -> Verdict:
                    candidate=_read_opt(message, "candidate", where), take=_read_opt(message, "take", where),
                    passed=tuple((int(p[0]), str(p[1])) for p in passed),
                    committed=_read_opt(message, "committed", where), newest=_read_opt(message, "newest", where),
-                   decided=_decided(_read_opt(message, "decided", where)))
+                   decided=_decided(_read_opt(message, "decided", where)), failure=_failure_from_wire(message, where))

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from easyckpt_agent import policy
+from easyckpt_agent.agreement import StepFailure
 from easyckpt_agent.watcher import SlotHolds, SlotInfo, Watcher
 from easyckpt_wire import layout, protocol
 from easyckpt_wire.records import ByeReply, FlushReply
@@ -164,8 +166,13 @@ class FlushRequests:
                     break
 
     def answer(self, send: Send, *, persisted: int | None, save_dir: Path, given_up: int,
-               failure: dict[str, Any] | None) -> None:
-        """Answer each FLUSH waiter whose step is on disk (this node's part of it, multi-node) or given up."""
+               failure: dict[str, Any] | None, job_failure: StepFailure | None = None,
+               job_committed: int | None = None) -> None:
+        """Answer each FLUSH waiter whose step is on disk (this node's part of it, multi-node) or given up.
+        ``job_failure``: a node's failed persist of a step the job has not committed, and ``job_committed`` the
+        newest iteration it has (the leader's verdict): a waiter for that step hears that it will not be committed,
+        with the job's newest iteration as the step on disk (this node's newer files are in a stage that no node
+        will finish)."""
         if not self.waiters:
             return
         waiting = []
@@ -174,6 +181,11 @@ class FlushRequests:
                 # In a multi-node job ``persisted`` is this node's durable shards; the leader renames the
                 # iteration into place once every node's are.
                 committed = _committed(save_dir, persisted)
+                if not committed and job_failure is not None and job_failure.step >= step:
+                    error, report = _not_committable(job_failure)
+                    send(identity, protocol.reply(False, id=request_id, **FlushReply(
+                        job_committed, error=error, failure=report).to_wire()))
+                    continue
                 send(identity, protocol.reply(True, id=request_id, **FlushReply(persisted, committed).to_wire()))
             elif step not in self.wanted:
                 error = self.failed.get(step, f"persisting step {given_up} failed (see the agent log)")
@@ -196,6 +208,13 @@ class FlushRequests:
         for step in self.wanted:
             self.failed.setdefault(step, why)
         self.wanted.clear()
+
+
+def _not_committable(failure: StepFailure) -> tuple[str, dict[str, Any]]:
+    """The answer to a rank waiting for the job to commit a step that another node failed to persist: why, and the
+    failure report a rank turns into ``PersistError`` (the fields of ``PersistFailure``)."""
+    return (f"step {failure.step} cannot be committed: node {failure.node}'s persist of it failed ({failure.text}); "
+            "this node's files of it are durable, every node's are needed"), failure.report(time.time())
 
 
 def _committed(save_dir: Path, step: int) -> bool:

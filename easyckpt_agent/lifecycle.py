@@ -259,11 +259,18 @@ class Lifecycle:
         return True
 
     def _only_in_memory(self) -> tuple[PersistFailure, int] | None:
-        """(the persist failure, the newest step in memory) while persisting fails and that step is on no disk."""
-        failure, in_memory = self.scheduler.failure, newest_in_memory(self.watcher)
-        if failure is None or in_memory is None or in_memory <= self.scheduler.durable():
+        """(the persist failure, the newest step in memory) while persisting fails and that step is on no disk:
+        this node's persist failed, or (across nodes) another node's persist of a step the job has not committed,
+        which this node's files alone do not make a checkpoint of."""
+        scheduler, in_memory = self.scheduler, newest_in_memory(self.watcher)
+        if in_memory is None:
             return None
-        return failure, in_memory
+        if scheduler.failure is not None and in_memory > scheduler.durable():
+            return scheduler.failure, in_memory
+        job = scheduler.job_failure
+        if job is not None and in_memory >= job.step:
+            return PersistFailure(**job.report(time.time())), in_memory
+        return None
 
     def _say_kept_for_a_restart(self) -> None:
         """The ranks died while persisting fails: said once as the wait starts (not idle_timeout later), so that

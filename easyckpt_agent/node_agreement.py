@@ -56,13 +56,16 @@ class NodeAgreement:
         protection.join_job()
         interval = self.settings.save_storage_interval
         self._note_persist_end(ranks)
+        alive = not self.watcher.ranks or self.watcher.any_alive()
         state = NodeState(self.settings.node_id, local=agreement.newest(common),
                           held=agreement.newest(self.held_everywhere(ranks)),
                           backed=agreement.newest(self.cluster.backed_up() or ()), busy=scheduler.inflight_step(),
                           took=self.took, lost=agreement.newest(self.lost), wrote=self.wrote, freed=self.freed,
-                          lost_to=self.lost_to, alive=not self.watcher.ranks or self.watcher.any_alive())
+                          lost_to=self.lost_to, alive=alive, failure=None if alive else self.final_failure())
         verdict = self.cluster.jobwide.exchange(state, peers, interval=interval,
                                                 committed=self.cluster.complete if peers.is_leader else None)
+        scheduler.job_failure = verdict.failure if verdict is not None else None
+        scheduler.job_committed = verdict.committed if verdict is not None else None
         persisting = set(scheduler.held_steps())
         present = set(common) | roles.steps
         decided = max(scheduler.floor(), verdict.decided if verdict is not None else -1)
@@ -93,6 +96,16 @@ class NodeAgreement:
                          sorted(persisting), verdict)
         protection.set_job_steps(verdict.job_safe, verdict.node_safe, self.held_everywhere(ranks))
         self.cluster.safe_step = protection.safe
+
+    def final_failure(self) -> agreement.StepFailure | None:
+        """This node's newest failed persist, for the leader once no local rank lives (the caller's test): a failed
+        step is persisted again when a rank asks for it (its close() does), so only then can no retry come. Not
+        while the agent persists it again itself (at its ranks' failure)."""
+        failure, scheduler = self.scheduler.failure, self.scheduler
+        if failure is None or failure.step in scheduler.held_steps():
+            return None
+        return agreement.StepFailure(failure.step, self.settings.node_id, failure.errno, failure.text, failure.needed,
+                                     failure.free)
 
     def _note_persist_end(self, ranks: set[int]) -> None:
         inflight = self.scheduler.inflight_step()

@@ -92,6 +92,10 @@ class PersistScheduler:
         self.failure: PersistFailure | None = None
         self.failures = 0
         self._failures_before = 0   # failures before the episode in progress
+        # Across nodes: a node's failed persist of a step the leader has not committed, as the leader's verdict
+        # says (this node's own included): that iteration cannot be committed, and no rank waits for it.
+        self.job_failure: agreement.StepFailure | None = None
+        self.job_committed: int | None = None   # the newest iteration the leader committed, as its verdict says
         self.passed = Episode(logger, logging.INFO)   # due steps passed over while a persist ran
         # A step of a job that spans nodes, claimed before any rank told this agent the other nodes (PEERS): an
         # agent a rank just started hears a rank's FLUSH, or finds due steps in the slots, before the PEERS that
@@ -345,7 +349,7 @@ class PersistScheduler:
         if self.flushes.bye_waiters and (force or not self.busy()):
             self.flushes.answer_byes(send, persisted=self.persisted, failure=self.failure_dict())
         self.flushes.answer(send, persisted=self.persisted, save_dir=self.save_dir, given_up=self.given_up,
-                            failure=self.failure_dict())
+                            failure=self.failure_dict(), job_failure=self.job_failure, job_committed=self.job_committed)
 
     # timelines --------------------------------------------------------------------------------------------
     def rewind(self, step: int, complete: Collection[int]) -> tuple[int | None, int]:

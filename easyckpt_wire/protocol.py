@@ -55,10 +55,12 @@ FETCH     ``xxh64`` of the chunk plus one raw data frame; ``ok=False`` with ``er
 PUSH      nothing (optional ``blobs``: [[checksum, bytes], ...], the small tensors of the manifests, so that
           the buddy's backup never reads the sender's slots after they may have been rewritten)
 STATE     no reply (a node's state for the leader: ``local``, ``held``, ``backed`` steps, ``busy``, ``took``,
-          ``lost``; optional ``wrote``, ``freed`` and ``lost_to`` (-1 for none) and ``alive`` (whether a local
-          rank lives), absent from older senders)
+          ``lost``; optional ``wrote``, ``freed`` and ``lost_to`` (-1 for none), ``alive`` (whether a local
+          rank lives) and ``failure`` (null, or its failed persist once no local rank lives: ``step``, ``node``,
+          ``errno``, ``text``, ``needed``, ``free``), absent from older senders)
 VERDICT   no reply (the leader's word: ``job_safe``, ``node_safe``, ``candidate``, ``take``, ``committed``,
-          ``newest``, ``decided``, each -1 for none; ``passed``: [[step, why], ...])
+          ``newest``, ``decided``, each -1 for none; ``passed``: [[step, why], ...]; optional ``failure``: a
+          node's failed persist of a step newer than ``committed``, as in STATE)
 ========  =====================================================================================
 
 A peer request with a wrong or missing token gets ``ok=False`` and a fixed ``error``, nothing else.

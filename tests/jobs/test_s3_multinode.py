@@ -13,6 +13,7 @@ import pytest
 import s3server
 from conftest import Env, run_cli, seeded_random, wait_for
 from multinode import NODES, RANKS_PER_NODE, Cluster
+from s3proxy import FaultProxy
 
 from easyckpt_wire import layout
 from easyckpt_wire.storage import open_storage
@@ -73,3 +74,52 @@ def test_two_nodes_commit_one_s3_save_dir_and_a_lost_node_resumes(env: Env, monk
     verified = run_cli("verify", url, env=env)
     assert verified.returncode == 0, verified.stdout + verified.stderr
     assert os.environ["AWS_ENDPOINT_URL_S3"] == server.url
+
+
+def test_a_last_step_only_the_leader_cannot_persist_fails_every_node_at_once_and_stays_in_memory(
+        env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Soak seed 1323, fault 523 (leaked): the other node wrote its files of the run's last step, then the leader's
+    persist of it failed (its disk full). That node's rank waited flush_timeout (25 s) for a commit that could not
+    come, and its agent, never told, did not say it kept its memory on purpose; the launcher killed the rank first.
+    Here the leader's node alone reaches the object store through a proxy that goes down at a seeded step: the
+    leader's verdict names its failed persist once its rank has ended, the other node's rank ends with PersistError
+    naming it (unless its launcher kills it first), both agents keep their slots and say so, and a rerun once the
+    store is back resumes every rank from memory at the last step and commits it."""
+    server = s3server.server()
+    for key, value in s3server.env(server.url).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("EASYCKPT_S3_MAX_ATTEMPTS", "2")
+    monkeypatch.setenv("EASYCKPT_S3_TIMEOUT", "3")
+    url = f"s3://{s3server.bucket(server.url)}/leader-down"
+    env.save_dir = url   # type: ignore[assignment]
+    random = seeded_random()
+    steps, down_at = 12, random.randint(5, 9)
+    proxy = FaultProxy(server.url, seed=random.randrange(1 << 30))
+    job = Cluster(env, env.tmp_path / "out", steps=steps, save_storage_interval=INTERVAL, ranks_per_node=1,
+                  node_env={0: {"AWS_ENDPOINT_URL_S3": proxy.url}})
+    try:
+        job.start(0)   # no restart: torchrun's restart of the group would kill the other node's rank at once
+        job.start(1)
+        wait_for(lambda: job.reached(down_at) or job.procs[0].poll() is not None, 180, f"step {down_at}")
+        proxy.go_down()
+        codes = [job.wait(node) for node in range(NODES)]
+        assert codes[0] != 0 and "PersistError" in job.log(0), job.log(0)[-3000:]
+        said = {node: "".join(p.read_text() for p in env.runtime_dir.glob(f"*@node{node}/agent.log"))
+                for node in range(NODES)}
+        assert "so the job's slots are kept in" in said[0], said[0][-3000:]
+        assert "so the job's slots are kept in" in said[1] and "on node node0:" in said[1], said[1][-3000:]
+        if codes[1] == 1:   # it heard before its launcher ended it: at once, not after flush_timeout
+            assert f"PersistError: easyckpt rank 1: the final snapshot (step {steps - 1}) could not be made durable" \
+                in job.log(1) and f"persist of step {steps - 1} failed: on node node0: " in job.log(1), job.log(1)[-3000:]
+        assert "not committed yet after" not in job.log(1), job.log(1)[-3000:]
+        proxy.come_back()
+        job.start(0)
+        job.start(1)
+        for node in range(NODES):
+            assert job.wait(node) == 0, job.log(node)[-4000:]
+    finally:
+        proxy.close()
+        job.cleanup()
+    reports = [job.resumes(rank)[-1] for rank in range(job.world)]
+    assert [(r["source"], r["step"]) for r in reports] == [("memory", steps - 1)] * job.world, reports
+    assert layout.tracker(open_storage(url)) == steps - 1, "the rerun committed the last step"

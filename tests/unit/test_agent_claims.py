@@ -1,6 +1,7 @@
 """easyckpt_agent.claims: persist claims as flocks on real slot files, and the ranks' FLUSH/BYE requests and answers."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,8 @@ import pytest
 from agent_slots import JOB, FakeRanks, decode_reply, held
 from conftest import s3_endpoint_down
 
+from easyckpt.node.persist_watch import describe_failure
+from easyckpt_agent.agreement import StepFailure
 from easyckpt_agent.claims import Claims, FlushRequests, never_holds
 from easyckpt_agent.watcher import SlotHolds, Watcher
 from easyckpt_wire import layout
@@ -170,6 +173,39 @@ def test_a_flush_says_committed_only_once_the_iteration_is_published_and_tracked
     assert not committed()                                       # published, the tracker not written yet
     (save_dir / layout.TRACKER).write_text("7")
     assert committed()
+
+
+def test_a_flush_of_a_step_another_node_failed_to_persist_is_refused_with_that_nodes_failure(
+        node: Node, tmp_path: Path) -> None:
+    """Soak seed 1323, fault 523: this node's files of the run's last step were durable, the leader's persist of it
+    then failed on the full disk, and this node's rank waited flush_timeout for a commit that could not come (its
+    launcher killed it first, and its agent, not told, kept nothing on purpose). The leader's verdict names the
+    failure; the waiter hears it with the failure report (a PersistError) and the job's newest iteration."""
+    save_dir = tmp_path / "save"
+    save_dir.mkdir()
+    (save_dir / layout.TRACKER).write_text("15")
+    leader = StepFailure(19, "node0", 28, "/ckpt: [Errno 28] no space left", 235_000, 212_000)
+
+    def answer(step: int, failure: StepFailure | None) -> dict[str, Any]:
+        node.flushes.waiters.append((b"a", 1, step))
+        node.flushes.answer(node.send, persisted=19, save_dir=save_dir, given_up=-1, failure=None,
+                            job_failure=failure, job_committed=15)
+        (_, reply), = node.sent
+        node.sent.clear()
+        return reply
+
+    refused = answer(19, leader)
+    assert not refused["ok"] and refused["persisted"] == 15, refused
+    assert "step 19 cannot be committed: node node0's persist of it failed" in refused["error"], refused
+    report = refused["failure"]
+    assert report["step"] == 19 and report["errno"] == 28 and report["needed"] == 235_000, report
+    assert describe_failure(report).startswith("persist of step 19 failed: on node node0: /ckpt: [Errno 28]"), report
+    assert answer(19, None)["ok"]                                    # no failure heard: not committed yet, ask again
+    assert answer(19, dataclasses.replace(leader, step=14))["ok"]    # an older step's failure says nothing of 19
+    (save_dir / layout.iteration_dirname(19)).mkdir()
+    (save_dir / layout.TRACKER).write_text("19")
+    committed = answer(19, leader)                                   # committed after all (a retry): that wins
+    assert committed["ok"] and committed["committed"], committed
 
 
 def test_a_requested_step_some_rank_will_never_hold_is_given_up(node: Node) -> None:

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from agent_slots import JOB, START, Harness
 
-from easyckpt_agent.agreement import Verdict, verdict_to_wire
-from easyckpt_wire.control import ControlReader, control_path
+from easyckpt_agent.agreement import StepFailure, Verdict, verdict_to_wire
+from easyckpt_wire.control import ControlReader, PersistFailure, control_path
 from easyckpt_wire.protocol import Kind
 from easyckpt_wire.records import PeerNode, PeerTable
-from easyckpt_wire.shm import SlotState
+from easyckpt_wire.shm import SlotState, list_slots
 
 PEERS = PeerTable("t" * 16, "n1", "n0", {"n0": PeerNode("tcp://127.0.0.1:1", (0, 1)),
                                          "n1": PeerNode("tcp://127.0.0.1:2", (2, 3))}, world_size=4)
@@ -235,3 +235,49 @@ def test_the_state_says_whether_a_local_rank_lives(node: Harness) -> None:
         proc.dead = True   # as the watcher marks a rank whose process is gone
     agree(node)
     assert not states["n1"].alive and 5 in states["n1"].local, "its memory outlives its ranks"
+
+
+def test_a_failed_persist_is_told_to_the_leader_once_no_rank_can_ask_for_it_again(node: Harness) -> None:
+    """NodeState.failure: the leader names it in the verdict, so that no rank of another node waits for the commit
+    of a step this node's files will never complete (soak seed 1323, fault 523). Only once every local rank ended
+    or died: a rank's close() asks for its last step again, and the retry may work."""
+    node.agent.cluster.peers = PeerTable(PEERS.token, "n1", "n1", PEERS.nodes, world_size=4)   # n1 leads: its states
+    states, scheduler = node.agent.cluster.jobwide.states, node.agent.scheduler
+    node.ranks.commit_all(0, 19)
+    scheduler.failure = PersistFailure(19, 28, "/ckpt: no space", 235_000, 212_000, 0.0, 0.0, 1)
+    agree(node)
+    assert states["n1"].failure is None and scheduler.job_failure is None, "its ranks live: they may ask again"
+    procs = list(node.agent.watcher.ranks.values())
+    procs[0].said_bye = True
+    procs[1].dead = True
+    agree(node)
+    assert states["n1"].failure == StepFailure(19, "n1", 28, "/ckpt: no space", 235_000, 212_000)
+    assert scheduler.job_failure == states["n1"].failure, "the leader's own verdict names it, to every node"
+    ranks, committed, _ = node.scan()
+    assert scheduler.claims.claim_all(19, ranks, committed)   # the agent persists it again (at its ranks' failure)
+    agree(node)
+    assert states["n1"].failure is None and scheduler.job_failure is None
+
+
+def test_a_step_another_node_failed_to_persist_keeps_this_nodes_memory_when_its_ranks_end(
+        node: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    """Soak seed 1323, fault 523: this node wrote its files of the last step, the leader's persist of it failed; the
+    ranks here ended (or were killed by their launcher), and this node's memory is half of the only copy of that
+    step. The agent hears the failure in the verdict, keeps its slots for the restart, and says so."""
+    caplog.set_level(logging.INFO)
+    scheduler = node.agent.scheduler
+    node.ranks.commit_all(0, 19)
+    failure = StepFailure(19, "n0", 28, "/ckpt: no space", 235_000, 212_000)
+    verdict(node, committed=15, failure=failure)
+    agree(node)
+    assert scheduler.job_failure == failure and scheduler.job_committed == 15
+    scheduler.persisted = 19   # this node's files of step 19 are durable (its own persist worked)
+    for proc in node.agent.watcher.ranks.values():
+        proc.said_bye = True
+    assert node.agent.life.should_exit() and not node.agent.life.ended_cleanly
+    assert len(list_slots(node.shm_dir, JOB)) == 6, "kept for the restart"
+    assert "persist of step 19 failed: on node n0: /ckpt: no space" in caplog.text, caplog.text
+    assert "so the job's slots are kept in" in caplog.text, caplog.text
+    verdict(node, committed=19)   # committed after all: nothing is only in memory
+    agree(node)
+    assert scheduler.job_failure is None and scheduler.job_committed == 19

@@ -21,11 +21,13 @@ from hypothesis import strategies as st
 from easyckpt_agent.agreement import (
     Book,
     NodeState,
+    StepFailure,
     Verdict,
     counts_on,
     decide,
     decide_due,
     due_to_hold,
+    job_failure,
     job_safe_here,
     job_steps,
     persist_floor,
@@ -144,6 +146,27 @@ def test_the_verdict_repeats_the_newest_take_and_names_what_is_decided() -> None
     assert again.take == 5, "a late or restarted agent still learns the take"
 
 
+def test_the_verdict_names_the_newest_failed_persist_of_a_step_not_committed() -> None:
+    """Soak seed 1323, fault 523: the leader's persist of the run's last step failed after the other node's had
+    written its files; that node's rank waited for a commit that could not come. The verdict says so."""
+    full = StepFailure(19, "a", 28, "no space", 235_000, 212_000)
+    states = {"a": dataclasses.replace(state("a", {19}, {19}), failure=full), "b": state("b", {19}, {19})}
+    verdict, _ = decide(states, NODES, interval=5, book=Book(decided=15), committed=15)
+    assert verdict.failure == full
+    assert decide(states, NODES, interval=5, book=Book(decided=15), committed=19)[0].failure is None, \
+        "a step committed after all (a retry succeeded) is no one's failure"
+    older = StepFailure(17, "b", 5, "EIO")
+    states["b"] = dataclasses.replace(states["b"], failure=older)
+    assert job_failure(states, NODES, 15) == full, "the newest step's failure"
+    assert job_failure(states, NODES, 18) == full and job_failure(states, NODES, None) == full
+    assert job_failure({"b": states["b"]}, NODES, 15) == older, "a node not heard from says nothing"
+    assert job_failure(states, ["b"], 15) == older, "a node not of the job says nothing"
+    tie = dataclasses.replace(older, step=19)
+    states["b"] = dataclasses.replace(states["b"], failure=tie)
+    assert job_failure(states, NODES, 15) == full and job_failure(states, ["b", "a"], 15) == full, \
+        "among equals, the first node by name, whatever the order given"
+
+
 # one agent's holds -------------------------------------------------------------------------------------
 def test_holds_leave_a_slot_to_write_and_one_for_an_unseen_due_step_or_a_trailing_node_safe_step() -> None:
     present = {4, 5, 6, 7}
@@ -236,6 +259,20 @@ def test_states_and_verdicts_round_trip_and_garbage_is_refused() -> None:
             state_from_wire({**state_to_wire(original), field: bad})
     with pytest.raises(ValueError, match="passed"):
         verdict_from_wire({**verdict_to_wire(verdict), "node": "a", "passed": [[1, 2, 3]]})
+    failure = StepFailure(19, "a", 28, "x" * 500, None, 7)
+    failed = dataclasses.replace(finished, failure=failure)
+    said = dataclasses.replace(failure, text="x" * 300)   # the text is cut to 300 characters on the wire
+    assert state_from_wire(state_to_wire(failed)) == dataclasses.replace(failed, failure=said)
+    verdict = dataclasses.replace(verdict, failure=said)
+    assert verdict_from_wire({**verdict_to_wire(verdict), "node": "a"}) == verdict
+    assert protocol.decode(protocol.encode(Kind.VERDICT, token="t", node="a", **verdict_to_wire(verdict)))[0] \
+        == Kind.VERDICT
+    assert verdict_from_wire({k: v for k, v in verdict_to_wire(verdict).items() if k != "failure"} | {"node": "a"}) \
+        == dataclasses.replace(verdict, failure=None), "an older leader says no failure"
+    good: Any = state_to_wire(failed)["failure"]
+    for garbage in ({"step": 1}, [19], {**good, "errno": -1}, {**good, "free": "7"}, {**good, "node": 3}, "full"):
+        with pytest.raises(ValueError, match="failure"):
+            state_from_wire({**state_to_wire(original), "failure": garbage})
 
 
 def test_news_travel_to_a_real_replica_server_and_wrong_tokens_are_dropped() -> None:
