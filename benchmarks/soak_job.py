@@ -12,6 +12,7 @@ import contextlib
 import ipaddress
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -44,16 +45,36 @@ _GIVEN: set[int] = set()
 _GIVEN_LOCK = threading.Lock()
 
 
+_PORTS = random.Random()   # which free port a job listens on changes nothing a seed decides
+
+
+def ephemeral_low(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
+    """The lowest port the kernel gives outgoing connections (Linux's default when it cannot be read)."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A port free now and never handed to another job of this soak (jobs may run side by side, ``--jobs``)."""
+    """A port free now, below the kernel's ephemeral range, and never handed to another job of this soak (jobs may
+    run side by side, ``--jobs``). Not a port the kernel picks (bind to 0): in the seconds before torchrun listens on
+    it, another process's outgoing connection (an S3 client, a peer's socket) can be given the same port, and the
+    relaunched node 0's torchrun then failed with EADDRINUSE (soak seed 1323, fault 26)."""
+    low = ephemeral_low()
     with _GIVEN_LOCK:
-        while True:
+        for _ in range(10_000):
+            port = _PORTS.randrange(max(1024, low - 16384), low)
+            if port in _GIVEN:
+                continue
             with socket.socket() as probe:
-                probe.bind(("127.0.0.1", 0))
-                port = int(probe.getsockname()[1])
-            if port not in _GIVEN:
-                _GIVEN.add(port)
-                return port
+                try:
+                    probe.bind(("127.0.0.1", port))
+                except OSError:
+                    continue   # a listener of someone else's
+            _GIVEN.add(port)
+            return port
+    raise RuntimeError(f"no free port below {low} (the ephemeral range) that this soak has not used")
 
 
 def gone(pid: int) -> bool:

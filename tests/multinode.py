@@ -17,6 +17,7 @@ from typing import Any
 
 import psutil
 from conftest import ROOT, Env, gone, wait_for
+from soak_job import free_port  # below the ephemeral ports: no outgoing connection takes it first
 
 from easyckpt_wire.protocol import job_id_for
 
@@ -28,12 +29,6 @@ SCRIPT = ROOT / "examples" / "plain_ddp.py"
 FAST_RENDEZVOUS = "keep_alive_interval=1,keep_alive_max_attempt=5"
 NODES = 2
 RANKS_PER_NODE = 2
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def accepting(port: int) -> bool:
