@@ -182,6 +182,19 @@ REPLAYS = [
                  "step 3: the rerun's ranks refused the iteration and died with nothing in memory, and the leader's "
                  "agent waited STAGE_WAIT (120 s) for the other node's shards of step 3, which had died with the first "
                  "run (an agent and its control block left behind)", id="33569623-11", marks=pytest.mark.extended),
+    # Extended: the other node must write its files of the last step before the leader fails its own, which it does
+    # now and then only; tests/jobs/test_s3_multinode.py fails only the leader's persists every time.
+    pytest.param(["--seed", "1323"], 523,
+                 "the disk full to the end of a 2-node job, the other node's files of the last step written before "
+                 "the leader's persist of it failed: that node's rank waited flush_timeout for a commit that could "
+                 "not come until its launcher killed it, and its agent, never told, kept the slots without saying why "
+                 "(leaked)", id="1323-523", marks=pytest.mark.extended),
+    # Extended: another process must take the port in the seconds before torchrun listens on it;
+    # tests/unit/test_soak_plan.py checks where the ports now come from.
+    pytest.param(["--seed", "1323"], 26,
+                 "the soak's own harness: the port of a whole job's relaunch was picked by the kernel (bind to 0), and "
+                 "an outgoing connection took it before node 0's torchrun listened (EADDRINUSE: no rank restarted)",
+                 id="1323-26", marks=pytest.mark.extended),
 ]
 
 
