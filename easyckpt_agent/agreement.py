@@ -29,9 +29,10 @@ and no node's persister is busy; one that arrives while some node still persists
 newer of two undecided due steps wins. Every decision is announced in the verdict (taken, passed and
 why), so nothing waits for a step that will not come.
 
-Failures: a node whose persist of a step failed (a full disk, the store down) says so in its state while it is not
-retrying it; the verdict names the newest such failure of a step the leader has not committed (:func:`job_failure`),
-so that a rank of another node waiting for that step's commit hears at once that it cannot come.
+Failures: a node whose persist of a step failed (a full disk, the store down) says so in its state once none of its
+ranks lives and it is not retrying it (a rank's ``close()`` asks for its last step again); the verdict names the
+newest such failure of a step the leader has not committed (:func:`job_failure`), so that a rank of another node
+waiting for that step's commit hears at once that it cannot come.
 """
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ PASSED_KEPT = 16       # passed-over due steps a verdict repeats (the newest), f
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepFailure:
-    """A node's persist of ``step`` failed (its persister's newest failure, not being retried): the job's iteration
-    of ``step`` cannot be committed, since it needs every node's files."""
+    """A node's persist of ``step`` failed for good (its persister's newest failure, and no local rank left to ask
+    for it again): the job's iteration of ``step`` cannot be committed, since it needs every node's files."""
 
     step: int
     node: str
@@ -83,7 +84,7 @@ class NodeState:
     # Whether a local rank lives (or may still come: no rank has registered yet). False once every local rank
     # died or said goodbye: what is not in ``local`` or ``held`` then, this node can never write.
     alive: bool = True
-    failure: StepFailure | None = None    # its newest failed persist, while it is not retried
+    failure: StepFailure | None = None    # its newest failed persist, once no local rank can ask for it again
 
     def newest(self) -> int | None:
         return max(self.local, default=None)
