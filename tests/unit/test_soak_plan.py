@@ -3,9 +3,11 @@ the node losses that strike the leader's node, and the ports its jobs listen on.
 from __future__ import annotations
 
 import json
+import random
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import soak_job
@@ -72,21 +74,39 @@ def test_the_three_node_configuration_is_drawn_only_when_asked_for() -> None:
         soak_plan.Config(api="plain", nodes=4, ranks_per_node=1, weight=1)
 
 
-def test_ports_to_listen_on_are_free_below_the_ephemeral_range_and_never_given_twice(tmp_path: Path) -> None:
+def test_ports_to_listen_on_are_free_below_the_ephemeral_range_and_never_given_twice(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Soak seed 1323, fault 26: a port the kernel picked (bind to 0) was taken by another process's outgoing
     connection before the relaunched node 0's torchrun listened on it (EADDRINUSE)."""
     low = soak_job.ephemeral_low()
-    taken = socket.socket()
-    try:
-        ports = [soak_job.free_port() for _ in range(200)]
-        assert len(set(ports)) == len(ports) and all(1024 <= p < low for p in ports), (low, ports)
-        taken.bind(("127.0.0.1", ports[0] + 1 if ports[0] + 1 < low else ports[0] - 1))
-        for port in ports:   # each was bindable when given
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", port))
-        assert taken.getsockname()[1] not in [soak_job.free_port() for _ in range(200)], "a port in use is skipped"
-    finally:
-        taken.close()
+    ports = [soak_job.free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports) and all(1024 <= p < low for p in ports), (low, ports)
+    for port in ports:   # each was bindable when given
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))
+    with socket.socket() as taken:
+        for candidate in range(low - 1, 1024, -1):   # a port below the range that someone else listens on
+            if candidate not in ports:
+                try:
+                    taken.bind(("127.0.0.1", candidate))
+                    break
+                except OSError:
+                    continue
+        busy = taken.getsockname()[1]
+
+        class Draws(random.Random):
+            """The busy port drawn first, then the usual draws."""
+
+            first = True
+
+            def randrange(self, *args: Any, **kwargs: Any) -> int:
+                if self.first:
+                    self.first = False
+                    return busy
+                return super().randrange(*args, **kwargs)
+
+        monkeypatch.setattr(soak_job, "_PORTS", Draws())
+        assert soak_job.free_port() != busy, "a port in use is skipped"
     (tmp_path / "range").write_text("40000\t60999\n")
     assert soak_job.ephemeral_low(tmp_path / "range") == 40000
     assert soak_job.ephemeral_low(tmp_path / "missing") == 32768
