@@ -85,14 +85,18 @@ def test_ports_to_listen_on_are_free_below_the_ephemeral_range_and_never_given_t
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", port))
     with socket.socket() as taken:
-        for candidate in range(low - 1, 1024, -1):   # a port below the range that someone else listens on
-            if candidate not in ports:
+        # A port below the range that someone else listens on, and that no free_port() of this process gave (a port
+        # given before would be skipped as given, and the test would pass for that reason).
+        for candidate in range(low - 1, 1024, -1):
+            if candidate not in soak_job._GIVEN:
                 try:
                     taken.bind(("127.0.0.1", candidate))
                     break
                 except OSError:
                     continue
+        taken.listen()
         busy = taken.getsockname()[1]
+        assert busy not in soak_job._GIVEN and busy > 0, busy
 
         class Draws(random.Random):
             """The busy port drawn first, then the usual draws."""
