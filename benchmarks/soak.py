@@ -112,6 +112,36 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def check_json(path: Path) -> None:
+    """Refuse a ``--json`` path the soak could not write, before any job runs: the result is written after each job,
+    and a directory given for a file once lost every run of a soak at its first write."""
+    if path.is_dir():
+        raise SystemExit(f"--json {path}: a directory, not a file; give a file's path, e.g. {path / 'soak.json'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.with_name(f".{path.name}.partial")
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise SystemExit(f"--json {path}: cannot be written ({exc.strerror or exc}); give a path in a directory this "
+                         f"user can write") from None
+
+
+def read_soak(path: Path, option: str) -> dict[str, Any]:
+    """An earlier soak's JSON (``--resume-from``, ``--merge``), or SystemExit naming the file and what it needs."""
+    try:
+        found = json.loads(path.read_text())
+    except OSError as exc:
+        raise SystemExit(f"{option} {path}: cannot be read ({exc.strerror or exc}); give the --json file of an "
+                         f"earlier soak") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SystemExit(f"{option} {path}: not a soak's JSON ({exc})") from None
+    if not isinstance(found, dict) or not isinstance(found.get("runs"), list) or "seed" not in found:
+        raise SystemExit(f"{option} {path}: not a soak's JSON (no seed and runs); give the --json file of an earlier "
+                         f"soak")
+    return found
+
+
 def write(path: Path, result: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.partial")
@@ -239,7 +269,8 @@ def describe(record: dict[str, Any]) -> str:
 
 
 def merge(paths: list[Path], out: Path) -> dict[str, Any]:
-    parts = [json.loads(p.read_text()) for p in paths]
+    check_json(out)
+    parts = [read_soak(p, "--merge") for p in paths]
     seeds = [part["seed"] for part in parts]
     if len(set(seeds)) != len(seeds):
         raise SystemExit(f"--merge: the same seed twice in {seeds}: its faults would count twice")
@@ -314,7 +345,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.reference_cache is not None and args.reference_cache.exists() and not args.reference_cache.is_dir():
         raise SystemExit(f"--reference-cache {args.reference_cache}: a file, not a directory; give a directory (it is "
                          f"created if missing) where the reference runs are kept")
-    prior: dict[str, Any] = json.loads(args.resume_from.read_text()) if args.resume_from else {}
+    check_json(args.json)
+    prior: dict[str, Any] = read_soak(args.resume_from, "--resume-from") if args.resume_from else {}
     settings = settle(args, prior)
     seed = settings["seed"]
     print(f"soak seed {seed}: {settings['faults']} faults of {settings['kinds']} on {settings['configs']}, "

@@ -92,6 +92,30 @@ def test_a_file_given_for_the_reference_cache_is_refused_before_any_job_runs(tmp
     assert not (tmp_path / "out.json").exists() and not (tmp_path / "w").exists()
 
 
+def test_an_unwritable_json_or_an_unreadable_earlier_soak_is_refused_before_any_job_runs(tmp_path: Path) -> None:
+    """A directory given for --json once ran a whole soak and lost its runs at the first write."""
+    import soak
+
+    def refused(argv: list[str], match: str) -> None:
+        with pytest.raises(SystemExit, match=match):
+            soak.main([*argv, "--dir", str(tmp_path / "w")])
+        assert not (tmp_path / "w").exists(), "a job ran"
+
+    refused(["--smoke", "--json", str(tmp_path)],
+            r"--json .*: a directory, not a file; give a file's path, e.g. .*soak\.json")
+    (tmp_path / "file").write_text("")
+    refused(["--smoke", "--json", str(tmp_path / "file" / "out.json")], r"--json .*file/out\.json: cannot be written")
+    out = str(tmp_path / "out.json")
+    refused(["--json", out, "--resume-from", str(tmp_path / "missing.json")],
+            r"--resume-from .*missing\.json: cannot be read \(No such file or directory\); give the --json file")
+    (tmp_path / "bad.json").write_text("{not json")
+    refused(["--json", out, "--resume-from", str(tmp_path / "bad.json")], r"--resume-from .*bad\.json: not a soak's JSON")
+    (tmp_path / "other.json").write_text('{"model": 1}')
+    with pytest.raises(SystemExit, match=r"--merge .*other\.json: not a soak's JSON \(no seed and runs\)"):
+        soak.main(["--merge", str(tmp_path / "other.json"), "--json", out])
+    assert not (tmp_path / "out.json").exists()
+
+
 def test_a_damaged_cached_reference_is_run_again_and_replaced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import soak
     from soak_plan import Shape
