@@ -1,5 +1,6 @@
-"""The processes the tests start skip CPython's final garbage collection (tests/fast_exit/sitecustomize.py): what
-they run is the interpreter's own sitecustomize as well, and nothing but the collection at exit changes."""
+"""The processes the tests start skip CPython's final garbage collection and freeze the collector once torch (and a
+few other large packages) has imported (tests/fast_exit/sitecustomize.py): what they run is the interpreter's own
+sitecustomize as well, and nothing else about the collector changes."""
 from __future__ import annotations
 
 import os
@@ -29,6 +30,26 @@ def test_a_child_process_freezes_the_collector_only_once_its_exit_hooks_ran() ->
     assert Path(lines[0]) == FAST_EXIT / "sitecustomize.py", lines
     assert lines[1] == "True 0", f"the collector must run as usual until exit: {lines}"
     assert lines[2] == "True", f"nothing froze the collector at exit: {lines}"
+
+
+LARGE_IMPORT = """
+import gc
+before = gc.get_freeze_count()
+import torch
+after_torch = gc.get_freeze_count()
+import torch._dynamo
+print(before, after_torch > 0, gc.get_freeze_count() > after_torch, gc.isenabled(), gc.get_threshold() == THRESHOLDS)
+cycle = []
+cycle.append(cycle)
+del cycle
+print(gc.collect() >= 1)
+"""
+
+
+def test_a_child_process_freezes_the_objects_of_torch_once_it_has_imported_and_collects_the_rest_as_usual() -> None:
+    lines = run(LARGE_IMPORT.replace("THRESHOLDS", repr(__import__("gc").get_threshold())), dict(os.environ))
+    assert lines[0] == "0 True True True True", f"frozen after torch, again after torch._dynamo, thresholds kept: {lines}"
+    assert lines[1] == "True", f"garbage made after the imports must still be collected: {lines}"
 
 
 def test_the_sitecustomize_it_shadows_still_runs(tmp_path: Path) -> None:
