@@ -50,7 +50,12 @@ class _FreezeAfterLargeImports(importlib.abc.MetaPathFinder):
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname not in _LARGE:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        spec = None
+        for finder in sys.meta_path:   # the other finders, in the order the import system asks them
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
         loader = spec.loader if spec is not None else None
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
