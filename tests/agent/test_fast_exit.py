@@ -52,6 +52,18 @@ def test_a_child_process_freezes_the_objects_of_torch_once_it_has_imported_and_c
     assert lines[1] == "True", f"garbage made after the imports must still be collected: {lines}"
 
 
+def test_a_link_to_its_folder_on_the_path_as_well_runs_it_once(tmp_path: Path) -> None:
+    """The same folder twice on PYTHONPATH, once through a link: taken for a shadowed sitecustomize, it ran itself
+    again without end (RecursionError at start-up, and then every import of torch failed)."""
+    (tmp_path / "link").symlink_to(FAST_EXIT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "link"), str(FAST_EXIT)])}
+    proc = subprocess.run([sys.executable, "-c", "import sys, torch; print(len(sys.meta_path))"], capture_output=True,
+                          text=True, env=env, timeout=60)
+    assert proc.returncode == 0 and "Error in sitecustomize" not in proc.stderr, proc.stderr[-2000:]
+    alone = run("import sys; print(len(sys.meta_path))", {**os.environ, "PYTHONPATH": str(FAST_EXIT)})
+    assert proc.stdout.split() == alone, f"one import hook, as with the folder once: {proc.stdout} against {alone}"
+
+
 def test_the_sitecustomize_it_shadows_still_runs(tmp_path: Path) -> None:
     (tmp_path / "sitecustomize.py").write_text("import builtins\nbuiltins.SHADOWED_RAN = True\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAST_EXIT), str(tmp_path)])}

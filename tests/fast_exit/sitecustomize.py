@@ -82,8 +82,8 @@ if os.environ.get("EASYCKPT_STACKS_ON_SIGUSR2"):
 
 
 def _run_the_shadowed_one() -> None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    rest = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != here]
+    here = os.path.dirname(os.path.realpath(__file__))   # real paths: a link to this folder is this folder
+    rest = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != here]
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
     if spec is None or spec.loader is None:
         return
