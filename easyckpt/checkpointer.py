@@ -195,6 +195,23 @@ class Checkpointer:
             self._start_timeline(result.step)
         return result
 
+    def resumed_at(self, step: int) -> None:
+        """Training resumed at ``step`` from a state easyckpt did not load (a Trainer's ``checkpoint-N`` folder, a
+        Lightning ``.ckpt`` file): as after ``load()``, a new timeline begins there (invariant 10). This rank's
+        snapshots of ``step`` and after are dropped from memory (the file's state need not be theirs), and the
+        agent moves the iterations after ``step`` aside, so that this run's steps are persisted (and exported)
+        again and a later resume never takes the abandoned run's state. Collective in effect: every rank calls
+        it with the same step."""
+        value = check_step(step, rank=self.rank)
+        self.stager.wait()
+        self.slots.invalidate_newer_than(value - 1)
+        self._resumed = None
+        self._newest_step, self._started = value, True
+        self._step_back.end("easyckpt rank %d: resumed at step %d; the steps start from there", self.rank, value)
+        self.lag_gate.resume_at(value)
+        self.stager.last_commit_step = None
+        self._start_timeline(value)
+
     def _release_old_world(self) -> None:
         """Once the agent declares a step of this world safe past the one resharded from another world's memory,
         that world's slots of ranks this world lacks are dead weight in shared memory: this node's first local

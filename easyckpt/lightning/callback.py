@@ -163,6 +163,11 @@ class EasyCkpt(Callback):
         self._persisted = -1
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.resumed is not None and self.resumed.get("source") == "file" and self.ckpt is not None:
+            # Lightning restored its own file: from its step on, a new timeline (the newer iterations of an
+            # abandoned run are set aside, so that this run's steps are persisted and a resume never takes them)
+            self.resumed["step"] = trainer.global_step
+            self.ckpt.resumed_at(trainer.global_step)
         data.start_next_epoch_as_uninterrupted(trainer)
         self._continue_data(trainer)
 

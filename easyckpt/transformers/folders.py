@@ -22,6 +22,7 @@ from easyckpt.transformers import fsdp
 from easyckpt.transformers.snapshot import unwrapped_model
 from easyckpt_wire.faults import fault_point
 from easyckpt_wire.storage import posix
+from easyckpt_wire.timeline import abandoned_dirname
 
 logger = logging.getLogger(__name__)
 
@@ -350,6 +351,21 @@ class CheckpointFolders:
             self._rotate()
         logger.info("wrote %s", final)
         return final
+
+    def set_aside_after(self, step: int) -> list[Path]:
+        """Move the checkpoint-N folders newer than ``step`` (a timeline the resume from ``step`` abandons) into
+        ``output_dir/.abandoned-<UTC time>/``, one rename each, as the agent moves easyckpt's iterations: a later
+        ``resume_from_checkpoint=True`` (or the Trainer's own ``get_last_checkpoint``) must not take them, and
+        ``save_total_limit`` must not count them. Returns where they went."""
+        with self._publish_lock:
+            newer = [path for found, path in self.existing() if found > step]
+            if not newer:
+                return []
+            aside = self.output_dir / abandoned_dirname()
+            moved = posix.move_into(newer, aside)
+        logger.warning("resumed at step %d: %s of the abandoned timeline moved to %s (remove it when you do not need "
+                       "it)", step, ", ".join(p.name for p in newer), aside)
+        return moved
 
     def _rotate(self) -> None:
         """``save_total_limit`` as the Trainer applies it: the newest and the best checkpoint stay."""

@@ -57,6 +57,16 @@ class ResumeInfo:
         return dataclasses.asdict(self)
 
 
+def as_asked(resume: str | os.PathLike[str] | bool | None) -> str | os.PathLike[str] | bool | None:
+    """``resume_from_checkpoint`` as meant: the string ``"True"`` is True when no such path exists. A command line
+    parsed by HfArgumentParser (``run_clm.py --resume_from_checkpoint True``) can only give the string, which a
+    plain Trainer takes for a path and fails on."""
+    if isinstance(resume, str) and resume.lower() == "true" and not os.path.exists(resume):
+        logger.info("resume_from_checkpoint=%r (a string, from a command line) taken as True", resume)
+        return True
+    return resume
+
+
 class Resumer:
     """Resolves ``resume_from_checkpoint`` for one ``train()`` call, on every rank."""
 
@@ -124,6 +134,11 @@ class Resumer:
                              "written when a job died; pass True to resume from the newest complete state, or "
                              "another checkpoint-N")
         step = json.loads((path / TRAINER_STATE_NAME).read_text(encoding="utf-8"))["global_step"]
+        # An explicit older checkpoint (a rollback; run_clm.py's only way to resume): a new timeline from it, in
+        # easyckpt's memory and save_dir and in output_dir's newer checkpoint-N folders alike.
+        self.ckpt.resumed_at(step)
+        if self.trainer.args.should_save:
+            self.folders.set_aside_after(step)
         return str(path), ResumeInfo(step, "path", str(path))
 
     def _resolve_newest(self) -> tuple[str | None, ResumeInfo]:
@@ -163,6 +178,7 @@ class Resumer:
             if result.step is not None:
                 logger.info("%s (step %d) is newer than easyckpt's step %d (%s): resuming from it", newest_path,
                             newest, result.step, result.source)
+            self.ckpt.resumed_at(newest)
             return str(newest_path), ResumeInfo(newest, "checkpoint", str(newest_path))
         return None, ResumeInfo(None, None)
 

@@ -24,7 +24,7 @@ from easyckpt.transformers import fsdp, snapshot, zero
 from easyckpt.transformers.export import POLL, Exporter
 from easyckpt.transformers.folders import CheckpointFolders, best_checkpoint, mark_health, rng_file_name
 from easyckpt.transformers.health import STATE_KEY, StepGuard
-from easyckpt.transformers.resume import ResumeInfo, Resumer
+from easyckpt.transformers.resume import ResumeInfo, Resumer, as_asked
 from easyckpt_wire import layout
 from easyckpt_wire.health import RankHealth, combine, rank_verdict
 from easyckpt_wire.storage import location
@@ -212,8 +212,10 @@ class TrainerWrapper:
     def train(self, resume_from_checkpoint: str | os.PathLike[str] | bool | None = None, trial: Any = None,
               **kwargs: Any) -> Any:
         """``Trainer.train`` with easyckpt: ``True`` resumes from the newest state (memory, replica, disk,
-        or a complete checkpoint-N), a fresh start when there is none; a path as in the Trainer (a
-        ``checkpoint-N`` folder or an easyckpt ``iteration_N``); None/False: fresh."""
+        or a complete checkpoint-N), a fresh start when there is none (the string ``"True"`` of a command line
+        too, unless such a path exists); a path as in the Trainer (a ``checkpoint-N`` folder, from which a new
+        timeline begins: easyckpt's newer states are set aside, or an easyckpt ``iteration_N``); None/False:
+        fresh."""
         if trial is not None:
             raise NotImplementedError("hyperparameter search (trial=...) is not supported by TrainerWrapper: "
                                       "search with the plain Trainer, then train the chosen setup wrapped")
@@ -237,6 +239,7 @@ class TrainerWrapper:
         try:
             if self.trainer.args.should_save:
                 self.folders.clean_stale()
+            resume_from_checkpoint = as_asked(resume_from_checkpoint)
             path, self.resumed = self._resumer.resolve(resume_from_checkpoint)
             self._resumer.announce(self.resumed, asked=resume_from_checkpoint is True)
             self._last_step = self.resumed.step

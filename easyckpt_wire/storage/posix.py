@@ -160,6 +160,19 @@ def settle_aside(aside: Path, final: Path, trash: Path) -> bool:
     return False
 
 
+def move_into(paths: list[Path], directory: Path) -> list[Path]:
+    """Move ``paths`` (entries of one directory) into the new ``directory`` beside them, one rename each, and fsync
+    both directories: each entry is in one place or the other at any moment. Returns the new paths."""
+    directory.mkdir()
+    moved = []
+    for path in paths:
+        os.rename(path, directory / path.name)
+        moved.append(directory / path.name)
+    fsync_dir(directory)
+    fsync_dir(directory.parent)
+    return moved
+
+
 def rename_to_trash(path: Path, trash: Path) -> None:
     """The first step of deleting a tree: one rename, so that no half-deleted tree keeps a name a reader uses."""
     if trash.exists():   # a deletion of the same name that failed before: it is trash all the same

@@ -21,7 +21,7 @@ import torch
 from conftest import ROOT, Env, assert_same, persisted_states, run_cli, save_and_persist, seeded_random, wait_for
 
 import easyckpt
-from easyckpt_wire import layout
+from easyckpt_wire import layout, timeline
 from easyckpt_wire.shm import DATA_OFFSET
 
 
@@ -102,6 +102,33 @@ def test_rotation_keeps_exactly_max_ckpt_num_and_touches_nothing_else(env: Env) 
     lines = (env.tmp_path / "persist.log").read_text().splitlines()
     assert len(lines) == 8 and all(f"step={s} " in line for s, line in zip(range(3, 11), lines))
     assert all("bytes=" in line and "seconds=" in line and "GB/s=" in line for line in lines)
+
+
+def test_resumed_at_begins_a_new_timeline_from_a_state_easyckpt_did_not_load(env: Env) -> None:
+    """``Checkpointer.resumed_at(4)`` (an integration restored a framework's own file of step 4): as after load(),
+    this rank's snapshots of step 4 and after are dropped, the agent sets iterations 5 and 6 aside and tracks 4,
+    and the new run's step 5 is persisted and loaded, never the abandoned one."""
+    ck = make(env, max_ckpt_num=3)
+    try:
+        for step in range(1, 7):
+            save_and_persist(ck, env, step, {"w": torch.full((64,), float(step)), "run": 1})
+        wait_for(lambda: complete_steps(env) == [4, 5, 6], 30, "rotation down to 3 checkpoints")
+        ck.resumed_at(4)
+        assert all(step < 4 for step in ck.slots.committed()), ck.slots.committed()
+        assert complete_steps(env) == [4] and layout.read_tracker(env.save_dir) == 4
+        aside = sorted(step for _, step, _ in timeline.abandoned_iterations(env.save_dir))
+        assert aside == [5, 6], aside
+        save_and_persist(ck, env, 5, {"w": torch.full((64,), 50.0), "run": 2})
+        result = ck.load()
+        assert (result.step, result.source, result.state["run"]) == (5, "memory", 2)
+    finally:
+        ck.close()
+    again = make(env, max_ckpt_num=3)
+    try:
+        result = again.load()
+        assert (result.step, result.state["run"]) == (5, 2), (result.step, result.source)
+    finally:
+        again.close()
 
 
 def _tree_digest(directory: Path) -> dict[str, str]:

@@ -173,6 +173,50 @@ def test_plain_trainer_resumes_from_a_wrapper_checkpoint(env: Env, reference: tu
     assert_continues_exactly(plain, reference[0], 10)
 
 
+def test_a_resume_from_an_older_checkpoint_folder_begins_a_new_timeline(env: Env,
+                                                                         reference: tuple[HFJob, Path]) -> None:
+    """``resume_from_checkpoint=<output_dir>/checkpoint-10`` after a run that reached step 20 (a rollback, or
+    run_clm.py's way to resume): the run goes another way from there (a spike at step 11), and is killed at 13.
+    The wrapper's newer states of the first run must not come back: its iterations 15 and 20 are set aside and
+    its snapshots past 10 dropped, so the next resume takes the second run's step 12-14 from memory and
+    checkpoint-15 and -20 are the third run's (the first run's are set aside in output_dir). Before, the second
+    run's due steps were never persisted ("a newer iteration is complete"), the old checkpoint-15/20 stayed,
+    and the third run resumed the first run's step 20 and trained nothing."""
+    rng = seeded_random()
+    output_dir, save_dir = env.tmp_path / "hf", env.tmp_path / "hf" / "easyckpt"
+    first = run_to_end(HFJob(env, output_dir, env.tmp_path / "first"))
+    assert {15, 20} <= {step for step, _ in layout.complete_iterations(save_dir)}
+    spike = ["--spike-steps", "11"]   # without data skipping: the weights take another course from step 11
+    second = HFJob(env, output_dir, env.tmp_path / "second", resume=str(output_dir / "checkpoint-10"),
+                   step_seconds=0.15, extra_args=spike)
+    killed_at = rng.randint(12, 14)
+    try:
+        second.kill_rank(1, killed_at)
+        assert second.wait(90) != 0
+    finally:
+        second.kill()
+    assert all((r["step"], r["source"]) == (10, "path") for r in resumed_at(second)), resumed_at(second)
+    assert "without load()" not in second.log(), second.log()[-3000:]
+    # Set aside (rotation may since have removed 15, the older: the agent persisted the newest snapshot when
+    # rank 1 died, and abandoned iterations count against max_ckpt_num first)
+    aside = {p.name for d in save_dir.glob(".abandoned-*") for p in d.iterdir()}
+    assert layout.iteration_dirname(20) in aside <= {layout.iteration_dirname(15), layout.iteration_dirname(20)}, aside
+    assert all(10 <= step <= killed_at for step, _ in layout.complete_iterations(save_dir)), \
+        layout.complete_iterations(save_dir)
+    folders = {p.name for d in output_dir.glob(".abandoned-*") for p in d.iterdir()}
+    assert folders == {"checkpoint-15", "checkpoint-20"}, f"the first run's newer folders are set aside: {folders}"
+
+    third = run_to_end(HFJob(env, output_dir, env.tmp_path / "third", resume="newest", extra_args=spike))
+    for report in resumed_at(third):
+        assert report["source"] == "memory" and killed_at - 2 <= report["step"] <= killed_at, (killed_at, report)
+    assert "never persisted" not in third.log(), third.log()[-3000:]
+    for step in (15, 20):
+        state = json.loads((output_dir / f"checkpoint-{step}" / "trainer_state.json").read_text())
+        logged = {row["step"]: row["loss"] for row in state["log_history"] if "loss" in row}
+        assert logged[step] == third.losses(0)[step]["loss"] != first.losses(0)[step]["loss"], \
+            f"checkpoint-{step} is not the third run's"
+
+
 def test_a_run_resumed_at_max_steps_trains_no_further_step(env: Env) -> None:
     """A finished run started again (torchrun restarting ranks whose close() failed, say) resumes at its last
     step and trains nothing. The Trainer checks max_steps only after a step: with 8 steps per epoch, step 20

@@ -233,6 +233,38 @@ def test_spikes_are_skipped_on_both_ranks_then_abort_with_the_newest_snapshot_du
     assert "data skipping resumed: {'consecutive': 1, 'skipped_total': 2}" in resumed.log()
 
 
+def test_a_resume_from_an_older_lightning_file_begins_a_new_timeline(env: Env) -> None:
+    """``fit(ckpt_path=<the step-8 .ckpt>)`` after a run that reached step 20: Lightning restores its own file, the
+    run goes another way (a spike at step 9) and is killed at 10-12. The first run's newer state must not come
+    back: EasyCkpt starts a new timeline at step 8 (its iterations 16 and 20 set aside, its snapshots past 8
+    dropped), so ``ckpt_path="last"`` then resumes the second run's step from memory. Before, the first run's
+    iteration 20 was the newest state, and the third run resumed it and trained nothing."""
+    root, save_dir = env.tmp_path / "root", env.tmp_path / "root" / "easyckpt"
+    first = run_to_end(LightningJob(env, root, env.tmp_path / "first"))
+    assert {16, 20} <= {step for step, _ in layout.complete_iterations(save_dir)}
+    older = root / "checkpoints" / "epoch=0-step=8.ckpt"
+    assert older.is_file(), sorted(p.name for p in (root / "checkpoints").iterdir())
+    kill_at = seeded_random().randint(10, 12)
+    second = LightningJob(env, root, env.tmp_path / "second", args=["--resume", str(older), "--spike-at", "9",
+                                                                    "--kill-rank", "1", "--kill-at", str(kill_at)])
+    try:
+        assert second.wait(120) != 0, "rank 1 was to be killed"
+    finally:
+        second.kill()
+    assert all(second.report(rank)["global_step"] == 8 for rank in range(2))
+    assert "without load()" not in second.log(), second.log()[-3000:]
+    aside = {p.name for d in save_dir.glob(".abandoned-*") for p in d.iterdir()}
+    assert layout.iteration_dirname(20) in aside, aside
+    assert all(step <= kill_at for step, _ in layout.complete_iterations(save_dir)), \
+        layout.complete_iterations(save_dir)
+
+    third = run_to_end(LightningJob(env, root, env.tmp_path / "third", args=["--spike-at", "9"]))
+    for rank in range(2):
+        report = third.report(rank)
+        assert report["resumed"]["source"] == "memory" and kill_at - 2 <= report["global_step"] <= kill_at, report
+        assert third.losses(rank)[STEPS]["loss"] != first.losses(rank)[STEPS]["loss"], "the spike changed nothing?"
+
+
 def test_unsupported_strategies_and_bad_keywords_are_refused_at_start(tmp_path: Path) -> None:
     """A strategy EasyCkpt was not built for is refused before anything is written: a strategy subclass of the
     user's (its saves may differ) in a real fit(); FSDP1, which Lightning runs on GPUs only, by its reason."""

@@ -142,3 +142,35 @@ def test_export_holds_write_the_file_with_the_first_hold_and_remove_it_with_the_
     layout.hold_export(tmp_path, 7)   # a dead run's hold: no count here, the first release removes it
     holds.release(7)
     assert layout.export_holds(tmp_path) == {6} and holds.held() == {6: 1}
+
+
+def test_a_resume_from_an_older_checkpoint_sets_the_newer_folders_aside_in_one_place(tmp_path: Path) -> None:
+    """``CheckpointFolders.set_aside_after(10)``: checkpoint-15 and -20 (of the timeline the resume abandons) move
+    into one ``.abandoned-<time>`` folder whole, checkpoint-5 and -10 and anything not a checkpoint stay, and a
+    second call finds nothing to move."""
+    from easyckpt.transformers.folders import CheckpointFolders
+
+    for name in ("checkpoint-5", "checkpoint-10", "checkpoint-15", "checkpoint-20", "checkpoint-x", "runs"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "trainer_state.json").write_text(name)
+    folders = CheckpointFolders(cast(Any, None), tmp_path)
+    moved = folders.set_aside_after(10)
+    assert [p.name for p in moved] == ["checkpoint-15", "checkpoint-20"]
+    assert len({p.parent for p in moved}) == 1 and moved[0].parent.name.startswith(".abandoned-")
+    assert all((p / "trainer_state.json").read_text() == p.name for p in moved)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == \
+        ["checkpoint-10", "checkpoint-5", "checkpoint-x", "runs"]
+    assert folders.set_aside_after(10) == []
+
+
+def test_the_string_true_of_a_command_line_means_true_unless_such_a_path_exists(tmp_path: Path,
+                                                                                monkeypatch: Any) -> None:
+    """run_clm.py's ``--resume_from_checkpoint True`` reaches ``train()`` as the string: taken as True, as a
+    Python caller's True, unless a file or folder of that name exists (then it is the path it names)."""
+    from easyckpt.transformers.resume import as_asked
+
+    monkeypatch.chdir(tmp_path)
+    assert as_asked("True") is True and as_asked("true") is True and as_asked(True) is True
+    assert as_asked(None) is None and as_asked(False) is False and as_asked("out/checkpoint-5") == "out/checkpoint-5"
+    (tmp_path / "True").mkdir()
+    assert as_asked("True") == "True"
