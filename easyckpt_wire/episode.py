@@ -16,13 +16,17 @@ class Episode:
         self.count = 0
         self.started = 0.0
         self.total = 0
+        self.items: list[object] = []   # what each occurrence of this episode was about (``hit(item=)``)
 
     @property
     def active(self) -> bool:
         return self.count > 0
 
-    def hit(self, message: str, *args: object) -> bool:
-        """One more occurrence; logs ``message`` only for the first of an episode. True if it logged."""
+    def hit(self, message: str, *args: object, item: object = None) -> bool:
+        """One more occurrence; logs ``message`` only for the first of an episode. True if it logged. ``item``
+        (a step, say) is kept in ``items`` until the episode ends, for the end's message to name them."""
+        if item is not None:
+            self.items.append(item)
         self.count += 1
         self.total += 1
         if self.count > 1:
@@ -38,4 +42,5 @@ class Episode:
         seconds = time.monotonic() - self.started
         self.logger.log(logging.INFO, message + " (%d time(s) in %.1fs)", *args, self.count, seconds)
         self.count = 0
+        self.items = []
         return True

@@ -27,6 +27,7 @@ import torch
 
 from easyckpt.tools.convert import full_state
 from easyckpt_wire import layout, procs
+from easyckpt_wire.episode import Episode
 from easyckpt_wire.storage import posix
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ class Exporter:
         self.holds = layout.ExportHolds(save_dir)   # one hold file per step, released with its last request
         self.exported: list[tuple[int, str]] = []
         self.failed: dict[str, str] = {}
+        # saves of steps the agent did not persist because a newer iteration was complete (a run that started below
+        # an earlier run's steps without resuming): one warning, and the files named once exports resume
+        self.unpersisted = Episode(logger)
         self.thread = threading.Thread(target=self._run, name="easyckpt-lightning-export", daemon=True)
         self.thread.start()
 
@@ -134,8 +138,9 @@ class Exporter:
             if request.step in done:
                 return path
             if any(s > request.step for s in done) and not layout.present(path):
-                logger.warning("step %d was never persisted to %s (a newer iteration is complete): no %s",
-                               request.step, self.save_dir, request.path)
+                self.unpersisted.hit("step %d was never persisted to %s (a newer iteration is complete): no %s; later "
+                                     "such files are named once exports resume", request.step, self.save_dir,
+                                     request.path, item=request.path)
                 return None
             if time.monotonic() > deadline:
                 logger.warning("step %d not persisted to %s after %.0fs (export_timeout): no %s; is the agent "
@@ -167,6 +172,8 @@ class Exporter:
         write_checkpoint(checkpoint, request.path, guard=self.lock, wanted=lambda: request.path not in self.cancelled)
         self.exported.append((request.step, request.path))
         logger.info("exported iteration %d to %s in %.2fs", request.step, request.path, time.perf_counter() - started)
+        self.unpersisted.end("exports resume at %s; not written, their steps never persisted: %s", request.path,
+                             self.unpersisted.items)
 
 
 def write_checkpoint(checkpoint: dict[str, Any], path: str, *, guard: Any = None,

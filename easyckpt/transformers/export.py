@@ -19,6 +19,7 @@ from easyckpt import storage
 from easyckpt.snapshot.state import unflatten
 from easyckpt.transformers.folders import CheckpointFolders
 from easyckpt_wire import layout
+from easyckpt_wire.episode import Episode
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,9 @@ class Exporter:
         self.cancelled: set[int] = set()   # requested steps that will never be persisted (no snapshot was taken)
         self.passed: set[int] = set()      # exports given up because the agent passed their due step over
         self.holds = layout.ExportHolds(save_dir)   # one per request not done (nor given up) yet, by step
+        # save steps the agent did not persist because a newer iteration was complete (a run that started below an
+        # earlier run's steps without resuming): one warning, and the steps named once exports resume
+        self.unpersisted = Episode(logger)
         self.thread = threading.Thread(target=self._run, name="easyckpt-hf-export", daemon=True)
         self.thread.start()
 
@@ -189,8 +193,9 @@ class Exporter:
                                self.abandoned)
                 return None
             if any(s > step for s in done) and not layout.present(path):
-                logger.warning("step %d was never persisted to %s (a newer iteration is complete): no checkpoint-%d",
-                               step, self.save_dir, step)
+                self.unpersisted.hit("step %d was never persisted to %s (a newer iteration is complete): no "
+                                     "checkpoint-%d; later such steps are named once exports resume", step,
+                                     self.save_dir, step, item=step)
                 return None
             if time.monotonic() > deadline:
                 logger.warning("step %d not persisted to %s after %.0fs: no checkpoint-%d; is the agent running "
@@ -235,3 +240,5 @@ class Exporter:
                                      zero_models=zero_models, iteration_dir=path)
         self.exported.append(step)
         logger.info("exported %s to checkpoint-%d in %.2fs", path, step, time.perf_counter() - started)
+        self.unpersisted.end("exports resume at checkpoint-%d; steps never persisted, without a checkpoint: %s", step,
+                             self.unpersisted.items)

@@ -174,3 +174,27 @@ def test_the_string_true_of_a_command_line_means_true_unless_such_a_path_exists(
     assert as_asked(None) is None and as_asked(False) is False and as_asked("out/checkpoint-5") == "out/checkpoint-5"
     (tmp_path / "True").mkdir()
     assert as_asked("True") == "True"
+
+
+def test_save_steps_below_a_newer_iteration_are_said_once_not_once_each(tmp_path: Path, caplog: Any) -> None:
+    """A run that started below an earlier run's steps without resuming: the agent persists none of its save steps
+    while a newer iteration is complete. One warning for the first (a line per save step buried the log of a new
+    user's run_clm.py rerun), the steps kept to be named when an export succeeds again."""
+    import logging
+
+    newer = tmp_path / layout.iteration_dirname(20)
+    newer.mkdir()
+    (newer / layout.METADATA).write_text(json.dumps({"format": layout.METADATA_FORMAT, "format_version": 1,
+                                                     "step": 20}))
+    exporter = Exporter(cast(Any, None), tmp_path, timeout=120.0)
+    try:
+        with caplog.at_level(logging.INFO, logger="easyckpt.transformers.export"):
+            for step in (5, 10, 15):
+                exporter.request(step)
+            assert exporter.drain(60.0)
+        said = [r.getMessage() for r in caplog.records if "never persisted" in r.getMessage()]
+        assert len(said) == 1 and said[0].startswith("step 5 was never persisted"), said
+        assert exporter.failed == {5: "not persisted", 10: "not persisted", 15: "not persisted"}
+        assert exporter.unpersisted.items == [5, 10, 15]
+    finally:
+        exporter.stop()

@@ -41,6 +41,17 @@ def test_an_episode_logs_its_start_and_its_end_once(caplog: pytest.LogCaptureFix
     assert lines[2] == (logging.WARNING, "step 7 passed over") and len(lines) == 3
 
 
+def test_an_episode_keeps_what_each_occurrence_was_about_for_its_end(caplog: pytest.LogCaptureFixture) -> None:
+    episode = Episode(logging.getLogger("test.episode"))
+    caplog.set_level(logging.INFO, "test.episode")
+    for step in (5, 10, 15):
+        episode.hit("no checkpoint-%d", step, item=step)
+    assert episode.items == [5, 10, 15]
+    assert episode.end("exports resume; none for %s", episode.items)
+    assert caplog.records[-1].getMessage().startswith("exports resume; none for [5, 10, 15] (3 time(s) in ")
+    assert episode.items == [] and episode.hit("no checkpoint-%d", 30) and episode.items == []
+
+
 def test_persist_watch_follows_a_failure_episode_and_says_it_once(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, "easyckpt.node.persist_watch")
     watch = PersistWatch(rank=0, local_rank=0, save_dir=Path("/ckpt"))
