@@ -23,18 +23,18 @@ from easyckpt.config import PERSIST_ON_REQUEST, CheckpointerConfig, check_step
 from easyckpt.logs import apply_env_level, notice
 from easyckpt.node.client import AgentClient, check_running_agent
 from easyckpt.node.lag_gate import LagGate
-from easyckpt.node.persist_watch import PersistError, PersistWatch, describe_failure, storage_fix
+from easyckpt.node.persist_watch import PersistError, PersistWatch
 from easyckpt.node.replicas import introduce
 from easyckpt.recovery import LoadResult, load
 from easyckpt.recovery.worlds import release_old_world
 from easyckpt.snapshot.slots import RankSlots
 from easyckpt.snapshot.stager import Stager, settle_torch_thread_pool
-from easyckpt_wire import layout, owner, procs, protocol
+from easyckpt.storage import marked_steps
+from easyckpt_wire import owner, procs, protocol
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.health import RankHealth, rank_verdict
 from easyckpt_wire.records import FlushReply, PeerTable
-from easyckpt_wire.shm import format_bytes
-from easyckpt_wire.storage import is_url, location, open_storage
+from easyckpt_wire.storage import location
 
 logger = logging.getLogger(__name__)
 # How often the end of a multi-node run asks whether the leader committed its final step (a few ms of the agent's
@@ -181,36 +181,20 @@ class Checkpointer:
         # them; they are released once this world has a safe step of its own (recovery.worlds.release_old_world).
         self._old_world = result.step if result.source in ("memory", "replica") and not own else None
         if result.step is not None and announce and self.local_rank == 0:
-            where = f"{result.path}, " if result.source == "disk" else ""
-            took = f"{result.seconds:.2f} s" if result.seconds >= 0.1 else f"{result.seconds * 1000:.1f} ms"
-            notice(logger, logging.INFO, "resumed at step %d from %s (%s%s, %s)", result.step, result.source, where,
-                   format_bytes(result.nbytes), took)
-        self._newest_step, self._started = result.step, True
-        self._step_back.end("easyckpt rank %d: load() at step %s; the steps start from there", self.rank, result.step)
-        if result.step is not None:
-            self.lag_gate.resume_at(result.step)
-            # This process's snapshots before the resume belong to the abandoned timeline (or are the resumed
-            # step itself): the end of the run must not wait for one of them to become durable.
-            self.stager.last_commit_step = None
-            self._start_timeline(result.step)
+            notice(logger, logging.INFO, "resumed at %s", result.describe())
+        self._start_timeline(result.step, "load()")
         return result
 
     def resumed_at(self, step: int) -> None:
-        """Training resumed at ``step`` from a state easyckpt did not load (a Trainer's ``checkpoint-N`` folder, a
-        Lightning ``.ckpt`` file): as after ``load()``, a new timeline begins there (invariant 10). This rank's
-        snapshots of ``step`` and after are dropped from memory (the file's state need not be theirs), and the
-        agent moves the iterations after ``step`` aside, so that this run's steps are persisted (and exported)
-        again and a later resume never takes the abandoned run's state. Collective in effect: every rank calls
-        it with the same step."""
+        """Training resumed at ``step`` from a state easyckpt did not load (a Trainer's ``checkpoint-N``, a Lightning
+        ``.ckpt`` file): a new timeline begins there, as after ``load()``. This rank's snapshots of ``step`` and after
+        are dropped (the file's state need not be theirs) and the agent sets newer iterations aside, so that this
+        run's steps are persisted again and no resume takes the abandoned run's state. Every rank calls it alike."""
         value = check_step(step, rank=self.rank)
         self.stager.wait()
         self.slots.invalidate_newer_than(value - 1)
         self._resumed = None
-        self._newest_step, self._started = value, True
-        self._step_back.end("easyckpt rank %d: resumed at step %d; the steps start from there", self.rank, value)
-        self.lag_gate.resume_at(value)
-        self.stager.last_commit_step = None
-        self._start_timeline(value)
+        self._start_timeline(value, "resumed_at()")
 
     def _release_old_world(self) -> None:
         """Once the agent declares a step of this world safe past the one resharded from another world's memory,
@@ -229,9 +213,17 @@ class Checkpointer:
             logger.info("rank %d: step %d is safe in this world: released %d slots of the saved world's ranks >= %d "
                         "(%s)", self.rank, word.safe, len(removed), self.world_size, ", ".join(p.name for p in removed))
 
-    def _start_timeline(self, step: int) -> None:
+    def _start_timeline(self, step: int | None, how: str) -> None:
         """A resume from ``step`` starts a new timeline (invariant 10): the agent moves newer iterations of
         save_dir aside and persists this run's steps again, whatever numbers the abandoned run reached."""
+        self._newest_step, self._started = step, True
+        self._step_back.end("easyckpt rank %d: %s at step %s; the steps start from there", self.rank, how, step)
+        if step is None:
+            return
+        self.lag_gate.resume_at(step)
+        # This process's snapshots before the resume belong to the abandoned timeline (or are the resumed step
+        # itself): the end of the run must not wait for one of them to become durable.
+        self.stager.last_commit_step = None
         stale = [[index, generation] for index, generation in sorted(self.slots.abandoned.items())]
         reply = self.agent.resume(step, stale, timeout=self.config.agent_start_timeout)
         if reply is not None and reply.error is not None:
@@ -265,13 +257,7 @@ class Checkpointer:
         holds a newer step of an earlier run: a resume before this run passes it would take that run's state."""
         if self.rank != 0:
             return
-        on_disk: list[int] = []
-        if not is_url(self.config.save_dir):   # an object store's listing may retry for minutes: not on this path
-            try:   # the markers' presence, not their parse: a big model's metadata.json is megabytes, on step one
-                on_disk = [done for done, _, marked in layout.iterations(open_storage(self.config.save_dir)) if marked]
-            except OSError as exc:   # a warning only: an unreadable save_dir is said where it matters
-                logger.debug("rank 0: cannot list %s: %s", self.config.save_dir, exc)
-        newest = max([*on_disk, *self.slots.committed()], default=None)
+        newest = max([*marked_steps(self.config.save_dir), *self.slots.committed()], default=None)
         if newest is not None and newest > step:
             logger.warning("easyckpt rank 0: this run starts at step %d without load(), and %s (or this node's memory) "
                            "holds step %d of an earlier run: a resume before this run passes step %d takes that run's "
@@ -549,14 +535,8 @@ class Checkpointer:
                        "is not durable yet: %s", self.rank, result.step, result.error)
             return None
         config = self.config
-        return PersistError(
-            f"easyckpt rank {self.rank}: the final snapshot (step {result.step}) could not be made durable in "
-            f"{config.save_dir}: {describe_failure(result.failure)}. Nothing is lost: it stays in shared memory "
-            f"({config.shm_dir}/easyckpt-{config.job_id}-*) and the newest step on disk is {result.persisted}. "
-            f"{storage_fix(config.save_dir, start=True)}, then run the job again: it resumes from memory and "
-            f"persists again (`easyckpt status {config.save_dir}` shows the slots and how to remove them)",
-            step=result.step, save_dir=config.save_dir, persisted=result.persisted, failure=result.failure,
-            shm_dir=config.shm_dir)
+        return PersistError.final(rank=self.rank, step=result.step, save_dir=config.save_dir, shm_dir=config.shm_dir,
+                                  job_id=config.job_id, persisted=result.persisted, failure=result.failure)
 
     @property
     def closed(self) -> bool:

@@ -25,7 +25,7 @@ from easyckpt.tools import checks
 from easyckpt_wire import health, layout, timeline
 from easyckpt_wire.layout import CheckpointFormatError
 from easyckpt_wire.records import ShardSpec
-from easyckpt_wire.storage import BlobReader, Storage, open_storage
+from easyckpt_wire.storage import BlobReader, Storage, is_url, open_storage
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,19 @@ class RankEntry:
     rank: int
     skeleton: Any
     records: list[TensorRecord]
+
+
+def marked_steps(save_dir: Path) -> list[int]:
+    """The steps of save_dir's iterations that carry their completion marker, none parsed (a big model's
+    metadata.json is megabytes); [] for an object store, whose listing may retry for minutes, and for a save_dir that
+    cannot be listed (at DEBUG: a warning's check, and an unreadable save_dir is said where it matters)."""
+    if is_url(save_dir):
+        return []
+    try:
+        return [done for done, _, marked in layout.iterations(open_storage(save_dir)) if marked]
+    except OSError as exc:
+        logger.debug("cannot list %s: %s", save_dir, exc)
+        return []
 
 
 def newest_first(save_dir: Path) -> list[int]:

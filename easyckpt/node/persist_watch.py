@@ -37,6 +37,18 @@ class PersistError(RuntimeError):
     def errno(self) -> int | None:
         return self.failure.get("errno") if self.failure else None
 
+    @classmethod
+    def final(cls, *, rank: int, step: int | None, save_dir: Path, shm_dir: Path | None, job_id: str | None,
+              persisted: int | None, failure: dict[str, Any]) -> PersistError:
+        """The error of a final snapshot the agent failed to persist, naming the step, the disk, the slots that
+        keep it, and the fix."""
+        return cls(f"easyckpt rank {rank}: the final snapshot (step {step}) could not be made durable in {save_dir}: "
+                   f"{describe_failure(failure)}. Nothing is lost: it stays in shared memory ({shm_dir}/easyckpt-"
+                   f"{job_id}-*) and the newest step on disk is {persisted}. {storage_fix(save_dir, start=True)}, then "
+                   f"run the job again: it resumes from memory and persists again (`easyckpt status {save_dir}` shows "
+                   "the slots and how to remove them)", step=step, save_dir=save_dir, persisted=persisted,
+                   failure=failure, shm_dir=shm_dir)
+
 
 def storage_fix(save_dir: Any, *, start: bool = False) -> str:
     """What the user fixes when a persist to ``save_dir`` fails with an OSError: an object store is brought back

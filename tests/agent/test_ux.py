@@ -474,7 +474,8 @@ def test_a_request_whose_agent_dies_and_is_replaced_before_it_answers_is_asked_a
             agents.append(subprocess.Popen(agent_cmd, env=env.environ(), cwd=str(ROOT)))
             reply = answer.result(timeout + 30)
             took = time.monotonic() - started
-        said = caplog.text   # the agents' own lines are in the captured stderr
+        spawned = client.job_dir / "agent.log"   # the agents this client started write there
+        said = caplog.text + (spawned.read_text(errors="replace")[-3000:] if spawned.exists() else "")
         assert reply is not None, f"{kind.name}: no answer within {timeout:.0f}s\n{said}"
         assert took < timeout / 2, f"{kind.name} answered after {took:.1f}s\n{said}"
         assert "exited before answering" in caplog.text, said
