@@ -52,6 +52,24 @@ def test_a_child_process_freezes_the_objects_of_torch_once_it_has_imported_and_c
     assert lines[1] == "True", f"garbage made after the imports must still be collected: {lines}"
 
 
+AFTER_INIT = """
+import gc, os, tempfile
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+frozen = gc.get_freeze_count()
+import torch._dynamo
+print(gc.get_freeze_count() <= frozen)   # frozen objects freed by refcount leave it
+dist.destroy_process_group()
+"""
+
+
+def test_nothing_is_frozen_once_a_process_group_is_up() -> None:
+    """torch._dynamo imported at a DDP worker's first optimizer step would freeze the DDP module and the Trainer with
+    it: a script's gc.collect() before destroy_process_group could not free them, and a plain Trainer run aborted at
+    exit ("terminate called without an active exception", CI rehearsal 2026-12-06)."""
+    assert run(AFTER_INIT, dict(os.environ)) == ["True"], "frozen after the process group was up"
+
+
 def test_a_link_to_its_folder_on_the_path_as_well_runs_it_once(tmp_path: Path) -> None:
     """The same folder twice on PYTHONPATH, once through a link: taken for a shadowed sitecustomize, it ran itself
     again without end (RecursionError at start-up, and then every import of torch failed)."""

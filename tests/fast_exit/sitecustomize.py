@@ -14,7 +14,8 @@ part of a reference cycle are still freed as the interpreter tears down, and eve
 takes back its memory and file descriptors anyway. Users' processes keep CPython's default.
 
 It also freezes the collector once each of a few large packages has imported (torch, ``torch._dynamo``, transformers,
-Lightning, DeepSpeed, megatron.core): their objects, alive for the whole process, move to the permanent generation,
+Lightning, DeepSpeed, megatron.core), unless a torch.distributed process group is up already (then the job's own
+objects would be frozen with them): their objects, alive for the whole process, move to the permanent generation,
 and the full collections that later imports (and the job) trigger no longer walk them. ``import torch._dynamo`` (every
 worker's first optimizer) took 0.88-0.96 CPU-s after ``import torch``, and 0.69-0.72 with torch's objects frozen. Two
 job files (``test_torchrun.py`` and ``test_freshness.py``, four runs each, alternated, 2026-12-06) used 137-151 CPU-s
@@ -63,10 +64,24 @@ class _FreezeAfterLargeImports(importlib.abc.MetaPathFinder):
 
         def exec_module(module: ModuleType) -> None:
             run_init(module)
-            gc.freeze()
+            if not _process_group_up():
+                gc.freeze()
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
+
+
+def _process_group_up() -> bool:
+    """Once a torch.distributed process group exists, nothing is frozen any more: a package imported then (torch._dynamo
+    at a DDP worker's first optimizer step, DeepSpeed from inside the Trainer) would freeze the job's own objects, and
+    the DDP module and Trainer that a script collects before it destroys its group (examples/hf_trainer.py: gloo's
+    threads must go while the interpreter is whole) then lived on, and a plain Trainer run aborted at exit with
+    "terminate called without an active exception" (CI rehearsal, 2026-12-06, test_s3.py's plain reference run)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return bool(dist is not None and dist.is_available() and dist.is_initialized())
+    except Exception:   # a half-imported torch.distributed: no group yet
+        return False
 
 
 sys.meta_path.insert(0, _FreezeAfterLargeImports())
