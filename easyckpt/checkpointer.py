@@ -2,7 +2,8 @@
 
 It ties the boxes together for one rank: its slots, the stager that fills them, the client of the
 node agent that persists them, and recovery. It works in a single process without torch.distributed
-and under torchrun (rank and world from the process group, else from torchrun's environment).
+and under torchrun or another launcher (rank and world from the process group, else from the environment; the
+ranks of this node from the launcher's variables or the process group: ``easyckpt.node.topology``).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from easyckpt.config import PERSIST_ON_REQUEST, CheckpointerConfig, check_step
 from easyckpt.logs import apply_env_level, notice
+from easyckpt.node import topology
 from easyckpt.node.client import AgentClient, check_running_agent
 from easyckpt.node.lag_gate import LagGate
 from easyckpt.node.persist_watch import PersistError, PersistWatch
@@ -67,17 +69,6 @@ def _release(stager: Stager, agent: AgentClient, slots: RankSlots) -> None:
         slots.close()
 
 
-def _topology() -> tuple[int, int, int, int]:
-    """(rank, world_size, local_rank, local_world_size)."""
-    if dist.is_available() and dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
-    else:
-        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return rank, world, local_rank, local_world
-
-
 class Checkpointer:
     """Snapshots a rank's training state to shared memory; a node agent persists it to ``save_dir``."""
 
@@ -87,7 +78,9 @@ class Checkpointer:
         self.config = CheckpointerConfig(save_dir=location(save_dir, "save_dir"), save_mem_interval=save_mem_interval,
                                          save_storage_interval=save_storage_interval, max_ckpt_num=max_ckpt_num,
                                          log_file_path=log_file_path, **options)
-        self.rank, self.world_size, self.local_rank, self.local_world_size = _topology()
+        place = topology.current()
+        self.rank, self.world_size, self.local_rank, self.local_world_size = (
+            place.rank, place.world_size, place.local_rank, place.local_world_size)
         settle_torch_thread_pool()   # before this process starts threads that run torch code
         if self.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
             logger.warning("rank %d of %d: torch.distributed is not initialised, so load() cannot make the ranks "

@@ -47,7 +47,7 @@ class Cluster:
     def __init__(self, env: Env, out: Path, *, steps: int, step_idle: float = 0.0, save_storage_interval: int = 5,
                  peer_timeout: float = 10.0, node_env: dict[int, dict[str, str]] | None = None,
                  script: Path = SCRIPT, extra_args: list[str] | None = None, nodes: int = NODES,
-                 ranks_per_node: int = RANKS_PER_NODE) -> None:
+                 ranks_per_node: int = RANKS_PER_NODE, local_vars: bool = True) -> None:
         self.nodes = nodes
         self.ranks_per_node = ranks_per_node
         self.world = nodes * ranks_per_node
@@ -68,6 +68,9 @@ class Cluster:
         self.addrs = {i: f"127.0.0.{i + 2}" for i in range(nodes)}
         self.shm = {i: Path(tempfile.mkdtemp(prefix=f"easyckpt-test-node{i}-", dir="/dev/shm")) for i in range(nodes)}
         self.node_env = node_env or {}
+        # False: the ranks run without torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE, as under a launcher that does not
+        # say where each rank sits (mpirun without Open MPI's variables, srun, Lightning's launcher across nodes)
+        self.local_vars = local_vars
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.logs: dict[int, Path] = {}
         self.launches = 0
@@ -86,8 +89,10 @@ class Cluster:
                    f"--nproc-per-node={self.ranks_per_node}", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint=127.0.0.1:{self.port}", "--rdzv-id=multinode",
                    f"--rdzv-conf=is_host={1 if node == 0 else 0},{FAST_RENDEZVOUS}",
-                   f"--local-addr={self.addrs[node]}", f"--max-restarts={max_restarts}",
-                   str(self.script), *self.args]
+                   f"--local-addr={self.addrs[node]}", f"--max-restarts={max_restarts}"]
+        command += [str(self.script)] if self.local_vars else \
+            ["--no-python", "env", "-u", "LOCAL_RANK", "-u", "LOCAL_WORLD_SIZE", sys.executable, str(self.script)]
+        command += self.args
         with open(log, "w") as handle:
             self.procs[node] = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
                                                 env=self.environ(node), cwd=str(ROOT))

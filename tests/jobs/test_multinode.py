@@ -229,16 +229,19 @@ def test_lost_node_resumes_from_replicas_at_most_two_steps_back(cluster: Cluster
     never_skipped(job)
 
 
-@pytest.mark.parametrize("which", [0, 1])
+@pytest.mark.parametrize("which,local_vars", [(0, True), (1, False)], ids=["0", "1-no-local-variables"])
 def test_killed_rank_resumes_from_memory_at_most_two_steps_back(cluster: Cluster, reference: Cluster,
-                                                                 which: int) -> None:
+                                                                 which: int, local_vars: bool) -> None:
     """Only rank 3 (node 1) is SIGKILLed; node 1 and its memory live on, both torchruns restart their workers.
     Every rank resumes from memory, or reads the step through the agents when its own slot already holds a newer
     snapshot: while a node-safe step trails, the agents hold it in the fourth slot, and a rank that took a step
     more than the killed one wrote it over its previous step (its agent serves the shared tensors from the other
-    local rank's slot, the buddy the rank-private bytes; CI, 2026-11-27: rank 2 so at step 18). Never from disk."""
+    local rank's slot, the buddy the rank-private bytes; CI, 2026-11-27: rank 2 so at step 18). Never from disk.
+    ``local_vars=False``: the ranks run without LOCAL_RANK and LOCAL_WORLD_SIZE (a launcher that does not say where
+    each rank sits), so the ranks ask the process group; until 2026-12-06 each node's agent waited for all four
+    ranks, persisted nothing and held the job's end."""
     at = FAULT_STEPS[which]
-    job = cluster(extra_args=["--kill-at", str(at), "--kill-rank", str(WORLD - 1)])
+    job = cluster(extra_args=["--kill-at", str(at), "--kill-rank", str(WORLD - 1)], local_vars=local_vars)
     job.start_all(max_restarts=1)
     reports = wait_all(job)
     step = check_exact(job, reference, reports)
@@ -249,6 +252,9 @@ def test_killed_rank_resumes_from_memory_at_most_two_steps_back(cluster: Cluster
     assert at - 2 <= step <= at, f"rank {WORLD - 1} killed at step {at}, resumed at {step}"
     assert {r["source"] for r in reports} <= {"memory", "replica"}, reports
     never_skipped(job)
+    if not local_vars:
+        for node in range(NODES):
+            assert "the process group says 2 of the 4 ranks are on this node" in job.log(node), job.log(node)[-3000:]
 
 
 def test_three_nodes_one_lost_resume_from_memory_and_replicas(cluster: Cluster) -> None:
