@@ -5,6 +5,9 @@
     # node's agent holds the snapshot, else from disk
     torchrun --nproc-per-node=2 examples/lightning_trainer.py --root /tmp/pl --out /tmp/pl-run --steps 24
 
+Without torchrun, ``--devices 2`` has Lightning's own launcher start the ranks (``python
+examples/lightning_trainer.py --devices 2 ...``), as a Lightning user on one machine usually runs.
+
 The usual Lightning code gains two things: the callback, and the ``ckpt_path`` Lightning users pass to resume::
 
     trainer = Trainer(..., callbacks=[EasyCkpt(save_mem_interval=1), ModelCheckpoint(every_n_train_steps=8)])
@@ -167,6 +170,8 @@ def main() -> None:
                         help="stateful: torchdata's StatefulDataLoader (pip install torchdata), whose position "
                         "Lightning saves and restores")
     parser.add_argument("--loader-workers", type=int, default=0, help="the stateful loader's num_workers")
+    parser.add_argument("--devices", type=int, default=0, help="without torchrun: Lightning's own launcher starts "
+                        "this many ranks (python examples/lightning_trainer.py --devices 2 ...)")
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--spike-at", default="", help="steps (comma-separated) whose loss is scaled by 1e4")
@@ -200,7 +205,8 @@ def run(args: argparse.Namespace) -> None:
         callbacks.insert(0, EasyCkpt(save_mem_interval=args.save_mem_interval,
                                      log_file_path=str(args.out / "persist.log"), save_dir=args.save_dir, **skip,
                                      **health))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # under torchrun, its world; else the ranks Lightning's launcher starts (it runs this script again for each)
+    world = args.devices or int(os.environ.get("WORLD_SIZE", "1"))
     strategy: Any = "ddp" if world > 1 else "auto"
     if args.strategy == "fsdp2":
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)

@@ -3,6 +3,7 @@ the check that a resumed run continues the plain Lightning run's curve exactly."
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +20,17 @@ class LightningJob(Job):
     """examples/lightning_trainer.py under torchrun; the loss/resume/pid files are those Job reads."""
 
     def __init__(self, env: Env, root: Path, out: Path, *, steps: int = STEPS, args: list[str] | None = None,
-                 extra_env: dict[str, str] | None = None, strategy: str = "ddp") -> None:
+                 extra_env: dict[str, str] | None = None, strategy: str = "ddp", launcher: str = "torchrun") -> None:
         self.out = out
         self.nproc = 2
         out.mkdir(parents=True, exist_ok=True)
         self.log_path = out / "torchrun.log"
-        command = TORCHRUN + ["--standalone", "--nproc-per-node=2", "--max-restarts=0", str(SCRIPT), "--root",
-                              str(root), "--out", str(out), "--steps", str(steps), "--save-steps", str(SAVE_STEPS),
-                              "--strategy", strategy, *(args or [])]
+        # "lightning": no torchrun, Lightning's own launcher starts rank 1 from rank 0 (the usual way on one machine)
+        start = TORCHRUN + ["--standalone", "--nproc-per-node=2", "--max-restarts=0"] if launcher == "torchrun" else \
+            [sys.executable]
+        command = start + [str(SCRIPT), "--root", str(root), "--out", str(out), "--steps", str(steps),
+                           "--save-steps", str(SAVE_STEPS), "--strategy", strategy, *(args or [])] + \
+            (["--devices", "2"] if launcher == "lightning" else [])
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(ROOT),
                                      env=env.environ(EASYCKPT_LOG_LEVEL="INFO", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",

@@ -260,10 +260,10 @@ class EasyCkpt(Callback):
         result = ckpt.load(template, load_dir=load_dir)
         if result.step is None:
             sharded.discard(created)
-            if self.lightning_last is not None:
+            if self.lightning_last is not None and ckpt.local_rank == 0:
                 logger.warning("easyckpt holds nothing to resume from in memory or %s: resuming from %s",
                                ckpt.config.save_dir, self.lightning_last)
-            else:
+            elif self.lightning_last is None:
                 logger.info("easyckpt: nothing to resume from in memory or %s: fresh start", ckpt.config.save_dir)
             return self.lightning_last, None
         state = result.state
@@ -279,8 +279,9 @@ class EasyCkpt(Callback):
         self.resumed = {"step": result.step, "source": result.source, "path": result.path,
                         "seconds": result.seconds, "nbytes": result.nbytes}
         where = result.path if result.source == "disk" else f"easyckpt://{result.source}/step={result.step}"
-        logger.warning("easyckpt: resumed at step %d from %s (%s, %.2f s)", result.step, result.source,
-                       format_bytes(result.nbytes), result.seconds)
+        # Checkpointer.load announced the resume once per node; this is every rank's detail
+        logger.debug("rank %d: resumed at step %d from %s (%s, %.2f s)", ckpt.rank, result.step, result.source,
+                     format_bytes(result.nbytes), result.seconds)
         return where, state
 
     def starting(self, path: Any) -> None:

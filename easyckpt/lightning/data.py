@@ -168,7 +168,8 @@ def continue_after_resume(trainer: Any, rng: dict[str, Any] | None, watched: dic
             if not by_index:
                 assert fetcher.iterator is not None
                 drop_from(fetcher.iterator, count)
-            logger.info("resumed mid-epoch: the first %d batches of epoch %d were %s", count, epoch,
+            logger.info("resumed mid-epoch: the first %d batches of epoch %d were %s, so the epoch goes on where it "
+                        "was (Lightning's warning that the dataloader is not resumable does not apply)", count, epoch,
                         "skipped in the sampler" if by_index else "read and dropped")
     if rng is not None:
         _set_rng_states(numpy_rng(rng))

@@ -9,6 +9,7 @@ that lost an RNG state would show too.
 """
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -48,8 +49,10 @@ def test_kill9_resume_from_memory_then_disk_then_plain_lightning(env: Env, refer
     root = env.tmp_path / "root"
     save_dir = root / "easyckpt"
     kill_at = seeded_random().randint(SAVE_STEPS + 1, 2 * SAVE_STEPS - 1)
+    # DDP's killed run and its rerun without torchrun: Lightning's own launcher, as users on one machine run it
+    launcher = "lightning" if strategy == "ddp" else "torchrun"
     first = LightningJob(env, root, env.tmp_path / "first", args=["--kill-rank", "1", "--kill-at", str(kill_at)],
-                         strategy=strategy)
+                         strategy=strategy, launcher=launcher)
     try:
         assert first.wait(120) != 0, "rank 1 was to be killed"
     finally:
@@ -61,11 +64,14 @@ def test_kill9_resume_from_memory_then_disk_then_plain_lightning(env: Env, refer
         for step, row in first.losses(rank).items():
             assert row["digest"] == reference.losses(rank)[step]["digest"], f"rank {rank} step {step}"
 
-    second = run_to_end(LightningJob(env, root, env.tmp_path / "second", strategy=strategy))
+    second = run_to_end(LightningJob(env, root, env.tmp_path / "second", strategy=strategy, launcher=launcher))
     for rank in range(2):
         report = second.report(rank)
         assert report["resumed"]["source"] == "memory" and report["global_step"] == newest, report
         assert report["digest"] == reference.losses(rank)[newest]["digest"], report
+    # one node, one line (the callback said it again on every rank, at WARNING, until 2026-12-06)
+    said = re.findall(r"resumed at step \d+ from (?:memory|disk)", second.log())
+    assert said == [f"resumed at step {newest} from memory"], said
     # A kill in the second epoch's first step can leave the first epoch's end the newest common step (CI,
     # 2026-11-28: killed at 9, resumed at 8): then no batch of the epoch was consumed and none is skipped.
     mid_epoch = newest % BATCHES_PER_EPOCH != 0
