@@ -3,11 +3,13 @@ checks that a resumed run continues the plain Trainer's curve exactly."""
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 from conftest import ROOT, Env
 from ddp_job import TORCHRUN, Job
+from soak_job import free_port  # below the ephemeral ports
 
 SCRIPT = ROOT / "examples" / "hf_trainer.py"
 STEPS = 20          # 8 optimizer steps per epoch: the runs cross two epoch boundaries
@@ -22,14 +24,18 @@ class HFJob(Job):
     def __init__(self, env: Env, output_dir: Path, out: Path, *, resume: str | None = None, plain: bool = False,
                  step_seconds: float = 0.0, save_total_limit: int | None = None, save_strategy: str = "steps",
                  extra_env: dict[str, str] | None = None, extra_args: list[str] | None = None,
-                 via: Path | None = None, nproc: int = 2) -> None:
-        """``via``: a script that runs the example (``accelerate_fsdp_cpu.py``)."""
+                 via: Path | None = None, nproc: int = 2, launcher: str = "torchrun") -> None:
+        """``via``: a script that runs the example (``accelerate_fsdp_cpu.py``); ``launcher="deepspeed"``: the
+        DeepSpeed launcher instead of torchrun (LOCAL_SIZE, not LOCAL_WORLD_SIZE, and on CPU Accelerate then
+        writes LOCAL_WORLD_SIZE=1 into every rank: easyckpt.node.topology)."""
         self.out = out
         self.nproc = nproc
         out.mkdir(parents=True, exist_ok=True)
         self.log_path = out / "torchrun.log"
-        command = TORCHRUN + ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0"] + \
-            ([str(via)] if via is not None else []) + [str(SCRIPT),
+        start = TORCHRUN + ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0"] if launcher == "torchrun" \
+            else [sys.executable, "-m", "deepspeed.launcher.runner", "--no_local_rank", f"--num_gpus={nproc}",
+                  f"--master_port={free_port()}"]
+        command = start + ([str(via)] if via is not None else []) + [str(SCRIPT),
                               "--output-dir", str(output_dir), "--out", str(out), "--steps", str(STEPS),
                               "--save-steps", str(SAVE_STEPS), "--save-strategy", save_strategy,
                               "--step-seconds", str(step_seconds)]
@@ -42,6 +48,8 @@ class HFJob(Job):
         command += extra_args or []
         extra = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TOKENIZERS_PARALLELISM": "false",
                  "HF_HUB_OFFLINE": "1", **(extra_env or {})}
+        if launcher != "torchrun":   # torchrun's default: the same float sums as a torchrun reference run
+            extra.setdefault("OMP_NUM_THREADS", "1")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=env.environ(EASYCKPT_LOG_LEVEL="INFO", **extra), cwd=str(ROOT))

@@ -42,9 +42,11 @@ def ds_config(tmp: Path, stage: int, **zero: Any) -> Path:
 
 
 def ds_job(env: Env, output_dir: Path, out: Path, config: Path, *, step_seconds: float = 0.0,
-           resume: str | None = None, plain: bool = False, extra_args: list[str] | None = None) -> HFJob:
+           resume: str | None = None, plain: bool = False, extra_args: list[str] | None = None,
+           launcher: str = "torchrun") -> HFJob:
     return HFJob(env, output_dir, out, resume=resume, plain=plain, step_seconds=step_seconds, extra_env=DS_ENV,
-                 extra_args=["--steps", str(STEPS), "--deepspeed", str(config), *(extra_args or [])])
+                 extra_args=["--steps", str(STEPS), "--deepspeed", str(config), *(extra_args or [])],
+                 launcher=launcher)
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +77,14 @@ def test_zero_kill9_resumes_with_equal_losses(env: Env, stage: int, tier: str,
                                               tmp_path_factory: pytest.TempPathFactory) -> None:
     """kill -9 one rank mid-training; the rerun resumes (each rank's ZeRO partition back into its engine)
     and continues exactly: from memory, or, with the node's memory wiped, from the newest complete
-    iteration on disk."""
+    iteration on disk. ZeRO-2 from memory runs under the DeepSpeed launcher (``deepspeed --num_gpus 2``), the others
+    under torchrun."""
     ref, _ = reference(references, tmp_path_factory, stage)
     config = ds_config(env.tmp_path, stage)
     output_dir = env.tmp_path / "hf"
     save_dir = output_dir / "easyckpt"
-    first = ds_job(env, output_dir, env.tmp_path / "first", config, step_seconds=0.15)
+    launcher = "deepspeed" if (stage, tier) == (2, "memory") else "torchrun"
+    first = ds_job(env, output_dir, env.tmp_path / "first", config, step_seconds=0.15, launcher=launcher)
     try:
         if tier == "disk":
             wait_for(lambda: SAVE_STEPS in dict(layout.complete_iterations(save_dir)) or first.proc.poll() is not None,
@@ -99,7 +103,12 @@ def test_zero_kill9_resumes_with_equal_losses(env: Env, stage: int, tier: str,
         newest = max(step for step, _ in layout.complete_iterations(save_dir))
         assert SAVE_STEPS <= newest <= killed_at + 1, (newest, killed_at)
 
-    second = run_to_end(ds_job(env, output_dir, env.tmp_path / "second", config, resume="newest"))
+    second = run_to_end(ds_job(env, output_dir, env.tmp_path / "second", config, resume="newest", launcher=launcher))
+    if launcher == "deepspeed":   # Accelerate's LOCAL_WORLD_SIZE=1 beside the launcher's LOCAL_SIZE=2, caught
+        assert "rank 1 was told local rank 1 of a node of 1" in second.log(), second.log()[-3000:]
+        # until 2026-12-06 each rank took itself for a node of one: "1 nodes" of "1 local ranks" and 4 slots each
+        assert "2 of the 2 ranks are on this node" in second.log(), second.log()[-3000:]
+        assert "for 2 local ranks" in first.log(), first.log()[-3000:]
     for report in resumed_at(second):
         assert (report["step"], report["source"], report["global_step"]) == (newest, tier, newest), report
     assert_continues_exactly(second, ref, newest, STEPS)

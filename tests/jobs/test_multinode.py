@@ -254,7 +254,7 @@ def test_killed_rank_resumes_from_memory_at_most_two_steps_back(cluster: Cluster
     never_skipped(job)
     if not local_vars:
         for node in range(NODES):
-            assert "the process group says 2 of the 4 ranks are on this node" in job.log(node), job.log(node)[-3000:]
+            assert "2 of the 4 ranks are on this node (the node names" in job.log(node), job.log(node)[-3000:]
 
 
 def test_three_nodes_one_lost_resume_from_memory_and_replicas(cluster: Cluster) -> None:

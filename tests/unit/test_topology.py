@@ -54,22 +54,80 @@ def test_node_names_give_the_ranks_of_each_node_in_rank_order() -> None:
     assert all(p.world_size == 5 and "EASYCKPT_NODE_ID" in p.source for p in placed)
 
 
-def test_the_process_group_is_asked_only_when_no_variable_counts_the_nodes_ranks(
-        caplog: pytest.LogCaptureFixture) -> None:
-    asked: list[int] = []
-
-    def gather() -> list[str]:
+def gathering(rows: list[dict[str, str]], names: list[str], asked: list[int]) -> list:
+    """A gather over the environments of every rank, as the process group's all-gather gives it."""
+    def gather(text: str) -> list[str]:
         asked.append(1)
-        return ["n0", "n0", "n1", "n1"]
+        return [topology.told(environ, name).encode() for environ, name in zip(rows, names)]
+    return [gather]
 
-    torchrun = topology.place(2, 4, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}, gather)
-    assert (torchrun.local_rank, torchrun.local_world_size) == (0, 2) and not asked
+
+TORCHRUN = {"TORCHELASTIC_RUN_ID": "job", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
+
+
+def test_a_torchrun_worker_takes_its_variables_without_a_collective() -> None:
+    asked: list[int] = []
+    [gather] = gathering([TORCHRUN] * 4, ["n0", "n0", "n1", "n1"], asked)
+    placed = topology.place(2, 4, TORCHRUN, gather, "n1")
+    assert (placed.local_rank, placed.local_world_size) == (0, 2) and not asked
+
+
+def test_without_torchrun_the_ranks_ask_each_other_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Lightning's launcher: LOCAL_RANK in the ranks it started, nothing in the first; the node names decide."""
     caplog.set_level("INFO", logger="easyckpt.node.topology")
-    lightning = topology.place(2, 4, {"LOCAL_RANK": "0"}, gather)
-    assert (lightning.local_rank, lightning.local_world_size) == (0, 2) and asked == [1]
-    assert "the process group says 2 of the 4 ranks are on this node" in caplog.text
-    topology.place(3, 4, {"LOCAL_RANK": "1"}, gather)
-    assert caplog.text.count("the process group says") == 1, "said by each node's first rank only"
+    rows = [{}, {"LOCAL_RANK": "1"}, {}, {"LOCAL_RANK": "1"}]
+    names = ["n0", "n0", "n1", "n1"]
+    asked: list[int] = []
+    [gather] = gathering(rows, names, asked)
+    placed = [topology.place(rank, 4, rows[rank], gather, names[rank]) for rank in range(4)]
+    assert [(p.local_rank, p.local_world_size) for p in placed] == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    assert len(asked) == 4, "one gather per rank"
+    assert "WARNING" not in caplog.text, "no count was told anywhere: nothing disagrees"
+    assert caplog.text.count("2 of the 4 ranks are on this node (the node names") == 2, "each node's first rank"
+    rows[3] = {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}   # one rank told a count, the others none
+    [gather] = gathering(rows, names, asked)
+    assert topology.place(2, 4, rows[2], gather, "n1").local_world_size == 2
+    assert "no variable counts the ranks of the node of rank(s) [0, 1, 2]" in caplog.text
+
+
+def test_accelerates_lie_on_cpu_is_caught_job_wide(caplog: pytest.LogCaptureFixture) -> None:
+    """The DeepSpeed launcher sets LOCAL_SIZE=2; Accelerate on CPU then writes LOCAL_WORLD_SIZE=1 into both ranks
+    (it reads no LOCAL_SIZE): rank 0 alone sees nothing wrong (local rank 0 of 1), rank 1 does; the gather tells
+    both that the variables cannot be taken, so both ranks take the node names."""
+    rows = [{"LOCAL_RANK": "0", "LOCAL_SIZE": "2", "LOCAL_WORLD_SIZE": "1"},
+            {"LOCAL_RANK": "1", "LOCAL_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}]
+    asked: list[int] = []
+    [gather] = gathering(rows, ["box", "box"], asked)
+    placed = [topology.place(rank, 2, rows[rank], gather, "box") for rank in range(2)]
+    assert [(p.local_rank, p.local_world_size) for p in placed] == [(0, 2), (1, 2)]
+    assert "rank 1 was told local rank 1 of a node of 1" in caplog.text
+
+
+@pytest.mark.parametrize("rows,why", [
+    ([("a", 0, 2), ("a", 1, 2), ("b", 0, 2), ("b", 1, 2)], None),
+    ([("a", None, 2), ("a", None, 2)], None),
+    ([("a", 0, 2), ("a", 1, 2), ("b", 0, 1)], "different counts"),
+    ([("a", 0, 2), ("a", 1, 2), ("b", 0, 2)], "do not divide the world of 3"),
+    ([("a", 0, 2), ("a", 0, 2)], "do not make nodes of 2"),
+    ([("a", 0, 2), ("a", 2, 2)], "rank 1 was told local rank 2"),
+    ([("a", 0, None), ("a", 1, 2)], "rank(s) [0]"),
+    ([("a", 0, None), ("a", 1, None)], "rank(s) [0, 1]"),
+])
+def test_the_variables_are_taken_only_when_they_agree_job_wide(rows: list[tuple[str, int | None, int | None]],
+                                                                why: str | None) -> None:
+    told = [topology.Told(*row) for row in rows]
+    found = topology.disagreement(told)
+    assert (found is None) if why is None else (found is not None and why in found), found
+    placement, said = topology.decide(told, 1)
+    assert said == (found if any(row.local_world is not None for row in told) else None)
+    if why is not None:   # the node names decide
+        names = [row[0] for row in rows]
+        assert placement.local_world_size == names.count(names[1])
+
+
+def test_what_a_rank_was_told_survives_the_gather() -> None:
+    for row in (topology.Told("node\nwith a newline", 3, 8), topology.Told("n", None, None)):
+        assert topology.Told.decode(row.encode()) == row
 
 
 def test_without_a_process_group_every_rank_is_taken_for_one_of_this_node() -> None:
