@@ -87,9 +87,16 @@ def _rank_var(environ: Mapping[str, str]) -> str | None:
 
 
 def told(environ: Mapping[str, str], node: str) -> Told:
-    """What the launcher's variables tell this rank (the first of each list that is set)."""
+    """What the launcher's variables tell this rank (the first of each list that is set). A value that is no
+    number counts as unset: this rank must still join the gather, and the job-wide check says what is missing."""
     size, rank = _size_var(environ), _rank_var(environ)
-    return Told(node, _int(environ, rank) if rank else None, _int(environ, size[0]) if size else None)
+
+    def number(name: str | None) -> int | None:
+        try:
+            return _int(environ, name) if name else None
+        except ValueError:
+            return None
+    return Told(node, number(rank), number(size[0] if size else None))
 
 
 def from_environment(environ: Mapping[str, str], rank: int, world_size: int) -> Placement | None:

@@ -125,6 +125,10 @@ def test_the_variables_are_taken_only_when_they_agree_job_wide(rows: list[tuple[
         assert placement.local_world_size == names.count(names[1])
 
 
+def test_a_value_that_is_no_number_counts_as_unset_so_that_the_rank_still_joins_the_gather() -> None:
+    assert topology.told({"LOCAL_RANK": "x", "LOCAL_SIZE": "two"}, "n") == topology.Told("n", None, None)
+
+
 def test_what_a_rank_was_told_survives_the_gather() -> None:
     for row in (topology.Told("node\nwith a newline", 3, 8), topology.Told("n", None, None)):
         assert topology.Told.decode(row.encode()) == row
