@@ -233,12 +233,15 @@ class AgentClient:
         went to exited before answering."""
         if kind == Kind.PEERS:
             self._peers = fields
-        request_id = self.send(kind, **fields)
-        # The agent that got it, by (pid, start): one that dies before it answers may be replaced before this rank
+        # The agent that gets it, by (pid, start): one that dies before it answers may be replaced before this rank
         # looks again (another local rank starts the new one), and the new one never got the request. An agent
         # alive at every look was once taken for an answer on its way: a rank's FLUSH at close() waited
-        # close_timeout (600 s) and its job hung at torchrun's exit barrier (soak seed 1319, fault 24).
+        # close_timeout (600 s) and its job hung at torchrun's exit barrier (soak seed 1319, fault 24). Named before
+        # the send: named after it, an agent that died in between was no addressee at all (the pid file still names
+        # it, dead), and its replacement was waited on for an answer it never got a question for (1 run in 10 of
+        # test_a_request_whose_agent_dies_and_is_replaced..., which kills the agent as soon as the request is sent).
         addressee = self._serving_agent()
+        request_id = self.send(kind, **fields)
         deadline = time.monotonic() + timeout
         while request_id:
             remaining = deadline - time.monotonic()
