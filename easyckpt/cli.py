@@ -22,6 +22,10 @@ from easyckpt_wire import health, layout, timeline
 from easyckpt_wire.shm import format_bytes
 from easyckpt_wire.storage import UnsupportedLocation, as_path
 
+# This file's package directory, not easyckpt.__file__ (None when a directory named easyckpt shadows the package
+# under an editable install: easyckpt.node.client._spawn)
+_PACKAGE = Path(__file__).resolve().parent
+
 # What each command reads from the environment, for its --help (the README's Configuration has them all).
 _RUNTIME_ENV = ("EASYCKPT_RUNTIME_DIR  where agents keep their socket, lock and agent.log (default /tmp/easyckpt-<uid>)",
                 "EASYCKPT_SHM_DIR      where the slots are (default /dev/shm)",
@@ -47,7 +51,7 @@ class _Formatter(argparse.HelpFormatter):
 
 
 def _epilog(lines: tuple[str, ...] | None) -> str:
-    readme = Path(easyckpt.__file__).resolve().parent.parent / "README.md"
+    readme = _PACKAGE.parent / "README.md"
     where = f"{readme} (sections Tools and Configuration)" if readme.is_file() else "the README of easyckpt"
     env = ("environment variables:\n" + "\n".join(f"  {line}" for line in lines)) if lines else \
         "environment variables: none (it reads only the files under the directory given)"
@@ -250,8 +254,8 @@ def _version() -> str:
 
         installed = version("easyckpt")
     except Exception:   # not installed (a source tree on PYTHONPATH): the package's own number
-        installed = easyckpt.__version__
-    return f"easyckpt {installed} ({Path(easyckpt.__file__).resolve().parent}, python {sys.version.split()[0]})"
+        installed = getattr(easyckpt, "__version__", "?")   # "?": a namespace package in its place (client._spawn)
+    return f"easyckpt {installed} ({_PACKAGE}, python {sys.version.split()[0]})"
 
 
 def main(argv: list[str] | None = None) -> int:

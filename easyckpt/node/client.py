@@ -18,7 +18,6 @@ from typing import Any
 
 import zmq
 
-import easyckpt
 from easyckpt_wire import procs, protocol
 from easyckpt_wire.protocol import Kind, ProtocolError
 from easyckpt_wire.records import ByeReply, FlushReply, RecordError, ResumeReply
@@ -107,7 +106,11 @@ class AgentClient:
         self._connect()
 
     def _spawn(self) -> None:
-        root = str(Path(easyckpt.__file__).resolve().parent.parent)
+        # This file's own path, not ``easyckpt.__file__``: under an editable install a directory named easyckpt
+        # where the job runs (Lightning's default save_dir, <default_root_dir>/easyckpt) is imported as an empty
+        # namespace package in the real one's place (setuptools' finder comes after the path scan), with no
+        # __file__: a Lightning job's second run failed here with a TypeError (2026-12-06).
+        root = str(Path(__file__).resolve().parents[2])
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         # The agent is not a torchrun worker: without these it cannot mistake itself for the launcher of

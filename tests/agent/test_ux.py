@@ -486,3 +486,43 @@ def test_a_request_whose_agent_dies_and_is_replaced_before_it_answers_is_asked_a
             if agent.poll() is None:
                 agent.kill()
             agent.wait(30)
+
+
+SHADOWED = """
+import sys, torch
+from easyckpt.checkpointer import Checkpointer   # how the integrations import it
+import easyckpt
+print("shadowed" if getattr(easyckpt, "__file__", None) is None else "not shadowed", flush=True)
+model = torch.nn.Linear(8, 8)
+ckpt = Checkpointer(save_dir="easyckpt", save_mem_interval=1, save_storage_interval=2, max_ckpt_num=2)
+result = ckpt.load({"model": model.state_dict()})
+start = 0 if result.step is None else result.step + 1
+for step in range(start, start + 3):
+    ckpt.save_if_needed(step, {"model": model.state_dict(), "step": step})
+ckpt.close()
+print(f"ended at step {start + 2}", flush=True)
+"""
+
+
+def test_a_directory_named_easyckpt_where_the_job_runs_does_not_stop_the_agent_from_starting(
+        env: Env, tmp_path: Path) -> None:
+    """Lightning's default save_dir is ``<default_root_dir>/easyckpt``, the directory a user runs from. Under the
+    README's editable install (setuptools' import finder runs after the path scan) that directory is imported as an
+    empty namespace package in place of ``easyckpt`` on every later run, with no ``__file__``: the Checkpointer's
+    start of the agent raised TypeError (found with LightningCLI, 2026-12-06). The second run here starts with
+    that directory present and no agent running."""
+    work = tmp_path / "project"
+    work.mkdir()
+    (work / "train.py").write_text(SHADOWED)
+    environ = env.environ(EASYCKPT_JOB_ID="shadowed")
+    # as a user's shell has it: the package found through its installation, not through the tests' PYTHONPATH
+    environ["PYTHONPATH"] = os.pathsep.join(p for p in environ["PYTHONPATH"].split(os.pathsep) if p != str(ROOT))
+    runs = []
+    for _ in range(2):
+        runs.append(subprocess.run([sys.executable, "train.py"], capture_output=True, text=True, timeout=120,
+                                   env=environ, cwd=str(work)))
+        assert runs[-1].returncode == 0, runs[-1].stdout + runs[-1].stderr
+        wait_for(lambda: env.agent_pid() is None, 60, "the agent to exit after the run's close()")
+    print(f"second run: {runs[1].stdout.splitlines()[0]} (shadowed only under an editable install)")
+    assert runs[1].stdout.splitlines()[1] == "ended at step 5", runs[1].stdout + runs[1].stderr
+    assert (work / "easyckpt" / "iteration_0000005").is_dir()
