@@ -17,7 +17,8 @@ SAVE_STEPS = 8       # ModelCheckpoint(every_n_train_steps=8, save_top_k=2, save
 
 
 class LightningJob(Job):
-    """examples/lightning_trainer.py under torchrun; the loss/resume/pid files are those Job reads."""
+    """examples/lightning_trainer.py under torchrun (or Lightning's own launcher); the loss/resume/pid files are those
+    Job reads."""
 
     def __init__(self, env: Env, root: Path, out: Path, *, steps: int = STEPS, args: list[str] | None = None,
                  extra_env: dict[str, str] | None = None, strategy: str = "ddp", launcher: str = "torchrun") -> None:

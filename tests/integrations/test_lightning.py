@@ -1,6 +1,6 @@
-"""PyTorch Lightning + EasyCkpt under a real torchrun (2 ranks over gloo, CPU; DDP and ModelParallelStrategy with
-FSDP2): kill -9 and resume from memory, a new job resuming from disk, a plain Lightning Trainer resuming from the
-files EasyCkpt wrote, data skipping, and the strategies refused at start-up.
+"""PyTorch Lightning + EasyCkpt under a real torchrun or Lightning's own launcher (2 ranks over gloo, CPU; DDP and
+ModelParallelStrategy with FSDP2): kill -9 and resume from memory, a new job resuming from disk, a plain Lightning
+Trainer resuming from the files EasyCkpt wrote, data skipping, and the strategies refused at start-up.
 
 The reference is a plain Lightning run (no easyckpt) run uninterrupted: every resumed run must log the same
 losses (exact float equality), train on the same samples (the mid-epoch data position) and hold the same
