@@ -3,6 +3,8 @@
 tests/jobs/test_multinode.py::test_killed_rank_resumes_from_memory_at_most_two_steps_back[1-no-local-variables]."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from easyckpt.node import topology
@@ -54,12 +56,12 @@ def test_node_names_give_the_ranks_of_each_node_in_rank_order() -> None:
     assert all(p.world_size == 5 and "EASYCKPT_NODE_ID" in p.source for p in placed)
 
 
-def gathering(rows: list[dict[str, str]], names: list[str], asked: list[int]) -> list:
+def gathering(rows: list[dict[str, str]], names: list[str], asked: list[int]) -> Callable[[str], list[str]]:
     """A gather over the environments of every rank, as the process group's all-gather gives it."""
     def gather(text: str) -> list[str]:
         asked.append(1)
         return [topology.told(environ, name).encode() for environ, name in zip(rows, names)]
-    return [gather]
+    return gather
 
 
 TORCHRUN = {"TORCHELASTIC_RUN_ID": "job", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2"}
@@ -67,7 +69,7 @@ TORCHRUN = {"TORCHELASTIC_RUN_ID": "job", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE":
 
 def test_a_torchrun_worker_takes_its_variables_without_a_collective() -> None:
     asked: list[int] = []
-    [gather] = gathering([TORCHRUN] * 4, ["n0", "n0", "n1", "n1"], asked)
+    gather = gathering([TORCHRUN] * 4, ["n0", "n0", "n1", "n1"], asked)
     placed = topology.place(2, 4, TORCHRUN, gather, "n1")
     assert (placed.local_rank, placed.local_world_size) == (0, 2) and not asked
 
@@ -78,14 +80,14 @@ def test_without_torchrun_the_ranks_ask_each_other_once(caplog: pytest.LogCaptur
     rows = [{}, {"LOCAL_RANK": "1"}, {}, {"LOCAL_RANK": "1"}]
     names = ["n0", "n0", "n1", "n1"]
     asked: list[int] = []
-    [gather] = gathering(rows, names, asked)
+    gather = gathering(rows, names, asked)
     placed = [topology.place(rank, 4, rows[rank], gather, names[rank]) for rank in range(4)]
     assert [(p.local_rank, p.local_world_size) for p in placed] == [(0, 2), (1, 2), (0, 2), (1, 2)]
     assert len(asked) == 4, "one gather per rank"
     assert "WARNING" not in caplog.text, "no count was told anywhere: nothing disagrees"
     assert caplog.text.count("2 of the 4 ranks are on this node (the node names") == 2, "each node's first rank"
     rows[3] = {"LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}   # one rank told a count, the others none
-    [gather] = gathering(rows, names, asked)
+    gather = gathering(rows, names, asked)
     assert topology.place(2, 4, rows[2], gather, "n1").local_world_size == 2
     assert "no variable counts the ranks of the node of rank(s) [0, 1, 2]" in caplog.text
 
@@ -97,7 +99,7 @@ def test_accelerates_lie_on_cpu_is_caught_job_wide(caplog: pytest.LogCaptureFixt
     rows = [{"LOCAL_RANK": "0", "LOCAL_SIZE": "2", "LOCAL_WORLD_SIZE": "1"},
             {"LOCAL_RANK": "1", "LOCAL_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}]
     asked: list[int] = []
-    [gather] = gathering(rows, ["box", "box"], asked)
+    gather = gathering(rows, ["box", "box"], asked)
     placed = [topology.place(rank, 2, rows[rank], gather, "box") for rank in range(2)]
     assert [(p.local_rank, p.local_world_size) for p in placed] == [(0, 2), (1, 2)]
     assert "rank 1 was told local rank 1 of a node of 1" in caplog.text
