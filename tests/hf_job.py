@@ -32,9 +32,10 @@ class HFJob(Job):
         self.nproc = nproc
         out.mkdir(parents=True, exist_ok=True)
         self.log_path = out / "torchrun.log"
+        self.master_port = free_port() if launcher == "deepspeed" else None
         start = TORCHRUN + ["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0"] if launcher == "torchrun" \
             else [sys.executable, "-m", "deepspeed.launcher.runner", "--no_local_rank", f"--num_gpus={nproc}",
-                  f"--master_port={free_port()}"]
+                  f"--master_port={self.master_port}"]
         command = start + ([str(via)] if via is not None else []) + [str(SCRIPT),
                               "--output-dir", str(output_dir), "--out", str(out), "--steps", str(STEPS),
                               "--save-steps", str(SAVE_STEPS), "--save-strategy", save_strategy,
@@ -53,6 +54,15 @@ class HFJob(Job):
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
                                      env=env.environ(EASYCKPT_LOG_LEVEL="INFO", **extra), cwd=str(ROOT))
+
+
+    def kill(self) -> None:
+        super().kill()
+        if self.master_port is not None:
+            # Under its own launcher (LOCAL_SIZE set) DeepSpeed's CPU all-reduce maps a 66 MB buffer per rank in
+            # /dev/shm, named by the master port, and never unlinks it: 264 MB left by each run of the suite
+            for buffer in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{self.master_port}_*"):
+                buffer.unlink(missing_ok=True)
 
 
 def run_to_end(job: HFJob, timeout: float = 120) -> HFJob:
