@@ -82,6 +82,9 @@ class Checkpointer:
         self.rank, self.world_size, self.local_rank, self.local_world_size = (
             place.rank, place.world_size, place.local_rank, place.local_world_size)
         settle_torch_thread_pool()   # before this process starts threads that run torch code
+        hazard = topology.restart_hazard(os.environ)
+        if hazard is not None and self.local_rank == 0:
+            logger.warning("easyckpt rank %d: %s", self.rank, hazard)
         if self.world_size > 1 and not (dist.is_available() and dist.is_initialized()):
             logger.warning("rank %d of %d: torch.distributed is not initialised, so load() cannot make the ranks "
                            "agree on one step; call init_process_group() before creating the Checkpointer",

@@ -4,7 +4,8 @@ On CPU (gloo; under a minute on 2 cores; needs ``pip install -e '.[megatron]'``)
 
     torchrun --nproc-per-node=2 examples/megatron_gpt.py --save-dir /tmp/ckpt --out /tmp/run --train-iters 30
 
-Kill one rank (``kill -9 $(cat /tmp/run/pid-rank1)``) under ``torchrun --max-restarts=1`` and the
+Kill one rank (``kill -9 $(cat /tmp/run/pid-rank1)``) under ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun
+--max-restarts=1`` (without the variable torch's restarted workers hang in init_process_group: pytorch#135712) and the
 restarted ranks resume from memory; start the job again after a crash and it resumes from memory too, and
 from disk (``--save-dir``, every ``--save-storage-interval`` iterations) once the slots are gone, e.g. after
 a clean end. The three lines (the rest is an ordinary Megatron loop)::

@@ -197,6 +197,28 @@ def place(rank: int, world_size: int, environ: Mapping[str, str],
                      "no variable and no process group: every rank taken for one of this node")
 
 
+def restart_hazard(environ: Mapping[str, str]) -> str | None:
+    """Why torchrun's next restart of this worker's group would not come up, or None.
+
+    torchrun shares its rendezvous store with the workers' process group (``TORCHELASTIC_USE_AGENT_STORE=True``)
+    unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``. The store outlives an attempt, and the restarted workers are
+    handed the previous attempt's addresses (pytorch/pytorch#135712): measured on 2026-12-06 with torch 2.13.0 and
+    gloo, DDP workers restarted after a ``kill -9`` (``examples/plain_ddp.py``, nanoGPT's ``train.py``, a bare DDP
+    loop) hung in ``init_process_group`` for minutes, with nothing logged, and never resumed. A restarted worker
+    cannot say it (it hangs before easyckpt runs), so the first attempt does, while a restart is still to come."""
+    if "TORCHELASTIC_RUN_ID" not in environ or environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    restarts, done = (environ.get(name, "0").strip() for name in ("TORCHELASTIC_MAX_RESTARTS",
+                                                                   "TORCHELASTIC_RESTART_COUNT"))
+    if not (restarts.isdigit() and done.isdigit() and int(restarts) > int(done)):
+        return None   # no restart to come (a count torchrun did not write is not ours to judge)
+    return (f"torchrun will restart this job's workers (--max-restarts={restarts}, {done} used) with its rendezvous "
+            "store shared with their process group (TORCHELASTIC_USE_AGENT_STORE=True): with it, restarted workers "
+            "are handed the previous attempt's addresses and hang in init_process_group (pytorch/pytorch#135712), "
+            "so a failure would not resume from memory. Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's "
+            "environment (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ...)")
+
+
 def current() -> Placement:
     """This process's placement: rank and world from the process group when one is up (else ``RANK`` and
     ``WORLD_SIZE``), the rest by :func:`place` (a collective outside torchrun)."""

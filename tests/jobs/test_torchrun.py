@@ -69,6 +69,7 @@ def test_torchrun_restart_after_kill9_resumes_from_memory(env: Env, reference: J
         assert job.wait() == 0, job.log()[-3000:]
     finally:
         job.kill()
+    assert "pytorch/pytorch#135712" not in job.log()   # a store per attempt: nothing to warn of
     resumed = [job.resumes(rank)[-1] for rank in range(2)]
     assert resumed[0]["step"] == resumed[1]["step"] is not None
     step = resumed[0]["step"]
@@ -77,6 +78,23 @@ def test_torchrun_restart_after_kill9_resumes_from_memory(env: Env, reference: J
         rows = job.losses(rank)
         for later in range(step + 1, STEPS):
             assert rows[later]["loss"] == reference.losses(rank)[later]["loss"], f"rank {rank} step {later}"
+
+
+def test_a_restart_that_would_hang_on_the_shared_rendezvous_store_is_warned_of_before_any_failure(env: Env) -> None:
+    """torchrun as a new user runs it, with ``--max-restarts`` and without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: its
+    restarted DDP workers would hang in init_process_group (pytorch/pytorch#135712; measured on 2026-12-06, see
+    ``topology.restart_hazard``), before easyckpt could say anything. So the first attempt says it, once per node,
+    with the fix. (No kill here: the restart would hang.)"""
+    job = Job(env, env.save_dir, env.tmp_path / "out", steps=3, max_restarts=2,
+              extra_env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"})
+    try:
+        assert job.wait() == 0, job.log()[-3000:]
+    finally:
+        job.kill()
+    warned = [line for line in job.log().splitlines() if "pytorch/pytorch#135712" in line]
+    assert len(warned) == 1, warned
+    assert "easyckpt rank 0" in warned[0] and "--max-restarts=2, 0 used" in warned[0]
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in warned[0]
 
 
 @pytest.mark.parametrize("point", ["stager.mid_copy", "stager.before_commit"])

@@ -141,3 +141,28 @@ def test_without_a_process_group_every_rank_is_taken_for_one_of_this_node() -> N
     alone = topology.place(1, 3, {"LOCAL_RANK": "1"}, None)
     assert (alone.local_rank, alone.local_world_size) == (1, 3)
     assert topology.place(2, 3, {}, None).local_rank == 2
+
+
+TORCHRUN_WORKER = {"TORCHELASTIC_RUN_ID": "r", "TORCHELASTIC_USE_AGENT_STORE": "True",
+                   "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RESTART_COUNT": "1"}
+
+
+def test_a_torchrun_worker_whose_restart_would_share_the_rendezvous_store_is_told_the_fix() -> None:
+    """The variables torchrun 2.13 writes (tests/jobs/test_torchrun.py runs the real one)."""
+    said = topology.restart_hazard(TORCHRUN_WORKER)
+    assert said is not None
+    for words in ("--max-restarts=3, 1 used", "init_process_group", "pytorch/pytorch#135712",
+                  "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        assert words in said
+
+
+@pytest.mark.parametrize("change", [
+    {"TORCHELASTIC_USE_AGENT_STORE": "False"},   # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: a store per attempt
+    {"TORCHELASTIC_MAX_RESTARTS": "0"},          # no restart to come
+    {"TORCHELASTIC_RESTART_COUNT": "3"},         # the last one used
+    {"TORCHELASTIC_MAX_RESTARTS": "many"},       # not torchrun's writing: not judged
+    {"TORCHELASTIC_RUN_ID": None},               # not a torchrun worker
+])
+def test_no_restart_to_come_or_a_store_per_attempt_is_no_hazard(change: dict[str, str | None]) -> None:
+    environ = {k: v for k, v in {**TORCHRUN_WORKER, **change}.items() if v is not None}
+    assert topology.restart_hazard(environ) is None
