@@ -369,11 +369,35 @@ def iteration_of(src: Path) -> Path:
     return src / layout.iteration_dirname(steps[0])
 
 
-def consolidate_model(src: Path, out: Path) -> tuple[int, dict[str, tuple[int, ...]]]:
+# What wrappers add to a module's state_dict names: DDP's module (every name, as torch's own
+# consume_prefix_in_state_dict_if_present takes it) and torch.compile's OptimizedModule (at any depth: a compiled
+# submodule too). nanoGPT's train.py snapshots ``raw_model.state_dict()`` of a compiled model: every name began with
+# ``_orig_mod.``, which a plain model's load_state_dict refuses.
+DDP_PREFIX = "module."
+COMPILED_PART = "_orig_mod."
+
+
+def unwrapped_names(names: Iterable[str]) -> tuple[dict[str, str], list[str]]:
+    """{name: the name an unwrapped model has} and which wrappers' parts were removed; the names as they are when
+    removing them would make two names one."""
+    names = list(names)
+    new = {name: ".".join(part for part in name.split(".") if part != COMPILED_PART[:-1]) for name in names}
+    if len(set(new.values())) != len(names):
+        new = dict(zip(names, names))
+    removed = [COMPILED_PART] if new != dict(zip(names, names)) else []
+    if names and all(name.startswith(DDP_PREFIX) for name in new.values()):
+        short = {name: unwrapped[len(DDP_PREFIX):] for name, unwrapped in new.items()}
+        if len(set(short.values())) == len(names):
+            new, removed = short, [DDP_PREFIX, *removed]
+    return new, removed
+
+
+def consolidate_model(src: Path, out: Path) -> tuple[int, dict[str, tuple[int, ...]], list[str]]:
     """Write the model's full tensors of ``src`` (a save_dir's newest iteration, or one iteration_N) as one
-    safetensors file ``out``, names without the ``model.`` prefix (what ``model.load_state_dict`` of an
-    unsharded model takes); returns (step, {name: shape}). The shards are assembled by DCP's load planning
-    into whole tensors, in this process alone."""
+    safetensors file ``out``, names without the ``model.`` prefix and without the parts DDP and torch.compile add
+    (:func:`unwrapped_names`): what ``model.load_state_dict`` of an unsharded, unwrapped model takes. Returns
+    (step, {name: shape}, the wrappers' parts removed). The shards are assembled by DCP's load planning into whole
+    tensors, in this process alone."""
     iteration_dir = iteration_of(src)
     index = checkpoint_index(iteration_dir)
     group_of = {key: layout.tensor_group(name) for name, key in index.keys.get(0, {}).items()}
@@ -382,6 +406,8 @@ def consolidate_model(src: Path, out: Path) -> tuple[int, dict[str, tuple[int, .
         names = {key: key for key in index.tensors if group_of.get(key) == "model"}
     if not names:
         raise layout.CheckpointFormatError(f"{iteration_dir} holds no model tensors to convert")
+    unwrapped, removed = unwrapped_names(names.values())
+    names = {key: unwrapped[name] for key, name in names.items()}
     full = {key: torch.empty(index.tensors[key].global_shape, dtype=torch_dtype(index.tensors[key].dtype))
             for key in names}
     load_into(full, iteration_dir, no_dist=True)
@@ -392,7 +418,7 @@ def consolidate_model(src: Path, out: Path) -> tuple[int, dict[str, tuple[int, .
     save_file({names[key]: value.contiguous() for key, value in full.items()}, str(tmp),
               metadata={"format": "pt", "easyckpt_step": str(index.step), "easyckpt_source": str(iteration_dir)})
     posix.publish_file(tmp, out)
-    return index.step, {names[key]: tuple(value.shape) for key, value in full.items()}
+    return index.step, {names[key]: tuple(value.shape) for key, value in full.items()}, removed
 
 
 # planning: which saved files a rank of another world reads ------------------------------------------------

@@ -179,9 +179,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
             from easyckpt.dcp import consolidate_model
 
             out = dst / "model.safetensors" if dst.is_dir() or not dst.suffix else dst
-            step, shapes = consolidate_model(src, out)
-            print(f"wrote the full model weights of step {step} ({len(shapes)} tensors) to {out}; load them with "
-                  "safetensors.torch.load_file into an unsharded model's load_state_dict")
+            step, shapes, removed = consolidate_model(src, out)
+            wrappers = {"module.": "DDP's 'module.'", "_orig_mod.": "torch.compile's '_orig_mod.'"}
+            unwrapped = (f"; named as the unwrapped model: {' and '.join(wrappers[part] for part in removed)} taken "
+                         "out" if removed else "")
+            print(f"wrote the full model weights of step {step} ({len(shapes)} tensors{unwrapped}) to {out}; load "
+                  "them with safetensors.torch.load_file into an unsharded model's load_state_dict")
             return 0
         from easyckpt.megatron.legacy import convert_to_megatron
 

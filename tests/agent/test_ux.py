@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import ROOT, Env, run_cli, save_and_persist, seeded_random, wait_for
+from safetensors.torch import load_file
 
 import easyckpt
 from easyckpt.node.client import AgentClient, AgentRefused
@@ -190,7 +191,7 @@ def test_plain_loop_without_logging_says_a_persist_failure_and_its_recovery_once
 # the CLI against real checkpoint directories -----------------------------------------------------------
 def state_at(step: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(step)
-    return {"model": {"weight": torch.randn(64, 64, generator=gen)},
+    return {"model": {"_orig_mod.weight": torch.randn(64, 64, generator=gen)},   # a torch.compile'd model's
             "optim": {"state": {0: {"exp_avg": torch.randn(64, 64, generator=gen)}}}, "step": step}
 
 
@@ -212,6 +213,8 @@ def test_ls_verify_and_status_of_a_finished_job_with_a_deleted_and_a_truncated_f
     # convert: a one-process tool, without torch.distributed's "assuming ... a single process" UserWarning
     converted = run_cli("convert", "--to", "hf", str(save_dir), str(env.tmp_path / "model.safetensors"), env=env)
     assert converted.returncode == 0 and "Warning" not in converted.stderr, converted.stderr
+    assert list(load_file(env.tmp_path / "model.safetensors")) == ["weight"]   # as the unwrapped model names it
+    assert "torch.compile's '_orig_mod.' taken out" in converted.stdout, converted.stdout
 
     model = "easyckpt-model-0000000-0000001.safetensors"
     (save_dir / "iteration_0000004" / model).unlink()
