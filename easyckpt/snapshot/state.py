@@ -53,12 +53,13 @@ class TensorRef(NamedTuple):
 
 
 # Module-level tables: the dtype lookup happens once per tensor on the hot path. Torch and
-# numpy spell these dtypes alike; numpy has no bfloat16/float8, older torch lacks some.
+# numpy spell these dtypes alike; numpy has no bfloat16/float8, older torch lacks some. The codes are
+# safetensors' (the rank files are safetensors): complex128 and complex32 have none, so they are refused.
 _CODE_NAMES = {
     "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
     "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "U16": "uint16",
     "U32": "uint32", "U64": "uint64", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2",
+    "F8_E5M2": "float8_e5m2", "C64": "complex64",   # C64: a rotary embedding's freqs_cis buffer (torch.polar)
 }
 _CODE_TO_TORCH: dict[str, torch.dtype] = {
     c: getattr(torch, n) for c, n in _CODE_NAMES.items() if hasattr(torch, n)

@@ -41,6 +41,8 @@ def realistic_state(seed: int = 0) -> dict[str, Any]:
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
             "nested": (1, [2.5, (None, "x", b"\x00\xff")], {"deep": (torch.arange(6, dtype=torch.int16).view(2, 3).t(),)}),
             "half": torch.randn(3, 3).to(torch.bfloat16), "flags": torch.tensor([True, False]),
+            # a rotary embedding's freqs_cis buffer, in the model's state_dict where registered persistent
+            "freqs_cis": torch.polar(torch.ones(4, 3), torch.randn(4, 3)),
             "step": 41, "big": 2**80, "nan": float("nan")}
 
 

@@ -15,15 +15,16 @@ WORLD = 2
 
 
 def tensors(rank: int, step: int) -> dict[str, numpy.ndarray]:
-    """Rank ``rank``'s state at ``step``: a model tensor of several pages and an odd tail, a small one, and
-    an optimizer tensor (its own file)."""
+    """Rank ``rank``'s state at ``step``: a model tensor of several pages and an odd tail, a complex buffer (a
+    rotary embedding's freqs_cis), a small one, and an optimizer tensor (its own file)."""
     rng = numpy.random.default_rng(1000 * step + rank)
     return {"model/w": rng.standard_normal(3000, dtype=numpy.float32),       # 12000 bytes: 2 pages + a tail
+            "model/freqs_cis": numpy.exp(1j * numpy.arange(6, dtype=numpy.float32) * (step + 1)).astype(numpy.complex64),
             "model/b": numpy.arange(7, dtype=numpy.int64) + step,
             "optim/m": rng.standard_normal((33, 5), dtype=numpy.float32)}
 
 
-_DTYPES = {numpy.dtype(numpy.float32): "F32", numpy.dtype(numpy.int64): "I64"}
+_DTYPES = {numpy.dtype(numpy.float32): "F32", numpy.dtype(numpy.int64): "I64", numpy.dtype(numpy.complex64): "C64"}
 
 
 def snapshot(directory: Path, rank: int, step: int) -> RankSnapshot:
