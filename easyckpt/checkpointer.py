@@ -27,11 +27,10 @@ from easyckpt.node.client import AgentClient, check_running_agent
 from easyckpt.node.lag_gate import LagGate
 from easyckpt.node.persist_watch import PersistError, PersistWatch
 from easyckpt.node.replicas import introduce
-from easyckpt.recovery import LoadResult, load
+from easyckpt.recovery import LoadResult, load, run_before
 from easyckpt.recovery.worlds import release_old_world
 from easyckpt.snapshot.slots import RankSlots
 from easyckpt.snapshot.stager import Stager, settle_torch_thread_pool
-from easyckpt.storage import marked_steps
 from easyckpt_wire import owner, procs, protocol
 from easyckpt_wire.episode import Episode
 from easyckpt_wire.health import RankHealth, rank_verdict
@@ -178,6 +177,10 @@ class Checkpointer:
         self._old_world = result.step if result.source in ("memory", "replica") and not own else None
         if result.step is not None and announce and self.local_rank == 0:
             notice(logger, logging.INFO, "resumed at %s", result.describe())
+        if result.source in ("memory", "replica") and load_dir is None and self.local_rank == 0:
+            word = self.slots.agent_word()
+            run_before.check_save_dir_kept(self.config.save_dir, None if word is None else word.persisted,
+                                           rank=self.rank, step=result.step)
         self._start_timeline(result.step, "load()")
         return result
 
@@ -234,7 +237,8 @@ class Checkpointer:
         value, newest = check_step(step, rank=self.rank), self._newest_step
         if not self._started:
             self._started = True
-            self._check_unloaded_start(value)
+            if self.rank == 0:
+                run_before.check_unloaded_start(self.config.save_dir, self.slots.committed(), value)
         if newest is not None and value < newest:
             self._step_back.hit(
                 "easyckpt rank %d: step %d after step %d: the steps of a run should only grow. A resume takes the "
@@ -247,19 +251,6 @@ class Checkpointer:
             self._step_back.end("easyckpt rank %d: steps pass step %d again at %d", self.rank, newest, value)
         self._newest_step = value
         return value
-
-    def _check_unloaded_start(self, step: int) -> None:
-        """A run that never called load() (a fresh start by choice, or a forgotten load) whose save_dir or memory
-        holds a newer step of an earlier run: a resume before this run passes it would take that run's state."""
-        if self.rank != 0:
-            return
-        newest = max([*marked_steps(self.config.save_dir), *self.slots.committed()], default=None)
-        if newest is not None and newest > step:
-            logger.warning("easyckpt rank 0: this run starts at step %d without load(), and %s (or this node's memory) "
-                           "holds step %d of an earlier run: a resume before this run passes step %d takes that run's "
-                           "state. To continue it, load() first (HF: resume_from_checkpoint=True; Lightning: "
-                           "ckpt_path=\"last\"); for a new run, use a new save_dir", step, self.config.save_dir,
-                           newest, newest)
 
     def due(self, step: int) -> bool:
         """Whether ``save_if_needed(step, ...)`` takes a snapshot: ``step % save_mem_interval == 0``. For a loop

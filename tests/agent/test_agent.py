@@ -407,6 +407,36 @@ def test_a_flush_right_after_a_resume_from_memory_makes_the_resumed_step_durable
         ck.close()
 
 
+def test_a_resume_from_memory_into_a_deleted_save_dir_says_that_it_continues_the_run_before(
+        env: Env, caplog: pytest.LogCaptureFixture) -> None:
+    """A user who ``rm -rf``s save_dir after a crash to start over, while the agent keeps the crashed run's
+    snapshots: the next run still resumes from memory (it may be the only copy of the state), and says that the
+    directory lost what the job persisted and how to start over. A resume from memory into the save_dir as it
+    was says nothing of the kind."""
+    first = make(env, save_storage_interval=2)
+    for step in range(4):
+        first.save_if_needed(step, {"w": torch.full((64,), float(step)), "step": step})
+    first.wait()
+    wait_for(lambda: 2 in complete_steps(env), 30, "step 2 on disk")
+    first.close(failed=True)   # a crash: the agent keeps the snapshots for the restart
+    with make(env, save_storage_interval=2) as again:
+        with caplog.at_level(logging.WARNING, logger="easyckpt"):
+            resumed = again.load({"w": torch.zeros(64), "step": 0})
+        assert resumed.source == "memory" and not [r for r in caplog.records if "no longer holds" in r.message]
+        again.close(failed=True)
+    shutil.rmtree(env.save_dir)
+    caplog.clear()
+    with make(env, save_storage_interval=2) as ck:
+        with caplog.at_level(logging.WARNING, logger="easyckpt"):
+            resumed = ck.load({"w": torch.zeros(64), "step": 0})
+        assert (resumed.step, resumed.source) == (3, "memory"), resumed
+        said = [r.getMessage() for r in caplog.records if "no longer holds" in r.getMessage()]
+        assert len(said) == 1, caplog.text
+        for words in (str(env.save_dir), "deleted or replaced", f"easyckpt clean {env.save_dir}", "new save_dir",
+                  f"easyckpt status {env.save_dir}"):
+            assert words in said[0], said[0]
+
+
 def test_a_run_that_starts_below_an_earlier_runs_step_without_load_is_warned_once(
         env: Env, caplog: pytest.LogCaptureFixture) -> None:
     """A second run into the same save_dir that never calls load() (Lightning's fit() without ckpt_path="last", a
