@@ -28,6 +28,7 @@ from easyckpt.node.lag_gate import LagGate
 from easyckpt.node.persist_watch import PersistError, PersistWatch
 from easyckpt.node.replicas import introduce
 from easyckpt.recovery import LoadResult, load, run_before
+from easyckpt.recovery.template import left_plain
 from easyckpt.recovery.worlds import release_old_world
 from easyckpt.snapshot.slots import RankSlots
 from easyckpt.snapshot.stager import Stager, settle_torch_thread_pool
@@ -177,6 +178,16 @@ class Checkpointer:
         self._old_world = result.step if result.source in ("memory", "replica") and not own else None
         if result.step is not None and announce and self.local_rank == 0:
             notice(logger, logging.INFO, "resumed at %s", result.describe())
+            plain = left_plain(state_dict, result.state) if state_dict is not None else []
+            if plain:
+                logger.warning(
+                    "easyckpt rank %d: the state passed to load() holds DTensors, but %d tensors of step %d have no "
+                    "place in it (%s): they come back as this rank's local shards, plain tensors, and an optimizer "
+                    "given them fails at its next step ('got mixed torch.Tensor and DTensor'). An optimizer has no "
+                    "state before its first step: create it before load() (init_optimizer_state in "
+                    "examples/fsdp2_train.py), or build the state with torch.distributed.checkpoint.state_dict's "
+                    "get_optimizer_state_dict", self.rank, len(plain), result.step, ", ".join(plain[:3])
+                    + (", ..." if len(plain) > 3 else ""))
         if result.source in ("memory", "replica") and load_dir is None and self.local_rank == 0:
             word = self.slots.agent_word()
             run_before.check_save_dir_kept(self.config.save_dir, None if word is None else word.persisted,

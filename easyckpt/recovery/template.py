@@ -59,6 +59,23 @@ def template_targets(template: Any) -> dict[str, Target]:
     return {ref.name: Target(value, wrappers.get(i, value), ref.shard) for i, (ref, value) in enumerate(zip(refs, values))}
 
 
+def left_plain(template: Any, state: Any) -> list[str]:
+    """The tensors of a loaded ``state`` that the caller's ``template`` had no place for, when the template holds
+    DTensors: a saved DTensor without a target comes back as this rank's local shard, a plain tensor, and an
+    optimizer given it fails at its next step ("got mixed torch.Tensor and DTensor"). The usual cause is an
+    optimizer's ``state_dict()`` taken before its first step (empty until then). Names as :func:`template_targets`
+    gives them; [] when the template has no DTensor (plain tensors are handed back as saved, as they always were)."""
+    targets = template_targets(template)
+    if not isinstance(template, Mapping) or not any(target.shard is not None for target in targets.values()):
+        return []
+    # Only under the template's own top-level keys: a template of a part of the state (Lightning's, of the model
+    # and optimizers of a whole checkpoint dictionary) leaves the rest to the caller on purpose.
+    given = {str(key) for key in template}
+    refs, _, _ = flatten_template(state)
+    return [ref.name for ref in refs
+            if ref.name not in targets and ref.kind == "torch" and ref.name.split("/", 1)[0] in given]
+
+
 def layout_changed(record: SavedRecord, target: Target | None) -> bool:
     """True when the caller holds ``record``'s tensor split differently (other offsets, placements or mesh, or
     whole where a shard was saved) with the same global shape: only a resharded load can fill it."""

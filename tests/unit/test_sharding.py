@@ -99,3 +99,21 @@ def test_shard_spec_names_the_writer_as_a_global_rank(rank: int) -> None:
     split = DTensor.from_local(torch.zeros(1), mesh, [Shard(0), Shard(0)], run_check=False,
                                shape=torch.Size([4]), stride=(1,))
     assert sharding.shard_spec(split).writer == rank   # no replicated dim: its own
+
+
+def test_a_loaded_tensor_without_a_place_in_a_dtensor_template_is_named(one_rank: None) -> None:
+    """An FSDP2 loop's optimizer.state_dict() before the first step is empty: the saved moments have no place in
+    the template and come back as plain local shards (easyckpt.recovery.template.left_plain names them, and
+    Checkpointer.load warns). Keys the template leaves out on purpose (Lightning's template of a part of its
+    checkpoint dictionary), and templates without DTensors, are not named."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    from easyckpt.recovery.template import left_plain
+
+    w = distribute_tensor(torch.ones(4, 2), init_device_mesh("cpu", (1,)), [Shard(0)])
+    moments = {"state": {0: {"exp_avg": torch.zeros(4, 2), "step": torch.tensor(3.0)}}, "param_groups": [{"lr": 1}]}
+    loaded = {"model": {"w": w}, "optim": moments, "callbacks": {"best": torch.tensor(0.5)}}
+    empty = {"model": {"w": w}, "optim": {"state": {}, "param_groups": [{"lr": 1}]}}
+    assert left_plain(empty, loaded) == ["optim/state/0/exp_avg", "optim/state/0/step"]
+    assert left_plain({"model": {"w": w}, "optim": moments}, loaded) == []
+    assert left_plain({"model": {"w": torch.ones(4, 2)}, "optim": {"state": {}}}, loaded) == []
