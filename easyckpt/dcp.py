@@ -383,8 +383,8 @@ def unwrapped_names(names: Iterable[str]) -> tuple[dict[str, str], list[str]]:
     names = list(names)
     new = {name: ".".join(part for part in name.split(".") if part != COMPILED_PART[:-1]) for name in names}
     if len(set(new.values())) != len(names):
-        new = dict(zip(names, names))
-    removed = [COMPILED_PART] if new != dict(zip(names, names)) else []
+        new = {name: name for name in names}
+    removed = [COMPILED_PART] if any(new[name] != name for name in names) else []
     if names and all(name.startswith(DDP_PREFIX) for name in new.values()):
         short = {name: unwrapped[len(DDP_PREFIX):] for name, unwrapped in new.items()}
         if len(set(short.values())) == len(names):

@@ -422,7 +422,7 @@ def test_a_resume_from_memory_into_a_deleted_save_dir_says_that_it_continues_the
     with make(env, save_storage_interval=2) as again:
         with caplog.at_level(logging.WARNING, logger="easyckpt"):
             resumed = again.load({"w": torch.zeros(64), "step": 0})
-        assert resumed.source == "memory" and not [r for r in caplog.records if "no longer holds" in r.message]
+        assert resumed.source == "memory" and not [r for r in caplog.records if "no longer holds" in r.getMessage()]
         again.close(failed=True)
     shutil.rmtree(env.save_dir)
     caplog.clear()
