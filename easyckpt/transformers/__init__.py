@@ -40,7 +40,8 @@ What it does, and why this way:
   iteration is complete, a thread of the process with ``args.should_save`` exports it to
   ``<output_dir>/checkpoint-N/`` with the Trainer's file names (``model.safetensors`` through the model's
   own ``save_pretrained``, ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state[_<rank>].pth``,
-  ``trainer_state.json``, ``training_args.bin``, the processing class) and applies ``save_total_limit``
+  ``trainer_state.json``, ``training_args.bin``, the processing class; for a peft model the adapter only,
+  ``adapter_model.safetensors`` and ``adapter_config.json``, as the Trainer writes) and applies ``save_total_limit``
   the way the Trainer does (newest and best are never deleted). Calling the Trainer's own
   ``_save_checkpoint`` instead would block every rank on the disk at every save, which is what easyckpt
   exists to avoid. A save the interval cannot express (the final step when ``max_steps`` is not a

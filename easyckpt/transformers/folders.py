@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedModel, Trainer
+from transformers.utils import is_peft_available
 
 from easyckpt.transformers import fsdp
 from easyckpt.transformers.snapshot import unwrapped_model
@@ -44,6 +45,14 @@ SAFE_WEIGHTS_NAME = "model.safetensors"
 HEALTH_NAME = "easyckpt_health.json"
 WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
                  "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin")
+
+
+def is_peft_model(model: Any) -> bool:
+    """Whether the Trainer saves ``model`` as a peft adapter (its own test, without importing peft when absent)."""
+    if not is_peft_available():
+        return False
+    from peft import PeftMixedModel, PeftModel
+    return isinstance(model, (PeftModel, PeftMixedModel))
 
 
 def rng_file_name(rank: int, world_size: int) -> str:
@@ -77,13 +86,13 @@ def checkpoint_problem(path: Path, *, world_size: int, need_optimizer: bool = Tr
     if not weights and not fsdp_model:
         return (f"{path} has no model weights (none of {', '.join(WEIGHTS_FILES)}, nor a complete FSDP "
                 f"{fsdp.MODEL_DIR}/)")
-    if SAFE_WEIGHTS_NAME in weights:
+    for name in (name for name in weights if name.endswith(".safetensors")):
         try:
             from safetensors import safe_open
-            with safe_open(str(path / SAFE_WEIGHTS_NAME), framework="pt"):
+            with safe_open(str(path / name), framework="pt"):
                 pass
         except Exception as exc:  # safetensors raises its own error types for a truncated file
-            return f"{path / SAFE_WEIGHTS_NAME} is not a readable safetensors file ({exc})"
+            return f"{path / name} is not a readable safetensors file ({exc})"
     if need_optimizer:
         # A DeepSpeed checkpoint holds the optimizer in global_stepN/ (named by ``latest``), not optimizer.pt.
         if not (path / OPTIMIZER_NAME).is_file() and not has_deepspeed_layout(path) and not fsdp_optim:
@@ -295,9 +304,16 @@ class CheckpointFolders:
 
     def _write_model(self, directory: Path, common: dict[str, Any], *, native: bool,
                      weights: dict[str, Any] | None) -> None:
-        """The model: its config only under FSDP2 (the callers write the DCP directories), else its weights."""
+        """The model: its config only under FSDP2 (the callers write the DCP directories), else its weights.
+        A native folder of a peft model (LoRA ...) holds what the Trainer writes for one, the adapter only
+        (``adapter_config.json``, ``adapter_model.safetensors``): ``PeftModel.from_pretrained`` and
+        ``load_best_model_at_end`` look for those; a folder only the Trainer's resume reads keeps every weight."""
         model = unwrapped_model(self.trainer)
         pretrained = native and isinstance(model, PreTrainedModel)
+        if native and fsdp.STATE_KEY not in common and is_peft_model(model):
+            model.save_pretrained(str(directory), state_dict=weights if weights is not None else common["model"],
+                                  is_main_process=True)
+            return
         if fsdp.STATE_KEY in common:
             if pretrained:
                 model.config.save_pretrained(str(directory))

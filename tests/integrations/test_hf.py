@@ -337,8 +337,9 @@ IN_PROCESS = {
 
 
 def _in_process_run(output_dir: Path, wrapped: bool, setup: str, *, overrides: dict[str, Any] | None = None,
-                    scores: list[float] | None = None, resume: bool = False) -> Any:
-    """One process, no torchrun, the best model loaded at the end (see IN_PROCESS)."""
+                    scores: list[float] | None = None, resume: bool = False, lora: bool = False) -> Any:
+    """One process, no torchrun, the best model loaded at the end (see IN_PROCESS); ``lora``: a peft LoRA adapter
+    on the attention projections is what trains."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from easyckpt.transformers import TrainerWrapper
@@ -353,6 +354,9 @@ def _in_process_run(output_dir: Path, wrapped: bool, setup: str, *, overrides: d
         **{**setup_overrides, **(overrides or {})})
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=example.VOCAB, n_positions=32))
+    if lora:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True))
     trainer = Trainer(model=model, args=args, train_dataset=example.SyntheticTokens(32),
                       eval_dataset=example.SyntheticTokens(8, seed=1),
                       compute_metrics=lambda _: {"score": next(scores_left)})
@@ -372,10 +376,17 @@ def test_single_process_best_checkpoint_final_save_and_limit_as_the_trainer(
     plain = _in_process_run(tmp_path / "plain", wrapped=False, setup=setup)
     caplog.set_level(logging.INFO, logger="easyckpt")
     wrapped = _in_process_run(tmp_path / "wrapped", wrapped=True, setup=setup)
+    _assert_as_the_trainer(plain, wrapped, tmp_path, expected, exported, caplog.text)
+
+
+def _assert_as_the_trainer(plain: Any, wrapped: Any, tmp_path: Path, expected: list[str], exported: list[int],
+                           log: str) -> None:
+    """The wrapped run's folders (under tmp_path/wrapped) are the plain run's (tmp_path/plain): the same names and
+    files, the same weight file bytes, equal states; the same losses, best checkpoint and final model."""
     for step in exported:
         iteration = tmp_path / "wrapped" / "easyckpt" / layout.iteration_dirname(step)
-        assert f"exported {iteration} to checkpoint-{step} in" in caplog.text
-    assert "synchronously" not in caplog.text
+        assert f"exported {iteration} to checkpoint-{step} in" in log
+    assert "synchronously" not in log
     for trainer in (plain, wrapped):
         kept = sorted(p.name for p in Path(trainer.args.output_dir).iterdir() if p.name.startswith("checkpoint-"))
         assert kept == expected, kept
@@ -385,7 +396,9 @@ def test_single_process_best_checkpoint_final_save_and_limit_as_the_trainer(
         ours, theirs = tmp_path / "wrapped" / name, tmp_path / "plain" / name
         assert {p.name for p in ours.iterdir()} == {p.name for p in theirs.iterdir()}
         assert "rng_state.pth" in {p.name for p in ours.iterdir()}
-        assert (ours / "model.safetensors").read_bytes() == (theirs / "model.safetensors").read_bytes()
+        weights_and_configs = [p.name for p in theirs.iterdir() if p.suffix in (".safetensors", ".json")]
+        for file in (file for file in weights_and_configs if file != "trainer_state.json"):
+            assert (ours / file).read_bytes() == (theirs / file).read_bytes(), f"{name}/{file}"
         for file in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
             a, b = (torch.load(d / file, weights_only=False) for d in (ours, theirs))
             assert repr(a) == repr(b), f"{name}/{file}"
@@ -398,6 +411,31 @@ def test_single_process_best_checkpoint_final_save_and_limit_as_the_trainer(
     # the model in memory at the end is the best one, loaded back from its checkpoint
     for (key, a), (_, b) in zip(plain.model.state_dict().items(), wrapped.model.state_dict().items()):
         assert torch.equal(a, b), key
+
+
+def test_a_lora_run_exports_the_adapter_as_the_trainer(env: Env, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A peft LoRA fine-tune (the "steps" setup, the adapter on the attention projections): each checkpoint-N holds
+    what the Trainer writes for a peft model, adapter_config.json and adapter_model.safetensors, never the whole
+    model. Before, the export wrote every weight to model.safetensors without adapter_config.json: peft's
+    from_pretrained refused the folder ("Can't find 'adapter_config.json'") and load_best_model_at_end, finding
+    no adapter, kept the last model. PeftModel.from_pretrained reads the exported best adapter back."""
+    pytest.importorskip("peft", reason="the LoRA export is tested with peft: pip install -e '.[test]'")
+    from peft import PeftModel
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _, _, expected, exported = IN_PROCESS["steps"]
+    plain = _in_process_run(tmp_path / "plain", wrapped=False, setup="steps", lora=True)
+    caplog.set_level(logging.INFO, logger="easyckpt")
+    wrapped = _in_process_run(tmp_path / "wrapped", wrapped=True, setup="steps", lora=True)
+    _assert_as_the_trainer(plain, wrapped, tmp_path, expected, exported, caplog.text)
+    for name in expected:
+        files = {p.name for p in (tmp_path / "wrapped" / name).iterdir()}
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= files and "model.safetensors" not in files
+    base = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=_example_module().VOCAB,
+                                      n_positions=32))
+    loaded = PeftModel.from_pretrained(base, str(tmp_path / "wrapped" / expected[-1]))
+    trained = {k: v for k, v in wrapped.model.state_dict().items() if "lora_" in k}
+    assert trained and all(torch.equal(loaded.state_dict()[k], v) for k, v in trained.items())
 
 
 def test_a_resumed_run_keeps_the_best_checkpoint_of_the_run_before_as_the_trainer(

@@ -198,3 +198,24 @@ def test_save_steps_below_a_newer_iteration_are_said_once_not_once_each(tmp_path
         assert exporter.unpersisted.items == [5, 10, 15]
     finally:
         exporter.stop()
+
+
+def test_a_peft_checkpoint_folder_is_complete_with_its_adapter_and_torn_with_a_truncated_one(tmp_path: Path) -> None:
+    """A plain Trainer's checkpoint-N of a peft model holds adapter_model.safetensors, not model.safetensors: complete
+    with it, and a truncated one (killed while writing the weights) is named, as a truncated model.safetensors is."""
+    import safetensors.torch
+    import torch
+
+    from easyckpt.transformers.folders import checkpoint_problem
+
+    folder = tmp_path / "checkpoint-8"
+    folder.mkdir()
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 8}))
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth", "adapter_config.json"):
+        (folder / name).write_bytes(b"x")
+    adapter = folder / "adapter_model.safetensors"
+    safetensors.torch.save_file({"lora_A": torch.ones(4, 8)}, str(adapter))
+    assert checkpoint_problem(folder, world_size=1) is None
+    adapter.write_bytes(adapter.read_bytes()[:40])
+    problem = checkpoint_problem(folder, world_size=1)
+    assert problem is not None and problem.startswith(f"{adapter} is not a readable safetensors file"), problem
