@@ -294,7 +294,7 @@ class Checkpointer:
             raise RuntimeError(f"save_if_needed(step={step}) after close(): create a new Checkpointer")
         step = self._step(step)
         self._reached(step)
-        if not self.due(step):
+        if not self.due(step) or self.stager.taken_already(step):
             return False
         self.lag_gate.before_snapshot(step)
         self.slots.scale_due_wait(self.lag_gate.step_seconds)

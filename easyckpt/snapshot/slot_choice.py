@@ -41,12 +41,27 @@ class SlotView:
     generation: int
 
 
+def stale(slots: Sequence[SlotView]) -> set[int]:
+    """Indices of committed slots whose step a newer generation holds too (the step snapshotted again): no reader
+    takes them, and the agent, which keeps steps, not slots, moves its hold to the newer copy."""
+    newest: dict[int, int] = {}
+    for s in slots:
+        if s.committed:
+            newest[s.step] = max(newest.get(s.step, s.generation), s.generation)
+    return {s.index for s in slots if s.committed and s.generation < newest[s.step]}
+
+
 def write_order(slots: Sequence[SlotView], keeps: Callable[[int], bool], *, spare: int | None = None,
                 spare_first: bool = False) -> list[int]:
     """Indices a new snapshot may be written to, best first; ``keeps(step)`` says the agent keeps ``step``;
     the slot holding step ``spare`` (an undecided due step) is offered last, or first (``spare_first``: the rank
-    keeps its newest step, ``PastNewest.SPARE``)."""
-    free = [s for s in slots if not (s.committed and keeps(s.step))]
+    keeps its newest step, ``PastNewest.SPARE``). A stale copy of a step (``stale``) is as free as an emptied
+    slot, kept step or not: counted as kept, two copies of the safe step and the agent's persisted due step took
+    all three slots, and every later snapshot was skipped for the rest of the run (a step saved twice, 2026-12-06).
+    The agent's flock still guards a stale copy it has not let go of yet."""
+    old = stale(slots)
+    live = [dataclasses.replace(s, committed=False) if s.index in old else s for s in slots]
+    free = [s for s in live if not (s.committed and keeps(s.step))]
     return [s.index for s in sorted(free, key=lambda s: (s.allocated, s.committed,
                                                          (s.committed and s.step == spare) != spare_first,
                                                          s.generation, s.index))]

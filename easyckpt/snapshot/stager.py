@@ -146,6 +146,8 @@ class Stager:
         self._races = Episode(logger, logging.INFO)   # skips for a moment's race with the agent's round
         self._kept = Episode(logger, logging.INFO)   # skips that keep the newest step for an agent that is late
         self.committed = 0
+        self._stepped = False       # an optimizer stepped since the last snapshot's launch
+        self._repeats_said: set[bool] = set()   # whether a repeat of a step was said, after an optimizer step or not
         self.last_commit_step: int | None = None
         self.last_copy_seconds = 0.0
         self.last_launch_phases: dict[str, float] = {}
@@ -179,6 +181,26 @@ class Stager:
         if self._owed_hook is None:
             self._owed_hook = register_optimizer_step_pre_hook(self._state_moves)
         return False
+
+    def taken_already(self, step: int) -> bool:
+        """Whether this rank's last snapshot is of ``step``: a loop with gradient accumulation calls ``save_if_needed``
+        once per micro-batch with one step. One snapshot per step, the first call's: each repeat took another slot
+        and a whole copy, and with three slots the copies of one step and the agent's holds left none for the next
+        steps (2026-12-06: two calls per step, 12 fast steps, every snapshot from step 2 on skipped). Said once; as
+        a warning when an optimizer stepped in between (the state moved on and the step did not: not the global
+        step)."""
+        if step != self.last_commit_step:
+            return False
+        if self._stepped not in self._repeats_said:
+            self._repeats_said.add(self._stepped)
+            if self._stepped:
+                logger.warning("rank %d: save_if_needed(step=%d) again after an optimizer step: the state moved on and "
+                               "the step did not, so the snapshot of step %d stands and the newer state is not taken "
+                               "(pass the global optimizer step, one more per update)", self.rank, step, step)
+            else:
+                logger.info("rank %d: save_if_needed(step=%d) called again (once per micro-batch?): the snapshot of a "
+                            "step is taken once, at its first call", self.rank, step)
+        return True
 
     def take_owed(self, timeout: float) -> int | None:
         """The end of a run: take the newest snapshot that was skipped, if no optimizer step changed the
@@ -255,6 +277,7 @@ class Stager:
         self.last_launch_phases = {"flatten_plan_meta_s": planned - started, "slot_s": locked - planned,
                                    "views_launch_s": ended - locked}
         self.pending = _Pending(step, write.index, persist, future)
+        self._stepped = False
         if self._hook is None:
             self._hook = register_optimizer_step_pre_hook(self._before_optimizer_step)
         return True
@@ -299,6 +322,7 @@ class Stager:
         """Wait for the copy before the optimizer changes the parameters. A step of a torch optimizer given a
         closure (PyTorch Lightning runs the forward and backward passes in one, inside ``optimizer.step``) waits
         after the closure instead, so the copy still overlaps that compute."""
+        self._stepped = True
         # torch hands the hook the step's own arguments: args[0] is the optimizer, args[1] a positional closure
         closure = kwargs.get("closure") if kwargs else (args[1] if len(args) > 1 else None)
         # only torch's own optimizers are known to call the closure before they touch a parameter

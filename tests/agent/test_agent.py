@@ -586,6 +586,46 @@ def test_a_step_snapshotted_again_on_two_ranks_persists_every_ranks_newer_copy(
     assert [state["saved"] for state in persisted_states(env.save_dir / layout.iteration_dirname(4))] == [True, True]
 
 
+def test_a_loop_that_calls_save_if_needed_once_per_micro_batch_keeps_one_fresh_snapshot_per_step(
+        env: Env, caplog: pytest.LogCaptureFixture) -> None:
+    """Gradient accumulation with save_if_needed in the micro-batch loop: four calls per step, an optimizer step
+    after them, a persist every 5th step, at full speed. One snapshot per step (the first call's), the newest in
+    memory at most a step or two behind, said once at INFO. Before, each call took a slot and a copy: the three
+    slots filled with copies of the safe step, which the agent keeps by step, and every later snapshot was skipped
+    (2026-12-06, 200 steps: 4 and 19 snapshots, 796 and 781 skipped, newest on disk 0 and 5). A call with the same
+    step after an optimizer step is a warning: the state moved on, the step did not."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = lambda step: {"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}  # noqa: E731
+    steps = 60
+    caplog.set_level(logging.INFO, logger="easyckpt")
+    ck = make(env, save_storage_interval=5)
+    try:
+        for step in range(steps):
+            for _ in range(4):
+                (model(torch.randn(64, 256)).pow(2).mean() / 4).backward()
+                ck.save_if_needed(step, state(step))
+            optimizer.step()
+            optimizer.zero_grad()
+        ck.wait()
+        assert ck.stager.committed <= steps, "a step was copied more than once"
+        assert ck.stager.skipped <= 5, f"{ck.stager.skipped} snapshots skipped for want of a slot"
+        resumed = ck.load(state(0))
+        assert resumed.source == "memory" and resumed.step is not None and resumed.step >= steps - 3, resumed
+        said = [r for r in caplog.records if "called again" in r.getMessage()]
+        assert len(said) == 1 and said[0].levelno == logging.INFO, [r.getMessage() for r in said]
+        assert ck.save_if_needed(steps, state(steps))
+        optimizer.step()   # the loop forgot to count it
+        assert not ck.save_if_needed(steps, state(steps))
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING and "after an optimizer step" in
+                  r.getMessage()]
+        assert len(warned) == 1 and f"save_if_needed(step={steps})" in warned[0].getMessage()
+    finally:
+        ck.close()
+    assert complete_steps(env)[-1] == steps
+
+
 EXIT_WITHOUT_CLOSE = """
 import gc, sys, torch, easyckpt
 save_dir, mode = sys.argv[1], sys.argv[2]
