@@ -172,6 +172,8 @@ def main() -> None:
     parser.add_argument("--loader-workers", type=int, default=0, help="the stateful loader's num_workers")
     parser.add_argument("--devices", type=int, default=0, help="without torchrun: Lightning's own launcher starts "
                         "this many ranks (python examples/lightning_trainer.py --devices 2 ...)")
+    parser.add_argument("--accumulate", type=int, default=1, help="Trainer(accumulate_grad_batches=...): batches "
+                        "per optimizer step (a line per batch in the losses file, each with its optimizer step)")
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--spike-at", default="", help="steps (comma-separated) whose loss is scaled by 1e4")
@@ -213,7 +215,7 @@ def run(args: argparse.Namespace) -> None:
     trainer = pl.Trainer(default_root_dir=args.root, max_steps=args.steps, accelerator="cpu", devices=world,
                          strategy=strategy, callbacks=callbacks, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         log_every_n_steps=1)
+                         log_every_n_steps=1, accumulate_grad_batches=args.accumulate)
     spikes = tuple(int(step) for step in args.spike_at.split(",") if step)
     model = Model(spike_at=spikes, fsdp2=args.strategy == "fsdp2", stateful_loader=args.loader == "stateful",
                   loader_workers=args.loader_workers)

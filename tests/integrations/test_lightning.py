@@ -9,10 +9,12 @@ that lost an RNG state would show too.
 """
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -108,6 +110,40 @@ def test_kill9_resume_from_memory_then_disk_then_plain_lightning(env: Env, refer
         # Plain Lightning restores no RNG (the dropout masks differ), but the data position of an epoch end is exact
         assert [row["ids"] for _, row in sorted(plain.losses(rank).items())] == \
             [reference.losses(rank)[step]["ids"] for step in range(17, 25)]
+
+
+def _batch_rows(job: LightningJob, rank: int) -> list[dict[str, Any]]:
+    """Every line of a rank's losses file, in order: one per batch (under gradient accumulation, several per step)."""
+    return [json.loads(line) for line in (job.out / f"losses-rank{rank}.jsonl").read_text().splitlines()]
+
+
+def test_gradient_accumulation_resumes_from_memory_exactly(env: Env) -> None:
+    """accumulate_grad_batches=4 (two optimizer steps per epoch), rank 1 SIGKILLed at a seeded step: the rerun resumes
+    from memory within two steps, and every batch after it (loss, sample ids, digest of model and optimizer, lr) is
+    the uninterrupted plain run's. The callback snapshots once per optimizer step, not once per batch."""
+    steps, accumulate = 12, ["--accumulate", "4"]
+    reference = run_to_end(LightningJob(env, env.tmp_path / "plain-root", env.tmp_path / "plain", steps=steps,
+                                        args=["--plain", "--resume", "none", *accumulate]))
+    root = env.tmp_path / "root"
+    kill_at = seeded_random().randint(3, steps - 3)
+    first = LightningJob(env, root, env.tmp_path / "first", steps=steps,
+                         args=[*accumulate, "--kill-rank", "1", "--kill-at", str(kill_at)])
+    try:
+        assert first.wait(120) != 0, "rank 1 was to be killed"
+    finally:
+        first.kill()
+    second = run_to_end(LightningJob(env, root, env.tmp_path / "second", steps=steps, args=accumulate))
+    for rank in range(2):
+        report = second.report(rank)
+        resumed = report["global_step"]
+        assert report["resumed"]["source"] == "memory" and kill_at - 2 <= resumed <= kill_at, (kill_at, report)
+        ours, theirs = _batch_rows(second, rank), _batch_rows(reference, rank)
+        assert len(theirs) == 4 * steps and len(ours) == 4 * (steps - resumed), (len(ours), resumed)
+        for row, expected in zip(ours, theirs[-len(ours):]):
+            for key in ("step", "loss", "ids", "digest", "lr", "epoch"):
+                assert row[key] == expected[key], f"rank {rank}, a batch of step {row['step']}: {key} differs"
+    snapshots = [int(n) for n in re.findall(r"closed: (\d+) snapshots", second.log())]
+    assert snapshots and max(snapshots) <= steps - resumed + 1, (snapshots, resumed)
 
 
 def test_a_run_resumed_at_an_epoch_end_saves_states_that_resume_exactly(env: Env,
