@@ -178,6 +178,7 @@ class TrainerWrapper:
         self._original_batches = trainer.get_batch_samples
         trainer.get_batch_samples = self._get_batch_samples                # type: ignore[method-assign]
         self._trained_out = False   # this train() resumed at (or past) max_steps: nothing is left to train
+        self._history = snapshot.LogHistoryJson()   # log_history's entries encoded by the snapshots before
         self.guard: StepGuard | None = None
         if self.skipper is not None or use_checkpoint_health_monitor:
             self.guard = StepGuard(trainer, self.skipper, health=use_checkpoint_health_monitor,
@@ -294,7 +295,7 @@ class TrainerWrapper:
 
     def _capture(self) -> dict[str, Any]:
         extra = {STATE_KEY: self.guard.state()} if self.guard is not None and self.skipper is not None else None
-        return snapshot.capture(self.trainer, extra)
+        return snapshot.capture(self.trainer, extra, self._history)
 
     def _metrics(self, step: int) -> dict[str, float] | None:
         return self.guard.metrics_for(step) if self.guard is not None else None

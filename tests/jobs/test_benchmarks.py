@@ -256,6 +256,18 @@ def test_lightning_blocking_benchmark_smoke(env: Env, tmp_path: Path) -> None:
     assert set(row["ratio_over_easyckpt"]) == {"lightning", "async_io"}
 
 
+def test_hf_log_history_benchmark_smoke(env: Env, tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="hf_log_history.py needs transformers (the 'hf' extra)")
+    out = tmp_path / "hf_log_history.json"
+    result = load("hf_log_history").main(["--entries", "0", "300", "--steps", "6", "--warmup", "1",
+                                          "--dir", str(tmp_path), "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert [row["entries"] for row in result["rows"]] == [0, 300]
+    for row in result["rows"]:
+        assert set(row["median_step_s"]) == {"plain", "easyckpt"} and all(v > 0 for v in row["median_step_s"].values())
+        assert row["ratio_easyckpt_over_plain"] > 0
+
+
 def test_cluster_sim_smoke(tmp_path: Path) -> None:
     """The seeded simulation of the job-wide rules: a tiny table, and the same seed gives the same table."""
     out = tmp_path / "sim.json"
