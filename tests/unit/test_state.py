@@ -220,6 +220,31 @@ class Color(enum.IntEnum):
     RED = 1
 
 
+@pytest.mark.parametrize("odd", [None, math.nan, math.inf, -math.inf, 2**63, -(2**63) - 1, np.float64(0.5), True,
+                                 "x", Color.RED, 1e300, -(2**63), 2**63 - 1])
+@pytest.mark.parametrize("ints", [0, 100])
+def test_a_long_list_of_numbers_is_encoded_as_its_items_are_one_by_one(odd: object, ints: int) -> None:
+    """A long list or tuple of plain numbers (a loss history kept in the state) is taken whole, not walked item by
+    item: its encoding must be what each item's own is, with any odd item among them (a non-finite float, an int
+    past int64, a numpy scalar, a bool, a string, an IntEnum, a huge finite float) anywhere in it."""
+    rng = random.Random(7)
+    for container in (list, tuple):
+        items = [rng.random() * 10 for _ in range(100)] + [rng.randrange(-(2**62), 2**62) for _ in range(ints)]
+        rng.shuffle(items)
+        items.insert(rng.randrange(len(items)), odd)
+        value = container(items)
+        if isinstance(odd, enum.Enum):
+            with pytest.raises(TypeError, match=r"state\[\d+\]"):
+                flatten(value)
+            continue
+        skeleton, _, values = flatten(value)
+        expected = [flatten(item)[0] for item in items]
+        assert skeleton == ["l" if container is list else "t", expected], odd
+        restored = unflatten(json.loads(json.dumps(skeleton)), values)
+        assert [type(v) for v in restored] == [type(v) for v in value]
+        assert all(a == b or (a != a and b != b) for a, b in zip(restored, value))
+
+
 def _quantized() -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # quantized tensors are deprecated, still possible
