@@ -169,9 +169,8 @@ class Model:
         newest_copies = {(r, rank.committed()[target]) for r, rank in enumerate(self.ranks)
                          if target is not None and target in rank.committed()}
         if target != self.safe or (target is not None and held_safe != newest_copies):
-            previous = {k for k, v in self.holds.items() if "safe" in v}
             if target is None or self._hold(target, "safe-new"):
-                for key in previous:
+                for key in held_safe:
                     self.holds[key].discard("safe")
                 for reasons in self.holds.values():
                     if "safe-new" in reasons:
