@@ -2,11 +2,13 @@
 
 SIGTERM/SIGINT end the loop; :meth:`Lifecycle.stop` then finishes (or, past ``shutdown_timeout``, abandons)
 the persist in flight, persists the newest snapshot every local rank holds if disk lacks it and time is
-left, and lets go of the slots only if nothing in them is newer than disk and no rank of the job still
-runs. A second signal stops waiting for the disk. Without a signal the agent exits (:meth:`should_exit`, never
-while a persist, a claim or a leader's stage is pending) once every local rank said goodbye, unlinking the
-slots (unless a failed persist left the newest step only in memory), or once no rank has been alive for
-``idle_timeout``, unlinking them only when the newest step is on disk.
+left, and lets go of the slots only if nothing in them is newer than disk, no rank of the job still
+runs, none left saying its run failed and none still ran when the signal came (the job was torn down:
+the memory is for its restart). A second signal stops waiting for the disk. Without a signal the agent
+exits (:meth:`should_exit`, never while a persist, a claim or a leader's stage is pending) once every
+local rank said goodbye, unlinking the slots (unless a failed persist left the newest step only in
+memory), or once no rank has been alive for ``idle_timeout``, unlinking them only when the newest step
+is on disk.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from easyckpt_agent.cluster import NodeReplication
 from easyckpt_agent.protection import Protection
 from easyckpt_agent.scheduler import PersistScheduler
 from easyckpt_agent.watcher import Watcher
-from easyckpt_wire import protocol
+from easyckpt_wire import procs, protocol
 from easyckpt_wire.control import PersistFailure
 from easyckpt_wire.shm import list_slots
 
@@ -96,6 +98,7 @@ class Lifecycle:
         self.protection = protection
         self.cluster = cluster
         self.stop_signal: int | None = None   # SIGTERM/SIGINT received: the loop ends and stop() runs
+        self.running_at_signal: list[int] = []   # the ranks that still ran when it came
         self.given_up_on_stop = False   # stop() abandoned a persist or saw one fail
         self.hung_writer = False     # an abandoned persist's thread did not stop: the process must not join it
         self.ended_cleanly = False   # the job is over and nothing of it is left in memory: its runtime dir can go
@@ -122,13 +125,18 @@ class Lifecycle:
             persister.ABORT.set()
             return
         self.stop_signal = signum
+        # Now, not when stop() runs: a launcher that ends a failed job's whole process tree (DeepSpeed's) signals
+        # the agent an instant before the ranks, which are gone by then. No mutation here (the loop may be
+        # half-way through the watcher).
+        self.running_at_signal = [proc.rank for proc in list(self.watcher.ranks.values())
+                                  if not (proc.said_bye or proc.dead) and procs.is_alive(proc.pid, proc.start_time)]
 
     # shutdown on a signal ---------------------------------------------------------------------------------
     def stop(self) -> None:
         """SIGTERM/SIGINT: finish (or, past shutdown_timeout, abandon) the persist in flight, persist the
         newest snapshot every local rank holds if disk lacks it and time is left, then let go of the slots
-        only if nothing in them is newer than disk and no rank of the job still runs. One log line says
-        what happened."""
+        only if nothing in them is newer than disk, no rank of the job still runs, none left saying its run
+        failed and none still ran when the signal came. One log line says what happened."""
         name = signal.Signals(self.stop_signal or signal.SIGTERM).name
         timeout = self.settings.shutdown_timeout
         deadline = time.monotonic() + timeout
@@ -141,11 +149,21 @@ class Lifecycle:
         if common and common[0] > self.scheduler.floor():
             done.append(self._persist_newest(common[0], deadline))
         alive = [proc.rank for proc in self.watcher.ranks.values() if proc.alive()]
+        # The job did not end, it was torn down: a rank whose run failed was told that the agent keeps this node's
+        # memory for a restart (its close() logs so), and one that still ran when the signal came did not finish.
+        # DeepSpeed's launcher SIGTERMs a failed job's whole process tree, the agent with it: once the ranks were
+        # gone this agent let go of memory that a ZeRO-2 restart then read from disk (CI, 2026-12-06).
+        torn_down = sorted(({proc.rank for proc in self.watcher.ranks.values() if proc.failed}
+                            | set(self.running_at_signal)) - set(alive))
         newest_now = self.watcher.common_steps()
         persisted = self.scheduler.persisted
         on_disk = not newest_now or (persisted is not None and newest_now[0] <= persisted)
         if alive:
             done.append(f"slots kept: rank(s) {alive} still run")
+        elif torn_down:
+            newer = "" if on_disk else f" (step {newest_now[0]} is newer than disk: {persisted})"
+            done.append(f"slots kept in {self.settings.shm_dir} for a restart{newer}: rank(s) {torn_down} failed or "
+                        f"still ran when {name} came; `easyckpt clean --job-id {self.settings.job_id}` removes them")
         elif on_disk:
             self.unlink_slots()
             self.ended_cleanly = True
@@ -155,7 +173,8 @@ class Lifecycle:
                         f"({persisted}); resume from them by restarting the job, or remove them with "
                         f"`easyckpt clean --job-id {self.settings.job_id}`")
         # A warning only when something is left undone (memory newer than disk, a persist abandoned or failed).
-        level = logging.INFO if self.ended_cleanly or (alive and on_disk and not self.given_up_on_stop) else logging.WARNING
+        kept_for_restart = bool(alive or torn_down) and on_disk and not self.given_up_on_stop
+        level = logging.INFO if self.ended_cleanly or kept_for_restart else logging.WARNING
         logger.log(level, "agent stopped by %s (shutdown_timeout=%gs, %.1fs used): %s; exiting with 0", name, timeout,
                    timeout - max(0.0, deadline - time.monotonic()), "; ".join(done))
 

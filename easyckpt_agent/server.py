@@ -158,6 +158,8 @@ class Agent:
         try:
             while True:
                 if self.life.stop_signal is not None:
+                    # A goodbye already sent decides what stop() keeps (a failed run's memory stays).
+                    self._receive()
                     self.life.stop()
                     break
                 wait = RETRY_POLL if self.protection.retry_soon() else self.config.poll_interval

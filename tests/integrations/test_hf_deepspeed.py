@@ -96,7 +96,8 @@ def test_zero_kill9_resumes_with_equal_losses(env: Env, stage: int, tier: str,
     killed_at = max(first.losses(1))
     if tier == "memory":
         newest = newest_common_committed(slot_states(env, save_dir))
-        assert newest is not None and killed_at - 1 <= newest <= killed_at + 1, (newest, killed_at)
+        assert newest is not None and killed_at - 1 <= newest <= killed_at + 1, \
+            (newest, killed_at, slot_states(env, save_dir), first.log()[-6000:])
     else:
         wipe_memory(env)
         # The agent makes the newest snapshot durable when a rank dies: disk holds about the killed step.

@@ -26,6 +26,7 @@ from easyckpt_agent.cluster import stage_outlook
 from easyckpt_agent.lifecycle import Lifecycle, WakePipe
 from easyckpt_wire import layout
 from easyckpt_wire.control import control_path
+from easyckpt_wire.protocol import Kind
 from easyckpt_wire.records import Manifest, PeerNode, PeerTable, SlotMeta
 from easyckpt_wire.shm import list_slots
 from easyckpt_wire.storage import location
@@ -115,6 +116,48 @@ def test_sigterm_after_the_ranks_died_unlinks_slots_that_are_on_disk(tmp_path: P
         assert list_slots(node.shm_dir, JOB) == {} and not control_path(node.shm_dir, JOB).exists()
     finally:
         node.close()
+
+
+def test_sigterm_after_a_rank_left_saying_its_run_failed_keeps_the_slots_for_the_restart(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The DeepSpeed launcher SIGTERMs the whole process tree of a failed job, the agent with it, often once the
+    ranks are gone: a rank that left saying its run failed was promised this node's memory for the restart, so
+    the slots stay even though disk holds their newest step (a ZeRO-2 restart read disk, CI 2026-12-06)."""
+    node = Harness(tmp_path)
+    try:
+        node.ranks.kill(0)
+        node.ranks.kill(1)   # died without a word
+        node.ranks.commit_all(0, 3)
+        node.agent.watcher.scan(relist_every=0)
+        node.request(b"r0", Kind.BYE, rank=0, pid=os.getpid(), wait=False, failed=True)
+        node.agent._tick()   # a persist of step 3 starts (flush on failure)
+        caplog.set_level(logging.INFO, logger="easyckpt_agent.lifecycle")
+        node.agent.life.stop()
+        assert node.agent.scheduler.persisted == 3
+        record = stopped(caplog)
+        assert record.levelno == logging.INFO, record.getMessage()
+        assert f"slots kept in {node.shm_dir} for a restart: rank(s) [0] failed or still ran when SIGTERM came" \
+            in record.getMessage() and f"easyckpt clean --job-id {JOB}" in record.getMessage()
+        assert len(list_slots(node.shm_dir, JOB)) == 6 and not node.agent.ended_cleanly
+    finally:
+        node.close()
+
+
+def test_sigterm_that_came_while_ranks_ran_keeps_the_slots_though_the_ranks_are_gone_when_it_is_handled(
+        node: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    """A process-tree kill signals the agent an instant before the ranks (children first): by the time the loop
+    handles the signal they are gone, but the job was torn down, not finished."""
+    node.ranks.commit_all(0, 3)
+    node.agent.watcher.scan(relist_every=0)
+    node.agent.life.on_signal(signal.SIGTERM, None)
+    for proc in node.agent.watcher.ranks.values():
+        proc.dead = True   # what alive() finds once the tree kill reached them
+    caplog.set_level(logging.INFO, logger="easyckpt_agent.lifecycle")
+    node.agent.life.stop()
+    record = stopped(caplog)
+    assert node.agent.scheduler.persisted == 3 and record.levelno == logging.INFO, record.getMessage()
+    assert "for a restart: rank(s) [0, 1] failed or still ran when SIGTERM came" in record.getMessage()
+    assert len(list_slots(node.shm_dir, JOB)) == 6 and not node.agent.ended_cleanly
 
 
 def test_sigterm_without_time_left_keeps_what_disk_lacks(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
