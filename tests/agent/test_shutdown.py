@@ -30,6 +30,8 @@ print("ready", flush=True)
 sys.stdin.read()  # parked until the test closes stdin or kills it
 if "close" in sys.argv[4:]:
     ck.close()
+elif "failed" in sys.argv[4:]:   # what an integration does when the loop raised (another rank died, say)
+    ck.close(failed=True)
 """
 
 
@@ -153,6 +155,37 @@ def test_sigterm_after_the_job_ended_leaves_nothing(env: Env) -> None:
     assert env.shm_files() == [] and sorted(os.listdir(env.job_dir())) == ["agent.log"]
     log = (env.job_dir() / "agent.log").read_text()
     assert "agent stopped by SIGTERM" in log and "slots unlinked (everything in them is on disk)" in log, log[-2000:]
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_after_a_failed_run_keeps_the_memory_for_the_rerun(env: Env) -> None:
+    """DeepSpeed's launcher ends a failed job's whole process tree, the agent with it, often once the ranks are
+    gone: the rank that said its run failed was promised the node's memory for the rerun, which resumes from it
+    (the agent let go of it while disk held its newest step: CI of 2026-12-06)."""
+    rank = start_rank(env, "1", "3", "failed")
+    try:
+        assert wait_ready(rank) == "loaded None None"
+        pid = wait_for(env.agent_pid, 30, "the agent's pid file")
+        slots = env.slot_files()
+        assert rank.stdin is not None
+        rank.stdin.close()   # the loop "fails": close(failed=True), which waits for the persists in flight
+        assert rank.wait(timeout=60) == 0, rank.stderr.read() if rank.stderr else ""
+        assert complete(env)[-1:] == [3]   # disk holds the newest step: before, that let the slots go
+        os.kill(pid, signal.SIGTERM)
+        wait_for(lambda: gone(pid), 60, "the agent to exit")
+    finally:
+        kill(rank)
+    log = (env.job_dir() / "agent.log").read_text()
+    assert "rank(s) [0] failed or still ran when SIGTERM came" in log, log[-2000:]
+    assert env.slot_files() == slots
+    rerun = start_rank(env, "1", "0", "close")
+    try:
+        assert wait_ready(rerun) == "loaded 3 memory"
+        assert rerun.stdin is not None
+        rerun.stdin.close()
+        assert rerun.wait(timeout=60) == 0, rerun.stderr.read() if rerun.stderr else ""
+    finally:
+        kill(rerun)
 
 
 @pytest.mark.timeout(180)
