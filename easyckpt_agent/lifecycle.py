@@ -153,8 +153,8 @@ class Lifecycle:
         # memory for a restart (its close() logs so), and one that still ran when the signal came did not finish.
         # DeepSpeed's launcher SIGTERMs a failed job's whole process tree, the agent with it: once the ranks were
         # gone this agent let go of memory that a ZeRO-2 restart then read from disk (CI, 2026-12-06).
-        torn_down = sorted(({proc.rank for proc in self.watcher.ranks.values() if proc.failed}
-                            | set(self.running_at_signal)) - set(alive))
+        torn_down = sorted(proc.rank for proc in self.watcher.ranks.values() if proc.rank not in alive and (
+            proc.failed or (proc.rank in self.running_at_signal and not proc.said_bye)))
         newest_now = self.watcher.common_steps()
         persisted = self.scheduler.persisted
         on_disk = not newest_now or (persisted is not None and newest_now[0] <= persisted)

@@ -160,6 +160,23 @@ def test_sigterm_that_came_while_ranks_ran_keeps_the_slots_though_the_ranks_are_
     assert len(list_slots(node.shm_dir, JOB)) == 6 and not node.agent.ended_cleanly
 
 
+def test_sigterm_while_the_ranks_ran_unlinks_what_disk_holds_once_every_rank_said_goodbye(
+        node: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    """The signal came while the ranks ran, but they finished (a goodbye each) before it was handled: the job
+    ended, nothing is kept for a restart."""
+    node.ranks.commit_all(0, 3)
+    node.agent.watcher.scan(relist_every=0)
+    node.agent.life.on_signal(signal.SIGTERM, None)
+    assert sorted(node.agent.life.running_at_signal) == [0, 1]
+    for rank in (0, 1):
+        node.request(b"r%d" % rank, Kind.BYE, rank=rank, pid=os.getpid(), wait=False)
+    caplog.set_level(logging.INFO, logger="easyckpt_agent.lifecycle")
+    node.agent.life.stop()
+    record = stopped(caplog)
+    assert "slots unlinked" in record.getMessage() and node.agent.ended_cleanly, record.getMessage()
+    assert list_slots(node.shm_dir, JOB) == {}
+
+
 def test_sigterm_without_time_left_keeps_what_disk_lacks(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     node = Harness(tmp_path, shutdown_timeout=0.0)
     try:
