@@ -15,6 +15,7 @@ from typing import Any
 import psutil
 
 from easyckpt_agent import persister
+from easyckpt_agent.lifecycle import start_successor
 from easyckpt_agent.server import Agent, AgentConfig
 from easyckpt_wire import protocol
 from easyckpt_wire.faults import fault_point
@@ -111,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tcp port of the replica server (default: EASYCKPT_AGENT_PORT, else any)")
     parser.add_argument("--serve-peers", action="store_true",
                         help="start the tcp replica server at once (set by the torchrun launcher)")
+    parser.add_argument("--started-by", type=_number(int, 1, "a pid"),
+                        help="pid of the training rank that started this agent (set by the library): if that rank's "
+                             "process tree is terminated with the agent in it (DeepSpeed's launcher ends a failed job "
+                             "so), a detached agent takes over the memory kept for a restart")
     parser.add_argument("--shutdown-timeout", default=os.environ.get(SHUTDOWN_TIMEOUT_ENV) or "20",
                         help="on SIGTERM/SIGINT, persist for at most this many seconds before exiting "
                              f"(default: {SHUTDOWN_TIMEOUT_ENV}, else 20)",
@@ -167,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                          idle_timeout=args.idle_timeout, persist_threads=args.persist_threads,
                          node_id=protocol.node_id(), bind_host=args.addr or protocol.advertised_address(),
                          port=args.port if args.port is not None else 0,
-                         serve_peers=args.serve_peers, shutdown_timeout=args.shutdown_timeout)
+                         serve_peers=args.serve_peers, shutdown_timeout=args.shutdown_timeout,
+                         started_by=args.started_by)
     agent: Agent | None = None
     try:
         agent = Agent(config)
@@ -186,6 +192,12 @@ def main(argv: list[str] | None = None) -> int:
             except OSError as exc:
                 logger.info("cannot remove the runtime directory %s: %s", job_dir, exc)
         os.close(lock_fd)
+        if agent is not None and agent.hand_over:
+            try:
+                start_successor(sys.argv[1:] if argv is None else argv)
+            except OSError as exc:
+                logger.warning("cannot start an agent to take over the job's memory (%s): `easyckpt clean --job-id %s` "
+                               "removes it if no restart comes", exc, job_id)
         if agent is not None and agent.hung_writer:
             # A write that does not return (a hung file system) would hang the interpreter's exit, which
             # joins every worker thread; everything else is done.

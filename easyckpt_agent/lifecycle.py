@@ -4,9 +4,11 @@ SIGTERM/SIGINT end the loop; :meth:`Lifecycle.stop` then finishes (or, past ``sh
 the persist in flight, persists the newest snapshot every local rank holds if disk lacks it and time is
 left, and lets go of the slots only if nothing in them is newer than disk, no rank of the job still
 runs, none left saying its run failed and none still ran when the signal came (the job was torn down:
-the memory is for its restart). A second signal stops waiting for the disk. Without a signal the agent
-exits (:meth:`should_exit`, never while a persist, a claim or a leader's stage is pending) once every
-local rank said goodbye, unlinking the slots (unless a failed persist left the newest step only in
+the memory is for its restart). If the signal came while the rank that started the agent was still its
+parent (a launcher terminating that rank's process tree), what stays is handed to a detached successor
+(:func:`start_successor`), which waits for the restart. A second signal stops waiting for the disk.
+Without a signal the agent exits (:meth:`should_exit`, never while a persist, a claim or a leader's stage
+is pending) once every local rank said goodbye, unlinking the slots (unless a failed persist left the newest step only in
 memory), or once no rank has been alive for ``idle_timeout``, unlinking them only when the newest step
 is on disk.
 """
@@ -16,6 +18,8 @@ import concurrent.futures
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,7 +30,7 @@ from easyckpt_agent.cluster import NodeReplication
 from easyckpt_agent.protection import Protection
 from easyckpt_agent.scheduler import PersistScheduler
 from easyckpt_agent.watcher import Watcher
-from easyckpt_wire import procs, protocol
+from easyckpt_wire import protocol
 from easyckpt_wire.control import PersistFailure
 from easyckpt_wire.shm import list_slots
 
@@ -46,6 +50,7 @@ class LifeSettings(Protocol):
     shm_dir: Path
     idle_timeout: float
     shutdown_timeout: float
+    started_by: int | None
 
 
 class WakePipe:
@@ -99,6 +104,8 @@ class Lifecycle:
         self.cluster = cluster
         self.stop_signal: int | None = None   # SIGTERM/SIGINT received: the loop ends and stop() runs
         self.running_at_signal: list[int] = []   # the ranks that still ran when it came
+        self.tree_kill = False   # it came while the rank that started this agent was still its parent
+        self.hand_over = False   # stop() kept the slots after a tree kill: a detached agent takes them over
         self.given_up_on_stop = False   # stop() abandoned a persist or saw one fail
         self.hung_writer = False     # an abandoned persist's thread did not stop: the process must not join it
         self.ended_cleanly = False   # the job is over and nothing of it is left in memory: its runtime dir can go
@@ -126,10 +133,14 @@ class Lifecycle:
             return
         self.stop_signal = signum
         # Now, not when stop() runs: a launcher that ends a failed job's whole process tree (DeepSpeed's) signals
-        # the agent an instant before the ranks, which are gone by then. No mutation here (the loop may be
-        # half-way through the watcher).
+        # the agent an instant before the ranks, which are gone by then. What the loop has not yet seen die still
+        # ran, as far as the job is concerned: a rank that died a moment before this handler ran (it had no time to
+        # say that its run failed) was torn down with the job, not finished (is_alive() here lost that race).
+        # No mutation of the watcher here (the loop may be half-way through it).
         self.running_at_signal = [proc.rank for proc in list(self.watcher.ranks.values())
-                                  if not (proc.said_bye or proc.dead) and procs.is_alive(proc.pid, proc.start_time)]
+                                  if not (proc.said_bye or proc.dead or proc.reported)]
+        started_by = self.settings.started_by
+        self.tree_kill = started_by is not None and os.getppid() == started_by
 
     # shutdown on a signal ---------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -158,20 +169,29 @@ class Lifecycle:
         newest_now = self.watcher.common_steps()
         persisted = self.scheduler.persisted
         on_disk = not newest_now or (persisted is not None and newest_now[0] <= persisted)
+        # After a tree kill a detached agent takes the slots over (below), and `easyckpt clean` refuses while it runs.
+        clean = "" if self.tree_kill else f"`easyckpt clean --job-id {self.settings.job_id}` removes them"
         if alive:
             done.append(f"slots kept: rank(s) {alive} still run")
         elif torn_down:
             newer = "" if on_disk else f" (step {newest_now[0]} is newer than disk: {persisted})"
             done.append(f"slots kept in {self.settings.shm_dir} for a restart{newer}: rank(s) {torn_down} failed or "
-                        f"still ran when {name} came; `easyckpt clean --job-id {self.settings.job_id}` removes them")
+                        f"still ran when {name} came" + (f"; {clean}" if clean else ""))
         elif on_disk:
             self.unlink_slots()
             self.ended_cleanly = True
             done.append("slots unlinked (everything in them is on disk)")
         else:
             done.append(f"slots kept in {self.settings.shm_dir}: step {newest_now[0]} is newer than disk "
-                        f"({persisted}); resume from them by restarting the job, or remove them with "
-                        f"`easyckpt clean --job-id {self.settings.job_id}`")
+                        f"({persisted}); resume from them by restarting the job" + (f", or {clean}" if clean else ""))
+        if self.tree_kill and not self.ended_cleanly and list_slots(self.settings.shm_dir, self.settings.job_id):
+            # Nothing else would ever free this memory without a rerun: the launcher ends the agent with its ranks,
+            # where torchrun leaves it to wait idle_timeout (it lives in a session of its own). No slot yet (a rank
+            # refused its launch): no successor, which would wait idle_timeout for nothing.
+            self.hand_over = True
+            done.append(f"the rank that started this agent is being terminated with it (a process-tree kill): a "
+                        f"detached agent takes the slots over; it serves the restart, or leaves after "
+                        f"{self.settings.idle_timeout:g} s (agent_idle_timeout) without one, unlinking what disk holds")
         # A warning only when something is left undone (memory newer than disk, a persist abandoned or failed).
         kept_for_restart = bool(alive or torn_down) and on_disk and not self.given_up_on_stop
         level = logging.INFO if self.ended_cleanly or kept_for_restart else logging.WARNING
@@ -339,3 +359,30 @@ class Lifecycle:
             path.unlink(missing_ok=True)
             logger.info("unlinked %s", path)
         self.protection.control.close(unlink=True)
+
+
+def successor_command(argv: list[str]) -> list[str]:
+    """The command line of the agent that takes over from one started with ``argv`` (its own arguments): the same,
+    without ``--started-by``, so that no tree kill of that agent hands over again."""
+    rest: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--started-by":
+            skip = True
+        elif not arg.startswith("--started-by="):
+            rest.append(arg)
+    return [sys.executable, "-m", "easyckpt_agent", *rest]
+
+
+def start_successor(argv: list[str]) -> int:
+    """Start the agent that takes the job's memory over after a process-tree kill (:attr:`Lifecycle.hand_over`),
+    once this one let go of the job's lock; returns its pid. Not waited for: it is in a session of its own and
+    outside the tree being killed (a launcher lists the tree before it signals it), and it outlives this process.
+    Its output goes where this agent's goes (the job's agent.log)."""
+    env = {name: value for name, value in os.environ.items() if name != "EASYCKPT_FAULT"}
+    proc = subprocess.Popen(successor_command(argv), stdin=subprocess.DEVNULL, start_new_session=True,
+                            close_fds=True, env=env, cwd="/")
+    logger.info("agent pid %d takes over the job's memory", proc.pid)
+    return proc.pid

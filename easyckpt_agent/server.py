@@ -70,6 +70,9 @@ class AgentConfig:
     # SIGTERM/SIGINT: how long the agent may go on persisting before it exits. Under Kubernetes the pod
     # is killed 30 s after its SIGTERM (terminationGracePeriodSeconds), under systemd 90 s.
     shutdown_timeout: float = 20.0
+    # The pid of the training rank that started this agent (None: started by hand or by the torchrun launcher):
+    # a signal that comes while that rank is still its parent is a process-tree kill (see Lifecycle.on_signal).
+    started_by: int | None = None
 
     def __post_init__(self) -> None:
         if self.save_storage_interval < 0:
@@ -127,6 +130,12 @@ class Agent:
     def ended_cleanly(self) -> bool:
         """The job is over and nothing of it is left in memory: its runtime dir can go."""
         return self.life.ended_cleanly
+
+    @property
+    def hand_over(self) -> bool:
+        """A process-tree kill took this agent down with its ranks and the slots stay: a detached agent must
+        take them over (:func:`easyckpt_agent.lifecycle.start_successor`) once this one let go of the lock."""
+        return self.life.hand_over
 
     @property
     def hung_writer(self) -> bool:

@@ -122,7 +122,7 @@ class AgentClient:
         command = [sys.executable, "-m", "easyckpt_agent", "--save-dir", str(self.save_dir), "--job-id", self.job_id,
                    "--shm-dir", str(self.shm_dir), "--idle-timeout", str(self.idle_timeout),
                    "--save-storage-interval", str(self.hello_fields["save_storage_interval"]),
-                   "--max-ckpt-num", str(self.hello_fields["max_ckpt_num"])]
+                   "--max-ckpt-num", str(self.hello_fields["max_ckpt_num"]), "--started-by", str(os.getpid())]
         if self.hello_fields.get("log_file_path"):
             command += ["--log-file", self.hello_fields["log_file_path"]]
         # Again: an agent that ended cleanly removed the directory (a later Checkpointer of this process).

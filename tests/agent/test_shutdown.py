@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import ROOT, Env, gone, run_cli, wait_for
 
@@ -20,7 +21,8 @@ from easyckpt_wire import layout, owner, procs, protocol, runtime
 # 8 MiB of state: at EASYCKPT_PERSIST_MBPS=2 one persist takes about 4 s.
 PARKED = """
 import sys, torch, easyckpt
-ck = easyckpt.Checkpointer(sys.argv[1], 1, int(sys.argv[2]), 3, agent_idle_timeout=120.0)
+idle = next((float(arg[5:]) for arg in sys.argv[4:] if arg.startswith("idle=")), 120.0)
+ck = easyckpt.Checkpointer(sys.argv[1], 1, int(sys.argv[2]), 3, agent_idle_timeout=idle)
 result = ck.load()
 print("loaded", result.step, result.source, flush=True)
 for step in range(1, int(sys.argv[3]) + 1):
@@ -148,6 +150,10 @@ def test_sigterm_after_the_job_ended_leaves_nothing(env: Env) -> None:
         # Step 2 is on disk either as due or by the flush on failure (when it was passed over while step 1
         # was persisted): then the newest snapshot is durable and nothing in memory is worth keeping.
         wait_for(lambda: complete(env)[-1:] == [2], 60, "step 2 on disk")
+        # The job is over once its agent knows: a rank whose death it had not seen yet when the signal came was torn
+        # down with the job (DeepSpeed's launcher), and its memory would be kept for the restart.
+        wait_for(lambda: f"rank 0 (pid {rank.pid}) died without closing" in (env.job_dir() / "agent.log").read_text(),
+                 30, "the agent to see the rank die")
         os.kill(pid, signal.SIGTERM)
         wait_for(lambda: gone(pid), 60, "the agent to exit")
     finally:
@@ -186,6 +192,69 @@ def test_sigterm_after_a_failed_run_keeps_the_memory_for_the_rerun(env: Env) -> 
         assert rerun.wait(timeout=60) == 0, rerun.stderr.read() if rerun.stderr else ""
     finally:
         kill(rerun)
+
+
+def terminate_process_tree(pid: int) -> None:
+    """What DeepSpeed's launcher does to each rank of a failed job (deepspeed/launcher/launch.py): SIGTERM to its
+    process tree, children first, then SIGKILL to what is left after 30 s."""
+    parent = psutil.Process(pid)
+    tree = [*parent.children(recursive=True), parent]
+    for proc in tree:
+        try:
+            proc.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(tree, timeout=30)
+    for proc in alive:
+        proc.kill()
+
+
+def tree_killed_with_its_rank(env: Env, idle: str) -> tuple[int, list[Path]]:
+    """A rank (which started the agent) parked after step 3, then its process tree terminated the way DeepSpeed's
+    launcher does it, with nothing waited for first; returns the pid of the agent that took over and the slots."""
+    rank = start_rank(env, "1", "3", f"idle={idle}")
+    try:
+        assert wait_ready(rank) == "loaded None None"
+        first = wait_for(env.agent_pid, 30, "the agent's pid file")
+        slots = env.slot_files()
+        terminate_process_tree(rank.pid)
+        assert gone(first)
+    finally:
+        kill(rank)
+    successor = wait_for(lambda: (pid := env.agent_pid()) not in (None, first) and pid, 30,
+                         "an agent to take over the job's memory")
+    log = (env.job_dir() / "agent.log").read_text()
+    assert "a detached agent takes the slots over" in log and f"agent pid {successor} takes over" in log, log[-3000:]
+    return successor, slots
+
+
+@pytest.mark.timeout(180)
+def test_a_tree_kill_hands_the_memory_to_a_detached_agent_that_frees_it_after_idle_timeout(env: Env) -> None:
+    """DeepSpeed's launcher takes the agent down with the ranks of every failed job: the memory it kept for a restart
+    stayed in /dev/shm for good if none came. Now an agent outside that tree takes it over and, with no rank after
+    agent_idle_timeout, unlinks what disk holds, as an agent does under torchrun."""
+    successor, slots = tree_killed_with_its_rank(env, "3")
+    wait_for(lambda: gone(successor), 60, "the agent that took over to leave after agent_idle_timeout")
+    log = (env.job_dir() / "agent.log").read_text() if env.job_dir().exists() else ""
+    assert env.shm_files() == [] and slots, log[-3000:]
+    assert complete(env)[-1:] == [3]
+
+
+@pytest.mark.timeout(180)
+def test_a_tree_kill_hands_the_memory_to_a_detached_agent_and_the_rerun_resumes_from_it(env: Env) -> None:
+    successor, slots = tree_killed_with_its_rank(env, "120")
+    assert env.slot_files() == slots
+    rerun = start_rank(env, "1", "0", "close")
+    try:
+        assert wait_ready(rerun) == "loaded 3 memory"
+        assert env.agent_pid() == successor
+        assert rerun.stdin is not None
+        rerun.stdin.close()
+        assert rerun.wait(timeout=60) == 0, rerun.stderr.read() if rerun.stderr else ""
+    finally:
+        kill(rerun)
+    wait_for(lambda: gone(successor), 60, "the agent to leave once the rerun ended")
+    assert env.shm_files() == []
 
 
 @pytest.mark.timeout(180)

@@ -177,6 +177,98 @@ def test_sigterm_while_the_ranks_ran_unlinks_what_disk_holds_once_every_rank_sai
     assert list_slots(node.shm_dir, JOB) == {}
 
 
+def test_sigterm_handled_after_a_rank_died_that_the_loop_had_not_seen_die_keeps_the_slots(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The tree kill's other order: the rank died (SIGTERMed with the agent, before it could say its run failed)
+    an instant before the agent's handler ran. The loop had not seen it die, so it still ran as far as the job is
+    concerned: its memory is for the restart (with is_alive() in the handler the slots went, and the restart read
+    disk). Once the loop has seen the ranks die, a later SIGTERM is someone ending a job that is over: unlinked."""
+    for seen_dead in (False, True):
+        (tmp_path / str(seen_dead)).mkdir()
+        node = Harness(tmp_path / str(seen_dead))
+        try:
+            node.ranks.kill(0)
+            node.ranks.kill(1)
+            node.ranks.commit_all(0, 3)
+            node.agent.watcher.scan(relist_every=0)   # the ranks as the loop knew them: alive at its last look
+            if seen_dead:
+                node.agent._tick()   # "died without closing", and the flush of step 3
+            node.agent.life.on_signal(signal.SIGTERM, None)
+            assert sorted(node.agent.life.running_at_signal) == ([] if seen_dead else [0, 1])
+            caplog.clear()
+            caplog.set_level(logging.INFO, logger="easyckpt_agent.lifecycle")
+            node.agent.life.stop()
+            message = stopped(caplog).getMessage()
+            assert node.agent.scheduler.persisted == 3, message
+            if seen_dead:
+                assert "slots unlinked" in message and list_slots(node.shm_dir, JOB) == {}, message
+            else:
+                assert "for a restart: rank(s) [0, 1] failed or still ran when SIGTERM came" in message, message
+                assert len(list_slots(node.shm_dir, JOB)) == 6 and not node.agent.ended_cleanly
+            assert not node.agent.hand_over, message   # nobody said this agent was a rank's child
+        finally:
+            node.close()
+
+
+@pytest.mark.parametrize("parent", [True, False], ids=["tree-kill", "parent-gone"])
+def test_a_tree_kill_hands_the_kept_slots_to_a_detached_agent(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                             parent: bool) -> None:
+    """The rank that started the agent was still its parent when the signal came: a launcher is terminating that
+    rank's process tree (DeepSpeed's, children first). The slots stay for the restart, and since that launcher takes
+    the agent down with every failed job, nothing would free them if no restart came: a detached agent takes them
+    over (it waits idle_timeout, as an agent under torchrun does). Once that rank is gone (this agent reparented),
+    a SIGTERM is someone stopping a lingering agent: it hands nothing over."""
+    node = Harness(tmp_path, started_by=os.getppid() if parent else 1 << 22)
+    try:
+        node.ranks.commit_all(0, 3)
+        node.agent.watcher.scan(relist_every=0)
+        node.agent.life.on_signal(signal.SIGTERM, None)
+        assert node.agent.life.tree_kill is parent
+        for proc in node.agent.watcher.ranks.values():
+            proc.dead = True
+        caplog.set_level(logging.INFO, logger="easyckpt_agent.lifecycle")
+        node.agent.life.stop()
+        record = stopped(caplog)
+        assert record.levelno == logging.INFO and len(list_slots(node.shm_dir, JOB)) == 6, record.getMessage()
+        assert node.agent.hand_over is parent
+        assert ("a detached agent takes the slots over; it serves the restart, or leaves after 300 s "
+                "(agent_idle_timeout)" in record.getMessage()) is parent
+        assert ("easyckpt clean" in record.getMessage()) is not parent   # refused while the successor runs
+    finally:
+        node.close()
+
+
+def test_a_tree_kill_before_any_slot_hands_nothing_over(tmp_path: Path) -> None:
+    node = Harness(tmp_path, started_by=os.getppid())
+    try:
+        for path in list_slots(node.shm_dir, JOB).values():
+            path.unlink()   # the ranks refused their launch before they made a slot
+        node.agent.life.on_signal(signal.SIGTERM, None)
+        node.agent.life.stop()
+        assert node.agent.life.tree_kill and not node.agent.hand_over
+    finally:
+        node.close()
+
+
+def test_a_tree_kill_after_the_job_ended_cleanly_hands_nothing_over(node: Harness) -> None:
+    node.config.started_by = os.getppid()
+    node.ranks.commit_all(0, 3)
+    node.agent.watcher.scan(relist_every=0)
+    for rank in (0, 1):
+        node.request(b"r%d" % rank, Kind.BYE, rank=rank, pid=os.getpid(), wait=False)
+    node.settle()
+    node.agent.life.on_signal(signal.SIGTERM, None)
+    node.agent.life.stop()
+    assert node.agent.life.tree_kill and node.agent.ended_cleanly and not node.agent.hand_over
+    assert list_slots(node.shm_dir, JOB) == {}
+
+
+def test_the_successor_runs_the_same_command_line_but_hands_nothing_over_itself() -> None:
+    argv = ["--save-dir", "/ckpt", "--started-by", "123", "--idle-timeout", "5", "--started-by=9"]
+    assert lifecycle.successor_command(argv) == [sys.executable, "-m", "easyckpt_agent", "--save-dir", "/ckpt",
+                                                 "--idle-timeout", "5"]
+
+
 def test_sigterm_without_time_left_keeps_what_disk_lacks(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     node = Harness(tmp_path, shutdown_timeout=0.0)
     try:
