@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tcp port of the replica server (default: EASYCKPT_AGENT_PORT, else any)")
     parser.add_argument("--serve-peers", action="store_true",
                         help="start the tcp replica server at once (set by the torchrun launcher)")
-    parser.add_argument("--started-by", type=_number(int, 1, "a pid"),
+    parser.add_argument("--started-by", type=_number(int, 1, "a pid"), metavar="PID",
                         help="pid of the training rank that started this agent (set by the library): if that rank's "
                              "process tree is terminated with the agent in it (DeepSpeed's launcher ends a failed job "
                              "so), a detached agent takes over the memory kept for a restart")
