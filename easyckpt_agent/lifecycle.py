@@ -5,7 +5,7 @@ the persist in flight, persists the newest snapshot every local rank holds if di
 left, and lets go of the slots only if nothing in them is newer than disk, no rank of the job still
 runs, none left saying its run failed and none still ran when the signal came (the job was torn down:
 the memory is for its restart). If the signal came while the rank that started the agent was still its
-parent (a launcher terminating that rank's process tree), what stays is handed to a detached successor
+parent, under a launcher that ends jobs by process trees (DeepSpeed's), what stays is handed to a detached successor
 (:func:`start_successor`), which waits for the restart. A second signal stops waiting for the disk.
 Without a signal the agent exits (:meth:`should_exit`, never while a persist, a claim or a leader's stage
 is pending) once every local rank said goodbye, unlinking the slots (unless a failed persist left the newest step only in
@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+import psutil
+
 from easyckpt_agent import persister
 from easyckpt_agent.cluster import NodeReplication
 from easyckpt_agent.protection import Protection
@@ -37,6 +39,11 @@ from easyckpt_wire.shm import list_slots
 logger = logging.getLogger(__name__)
 
 ABORT_TIMEOUT = 10.0    # an abandoned persist must stop within this long after its writers are told to
+# Launchers that end a failed (or signalled) job by terminating each rank's process tree, children first, so that the
+# agent a rank started goes down with it: the module in the command line of the rank's parent. Any launcher whose kill
+# reaches the agent would do, but a kill of everything at once (systemd stopping a unit, SLURM cancelling a step)
+# looks the same from inside and waits for every process: a successor there would delay that stop until its SIGKILL.
+TREE_KILLING_LAUNCHERS = ("deepspeed.launcher.launch",)
 # The ranks died and left nothing of the job in memory (before their first snapshot, say on a load that refused a
 # damaged checkpoint): a restart gains nothing from the agent waiting idle_timeout, so it leaves sooner.
 EMPTY_IDLE = 10.0
@@ -104,7 +111,10 @@ class Lifecycle:
         self.cluster = cluster
         self.stop_signal: int | None = None   # SIGTERM/SIGINT received: the loop ends and stop() runs
         self.running_at_signal: list[int] = []   # the ranks that still ran when it came
-        self.tree_kill = False   # it came while the rank that started this agent was still its parent
+        # The rank that started this agent runs under a launcher that ends jobs by process trees (known at start: by
+        # the time of a signal the launcher is busy killing).
+        self.launcher_kills_trees = launcher_kills_trees(settings.started_by)
+        self.tree_kill = False   # the signal came from such a launcher, while that rank was still this agent's parent
         self.hand_over = False   # stop() kept the slots after a tree kill: a detached agent takes them over
         self.given_up_on_stop = False   # stop() abandoned a persist or saw one fail
         self.hung_writer = False     # an abandoned persist's thread did not stop: the process must not join it
@@ -140,7 +150,7 @@ class Lifecycle:
         self.running_at_signal = [proc.rank for proc in list(self.watcher.ranks.values())
                                   if not (proc.said_bye or proc.dead or proc.reported)]
         started_by = self.settings.started_by
-        self.tree_kill = started_by is not None and os.getppid() == started_by
+        self.tree_kill = self.launcher_kills_trees and started_by is not None and os.getppid() == started_by
 
     # shutdown on a signal ---------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -359,6 +369,26 @@ class Lifecycle:
             path.unlink(missing_ok=True)
             logger.info("unlinked %s", path)
         self.protection.control.close(unlink=True)
+
+
+def is_tree_killing_launcher(cmdline: list[str]) -> bool:
+    """Whether a process with this command line is a launcher of :data:`TREE_KILLING_LAUNCHERS` (``python -u -m
+    deepspeed.launcher.launch --world_info=... script.py``, which DeepSpeed's ``deepspeed`` command runs per node)."""
+    for i, arg in enumerate(cmdline[:-1]):
+        if arg == "-m" and cmdline[i + 1] in TREE_KILLING_LAUNCHERS:
+            return True
+    return False
+
+
+def launcher_kills_trees(rank_pid: int | None) -> bool:
+    """Whether the rank ``rank_pid`` (the one that started this agent) was started by a tree-killing launcher."""
+    if rank_pid is None:
+        return False
+    try:
+        parent = psutil.Process(rank_pid).parent()
+        return parent is not None and is_tree_killing_launcher(parent.cmdline())
+    except psutil.Error:   # the rank is gone already, or its parent
+        return False
 
 
 def successor_command(argv: list[str]) -> list[str]:

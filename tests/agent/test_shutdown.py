@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import ROOT, Env, gone, run_cli, wait_for
+from soak_job import free_port
 
 from easyckpt_wire import layout, owner, procs, protocol, runtime
 
@@ -194,33 +195,34 @@ def test_sigterm_after_a_failed_run_keeps_the_memory_for_the_rerun(env: Env) -> 
         kill(rerun)
 
 
-def terminate_process_tree(pid: int) -> None:
-    """What DeepSpeed's launcher does to each rank of a failed job (deepspeed/launcher/launch.py): SIGTERM to its
-    process tree, children first, then SIGKILL to what is left after 30 s."""
-    parent = psutil.Process(pid)
-    tree = [*parent.children(recursive=True), parent]
-    for proc in tree:
-        try:
-            proc.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(tree, timeout=30)
-    for proc in alive:
-        proc.kill()
-
-
 def tree_killed_with_its_rank(env: Env, idle: str) -> tuple[int, list[Path]]:
-    """A rank (which started the agent) parked after step 3, then its process tree terminated the way DeepSpeed's
-    launcher does it, with nothing waited for first; returns the pid of the agent that took over and the slots."""
-    rank = start_rank(env, "1", "3", f"idle={idle}")
+    """A rank under DeepSpeed's own launcher (``deepspeed --num_gpus 1``), which starts the agent and parks after step
+    3; then the launcher is stopped as its ``deepspeed`` command stops it on Ctrl-C or SIGTERM: it terminates the
+    rank's process tree, children first (the agent is one), with nothing waited for first. Returns the pid of the
+    agent that took over and the slots."""
+    script = env.tmp_path / "parked.py"
+    script.write_text(PARKED)
+    runner = subprocess.Popen([sys.executable, "-m", "deepspeed.launcher.runner", "--no_local_rank", "--num_gpus=1",
+                               f"--master_port={free_port()}", str(script), str(env.save_dir), "1", "3", f"idle={idle}"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env.environ(DS_ACCELERATOR="cpu"), cwd=str(ROOT))
     try:
-        assert wait_ready(rank) == "loaded None None"
+        assert runner.stdout is not None
+        lines: list[str] = []
+        while not lines or lines[-1] != "ready":   # the launchers' own lines come between (readline: the test timeout)
+            line = runner.stdout.readline()
+            assert line, "".join(f"{text}\n" for text in lines)[-3000:]
+            lines.append(line.strip())
+        assert "loaded None None" in lines, lines[-20:]
         first = wait_for(env.agent_pid, 30, "the agent's pid file")
+        launcher = psutil.Process(first).parent().parent()   # the agent's parent is the rank, the rank's the launcher
+        assert "deepspeed.launcher.launch" in launcher.cmdline(), launcher.cmdline()
         slots = env.slot_files()
-        terminate_process_tree(rank.pid)
-        assert gone(first)
+        launcher.terminate()
+        assert runner.wait(timeout=60) != 0
+        wait_for(lambda: gone(first), 30, "the agent to stop")
     finally:
-        kill(rank)
+        kill(runner)
     successor = wait_for(lambda: (pid := env.agent_pid()) not in (None, first) and pid, 30,
                          "an agent to take over the job's memory")
     log = (env.job_dir() / "agent.log").read_text()
@@ -230,8 +232,8 @@ def tree_killed_with_its_rank(env: Env, idle: str) -> tuple[int, list[Path]]:
 
 @pytest.mark.timeout(180)
 def test_a_tree_kill_hands_the_memory_to_a_detached_agent_that_frees_it_after_idle_timeout(env: Env) -> None:
-    """DeepSpeed's launcher takes the agent down with the ranks of every failed job: the memory it kept for a restart
-    stayed in /dev/shm for good if none came. Now an agent outside that tree takes it over and, with no rank after
+    """DeepSpeed's launcher takes the agent down with the ranks of every failed or stopped job: the memory it kept for
+    a restart stayed in /dev/shm for good if none came. Now an agent outside that tree takes it over and, with no rank after
     agent_idle_timeout, unlinks what disk holds, as an agent does under torchrun."""
     successor, slots = tree_killed_with_its_rank(env, "3")
     wait_for(lambda: gone(successor), 60, "the agent that took over to leave after agent_idle_timeout")

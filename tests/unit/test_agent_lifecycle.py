@@ -219,6 +219,7 @@ def test_a_tree_kill_hands_the_kept_slots_to_a_detached_agent(tmp_path: Path, ca
     over (it waits idle_timeout, as an agent under torchrun does). Once that rank is gone (this agent reparented),
     a SIGTERM is someone stopping a lingering agent: it hands nothing over."""
     node = Harness(tmp_path, started_by=os.getppid() if parent else 1 << 22)
+    node.agent.life.launcher_kills_trees = True   # this process's parent runs under DeepSpeed's launcher, say
     try:
         node.ranks.commit_all(0, 3)
         node.agent.watcher.scan(relist_every=0)
@@ -240,6 +241,7 @@ def test_a_tree_kill_hands_the_kept_slots_to_a_detached_agent(tmp_path: Path, ca
 
 def test_a_tree_kill_before_any_slot_hands_nothing_over(tmp_path: Path) -> None:
     node = Harness(tmp_path, started_by=os.getppid())
+    node.agent.life.launcher_kills_trees = True
     try:
         for path in list_slots(node.shm_dir, JOB).values():
             path.unlink()   # the ranks refused their launch before they made a slot
@@ -252,6 +254,7 @@ def test_a_tree_kill_before_any_slot_hands_nothing_over(tmp_path: Path) -> None:
 
 def test_a_tree_kill_after_the_job_ended_cleanly_hands_nothing_over(node: Harness) -> None:
     node.config.started_by = os.getppid()
+    node.agent.life.launcher_kills_trees = True
     node.ranks.commit_all(0, 3)
     node.agent.watcher.scan(relist_every=0)
     for rank in (0, 1):
@@ -261,6 +264,27 @@ def test_a_tree_kill_after_the_job_ended_cleanly_hands_nothing_over(node: Harnes
     node.agent.life.stop()
     assert node.agent.life.tree_kill and node.agent.ended_cleanly and not node.agent.hand_over
     assert list_slots(node.shm_dir, JOB) == {}
+
+
+def test_only_a_launcher_that_kills_process_trees_makes_a_signal_a_tree_kill(node: Harness) -> None:
+    """DeepSpeed's launcher (as its ``deepspeed`` command runs it on each node) ends jobs by process trees. A kill of
+    everything at once (systemd, SLURM) reaches the agent while its rank is still its parent too, but waits for every
+    process: a successor there would hold up the stop. This process's parent is no such launcher."""
+    deepspeed = ["/usr/bin/python3", "-u", "-m", "deepspeed.launcher.launch", "--world_info=eyJsb2NhbGhvc3QiOiBbMF19",
+                 "--node_rank=0", "--master_addr=127.0.0.1", "--master_port=29500", "--no_local_rank", "train.py"]
+    assert lifecycle.is_tree_killing_launcher(deepspeed)
+    for other in (["/usr/bin/python3", "-m", "torch.distributed.run", "--nproc-per-node", "2", "train.py"],
+                  ["torchrun", "train.py", "-m", "x"], ["python", "-c", "deepspeed.launcher.launch"],
+                  ["python", "train.py", "-m"], []):
+        assert not lifecycle.is_tree_killing_launcher(other), other
+    assert not lifecycle.launcher_kills_trees(os.getpid()) and not lifecycle.launcher_kills_trees(None)
+    assert not lifecycle.launcher_kills_trees(1 << 22)   # no such process
+    node.config.started_by = os.getppid()
+    node.ranks.commit_all(0, 3)
+    node.agent.watcher.scan(relist_every=0)
+    node.agent.life.on_signal(signal.SIGTERM, None)
+    node.agent.life.stop()
+    assert not node.agent.life.tree_kill and not node.agent.hand_over
 
 
 def test_the_successor_runs_the_same_command_line_but_hands_nothing_over_itself() -> None:
