@@ -32,7 +32,7 @@ from easyckpt_agent.cluster import NodeReplication
 from easyckpt_agent.protection import Protection
 from easyckpt_agent.scheduler import PersistScheduler
 from easyckpt_agent.watcher import Watcher
-from easyckpt_wire import protocol
+from easyckpt_wire import faults, protocol
 from easyckpt_wire.control import PersistFailure
 from easyckpt_wire.shm import list_slots
 
@@ -411,7 +411,7 @@ def start_successor(argv: list[str]) -> int:
     once this one let go of the job's lock; returns its pid. Not waited for: it is in a session of its own and
     outside the tree being killed (a launcher lists the tree before it signals it), and it outlives this process.
     Its output goes where this agent's goes (the job's agent.log)."""
-    env = {name: value for name, value in os.environ.items() if name != "EASYCKPT_FAULT"}
+    env = {name: value for name, value in os.environ.items() if name != faults.ENV}   # a test's fault fired here
     proc = subprocess.Popen(successor_command(argv), stdin=subprocess.DEVNULL, start_new_session=True,
                             close_fds=True, env=env, cwd="/")
     logger.info("agent pid %d takes over the job's memory", proc.pid)
