@@ -197,8 +197,12 @@ class Agent:
         if watcher.abandoned:
             self.resumer.invalidate_abandoned()
         for proc in watcher.newly_dead():
-            logger.warning("rank %d (pid %d) %s", proc.rank, proc.pid,
-                           "exited after its run failed" if proc.failed else "died without closing")
+            if proc.ended_before:
+                logger.info("rank %d (pid %d) had ended before this agent adopted its slots; they are kept for a "
+                            "restart", proc.rank, proc.pid)
+            else:
+                logger.warning("rank %d (pid %d) %s", proc.rank, proc.pid,
+                               "exited after its run failed" if proc.failed else "died without closing")
             scheduler.failed_ranks.add(proc.rank)
         ranks = watcher.local_ranks()
         held = {rank: watcher.committed(rank) for rank in ranks}

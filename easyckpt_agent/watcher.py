@@ -38,6 +38,10 @@ class RankProcess:
     failed: bool = False
     dead: bool = False
     reported: bool = False   # its death was handed to the agent (any_alive() may see it first)
+    # Known only from its slots' metadata (this agent adopted them) and already gone then: it ended under an
+    # earlier agent (a successor after a tree kill, an agent started again after its own death), which said how
+    # if it lived; this one has nothing to add but that the slots stay.
+    ended_before: bool = False
 
     def alive(self) -> bool:
         if self.said_bye or self.dead:
@@ -118,6 +122,10 @@ class Watcher:
             self.set_shape(meta.world_size, meta.local_world_size)
         if meta.pid is not None and meta.rank not in self.ranks and self._here(meta.rank):
             self.register(meta.rank, meta.pid, meta.pid_start)
+            proc = self.ranks[meta.rank]
+            # Not alive(), which would mark it dead before the loop sees it die (Lifecycle.on_signal counts a rank
+            # whose death the loop has not seen as still running).
+            proc.ended_before = not procs.is_alive(proc.pid, proc.start_time)
 
     def set_shape(self, world_size: int, local_world_size: int) -> None:
         """The newest run's word wins: after a restart with fewer ranks, the others' leftovers are ignored."""

@@ -230,6 +230,10 @@ def tree_killed_with_its_rank(env: Env, idle: str) -> tuple[int, list[Path]]:
     return successor, slots
 
 
+def agent_log(env: Env) -> str:
+    return (env.job_dir() / "agent.log").read_text()
+
+
 @pytest.mark.timeout(180)
 def test_a_tree_kill_hands_the_memory_to_a_detached_agent_that_frees_it_after_idle_timeout(env: Env) -> None:
     """DeepSpeed's launcher takes the agent down with the ranks of every failed or stopped job: the memory it kept for
@@ -246,6 +250,9 @@ def test_a_tree_kill_hands_the_memory_to_a_detached_agent_that_frees_it_after_id
 def test_a_tree_kill_hands_the_memory_to_a_detached_agent_and_the_rerun_resumes_from_it(env: Env) -> None:
     successor, slots = tree_killed_with_its_rank(env, "120")
     assert env.slot_files() == slots
+    log = wait_for(lambda: "had ended before this agent adopted its slots" in (text := agent_log(env)) and text, 30,
+                   "the agent that took over to say that the rank whose slots it adopted had ended")
+    assert log.count("died without closing") <= 1, "only the first agent may have seen the rank die"
     rerun = start_rank(env, "1", "0", "close")
     try:
         assert wait_ready(rerun) == "loaded 3 memory"

@@ -192,7 +192,7 @@ def test_sigterm_handled_after_a_rank_died_that_the_loop_had_not_seen_die_keeps_
             node.ranks.commit_all(0, 3)
             node.agent.watcher.scan(relist_every=0)   # the ranks as the loop knew them: alive at its last look
             if seen_dead:
-                node.agent._tick()   # "died without closing", and the flush of step 3
+                node.agent._tick()   # their end (they had ended before it adopted their slots), the flush of step 3
             node.agent.life.on_signal(signal.SIGTERM, None)
             assert sorted(node.agent.life.running_at_signal) == ([] if seen_dead else [0, 1])
             caplog.clear()
@@ -208,6 +208,32 @@ def test_sigterm_handled_after_a_rank_died_that_the_loop_had_not_seen_die_keeps_
             assert not node.agent.hand_over, message   # nobody said this agent was a rank's child
         finally:
             node.close()
+
+
+@pytest.mark.parametrize("dead_at_adoption", [True, False], ids=["ended-before", "died-after"])
+def test_a_rank_that_ended_before_the_agent_adopted_its_slots_is_not_said_to_die_again(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, dead_at_adoption: bool) -> None:
+    """A successor (after a tree kill) or an agent started again finds the slots of ranks that ended under the agent
+    before it, which said how: one INFO line that the slots stay, not a second "died without closing" WARNING per
+    rank. A rank alive when its slots were adopted and dead later died under this agent: the WARNING."""
+    node = Harness(tmp_path)
+    try:
+        if dead_at_adoption:
+            node.ranks.kill(0)   # its slots name a process that is gone
+        node.ranks.commit_all(0, 3)
+        node.agent.watcher.scan(relist_every=0)
+        if not dead_at_adoption:
+            node.agent.watcher.ranks[0].start_time = 1.0   # the harness's death: its pid now started at another time
+        caplog.set_level(logging.INFO, logger="easyckpt_agent.server")
+        node.agent._tick()
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rank 0 (pid")]
+        assert len(lines) == 1, lines
+        said = "had ended before this agent adopted its slots" if dead_at_adoption else "died without closing"
+        assert said in lines[0], lines
+        node.settle()
+        assert node.agent.scheduler.persisted == 3, "either way the node flushes the newest step its ranks hold"
+    finally:
+        node.close()
 
 
 @pytest.mark.parametrize("parent", [True, False], ids=["tree-kill", "parent-gone"])
