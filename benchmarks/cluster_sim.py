@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from easyckpt.snapshot.slot_choice import SlotView, undecided_due, waits_for_due, write_order  # noqa: E402
 from easyckpt.snapshot.slots import MULTI_NODE_SLOTS  # noqa: E402
 from easyckpt_agent.agreement import (  # noqa: E402
+    PROMPT_STATE_SLOTS,
     Book,
     NodeState,
     Verdict,
@@ -273,12 +274,17 @@ class Simulation:
             node.wrote = node.writing
             node.freed = max((step for rank in node.ranks for step in rank.committed), default=-1)
         node.writing = node.busy
+        self.say(node, local)
+        self.apply(node, local)
+        if self.c.slots >= PROMPT_STATE_SLOTS:
+            self.say(node, local)   # what the verdict made it hold, at once (easyckpt_agent.node_agreement.agree)
+
+    def say(self, node: Node, local: set[int]) -> None:
         state = NodeState(self.names[node.index], newest(local), newest(node.held), newest(node.backed), node.busy,
                           node.took, newest(node.lost), node.wrote, node.freed, node.lost_to)
         if state != node.sent:   # news on change (the processes also repeat it every second)
             node.sent = state
             self.at(self.now + self.c.net_ms, lambda: self.state_arrives(state))
-        self.apply(node, local)
 
     def state_arrives(self, state: NodeState) -> None:
         self.states[state.node] = state

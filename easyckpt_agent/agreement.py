@@ -42,6 +42,9 @@ from typing import Any
 
 MAX_STEPS = 8          # steps a state lists per field (the newest): slots per rank are a handful
 PASSED_KEPT = 16       # passed-over due steps a verdict repeats (the newest), for late listeners
+# The fewest slots per rank with which a node says what a verdict made it hold in the same round
+# (easyckpt_agent.node_agreement.NodeAgreement.agree), not at its next one.
+PROMPT_STATE_SLOTS = 4
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from agent_slots import JOB, START, Harness
 
-from easyckpt_agent.agreement import StepFailure, Verdict, verdict_to_wire
+from easyckpt_agent.agreement import NodeState, StepFailure, Verdict, verdict_to_wire
 from easyckpt_wire.control import ControlReader, PersistFailure, control_path
 from easyckpt_wire.protocol import Kind
 from easyckpt_wire.records import PeerNode, PeerTable
@@ -281,3 +281,27 @@ def test_a_step_another_node_failed_to_persist_keeps_this_nodes_memory_when_its_
     verdict(node, committed=19)   # committed after all: nothing is only in memory
     agree(node)
     assert scheduler.job_failure is None and scheduler.job_committed == 19
+
+
+def test_what_a_verdict_makes_the_node_hold_is_said_in_the_same_round(tmp_path: Path) -> None:
+    """The node-safe step takes two rounds of the leader (a step every node committed is named the candidate, then,
+    once every node holds it, job-safe and node-safe). A node used to say what the candidate's verdict made it hold
+    only at its next round (up to a poll interval later, every hop); in the simulation, whose agents act only on news,
+    never while the ranks waited in their lag gate for that very step (with max_backup_lag=1 every snapshot waited
+    its bound). Now the state goes out again at once when carrying out the verdict changed it: here the leader's own
+    state names the candidate held after one round. Not with three slots (``agreement.PROMPT_STATE_SLOTS``)."""
+    for slots in (4, 3):
+        (tmp_path / str(slots)).mkdir()
+        node = Harness(tmp_path / str(slots), world_size=4, first_rank=2, node_id="n1", slots=slots)
+        try:
+            node.agent.cluster.peers = PeerTable(PEERS.token, "n1", "n1", PEERS.nodes, world_size=4)   # n1 leads
+            jobwide = node.agent.cluster.jobwide
+            jobwide.states["n0"] = NodeState("n0", local=frozenset({5}), held=frozenset({5}), backed=frozenset({5}))
+            node.ranks.commit_all(0, 5)
+            agree(node)
+            assert 5 in node.agent.protection.roles.steps, "the candidate is held"
+            said = 5 in jobwide.states["n1"].held
+            assert said == (slots >= 4), jobwide.states["n1"]
+            assert jobwide.verdict is not None and (jobwide.verdict.job_safe == 5) == said, jobwide.verdict
+        finally:
+            node.close()
