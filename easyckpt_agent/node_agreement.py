@@ -51,8 +51,7 @@ class NodeAgreement:
         """Tell the leader this node's state, and carry out the newest verdict: persist the due step it takes,
         hold the steps it protects, hear the due steps it passed over."""
         assert self.cluster.peers is not None
-        protection = self.protection
-        protection.join_job()
+        self.protection.join_job()
         self._note_persist_end(ranks)
         state = self._state(ranks, common)
         self._carry_out(state, ranks, held, common)
