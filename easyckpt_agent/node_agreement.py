@@ -60,9 +60,10 @@ class NodeAgreement:
         # the ranks wait in their lag gate for the very step this makes node-safe). Not with three slots: there the
         # quicker rounds doubled the rank kills that cost over two steps in 9,000 simulated faults (with four, every
         # measure improved or held: benchmarks/README.md, "The node's state at once").
-        again = self._state(ranks, common)
-        if again != state and self.watcher.slots_per_rank() >= agreement.PROMPT_STATE_SLOTS:
-            self._carry_out(again, ranks, held, common)
+        if self.watcher.slots_per_rank() >= agreement.PROMPT_STATE_SLOTS:
+            again = self._state(ranks, common)
+            if again != state:
+                self._carry_out(again, ranks, held, common)
 
     def _state(self, ranks: set[int], common: frozenset[int]) -> NodeState:
         alive = not self.watcher.ranks or self.watcher.any_alive()

@@ -18,7 +18,7 @@ from typing import Any
 
 import zmq
 
-from easyckpt_wire import procs, protocol
+from easyckpt_wire import faults, procs, protocol
 from easyckpt_wire.protocol import Kind, ProtocolError
 from easyckpt_wire.records import ByeReply, FlushReply, RecordError, ResumeReply
 
@@ -117,8 +117,8 @@ class AgentClient:
         # ``torchrun -m easyckpt_agent`` (MASTER_ADDR stays: it picks the address other nodes reach the agent at).
         for name in ("TORCHELASTIC_RUN_ID", "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "WORLD_SIZE"):
             env.pop(name, None)
-        if not env.get("EASYCKPT_FAULT", "").startswith("agent."):
-            env.pop("EASYCKPT_FAULT", None)  # a rank's fault point must not fire in the agent
+        if not env.get(faults.ENV, "").startswith("agent."):
+            env.pop(faults.ENV, None)  # a rank's fault point must not fire in the agent
         command = [sys.executable, "-m", "easyckpt_agent", "--save-dir", str(self.save_dir), "--job-id", self.job_id,
                    "--shm-dir", str(self.shm_dir), "--idle-timeout", str(self.idle_timeout),
                    "--save-storage-interval", str(self.hello_fields["save_storage_interval"]),

@@ -38,6 +38,10 @@ elif "failed" in sys.argv[4:]:   # what an integration does when the loop raised
 """
 
 
+def agent_log(env: Env) -> str:
+    return (env.job_dir() / "agent.log").read_text()
+
+
 def start_rank(env: Env, *args: str, **extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, "-c", PARKED, str(env.save_dir), *args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env.environ(**extra),
@@ -101,7 +105,7 @@ def test_sigterm_to_the_agent_during_a_persist(env: Env, time_allows: bool) -> N
         assert complete(env) == [], "the persist must still be in flight when the signal comes"
         agent.send_signal(signal.SIGTERM)
         code = agent.wait(timeout=60)
-        log = (env.job_dir() / "agent.log").read_text()
+        log = agent_log(env)
         assert code == 0, log[-3000:]
         lines = [line for line in log.splitlines() if "agent stopped by SIGTERM" in line]
         assert len(lines) == 1, log[-3000:]
@@ -153,14 +157,14 @@ def test_sigterm_after_the_job_ended_leaves_nothing(env: Env) -> None:
         wait_for(lambda: complete(env)[-1:] == [2], 60, "step 2 on disk")
         # The job is over once its agent knows: a rank whose death it had not seen yet when the signal came was torn
         # down with the job (DeepSpeed's launcher), and its memory would be kept for the restart.
-        wait_for(lambda: f"rank 0 (pid {rank.pid}) died without closing" in (env.job_dir() / "agent.log").read_text(),
+        wait_for(lambda: f"rank 0 (pid {rank.pid}) died without closing" in agent_log(env),
                  30, "the agent to see the rank die")
         os.kill(pid, signal.SIGTERM)
         wait_for(lambda: gone(pid), 60, "the agent to exit")
     finally:
         kill(rank)
     assert env.shm_files() == [] and sorted(os.listdir(env.job_dir())) == ["agent.log"]
-    log = (env.job_dir() / "agent.log").read_text()
+    log = agent_log(env)
     assert "agent stopped by SIGTERM" in log and "slots unlinked (everything in them is on disk)" in log, log[-2000:]
 
 
@@ -182,7 +186,7 @@ def test_sigterm_after_a_failed_run_keeps_the_memory_for_the_rerun(env: Env) -> 
         wait_for(lambda: gone(pid), 60, "the agent to exit")
     finally:
         kill(rank)
-    log = (env.job_dir() / "agent.log").read_text()
+    log = agent_log(env)
     assert "rank(s) [0] failed or still ran when SIGTERM came" in log, log[-2000:]
     assert env.slot_files() == slots
     rerun = start_rank(env, "1", "0", "close")
@@ -225,13 +229,9 @@ def tree_killed_with_its_rank(env: Env, idle: str) -> tuple[int, list[Path]]:
         kill(runner)
     successor = wait_for(lambda: (pid := env.agent_pid()) not in (None, first) and pid, 30,
                          "an agent to take over the job's memory")
-    log = (env.job_dir() / "agent.log").read_text()
+    log = agent_log(env)
     assert "a detached agent takes the slots over" in log and f"agent pid {successor} takes over" in log, log[-3000:]
     return successor, slots
-
-
-def agent_log(env: Env) -> str:
-    return (env.job_dir() / "agent.log").read_text()
 
 
 @pytest.mark.timeout(180)
@@ -241,7 +241,7 @@ def test_a_tree_kill_hands_the_memory_to_a_detached_agent_that_frees_it_after_id
     agent_idle_timeout, unlinks what disk holds, as an agent does under torchrun."""
     successor, slots = tree_killed_with_its_rank(env, "3")
     wait_for(lambda: gone(successor), 60, "the agent that took over to leave after agent_idle_timeout")
-    log = (env.job_dir() / "agent.log").read_text() if env.job_dir().exists() else ""
+    log = agent_log(env) if env.job_dir().exists() else ""
     assert env.shm_files() == [] and slots, log[-3000:]
     assert complete(env)[-1:] == [3]
 
