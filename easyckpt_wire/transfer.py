@@ -32,6 +32,11 @@ class PeerError(RuntimeError):
     """A peer agent refused, timed out, or sent something invalid."""
 
 
+class PeerTimeout(PeerError):
+    """The peer did not answer within the timeout (hung, stopped, or its host gone): asking it again costs the
+    whole timeout again."""
+
+
 class FetchError(PeerError):
     """Tensor bytes from a peer did not arrive intact."""
 
@@ -82,7 +87,7 @@ class PeerClient:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not sock.poll(int(remaining * 1000)):
                 self.reset()
-                raise PeerError(f"{kind.name} to agent {self.endpoint}: no reply within {self.timeout:.1f}s")
+                raise PeerTimeout(f"{kind.name} to agent {self.endpoint}: no reply within {self.timeout:.1f}s")
             blob = sock.recv()
             try:
                 _, message = protocol.decode(blob, limit=protocol.MAX_PEER_MESSAGE_BYTES)

@@ -39,6 +39,11 @@ class AgentGone(AgentTimeout):
     """The agent a request went to exited before it answered; another may serve the job already (ask it again)."""
 
 
+class Unanswered(str):
+    """Why the agent did not answer a request in time (hung or stopped): asking it again would wait as long again.
+    Returned where a reason is (``AgentClient.checksums``), so callers that only show it need not know."""
+
+
 class NoAgent(RuntimeError):
     """No agent runs for the job and none could be started (the request was not sent)."""
 
@@ -349,8 +354,10 @@ class AgentClient:
             return f"no easyckpt agent runs for job {self.job_id}"
         try:
             reply = self.request(Kind.MANIFEST, timeout, rank=self.rank, step=step)
-        except AgentTimeout as exc:
+        except AgentGone as exc:   # another agent may serve the job already: the next step may ask it
             return str(exc)
+        except AgentTimeout as exc:
+            return Unanswered(exc)
         generation, checksums = reply.get("generation"), reply.get("checksums")
         if not reply.get("ok"):
             return str(reply.get("error", "the agent refused"))

@@ -11,11 +11,14 @@ Recovery: each rank asks every agent what it holds (LIST), reads the manifest of
 newest steps some agent knows, and a step is *obtainable* for it when every tensor checksum of that
 manifest is held by a reachable agent. The fetch writes straight into the rank's own slot, chunk by
 chunk, trying the next holder of a tensor when one fails or hangs; the slot is committed only when
-every tensor matches its checksum, and is then read like any snapshot in memory.
+every tensor matches its checksum, and is then read like any snapshot in memory. An agent that did
+not answer in time is not asked again during that load (``Silent``): the ladder tries older steps
+next, and each would wait the whole ``peer_timeout`` for it again.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import secrets
@@ -31,7 +34,7 @@ from easyckpt_wire import procs
 from easyckpt_wire.protocol import Kind, ProtocolError
 from easyckpt_wire.records import ListReply, ListRow, Manifest, PeerNode, PeerTable, PingReply, RecordError
 from easyckpt_wire.shm import format_bytes, pack_meta, slot_size
-from easyckpt_wire.transfer import FetchError, NoCopyError, PeerClient, PeerError
+from easyckpt_wire.transfer import FetchError, NoCopyError, PeerClient, PeerError, PeerTimeout
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,26 @@ MAX_COPIES = 8        # copies of one tensor tried on one node (DP ranks of a no
 
 class ReplicaError(RuntimeError):
     """This rank's state could not be rebuilt from replicas."""
+
+
+# The nodes whose agent did not answer within peer_timeout during one load, with what went unanswered. A hung
+# agent made a resume wait for it once per step tried (test_multinode.py's hung peer: steps 14, 13 and 12, three
+# times peer_timeout, before the disk); asked once, it now costs one timeout per load.
+Silent = dict[str, str]
+
+
+def hush(silent: Silent | None, node: str, exc: Exception, who: str) -> None:
+    """Remember ``node`` as silent for the rest of the load when ``exc`` is its timeout; said once."""
+    if silent is None or not isinstance(exc, PeerTimeout) or node in silent:
+        return
+    silent[node] = str(exc)
+    logger.warning("%s: the agent of node %s did not answer (%s): it is not asked again during this load", who, node,
+                   exc)
+
+
+def silent_problem(silent: Silent, node: str) -> str:
+    """Why ``node`` is not asked: what it left unanswered."""
+    return f"node {node}'s agent did not answer earlier in this load ({silent[node]})"
 
 
 Request = Callable[..., dict[str, Any]]   # (kind, timeout, **fields) -> reply: a rank's session or one-off
@@ -122,14 +145,18 @@ def survey(peers: PeerTable, timeout: float) -> Survey:
     return Survey(listings, unreachable)
 
 
-def own_checksums(peers: PeerTable, rank: int, step: int, timeout: float) -> tuple[int, list[bytes]] | None:
+def own_checksums(peers: PeerTable, rank: int, step: int, timeout: float,
+                  silent: Silent | None = None) -> tuple[int, list[bytes]] | None:
     """(slot generation, tensor checksums) the node agent computed for this rank's snapshot of ``step``,
-    so that a read from memory is verified too; None when the agent has not hashed it."""
+    so that a read from memory is verified too; None when the agent has not hashed it or is ``silent``."""
+    if silent is not None and peers.node in silent:
+        return None
     client = PeerClient(peers.endpoint(peers.node), peers.token, timeout=timeout)
     try:
         manifest = read_manifest(client, rank, step)
         return manifest.generation, list(manifest.checksums)
-    except (PeerError, ProtocolError, RecordError):
+    except (PeerError, ProtocolError, RecordError) as exc:
+        hush(silent, peers.node, exc, f"rank {rank}")
         return None
     finally:
         client.close()
@@ -151,8 +178,10 @@ class ReplicaPlan:
     manifest_node: str
 
 
-def plan(peers: PeerTable, found: Survey, rank: int, timeout: float) -> dict[int, ReplicaPlan]:
+def plan(peers: PeerTable, found: Survey, rank: int, timeout: float,
+         silent: Silent | None = None) -> dict[int, ReplicaPlan]:
     """The steps (newest first, at most CANDIDATE_STEPS) whose whole state this rank can pull."""
+    silent = {} if silent is None else silent
     order = [n for n in peers.ordered() if n in found.listings]
     steps = sorted({s for rows in found.listings.values() for s, row in rows.items() if rank in row.ranks},
                    reverse=True)
@@ -160,12 +189,13 @@ def plan(peers: PeerTable, found: Survey, rank: int, timeout: float) -> dict[int
     for step in steps:
         if len(plans) >= CANDIDATE_STEPS:
             break
-        for node in (n for n in order if rank in found.row(n, step).ranks):
+        for node in (n for n in order if rank in found.row(n, step).ranks and n not in silent):
             client = PeerClient(peers.endpoint(node), peers.token, timeout=timeout)
             try:
                 manifest = read_manifest(client, rank, step)
             except (PeerError, ProtocolError, RecordError) as exc:
                 logger.warning("rank %d: manifest of step %d from node %s: %s", rank, step, node, exc)
+                hush(silent, node, exc, f"rank {rank}")
                 continue
             finally:
                 client.close()
@@ -180,8 +210,11 @@ def plan(peers: PeerTable, found: Survey, rank: int, timeout: float) -> dict[int
     return plans
 
 
-def fetch(peers: PeerTable, replica: ReplicaPlan, slots: RankSlots, *, rank: int, timeout: float) -> dict[str, Any]:
-    """Rebuild this rank's snapshot of ``replica.step`` in one of its own slots; returns transfer stats."""
+def fetch(peers: PeerTable, replica: ReplicaPlan, slots: RankSlots, *, rank: int, timeout: float,
+          silent: Silent | None = None) -> dict[str, Any]:
+    """Rebuild this rank's snapshot of ``replica.step`` in one of its own slots; returns transfer stats. Holders in
+    ``silent`` are passed over, and one that does not answer now joins them."""
+    silent = {} if silent is None else silent
     manifest = replica.manifest
     # The snapshot now belongs to this process and this node's agent (a rank may come back elsewhere).
     meta = dataclasses.replace(manifest.meta, pid=os.getpid(), pid_start=procs.start_time(),
@@ -200,11 +233,15 @@ def fetch(peers: PeerTable, replica: ReplicaPlan, slots: RankSlots, *, rank: int
                     continue
                 problems: list[str] = []
                 for node in holders:
+                    if node in silent:
+                        problems.append(silent_problem(silent, node))
+                        continue
                     client = clients.get(node) or clients.setdefault(
                         node, PeerClient(peers.endpoint(node), peers.token, timeout=timeout))
                     begun = time.perf_counter()
                     if fetch_tensor(client, replica.step, checksum, write.data(entry), problems,
-                                    what=f"rank {rank}: {entry.name} of step {replica.step} from node {node}"):
+                                    what=f"rank {rank}: {entry.name} of step {replica.step} from node {node}",
+                                    hushed=functools.partial(hush, silent, node, who=f"rank {rank}")):
                         stats = served.setdefault(node, [0.0, 0.0])
                         stats[0] += entry.nbytes
                         stats[1] += time.perf_counter() - begun
@@ -226,9 +263,10 @@ def fetch(peers: PeerTable, replica: ReplicaPlan, slots: RankSlots, *, rank: int
 
 
 def fetch_tensor(client: PeerClient, step: int, checksum: bytes, view: memoryview, problems: list[str], *,
-                 what: str) -> bool:
+                 what: str, hushed: Callable[[PeerError], None] | None = None) -> bool:
     """Fill ``view`` with the tensor of ``checksum`` at ``step`` from the agent ``client`` talks to, trying each
-    copy it holds until one verifies; False (with the reasons in ``problems``) if none does. Releases ``view``."""
+    copy it holds until one verifies; False (with the reasons in ``problems``) if none does. Releases ``view``.
+    ``hushed`` hears why the agent was given up (a refusal or a timeout)."""
     try:
         for copy in range(MAX_COPIES):
             try:
@@ -247,6 +285,8 @@ def fetch_tensor(client: PeerClient, step: int, checksum: bytes, view: memoryvie
             except PeerError as exc:   # refused or hung: the next node
                 problems.append(str(exc))
                 logger.warning("%s failed (%s); trying the next holder", what, problems[-1])
+                if hushed is not None:
+                    hushed(exc)
                 return False
         return False
     finally:

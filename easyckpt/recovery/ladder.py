@@ -47,10 +47,12 @@ def build_tiers(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int,
         return [StorageTier(save_dir, rank=rank, world_size=world_size, load_dir=load_dir, reshard=reshard)]
     # One survey of the agents serves both tiers that read from them.
     survey = replica.survey(peers, peer_timeout) if peers is not None else None
+    silent: replica.Silent = {}   # agents that did not answer: asked no more in this load, by either tier
     tiers: list[Tier] = [OwnMemoryTier(slots, rank=rank, timeout=timeout, peers=peers, peer_timeout=peer_timeout,
-                                       checksums=checksums)]
+                                       checksums=checksums, silent=silent)]
     if peers is not None:
-        tiers.append(ReplicaTier(peers, slots, rank=rank, survey=survey, timeout=timeout, peer_timeout=peer_timeout))
+        tiers.append(ReplicaTier(peers, slots, rank=rank, survey=survey, timeout=timeout, peer_timeout=peer_timeout,
+                                 silent=silent))
     if reshard:
         tiers.append(OtherWorldTier(slots.directory, slots.job_id, rank=rank, world_size=world_size, peers=peers,
                                     survey=survey, timeout=timeout, peer_timeout=peer_timeout))

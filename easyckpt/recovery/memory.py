@@ -4,7 +4,7 @@
   cheapest tier: a read is a copy out of shared memory, every tensor verified against the checksums the node
   agent took of that very snapshot after its commit (a byte changed in the slot since is refused and the ladder
   moves on); unverified, and said so, when the agent has not hashed it (it died, or the kill came within
-  milliseconds of the commit).
+  milliseconds of the commit, or it did not answer: then no older step asks it again during the load).
 * **Replicas** (:class:`ReplicaTier`): this rank's state held by node agents on other nodes (this node lost its
   memory, or the rank came back on another node). A read pulls the snapshot into one of this rank's own slots,
   every tensor checked against its checksum (``easyckpt.node.replicas`` does the pulling), then reads it from there
@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from easyckpt.node import replicas as replica
+from easyckpt.node.client import Unanswered
 from easyckpt.recovery.template import Template, check_template, place
 from easyckpt.recovery.tier import Loaded, Offer
 from easyckpt.snapshot.slots import RankSlots
@@ -79,9 +80,12 @@ class OwnMemoryTier:
     collective = False
 
     def __init__(self, slots: RankSlots, *, rank: int, timeout: float, peers: PeerTable | None = None,
-                 peer_timeout: float = 10.0, checksums: Checksums | None = None) -> None:
+                 peer_timeout: float = 10.0, checksums: Checksums | None = None,
+                 silent: replica.Silent | None = None) -> None:
         self.slots, self.rank, self.timeout = slots, rank, timeout
         self.peers, self.peer_timeout, self.checksums = peers, peer_timeout, checksums
+        self.silent = {} if silent is None else silent
+        self.unanswered: str | None = None   # the node agent did not answer a checksum request in this load
 
     def offer(self) -> Offer:
         return Offer.of(memory_health(self.slots, list(self.slots.committed()), self.timeout).items())
@@ -91,14 +95,21 @@ class OwnMemoryTier:
 
     def read(self, step: int, template: Template) -> Loaded:
         expected: tuple[int, list[bytes]] | None = None
-        if self.checksums is not None:   # from this node's agent over its control socket
+        if self.checksums is not None and self.unanswered is not None:
+            logger.info("rank %d: step %d read from memory unverified: the node agent did not answer earlier in this "
+                        "load (%s)", self.rank, step, self.unanswered)
+        elif self.checksums is not None:   # from this node's agent over its control socket
             found = self.checksums(step)
-            if isinstance(found, str):
+            if isinstance(found, Unanswered):
+                self.unanswered = found
+                logger.warning("rank %d: step %d read from memory unverified: %s; it is not asked again during this "
+                               "load", self.rank, step, found)
+            elif isinstance(found, str):
                 logger.info("rank %d: step %d read from memory unverified: %s", self.rank, step, found)
             else:
                 expected = found
         elif self.peers is not None:   # from this node's agent's replica server
-            expected = replica.own_checksums(self.peers, self.rank, step, self.peer_timeout)
+            expected = replica.own_checksums(self.peers, self.rank, step, self.peer_timeout, self.silent)
         return read_slot(self.slots, step, template, self.timeout, expected, self.source)
 
 
@@ -110,9 +121,10 @@ class ReplicaTier:
     collective = False
 
     def __init__(self, peers: PeerTable, slots: RankSlots, *, rank: int, survey: replica.Survey | None = None,
-                 timeout: float = 120.0, peer_timeout: float = 10.0) -> None:
+                 timeout: float = 120.0, peer_timeout: float = 10.0, silent: replica.Silent | None = None) -> None:
         self.peers, self.slots, self.rank = peers, slots, rank
         self.survey, self.timeout, self.peer_timeout = survey, timeout, peer_timeout
+        self.silent = {} if silent is None else silent   # agents that did not answer in this load
         self.plans: dict[int, replica.ReplicaPlan] = {}
 
     def offer(self) -> Offer:
@@ -121,7 +133,7 @@ class ReplicaTier:
             logger.warning("rank %d: agent of node %s is unreachable (%s): its replicas are not used", self.rank, node,
                            problem)
         own = self.slots.committed()
-        plans = replica.plan(self.peers, found, self.rank, self.peer_timeout)
+        plans = replica.plan(self.peers, found, self.rank, self.peer_timeout, self.silent)
         # Plans of steps this rank holds itself stay too: pulled if its own copy turns out damaged (the ladder);
         # only the others are offered.
         self.plans = plans
@@ -141,7 +153,8 @@ class ReplicaTier:
         plan = self.plans.get(step)
         if plan is None:
             raise replica.ReplicaError(f"rank {self.rank} holds no plan for step {step}")
-        moved = replica.fetch(self.peers, plan, self.slots, rank=self.rank, timeout=self.peer_timeout)
+        moved = replica.fetch(self.peers, plan, self.slots, rank=self.rank, timeout=self.peer_timeout,
+                              silent=self.silent)
         logger.info("rank %d pulled step %d from replicas: %s in %.3fs from %s", self.rank, step,
                     format_bytes(moved["bytes"]), moved["seconds"], sorted(moved["peers"]))
         # Verified tensor by tensor as it arrived: no agent checksums to compare again.

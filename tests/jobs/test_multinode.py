@@ -9,6 +9,7 @@ step (or, while a persist runs, the next one). A node that dies in the middle of
 complete-looking checkpoint."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
@@ -399,6 +400,13 @@ def test_hung_peer_agent_times_out_and_the_job_still_resumes(cluster: Cluster, r
     check_exact(job, reference, reports)
     assert "no reply within" in job.log(1), "the hang must surface as a timeout naming the peer"
     assert {r["source"] for r in reports[2:]} == {"disk"}, reports
+    # The hung agent costs each rank one peer_timeout in its load, not one per step tried: until 2026-12-07 every
+    # older step asked it again (steps 14, 13 and 12, three timeouts, before the disk).
+    asked = (r"rank (\d+): (?:\S+ of step \d+ from node \S+ failed \(FETCH|step \d+ read from memory unverified: "
+             r"agent MANIFEST)[^\n]*no reply within")
+    waits = collections.Counter(re.findall(asked, job.log(0) + job.log(1)))
+    assert waits and max(waits.values()) == 1, f"ranks waited for the hung agent more than once: {waits}"
+    assert "it is not asked again during this load" in job.log(1), job.log(1)[-3000:]
 
 
 def test_node_dying_mid_persist_leaves_no_complete_checkpoint(cluster: Cluster, env: Env) -> None:

@@ -5,6 +5,7 @@ replica."""
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -31,7 +32,7 @@ from tiers_sources import (
 from easyckpt import recovery
 from easyckpt.recovery import LoadError, StateMismatchError
 from easyckpt.snapshot.slots import RankSlots
-from easyckpt_wire import layout
+from easyckpt_wire import faults, layout
 from easyckpt_wire.health import NEUTRAL
 from easyckpt_wire.storage import location
 
@@ -172,6 +173,38 @@ def test_a_rank_whose_memory_is_gone_pulls_its_step_from_a_replica(env: Env, slo
         assert 6 in opened.committed()
     finally:
         shutil.rmtree(lost, ignore_errors=True)
+        agents.close()
+
+
+def test_an_agent_that_does_not_answer_costs_one_timeout_per_load_not_one_per_step(
+        env: Env, slots: Opener, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0's memory is gone; the buddy holds its steps 4 and 6 but hangs on every FETCH (a ':hold' fault point
+    in its serving thread), disk holds step 2. Step 6 waits out one peer_timeout, step 4 does not ask the buddy
+    again, and the load ends on disk at 2. Until 2026-12-07 each older step waited for the hung agent once more
+    (test_multinode.py's hung peer: steps 14, 13 and 12, three timeouts, before the disk)."""
+    lost, backup = (Path(tempfile.mkdtemp(prefix=f"easyckpt-test-{what}-", dir="/dev/shm")) for what in ("lost", "buddy"))
+    armed = env.tmp_path / "armed"
+    agents = Agents()
+    try:
+        write_snapshots(lost, 0, 1, no_health([2]))
+        persist(lost, env.save_dir)
+        write_snapshots(backup, 0, 1, no_health([4, 6]))
+        agents.back_up(backup)
+        armed.touch()
+        monkeypatch.setenv(faults.ENV, "agent.replica.fetch:hold")
+        monkeypatch.setenv(faults.ARM_ENV, str(armed))
+        with caplog.at_level(logging.INFO):
+            result = recovery.load(slots=slots(), save_dir=env.save_dir, rank=0, world_size=1, template=template(),
+                                   timeout=5.0, peer_timeout=0.5, peers=agents.peers)
+        assert (result.step, result.source) == (2, "disk"), result
+        waited = re.findall(r"step (\d+) from node n0 failed \(FETCH [^)]*no reply within", caplog.text)
+        assert waited == ["6"], f"the hung agent should be waited for once, at step 6: {waited}"
+        assert "it is not asked again during this load" in caplog.text
+        assert "could not load step 4 from replica" in caplog.text and "did not answer earlier in this load" in caplog.text
+    finally:
+        armed.unlink(missing_ok=True)   # the held serving thread goes on, and the server can stop
+        for folder in (lost, backup):
+            shutil.rmtree(folder, ignore_errors=True)
         agents.close()
 
 
