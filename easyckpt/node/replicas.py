@@ -67,11 +67,6 @@ def hush(silent: Silent | None, node: str, exc: Exception, who: str) -> None:
                    exc)
 
 
-def silent_problem(silent: Silent, node: str) -> str:
-    """Why ``node`` is not asked: what it left unanswered."""
-    return f"node {node}'s agent did not answer earlier in this load ({silent[node]})"
-
-
 Request = Callable[..., dict[str, Any]]   # (kind, timeout, **fields) -> reply: a rank's session or one-off
 
 
@@ -178,10 +173,8 @@ class ReplicaPlan:
     manifest_node: str
 
 
-def plan(peers: PeerTable, found: Survey, rank: int, timeout: float,
-         silent: Silent | None = None) -> dict[int, ReplicaPlan]:
+def plan(peers: PeerTable, found: Survey, rank: int, timeout: float, silent: Silent) -> dict[int, ReplicaPlan]:
     """The steps (newest first, at most CANDIDATE_STEPS) whose whole state this rank can pull."""
-    silent = {} if silent is None else silent
     order = [n for n in peers.ordered() if n in found.listings]
     steps = sorted({s for rows in found.listings.values() for s, row in rows.items() if rank in row.ranks},
                    reverse=True)
@@ -211,10 +204,9 @@ def plan(peers: PeerTable, found: Survey, rank: int, timeout: float,
 
 
 def fetch(peers: PeerTable, replica: ReplicaPlan, slots: RankSlots, *, rank: int, timeout: float,
-          silent: Silent | None = None) -> dict[str, Any]:
+          silent: Silent) -> dict[str, Any]:
     """Rebuild this rank's snapshot of ``replica.step`` in one of its own slots; returns transfer stats. Holders in
     ``silent`` are passed over, and one that does not answer now joins them."""
-    silent = {} if silent is None else silent
     manifest = replica.manifest
     # The snapshot now belongs to this process and this node's agent (a rank may come back elsewhere).
     meta = dataclasses.replace(manifest.meta, pid=os.getpid(), pid_start=procs.start_time(),
@@ -234,7 +226,7 @@ def fetch(peers: PeerTable, replica: ReplicaPlan, slots: RankSlots, *, rank: int
                 problems: list[str] = []
                 for node in holders:
                     if node in silent:
-                        problems.append(silent_problem(silent, node))
+                        problems.append(f"node {node}'s agent did not answer earlier in this load ({silent[node]})")
                         continue
                     client = clients.get(node) or clients.setdefault(
                         node, PeerClient(peers.endpoint(node), peers.token, timeout=timeout))
