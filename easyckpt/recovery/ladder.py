@@ -55,7 +55,7 @@ def build_tiers(*, slots: RankSlots, save_dir: Path, rank: int, world_size: int,
                                  silent=silent))
     if reshard:
         tiers.append(OtherWorldTier(slots.directory, slots.job_id, rank=rank, world_size=world_size, peers=peers,
-                                    survey=survey, timeout=timeout, peer_timeout=peer_timeout))
+                                    survey=survey, timeout=timeout, peer_timeout=peer_timeout, silent=silent))
     tiers.append(StorageTier(save_dir, rank=rank, world_size=world_size, reshard=reshard))
     return tiers
 

@@ -13,6 +13,7 @@ slot is read under a shared flock with its generation checked before and after.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import logging
 import time
@@ -122,14 +123,16 @@ class LocalSnapshot(OldSnapshot):
 
 class ReplicaSnapshot(OldSnapshot):
     """An old rank's snapshot held by agents: each tensor pulled whole (verified against its checksum by the
-    transfer) from the first holder that serves it."""
+    transfer) from the first holder that serves it. Holders in ``silent`` are passed over, and one that does not
+    answer now joins them (as in the replica tier)."""
 
     owned = True
 
     def __init__(self, rank: int, node: str, manifest: Manifest, holders: list[list[str]], peers: PeerTable,
-                 timeout: float) -> None:
+                 timeout: float, silent: replica.Silent) -> None:
         self.rank, self.where, self.meta = rank, node, manifest.meta
         self.manifest, self.holders, self.peers, self.timeout = manifest, holders, peers, timeout
+        self.silent = silent
         self.clients: dict[str, PeerClient] = {}
         self.fetched: dict[int, torch.Tensor] = {}
         self.bytes = 0
@@ -141,11 +144,16 @@ class ReplicaSnapshot(OldSnapshot):
         buffer = bytearray(entry.nbytes)
         problems: list[str] = []
         for node in self.holders[index] if entry.nbytes else ():
+            if node in self.silent:
+                problems.append(f"node {node}'s agent did not answer earlier in this load ({self.silent[node]})")
+                continue
             client = self.clients.get(node) or self.clients.setdefault(
                 node, PeerClient(self.peers.endpoint(node), self.peers.token, timeout=self.timeout))
             if replica.fetch_tensor(client, self.meta.step, self.manifest.checksums[index], memoryview(buffer),
                                     problems, what=f"{entry.name} of rank {self.rank} step {self.meta.step} "
-                                                   f"from node {node}"):
+                                                   f"from node {node}",
+                                    hushed=functools.partial(replica.hush, self.silent, node,
+                                                             who=f"saved rank {self.rank}")):
                 break
         else:
             if entry.nbytes:
@@ -219,9 +227,11 @@ class MemoryReader(StorageReader):
 
 
 def open_sources(found: Reachable, chosen: Mapping[int, Held], candidate: Candidate, *, peers: PeerTable | None,
-                 timeout: float, peer_timeout: float, checksums: Any = None) -> dict[int, OldSnapshot]:
+                 timeout: float, peer_timeout: float, checksums: Any = None,
+                 silent: replica.Silent | None = None) -> dict[int, OldSnapshot]:
     """Open every old rank's snapshot of ``candidate`` (every one is needed for the Metadata; only the ranges
-    DCP plans are read). ``checksums(rank, step)``: the local agent's checksums of a slot, or None."""
+    DCP plans are read). ``checksums(rank, step)``: the local agent's checksums of a slot, or None. ``silent``:
+    the load's agents that did not answer (``replicas.Silent``)."""
     opened: dict[int, OldSnapshot] = {}
     try:
         for rank in range(candidate.world_size):
@@ -237,7 +247,7 @@ def open_sources(found: Reachable, chosen: Mapping[int, Held], candidate: Candid
                 assert table is not None
                 key = (rank, candidate.step, h.where)
                 opened[rank] = ReplicaSnapshot(rank, h.where, found.manifests[key], found.holders[key], table,
-                                              peer_timeout)
+                                              peer_timeout, {} if silent is None else silent)
         return opened
     except BaseException:
         for source in opened.values():
@@ -289,7 +299,7 @@ class _Opened:
 
 
 def _open(found: Reachable, chosen: Mapping[int, Held], candidate: Candidate, source: int, template: Template, *,
-          peers: PeerTable | None, timeout: float, peer_timeout: float) -> _Opened:
+          peers: PeerTable | None, timeout: float, peer_timeout: float, silent: replica.Silent) -> _Opened:
     """Open every old rank's snapshot and plan what ``dcp.load`` fills; never raises (the vote that follows is
     collective): a failure is kept in ``failure``."""
     table = found.peers or peers
@@ -297,12 +307,12 @@ def _open(found: Reachable, chosen: Mapping[int, Held], candidate: Candidate, so
     if table is not None:   # this node's agent hashed its slots (multi-node): verify, as the memory tier does
         def checksums(r: int, s: int) -> tuple[int, list[bytes]] | None:
             assert table is not None
-            return replica.own_checksums(table, r, s, peer_timeout)
+            return replica.own_checksums(table, r, s, peer_timeout, silent)
     opened = _Opened({})
     step = candidate.step
     try:
         opened.sources = open_sources(found, chosen, candidate, peers=peers, timeout=timeout,
-                                      peer_timeout=peer_timeout, checksums=checksums)
+                                      peer_timeout=peer_timeout, checksums=checksums, silent=silent)
         opened.index = memory_index(opened.sources, step, candidate.world_size)
         meta = opened.sources[source].meta
         opened.into, opened.handed, opened.problems = dcp_targets(
@@ -353,18 +363,19 @@ def _fill(opened: _Opened, source: int, template: Template, step: int, saved: in
 
 
 def read(found: Reachable, candidate: Candidate, *, rank: int, world_size: int, template: Template,
-         peers: PeerTable | None, timeout: float, peer_timeout: float) -> Loaded:
+         peers: PeerTable | None, timeout: float, peer_timeout: float, silent: replica.Silent | None = None) -> Loaded:
     """Collective: every rank of the job calls it for the same candidate. ``Loaded.source`` is ``"memory"`` when
     every old rank came from this node's shared memory, else ``"replica"``. As the resharded read from disk
     (``easyckpt.recovery.disk``): DTensors through ``dcp.load``, every other value from one saved rank
-    (``sharding.source_rank``); a template that does not fit fails on every rank before any rank reads."""
+    (``sharding.source_rank``); a template that does not fit fails on every rank before any rank reads. An agent
+    that does not answer joins ``silent`` (``replicas.Silent``): the load's other candidates do not ask it again."""
     started = time.perf_counter()
     step, saved = candidate.step, candidate.world_size
     table = found.peers or peers
     chosen = choose(found.held, candidate, table.ordered() if table is not None else ())
     source = sharding.source_rank(rank, saved)
     opened = _open(found, chosen, candidate, source, template, peers=peers, timeout=timeout,
-                   peer_timeout=peer_timeout)
+                   peer_timeout=peer_timeout, silent={} if silent is None else silent)
     try:
         _vote(opened, candidate, world_size)
         values, nbytes = _fill(opened, source, template, step, saved)

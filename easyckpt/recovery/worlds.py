@@ -216,10 +216,11 @@ def local_snapshots(directory: Path, job_id: str, world_size: int) -> Reachable:
 
 
 def add_replicas(found: Reachable, peers: PeerTable, listings: Mapping[str, Mapping[int, Any]], world_size: int,
-                 timeout: float, steps: int = 3) -> None:
+                 timeout: float, silent: replica.Silent, steps: int = 3) -> None:
     """Old ranks' snapshots that agents hold (a survey's listings: node -> {step: ListRow}), for the newest
     ``steps`` steps at which the ranks held here and there could make a whole old world. Each one's manifest is
-    read (it says the saved world's size); a tensor is served by the nodes whose listing has its checksum."""
+    read (it says the saved world's size); a tensor is served by the nodes whose listing has its checksum. An
+    agent that does not answer a read joins ``silent`` and is asked nothing more in this load."""
     order = [n for n in peers.ordered() if n in listings]
     all_steps = sorted({s for rows in listings.values() for s in rows}, reverse=True)
     tried = 0
@@ -233,7 +234,7 @@ def add_replicas(found: Reachable, peers: PeerTable, listings: Mapping[str, Mapp
             probe = max(listed)   # the highest old rank exists only in the old world when it shrank
             # not every node lists every step (a KeyError here once hid every replica behind "could not be surveyed")
             for node in (n for n in order if probe in getattr(listings[n].get(step), "ranks", ())):
-                got = _read_manifest(peers, node, probe, step, timeout)
+                got = _read_manifest(peers, node, probe, step, timeout, silent)
                 if got is not None:
                     manifests[(probe, node)] = got
                     sizes.add(got.meta.world_size)
@@ -248,7 +249,7 @@ def add_replicas(found: Reachable, peers: PeerTable, listings: Mapping[str, Mapp
                 continue
             for rank in sorted(set(range(m)) - local):
                 for node in (n for n in order if rank in getattr(listings[n].get(step), "ranks", ())):
-                    manifest = manifests.get((rank, node)) or _read_manifest(peers, node, rank, step, timeout)
+                    manifest = manifests.get((rank, node)) or _read_manifest(peers, node, rank, step, timeout, silent)
                     if manifest is None or manifest.meta.world_size != m or manifest.step != step:
                         continue
                     holders = [[n for n in order if c in getattr(listings[n].get(step), "checksums", ())]
@@ -261,22 +262,28 @@ def add_replicas(found: Reachable, peers: PeerTable, listings: Mapping[str, Mapp
                     break
 
 
-def _read_manifest(peers: PeerTable, node: str, rank: int, step: int, timeout: float) -> Manifest | None:
-    """Old rank ``rank``'s manifest of ``step`` from ``node``'s agent (the replica tier's MANIFEST request)."""
+def _read_manifest(peers: PeerTable, node: str, rank: int, step: int, timeout: float,
+                   silent: replica.Silent) -> Manifest | None:
+    """Old rank ``rank``'s manifest of ``step`` from ``node``'s agent (the replica tier's MANIFEST request); None
+    when it has none, or did not answer (now or earlier in this load)."""
+    if node in silent:
+        return None
     client = PeerClient(peers.endpoint(node), peers.token, timeout=timeout)
     try:
         return replica.read_manifest(client, rank, step)
     except (PeerError, ProtocolError, RecordError) as exc:
         logger.info("manifest of rank %d step %d from node %s: %s", rank, step, node, exc)
+        replica.hush(silent, node, exc, f"the manifest of saved rank {rank} step {step}")
         return None
     finally:
         client.close()
 
 
 def discover(directory: Path, job_id: str, world_size: int, peers: PeerTable | None,
-             survey: replica.Survey | None, timeout: float) -> Reachable:
+             survey: replica.Survey | None, timeout: float, silent: replica.Silent | None = None) -> Reachable:
     """This node's slots of other worlds, and (multi-node) the replicas agents hold of their ranks. Never
-    raises: every rank goes on to the collective ``agreed`` (what it could not see, it does not offer)."""
+    raises: every rank goes on to the collective ``agreed`` (what it could not see, it does not offer).
+    ``silent``: the load's agents that did not answer (``replicas.Silent``), filled here too."""
     try:
         found = local_snapshots(directory, job_id, world_size)
     except Exception as exc:  # never raised past here: the agreement that follows is a collective
@@ -291,7 +298,7 @@ def discover(directory: Path, job_id: str, world_size: int, peers: PeerTable | N
                 survey = replica.survey(peers, timeout)
         if peers is not None and survey is not None:
             found.peers = peers
-            add_replicas(found, peers, survey.listings, world_size, timeout)
+            add_replicas(found, peers, survey.listings, world_size, timeout, {} if silent is None else silent)
     except Exception as exc:  # the replicas are a bonus: this node's memory and the disk still serve
         logger.warning("replicas of another world's ranks could not be surveyed (%s: %s): a resume on another "
                        "world size uses this node's memory and the disk only", type(exc).__name__, exc)
@@ -367,14 +374,17 @@ class OtherWorldTier:
     collective = True
 
     def __init__(self, directory: Path, job_id: str, *, rank: int, world_size: int, peers: PeerTable | None = None,
-                 survey: replica.Survey | None = None, timeout: float = 120.0, peer_timeout: float = 10.0) -> None:
+                 survey: replica.Survey | None = None, timeout: float = 120.0, peer_timeout: float = 10.0,
+                 silent: replica.Silent | None = None) -> None:
         self.directory, self.job_id, self.rank, self.world_size = directory, job_id, rank, world_size
         self.peers, self.survey, self.timeout, self.peer_timeout = peers, survey, timeout, peer_timeout
+        self.silent = {} if silent is None else silent   # agents that did not answer in this load
         self.found = Reachable()
         self.candidates: list[Candidate] = []
 
     def offer(self) -> Offer:
-        self.found = discover(self.directory, self.job_id, self.world_size, self.peers, self.survey, self.peer_timeout)
+        self.found = discover(self.directory, self.job_id, self.world_size, self.peers, self.survey, self.peer_timeout,
+                              self.silent)
         self.candidates = agreed(self.found, self.world_size)
         return Offer(tuple(Offered(c.step, c.healthy, (), c.note) for c in self.candidates))
 
@@ -388,4 +398,5 @@ class OtherWorldTier:
         # start-up for a tier that reads in few jobs: imported when it reads.
         from easyckpt.recovery import reshard
         return reshard.read(self.found, pick(self.candidates, step), rank=self.rank, world_size=self.world_size,
-                            template=template, peers=self.peers, timeout=self.timeout, peer_timeout=self.peer_timeout)
+                            template=template, peers=self.peers, timeout=self.timeout, peer_timeout=self.peer_timeout,
+                            silent=self.silent)

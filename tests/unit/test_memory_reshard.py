@@ -6,7 +6,11 @@ template of other global shapes refused with the disk path's message, a torn slo
 old world's leftover slots released."""
 from __future__ import annotations
 
+import logging
 import random
+import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +19,13 @@ import torch
 from conftest import seeded_random
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers_sources import JOB, Agents, persist
 
 from easyckpt.recovery import reshard
 from easyckpt.recovery import worlds as mr
 from easyckpt.recovery.worlds import LOCAL, Candidate, Held
+from easyckpt_wire import faults
+from easyckpt_wire.shm import list_slots
 
 # planning -----------------------------------------------------------------------------------------------------
 
@@ -248,6 +255,53 @@ def test_a_slot_rewritten_after_planning_fails_the_read_not_the_state(shm: Path)
     with pytest.raises(SlotFormatError, match="rank 1's snapshot of step 7 changed"):
         reshard.read(found, candidate, rank=0, world_size=1, template=template, peers=None, timeout=5.0, peer_timeout=5.0)
     assert torch.equal(template["model/w"].into, torch.zeros(ROWS, COLS))   # nothing was copied in
+
+
+def test_an_agent_that_does_not_answer_costs_one_timeout_per_resharded_load(
+        tmp_path: Path, shm: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 2-rank world saved steps 4 and 6 and the job came back with one rank: this node still holds old rank 0's
+    slots, old rank 1's node is gone and its buddy n0 holds its backups but hangs on every FETCH (a ':hold' fault
+    point in its serving thread); disk holds step 2. The resharded read of step 6 waits out one peer_timeout, that of
+    step 4 does not ask n0 again, and the load ends on disk at 2. Before 2026-12-07 the reshard tier asked the hung
+    agent again for each step (the replica tier had stopped doing so the day before)."""
+    from easyckpt import recovery
+    from easyckpt.snapshot.slots import RankSlots
+
+    lost, disk = (Path(tempfile.mkdtemp(prefix=f"easyckpt-test-{what}-", dir="/dev/shm")) for what in ("lost", "disk"))
+    armed = tmp_path / "armed"
+    agents = Agents()
+    try:
+        save_world(lost, JOB, 2, [4, 6])
+        agents.back_up(lost, rank=1)
+        save_world(shm, JOB, 2, [4, 6])
+        for (rank, _), path in list_slots(shm, JOB).items():
+            if rank == 1:
+                path.unlink()   # old rank 1's node is gone: only its backup on n0 is left
+        save_world(disk, JOB, 1, [2])
+        persist(disk, tmp_path / "save")
+        armed.touch()
+        monkeypatch.setenv(faults.ENV, "agent.replica.fetch:hold")
+        monkeypatch.setenv(faults.ARM_ENV, str(armed))
+        template = {"model": {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(ROWS)},
+                    "rng": torch.zeros(4, dtype=torch.uint8), "step": -1, "who": -1}
+        slots = RankSlots(shm, JOB, 0, 1, 1)
+        try:
+            with caplog.at_level(logging.INFO):
+                result = recovery.load(slots=slots, save_dir=tmp_path / "save", rank=0, world_size=1, template=template,
+                                       timeout=5.0, peer_timeout=0.5, peers=agents.peers)
+        finally:
+            slots.close()
+        assert (result.step, result.source) == (2, "disk"), result
+        assert torch.equal(result.state["model"]["w"], full_tensors(2)["model.w"])
+        waited = re.findall(r"of rank 1 step (\d+) from node n0 failed \(FETCH [^)]*no reply within", caplog.text)
+        assert waited == ["6"], f"the hung agent should be waited for once, at step 6: {waited}"
+        assert "saved rank 1: the agent of node n0 did not answer" in caplog.text
+        assert "did not answer earlier in this load" in caplog.text, "step 4 was not tried without n0"
+    finally:
+        armed.unlink(missing_ok=True)   # the held serving thread goes on, and the server can stop
+        for folder in (lost, disk):
+            shutil.rmtree(folder, ignore_errors=True)
+        agents.close()
 
 
 def test_the_old_module_name_still_forwards_and_says_where_the_names_went() -> None:

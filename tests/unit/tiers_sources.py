@@ -112,12 +112,12 @@ class Agents:
         self.peers = PeerTable(TOKEN, "n1", "n0", {n: PeerNode(s.endpoint, (0,) if n == "n1" else ())
                                                   for n, s in self.servers.items()}, world_size=1)
 
-    def back_up(self, shm: Path) -> None:
-        """Hash every committed slot of rank 0 in ``shm`` (the lost node's memory) and give ``n0`` the backup."""
+    def back_up(self, shm: Path, rank: int = 0) -> None:
+        """Hash every committed slot of ``rank`` in ``shm`` (the lost node's memory) and give ``n0`` the backup."""
         from easyckpt_agent.replica import build_manifest
 
         holdings = self.holdings["n0"]
-        with committed_slots(shm, 0) as slots:
+        with committed_slots(shm, rank) as slots:
             for slot, meta, generation in slots:
                 entry = build_manifest(slot, meta, generation, "lost")
                 assert entry is not None
