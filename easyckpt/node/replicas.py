@@ -18,7 +18,6 @@ next, and each would wait the whole ``peer_timeout`` for it again.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import secrets
@@ -58,9 +57,9 @@ class ReplicaError(RuntimeError):
 Silent = dict[str, str]
 
 
-def hush(silent: Silent | None, node: str, exc: Exception, who: str) -> None:
+def hush(silent: Silent, node: str, exc: Exception, who: str) -> None:
     """Remember ``node`` as silent for the rest of the load when ``exc`` is its timeout; said once."""
-    if silent is None or not isinstance(exc, PeerTimeout) or node in silent:
+    if not isinstance(exc, PeerTimeout) or node in silent:
         return
     silent[node] = str(exc)
     logger.warning("%s: the agent of node %s did not answer (%s): it is not asked again during this load", who, node,
@@ -141,10 +140,10 @@ def survey(peers: PeerTable, timeout: float) -> Survey:
 
 
 def own_checksums(peers: PeerTable, rank: int, step: int, timeout: float,
-                  silent: Silent | None = None) -> tuple[int, list[bytes]] | None:
+                  silent: Silent) -> tuple[int, list[bytes]] | None:
     """(slot generation, tensor checksums) the node agent computed for this rank's snapshot of ``step``,
     so that a read from memory is verified too; None when the agent has not hashed it or is ``silent``."""
-    if silent is not None and peers.node in silent:
+    if peers.node in silent:
         return None
     client = PeerClient(peers.endpoint(peers.node), peers.token, timeout=timeout)
     try:
@@ -225,15 +224,12 @@ def fetch(peers: PeerTable, replica: ReplicaPlan, slots: RankSlots, *, rank: int
                     continue
                 problems: list[str] = []
                 for node in holders:
-                    if node in silent:
-                        problems.append(f"node {node}'s agent did not answer earlier in this load ({silent[node]})")
-                        continue
                     client = clients.get(node) or clients.setdefault(
                         node, PeerClient(peers.endpoint(node), peers.token, timeout=timeout))
                     begun = time.perf_counter()
                     if fetch_tensor(client, replica.step, checksum, write.data(entry), problems,
                                     what=f"rank {rank}: {entry.name} of step {replica.step} from node {node}",
-                                    hushed=functools.partial(hush, silent, node, who=f"rank {rank}")):
+                                    node=node, silent=silent, who=f"rank {rank}"):
                         stats = served.setdefault(node, [0.0, 0.0])
                         stats[0] += entry.nbytes
                         stats[1] += time.perf_counter() - begun
@@ -255,11 +251,14 @@ def fetch(peers: PeerTable, replica: ReplicaPlan, slots: RankSlots, *, rank: int
 
 
 def fetch_tensor(client: PeerClient, step: int, checksum: bytes, view: memoryview, problems: list[str], *,
-                 what: str, hushed: Callable[[PeerError], None] | None = None) -> bool:
-    """Fill ``view`` with the tensor of ``checksum`` at ``step`` from the agent ``client`` talks to, trying each
+                 what: str, node: str, silent: Silent, who: str) -> bool:
+    """Fill ``view`` with the tensor of ``checksum`` at ``step`` from ``node``'s agent (``client``), trying each
     copy it holds until one verifies; False (with the reasons in ``problems``) if none does. Releases ``view``.
-    ``hushed`` hears why the agent was given up (a refusal or a timeout)."""
+    A node in ``silent`` is not asked; one that does not answer now joins it (``hush``, said as ``who``)."""
     try:
+        if node in silent:
+            problems.append(f"node {node}'s agent did not answer earlier in this load ({silent[node]})")
+            return False
         for copy in range(MAX_COPIES):
             try:
                 client.fetch_into(step, checksum, view, copy=copy)
@@ -277,8 +276,7 @@ def fetch_tensor(client: PeerClient, step: int, checksum: bytes, view: memoryvie
             except PeerError as exc:   # refused or hung: the next node
                 problems.append(str(exc))
                 logger.warning("%s failed (%s); trying the next holder", what, problems[-1])
-                if hushed is not None:
-                    hushed(exc)
+                hush(silent, node, exc, who)
                 return False
         return False
     finally:

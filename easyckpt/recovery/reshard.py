@@ -13,7 +13,6 @@ slot is read under a shared flock with its generation checked before and after.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import io
 import logging
 import time
@@ -144,16 +143,12 @@ class ReplicaSnapshot(OldSnapshot):
         buffer = bytearray(entry.nbytes)
         problems: list[str] = []
         for node in self.holders[index] if entry.nbytes else ():
-            if node in self.silent:
-                problems.append(f"node {node}'s agent did not answer earlier in this load ({self.silent[node]})")
-                continue
             client = self.clients.get(node) or self.clients.setdefault(
                 node, PeerClient(self.peers.endpoint(node), self.peers.token, timeout=self.timeout))
             if replica.fetch_tensor(client, self.meta.step, self.manifest.checksums[index], memoryview(buffer),
                                     problems, what=f"{entry.name} of rank {self.rank} step {self.meta.step} "
                                                    f"from node {node}",
-                                    hushed=functools.partial(replica.hush, self.silent, node,
-                                                             who=f"saved rank {self.rank}")):
+                                    node=node, silent=self.silent, who=f"saved rank {self.rank}"):
                 break
         else:
             if entry.nbytes:
