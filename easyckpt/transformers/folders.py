@@ -17,10 +17,9 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedModel, Trainer
-from transformers.utils import is_peft_available
 
 from easyckpt.transformers import fsdp
-from easyckpt.transformers.snapshot import unwrapped_model
+from easyckpt.transformers.snapshot import is_peft_model, unwrapped_model, with_frozen
 from easyckpt_wire.faults import fault_point
 from easyckpt_wire.storage import posix
 from easyckpt_wire.timeline import abandoned_dirname
@@ -45,14 +44,6 @@ SAFE_WEIGHTS_NAME = "model.safetensors"
 HEALTH_NAME = "easyckpt_health.json"
 WEIGHTS_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
                  "pytorch_model.bin.index.json", "adapter_model.safetensors", "adapter_model.bin")
-
-
-def is_peft_model(model: Any) -> bool:
-    """Whether the Trainer saves ``model`` as a peft adapter (its own test, without importing peft when absent)."""
-    if not is_peft_available():
-        return False
-    from peft import PeftMixedModel, PeftModel
-    return isinstance(model, (PeftModel, PeftMixedModel))
 
 
 def rng_file_name(rank: int, world_size: int) -> str:
@@ -311,8 +302,8 @@ class CheckpointFolders:
         model = unwrapped_model(self.trainer)
         pretrained = native and isinstance(model, PreTrainedModel)
         if native and fsdp.STATE_KEY not in common and is_peft_model(model):
-            model.save_pretrained(str(directory), state_dict=weights if weights is not None else common["model"],
-                                  is_main_process=True)
+            model.save_pretrained(str(directory), state_dict=weights if weights is not None else
+                                  with_frozen(model, common["model"]), is_main_process=True)
             return
         if fsdp.STATE_KEY in common:
             if pretrained:
@@ -329,7 +320,10 @@ class CheckpointFolders:
             model.save_pretrained(str(directory), state_dict=_retie(model, common["model"]), is_main_process=True)
         else:
             import safetensors.torch
-            safetensors.torch.save_file(_distinct_storage(weights if weights is not None else common["model"]),
+            # a peft model's snapshot lacks its frozen base (snapshot.trained_only): the Trainer's resume loads this
+            # file into the whole model and warns of every key it lacks
+            whole = weights if weights is not None else with_frozen(model, common["model"])
+            safetensors.torch.save_file(_distinct_storage(whole),
                                         str(directory / SAFE_WEIGHTS_NAME),
                                         metadata={"format": "pt"})
 

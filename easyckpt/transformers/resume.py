@@ -30,7 +30,7 @@ from easyckpt.transformers.folders import (
     rng_file_name,
     unhealthy_reasons,
 )
-from easyckpt.transformers.snapshot import STATE_FORMAT
+from easyckpt.transformers.snapshot import FROZEN_KEY, STATE_FORMAT, base_differs, unwrapped_model
 from easyckpt_wire import layout
 from easyckpt_wire.shm import format_bytes
 from easyckpt_wire.storage import is_url, location
@@ -223,6 +223,8 @@ class Resumer:
         creator = self.ckpt.rank == 0 if across_nodes else self.ckpt.local_rank == 0
         directory = Path(base) / f"{STAGING_PREFIX}{self.ckpt.config.job_id}"
         problem = ""
+        if creator and FROZEN_KEY in state:
+            self._check_frozen_base(state[FROZEN_KEY], result)
         if creator:
             try:
                 shutil.rmtree(directory, ignore_errors=True)
@@ -250,6 +252,20 @@ class Resumer:
             fsdp.stage(directory, state, world_size, self.ckpt.rank)
         self.staged = directory if creator else None
         return str(directory)
+
+    def _check_frozen_base(self, saved: dict[str, list[float]], result: LoadResult) -> None:
+        """A peft model's snapshot holds what trains, not its frozen base (``snapshot.trained_only``): the resumed
+        model is the one that trained only if the script built the same base again. Said, not refused: training can
+        go on, as it would from the Trainer's own checkpoint of a peft model (the adapter only)."""
+        differ = base_differs(unwrapped_model(self.trainer), saved)
+        if differ:
+            logger.warning("the frozen base of this peft model is not the one the run that saved step %s trained "
+                           "with: %d of its %d frozen parameters differ (%s%s). Snapshots of a peft model hold what "
+                           "trains (the adapter), not the base, as the Trainer's own checkpoints of one; this run "
+                           "built another base (another base model, or a random initialisation without the seed "
+                           "of that run) and goes on with it. To continue that run's model, build the base as it did",
+                           result.step, len(differ), len(saved), ", ".join(differ[:3]), ", ..." if len(differ) > 3
+                           else "")
 
     def _drop_old_snapshots(self) -> None:
         if self.ckpt.slots.committed():

@@ -1,6 +1,7 @@
 """The state TrainerWrapper snapshots, taken from the live Trainer in the layout its own checkpoints use.
 
-Model (under ZeRO-3: this rank's parameter partitions; under FSDP2 this rank's shards, see ``fsdp``),
+Model (under ZeRO-3: this rank's parameter partitions; under FSDP2 this rank's shards, see ``fsdp``; of a
+peft model what trains, as the Trainer's own checkpoints of one hold only the adapter: see ``trained_only``),
 optimizer (under DeepSpeed ZeRO: this rank's partition, see ``zero``; under FSDP2 keyed by parameter
 name), LR scheduler, grad scaler (when there is one), ``trainer_state.json`` as the Trainer would write
 it now (callbacks' states included) and every RNG as in its ``rng_state`` files. The data position needs
@@ -12,6 +13,7 @@ import copy
 import dataclasses
 import json
 import logging
+import math
 import random
 from typing import Any
 
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 from transformers import Trainer
 from transformers.trainer_callback import ExportableState
+from transformers.utils import is_peft_available
 
 from easyckpt.transformers import fsdp
 
@@ -34,6 +37,89 @@ def unwrapped_model(trainer: Trainer) -> Any:
         return accelerator.unwrap_model(trainer.model, keep_torch_compile=False)
     except TypeError:  # accelerate versions without keep_torch_compile
         return accelerator.unwrap_model(trainer.model)
+
+
+def is_peft_model(model: Any) -> bool:
+    """Whether the Trainer saves ``model`` as a peft adapter (its own test, without importing peft when absent)."""
+    if not is_peft_available():
+        return False
+    from peft import PeftMixedModel, PeftModel
+    return isinstance(model, (PeftModel, PeftMixedModel))
+
+
+# The state's entry for a peft model's frozen base: {parameter name: [sum, sum of squares]} of what the snapshot
+# leaves out, so that a resume can tell whether the script built the same base again.
+FROZEN_KEY = "peft_frozen_base"
+
+
+def frozen_parameters(model: Any) -> dict[str, torch.Tensor]:
+    """The parameters of ``model`` that do not train, by their ``state_dict()`` names (a tied one under each)."""
+    return {name: param for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
+
+
+def trained_only(model: Any, model_state: dict[str, Any]) -> dict[str, Any]:
+    """``model_state`` without the frozen parameters of a peft model (LoRA ...): its base weights never change, and
+    the script builds them again at every start (``from_pretrained``, then ``get_peft_model``), as a resume from the
+    Trainer's own checkpoint of a peft model (the adapter only) needs. A LoRA of a 7B model would otherwise copy 14 GB
+    into every snapshot for a few MB that train, and hold that in every slot. Buffers stay; any other model whole."""
+    if not is_peft_model(model):
+        return model_state
+    frozen = frozen_parameters(model)
+    return model_state.__class__((name, value) for name, value in model_state.items() if name not in frozen)
+
+
+def with_frozen(model: Any, model_state: dict[str, Any]) -> dict[str, Any]:
+    """``model_state`` as ``state_dict()`` gives it: the frozen parameters that ``trained_only`` left out, from the
+    live model (what its frozen base holds is what it held when the snapshot was taken, unless the script built
+    another base: ``base_differs``)."""
+    if not is_peft_model(model):
+        return model_state
+    missing = {name: param.detach() for name, param in frozen_parameters(model).items() if name not in model_state}
+    if not missing:
+        return model_state
+    order = list(model.state_dict())   # the layout state_dict() gives, so that save_pretrained writes the same file
+    whole = {**model_state, **missing}
+    return {**{name: whole[name] for name in order if name in whole}, **whole}
+
+
+class FrozenBase:
+    """A fingerprint of a peft model's frozen base (``FROZEN_KEY``), computed once per parameter: a frozen parameter
+    is not written in place, so its storage and version counter say when it must be summed again."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, tuple[tuple[Any, ...], list[float]]] = {}
+
+    def __call__(self, model: Any) -> dict[str, list[float]]:
+        prints = {}
+        for name, param in frozen_parameters(model).items():
+            key = (param.data_ptr(), param._version, tuple(param.shape), param.dtype, param.device)
+            known = self._known.get(name)
+            if known is None or known[0] != key:
+                known = (key, fingerprint(param))
+                self._known[name] = known
+            prints[name] = known[1]
+        return prints
+
+
+def fingerprint(tensor: torch.Tensor) -> list[float]:
+    with torch.no_grad():
+        values = tensor.detach().to(torch.float64)
+        return [values.sum().item(), values.square().sum().item()]
+
+
+def base_differs(model: Any, saved: dict[str, list[float]]) -> list[str]:
+    """The frozen parameters whose live values are not those of the run that took the snapshot (``saved``: its
+    ``FROZEN_KEY``), or that it had and this model lacks. Sums over the same values in another order differ in the
+    last digits only; another initialisation or base model differs in every parameter."""
+    live = frozen_parameters(model)
+    differ = []
+    for name, (total, squares) in saved.items():
+        param = live.get(name)
+        now = fingerprint(param) if param is not None else None
+        if now is None or not (math.isclose(now[0], total, rel_tol=1e-9, abs_tol=1e-9)
+                               and math.isclose(now[1], squares, rel_tol=1e-9, abs_tol=1e-9)):
+            differ.append(name)
+    return differ
 
 
 class LogHistoryJson:
@@ -103,13 +189,14 @@ def rng_state(trainer: Trainer) -> dict[str, Any]:
 
 
 def capture(trainer: Trainer, extra_callback_states: dict[str, Any] | None = None,
-            history: LogHistoryJson | None = None) -> dict[str, Any]:
+            history: LogHistoryJson | None = None, frozen: FrozenBase | None = None) -> dict[str, Any]:
     """This rank's whole state now (tensors by reference: the Checkpointer copies them); ``history``: the
-    ``log_history`` encoder kept from one snapshot to the next (see ``LogHistoryJson``)."""
+    ``log_history`` encoder kept from one snapshot to the next (see ``LogHistoryJson``), ``frozen`` the fingerprint
+    of a peft model's base (see ``FrozenBase``)."""
     if trainer.optimizer is None or trainer.lr_scheduler is None:
         raise RuntimeError("easyckpt snapshots the Trainer's state during training: its optimizer and scheduler "
                            "are not created yet (call TrainerWrapper.train(), not a snapshot before it)")
-    fsdp_info = None
+    fsdp_info, base = None, None
     if getattr(trainer, "is_deepspeed_enabled", False):
         from easyckpt.transformers import zero  # only here: deepspeed is an optional extra
         optim, engine_info = zero.capture(trainer)
@@ -119,7 +206,9 @@ def capture(trainer: Trainer, extra_callback_states: dict[str, Any] | None = Non
         engine_info = None
     else:
         optim, engine_info = trainer.optimizer.state_dict(), None
-        model = unwrapped_model(trainer).state_dict()
+        unwrapped = unwrapped_model(trainer)
+        model = trained_only(unwrapped, unwrapped.state_dict())
+        base = (frozen or FrozenBase())(unwrapped) if is_peft_model(unwrapped) else None
     state: dict[str, Any] = {
         "format": STATE_FORMAT,
         "step": trainer.state.global_step,
@@ -133,6 +222,8 @@ def capture(trainer: Trainer, extra_callback_states: dict[str, Any] | None = Non
         state["deepspeed"] = engine_info
     if fsdp_info is not None:
         state[fsdp.STATE_KEY] = fsdp_info
+    if base is not None:
+        state[FROZEN_KEY] = base
     scaler = getattr(trainer.accelerator, "scaler", None)
     if scaler is not None:
         state["scaler"] = scaler.state_dict()

@@ -179,6 +179,7 @@ class TrainerWrapper:
         trainer.get_batch_samples = self._get_batch_samples                # type: ignore[method-assign]
         self._trained_out = False   # this train() resumed at (or past) max_steps: nothing is left to train
         self._history = snapshot.LogHistoryJson()   # log_history's entries encoded by the snapshots before
+        self._frozen = snapshot.FrozenBase()   # a peft model's frozen base, summed once
         self.guard: StepGuard | None = None
         if self.skipper is not None or use_checkpoint_health_monitor:
             self.guard = StepGuard(trainer, self.skipper, health=use_checkpoint_health_monitor,
@@ -295,7 +296,7 @@ class TrainerWrapper:
 
     def _capture(self) -> dict[str, Any]:
         extra = {STATE_KEY: self.guard.state()} if self.guard is not None and self.skipper is not None else None
-        return snapshot.capture(self.trainer, extra, self._history)
+        return snapshot.capture(self.trainer, extra, self._history, self._frozen)
 
     def _metrics(self, step: int) -> dict[str, float] | None:
         return self.guard.metrics_for(step) if self.guard is not None else None

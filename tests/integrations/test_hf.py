@@ -337,9 +337,10 @@ IN_PROCESS = {
 
 
 def _in_process_run(output_dir: Path, wrapped: bool, setup: str, *, overrides: dict[str, Any] | None = None,
-                    scores: list[float] | None = None, resume: bool = False, lora: bool = False) -> Any:
+                    scores: list[float] | None = None, resume: bool = False, lora: bool = False,
+                    callbacks: list[Any] | None = None, model_seed: int = 0) -> Any:
     """One process, no torchrun, the best model loaded at the end (see IN_PROCESS); ``lora``: a peft LoRA adapter
-    on the attention projections is what trains."""
+    on the attention projections is what trains; ``model_seed``: the seed of the model's initialisation."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from easyckpt.transformers import TrainerWrapper
@@ -347,19 +348,19 @@ def _in_process_run(output_dir: Path, wrapped: bool, setup: str, *, overrides: d
     example = _example_module()
     setup_overrides, score_list, _, _ = IN_PROCESS[setup]
     scores_left = iter(score_list if scores is None else scores)
-    args = TrainingArguments(
-        output_dir=str(output_dir), per_device_train_batch_size=4, learning_rate=3e-3, warmup_steps=2,
-        logging_steps=1, metric_for_best_model="score", greater_is_better=True, load_best_model_at_end=True,
-        seed=0, data_seed=1234, report_to="none", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0,
-        **{**setup_overrides, **(overrides or {})})
-    torch.manual_seed(0)
+    args = TrainingArguments(**{
+        "output_dir": str(output_dir), "per_device_train_batch_size": 4, "learning_rate": 3e-3, "warmup_steps": 2,
+        "logging_steps": 1, "metric_for_best_model": "score", "greater_is_better": True,
+        "load_best_model_at_end": True, "seed": 0, "data_seed": 1234, "report_to": "none", "use_cpu": True,
+        "disable_tqdm": True, "dataloader_num_workers": 0, **setup_overrides, **(overrides or {})})
+    torch.manual_seed(model_seed)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=example.VOCAB, n_positions=32))
     if lora:
         from peft import LoraConfig, get_peft_model
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True))
     trainer = Trainer(model=model, args=args, train_dataset=example.SyntheticTokens(32),
                       eval_dataset=example.SyntheticTokens(8, seed=1),
-                      compute_metrics=lambda _: {"score": next(scores_left)})
+                      compute_metrics=lambda _: {"score": next(scores_left)}, callbacks=callbacks)
     runner = TrainerWrapper(trainer, save_mem_interval=2) if wrapped else trainer
     runner.train(resume_from_checkpoint=True if wrapped or resume else None)
     return trainer
@@ -436,6 +437,63 @@ def test_a_lora_run_exports_the_adapter_as_the_trainer(env: Env, tmp_path: Path,
     loaded = PeftModel.from_pretrained(base, str(tmp_path / "wrapped" / expected[-1]))
     trained = {k: v for k, v in wrapped.model.state_dict().items() if "lora_" in k}
     assert trained and all(torch.equal(loaded.state_dict()[k], v) for k, v in trained.items())
+
+
+def test_a_lora_run_snapshots_what_trains_and_resumes_exactly(env: Env, tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """A peft LoRA fine-tune snapshots what trains (the adapter, the optimizer, the base's buffers), not the frozen
+    base weights, which the script builds again at every start, as for the Trainer's own checkpoints of a peft model;
+    before, every snapshot copied the whole base (14 GB a slot for a LoRA of a 7B model). A run that fails after step 9
+    and is started again (a new model and Trainer, as a rerun of the script builds them) resumes from memory, trains
+    only the steps left, and ends with the uninterrupted run's losses and weights; the checkpoint-N folders it exports
+    are the plain Trainer's, byte for byte (``test_a_lora_run_exports_the_adapter_as_the_trainer``). A rerun that
+    builds another base (initialised with another seed) is told so, naming the step and the parameters."""
+    pytest.importorskip("peft", reason="the LoRA snapshot is tested with peft: pip install -e '.[test]'")
+    from transformers import TrainerCallback
+
+    from easyckpt.transformers.export import read_rank_state
+
+    class Steps(TrainerCallback):
+        def __init__(self, fail_at: int | None = None) -> None:
+            self.fail_at, self.trained = fail_at, []
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            self.trained.append(state.global_step)
+            if state.global_step == self.fail_at:
+                raise RuntimeError(f"failed after step {state.global_step}")
+
+    plain_args: dict[str, Any] = {"eval_strategy": "no", "load_best_model_at_end": False, "save_strategy": "no"}
+    reference = _in_process_run(tmp_path / "reference", wrapped=True, setup="steps", lora=True, overrides=plain_args)
+    model = reference.model
+    frozen = {name for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
+    final = tmp_path / "reference" / "easyckpt" / layout.iteration_dirname(14)
+    snapshot = read_rank_state(final, 0, 1)["model"]
+    assert frozen and any("lora_" in name for name in snapshot), sorted(snapshot)
+    assert set(snapshot) == set(model.state_dict()) - frozen, set(snapshot) ^ (set(model.state_dict()) - frozen)
+    for name, tensor in snapshot.items():
+        assert torch.equal(tensor, model.state_dict()[name]), name
+
+    failing = Steps(fail_at=9)
+    with pytest.raises(RuntimeError, match="failed after step 9"):
+        _in_process_run(tmp_path / "run", wrapped=True, setup="steps", lora=True, overrides=plain_args,
+                        callbacks=[failing])
+    again = Steps()
+    resumed = _in_process_run(tmp_path / "run", wrapped=True, setup="steps", lora=True, overrides=plain_args,
+                              callbacks=[again])
+    assert failing.trained == list(range(1, 10)) and again.trained[0] in (9, 10) and again.trained[-1] == 14, \
+        (failing.trained, again.trained)
+    assert [r.get("loss") for r in resumed.state.log_history] == [r.get("loss") for r in reference.state.log_history]
+    for (name, a), (_, b) in zip(reference.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert "frozen base" not in caplog.text
+
+    with pytest.raises(RuntimeError, match="failed after step 9"):
+        _in_process_run(tmp_path / "other", wrapped=True, setup="steps", lora=True, overrides=plain_args,
+                        callbacks=[Steps(fail_at=9)])
+    _in_process_run(tmp_path / "other", wrapped=True, setup="steps", lora=True, overrides=plain_args, model_seed=1)
+    warned = [r.getMessage() for r in caplog.records if "frozen base of this peft model" in r.getMessage()]
+    assert len(warned) == 1 and f"of its {len(frozen)} frozen parameters differ" in warned[0], warned
+    assert re.search(r"saved step (8|9) trained with", warned[0]), warned[0]
 
 
 def test_a_resumed_run_keeps_the_best_checkpoint_of_the_run_before_as_the_trainer(

@@ -268,6 +268,19 @@ def test_hf_log_history_benchmark_smoke(env: Env, tmp_path: Path) -> None:
         assert row["ratio_easyckpt_over_plain"] > 0
 
 
+def test_hf_lora_benchmark_smoke(env: Env, tmp_path: Path) -> None:
+    """A LoRA fine-tune's snapshot holds what trains: a few KiB of adapter and optimizer, not the frozen base."""
+    pytest.importorskip("peft", reason="hf_lora.py needs peft (the 'test' extra)")
+    out = tmp_path / "hf_lora.json"
+    result = load("hf_lora").main(["--layers", "2", "--width", "64", "--steps", "6", "--warmup", "1",
+                                   "--dir", str(tmp_path), "--out", str(out)])
+    assert json.loads(out.read_text()) == result
+    rows = result["rows"]
+    assert set(rows) == {"plain", "easyckpt"} and all(row["median_step_s"] > 0 for row in rows.values())
+    base_bytes = 4 * (rows["easyckpt"]["parameters"] - rows["easyckpt"]["trained"])
+    assert 0 < rows["easyckpt"]["snapshot_bytes"] < base_bytes, rows
+
+
 def test_cluster_sim_smoke(tmp_path: Path) -> None:
     """The seeded simulation of the job-wide rules: a tiny table, and the same seed gives the same table."""
     out = tmp_path / "sim.json"
