@@ -101,10 +101,23 @@ class FrozenBase:
         return prints
 
 
+FINGERPRINT_CHUNK = 1 << 24   # elements summed at a time: 128 MiB of float64 beside the model, not a copy of it
+
+
 def fingerprint(tensor: torch.Tensor) -> list[float]:
+    """[sum, sum of squares] of ``tensor``'s values in float64, on its own device."""
+    total = squares = 0.0
     with torch.no_grad():
-        values = tensor.detach().to(torch.float64)
-        return [values.sum().item(), values.square().sum().item()]
+        flat = tensor.detach().reshape(-1)
+        for start in range(0, flat.numel(), FINGERPRINT_CHUNK):
+            chunk = flat[start:start + FINGERPRINT_CHUNK].to(torch.float64)
+            total += chunk.sum().item()
+            squares += chunk.square().sum().item()
+    return [total, squares]
+
+
+def _same(now: float, then: float) -> bool:
+    return math.isclose(now, then, rel_tol=1e-9, abs_tol=1e-9) or (math.isnan(now) and math.isnan(then))
 
 
 def base_differs(model: Any, saved: dict[str, list[float]]) -> list[str]:
@@ -116,8 +129,7 @@ def base_differs(model: Any, saved: dict[str, list[float]]) -> list[str]:
     for name, (total, squares) in saved.items():
         param = live.get(name)
         now = fingerprint(param) if param is not None else None
-        if now is None or not (math.isclose(now[0], total, rel_tol=1e-9, abs_tol=1e-9)
-                               and math.isclose(now[1], squares, rel_tol=1e-9, abs_tol=1e-9)):
+        if now is None or not (_same(now[0], total) and _same(now[1], squares)):
             differ.append(name)
     return differ
 
