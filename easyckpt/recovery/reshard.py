@@ -222,8 +222,8 @@ class MemoryReader(StorageReader):
 
 
 def open_sources(found: Reachable, chosen: Mapping[int, Held], candidate: Candidate, *, peers: PeerTable | None,
-                 timeout: float, peer_timeout: float, checksums: Any = None,
-                 silent: replica.Silent | None = None) -> dict[int, OldSnapshot]:
+                 timeout: float, peer_timeout: float, silent: replica.Silent,
+                 checksums: Any = None) -> dict[int, OldSnapshot]:
     """Open every old rank's snapshot of ``candidate`` (every one is needed for the Metadata; only the ranges
     DCP plans are read). ``checksums(rank, step)``: the local agent's checksums of a slot, or None. ``silent``:
     the load's agents that did not answer (``replicas.Silent``)."""
@@ -242,7 +242,7 @@ def open_sources(found: Reachable, chosen: Mapping[int, Held], candidate: Candid
                 assert table is not None
                 key = (rank, candidate.step, h.where)
                 opened[rank] = ReplicaSnapshot(rank, h.where, found.manifests[key], found.holders[key], table,
-                                              peer_timeout, {} if silent is None else silent)
+                                              peer_timeout, silent)
         return opened
     except BaseException:
         for source in opened.values():
@@ -358,7 +358,7 @@ def _fill(opened: _Opened, source: int, template: Template, step: int, saved: in
 
 
 def read(found: Reachable, candidate: Candidate, *, rank: int, world_size: int, template: Template,
-         peers: PeerTable | None, timeout: float, peer_timeout: float, silent: replica.Silent | None = None) -> Loaded:
+         peers: PeerTable | None, timeout: float, peer_timeout: float, silent: replica.Silent) -> Loaded:
     """Collective: every rank of the job calls it for the same candidate. ``Loaded.source`` is ``"memory"`` when
     every old rank came from this node's shared memory, else ``"replica"``. As the resharded read from disk
     (``easyckpt.recovery.disk``): DTensors through ``dcp.load``, every other value from one saved rank
@@ -370,7 +370,7 @@ def read(found: Reachable, candidate: Candidate, *, rank: int, world_size: int, 
     chosen = choose(found.held, candidate, table.ordered() if table is not None else ())
     source = sharding.source_rank(rank, saved)
     opened = _open(found, chosen, candidate, source, template, peers=peers, timeout=timeout,
-                   peer_timeout=peer_timeout, silent={} if silent is None else silent)
+                   peer_timeout=peer_timeout, silent=silent)
     try:
         _vote(opened, candidate, world_size)
         values, nbytes = _fill(opened, source, template, step, saved)

@@ -280,7 +280,7 @@ def _read_manifest(peers: PeerTable, node: str, rank: int, step: int, timeout: f
 
 
 def discover(directory: Path, job_id: str, world_size: int, peers: PeerTable | None,
-             survey: replica.Survey | None, timeout: float, silent: replica.Silent | None = None) -> Reachable:
+             survey: replica.Survey | None, timeout: float, silent: replica.Silent) -> Reachable:
     """This node's slots of other worlds, and (multi-node) the replicas agents hold of their ranks. Never
     raises: every rank goes on to the collective ``agreed`` (what it could not see, it does not offer).
     ``silent``: the load's agents that did not answer (``replicas.Silent``), filled here too."""
@@ -298,7 +298,7 @@ def discover(directory: Path, job_id: str, world_size: int, peers: PeerTable | N
                 survey = replica.survey(peers, timeout)
         if peers is not None and survey is not None:
             found.peers = peers
-            add_replicas(found, peers, survey.listings, world_size, timeout, {} if silent is None else silent)
+            add_replicas(found, peers, survey.listings, world_size, timeout, silent)
     except Exception as exc:  # the replicas are a bonus: this node's memory and the disk still serve
         logger.warning("replicas of another world's ranks could not be surveyed (%s: %s): a resume on another "
                        "world size uses this node's memory and the disk only", type(exc).__name__, exc)

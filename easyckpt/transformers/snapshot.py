@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import random
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -57,14 +58,12 @@ def frozen_parameters(model: Any) -> dict[str, torch.Tensor]:
     return {name: param for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
 
 
-def trained_only(model: Any, model_state: dict[str, Any]) -> dict[str, Any]:
-    """``model_state`` without the frozen parameters of a peft model (LoRA ...): its base weights never change, and
-    the script builds them again at every start (``from_pretrained``, then ``get_peft_model``), as a resume from the
-    Trainer's own checkpoint of a peft model (the adapter only) needs. A LoRA of a 7B model would otherwise copy 14 GB
-    into every snapshot for a few MB that train, and hold that in every slot. Buffers stay; any other model whole."""
-    if not is_peft_model(model):
-        return model_state
-    frozen = frozen_parameters(model)
+def trained_only(model_state: dict[str, Any], frozen: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """``model_state`` without the ``frozen`` parameters of a peft model (LoRA ...; ``frozen_parameters``): its base
+    weights never change, and the script builds them again at every start (``from_pretrained``, then
+    ``get_peft_model``), as a resume from the Trainer's own checkpoint of a peft model (the adapter only) needs. A LoRA
+    of a 7B model would otherwise copy 14 GB into every snapshot for a few MB that train, and hold that in every slot.
+    Buffers stay."""
     return model_state.__class__((name, value) for name, value in model_state.items() if name not in frozen)
 
 
@@ -89,9 +88,10 @@ class FrozenBase:
     def __init__(self) -> None:
         self._known: dict[str, tuple[tuple[Any, ...], list[float]]] = {}
 
-    def __call__(self, model: Any) -> dict[str, list[float]]:
+    def __call__(self, frozen: Mapping[str, torch.Tensor]) -> dict[str, list[float]]:
+        """The fingerprint of the ``frozen`` parameters (``frozen_parameters``)."""
         prints = {}
-        for name, param in frozen_parameters(model).items():
+        for name, param in frozen.items():
             key = (param.data_ptr(), param._version, tuple(param.shape), param.dtype, param.device)
             known = self._known.get(name)
             if known is None or known[0] != key:
@@ -219,8 +219,10 @@ def capture(trainer: Trainer, extra_callback_states: dict[str, Any] | None = Non
     else:
         optim, engine_info = trainer.optimizer.state_dict(), None
         unwrapped = unwrapped_model(trainer)
-        model = trained_only(unwrapped, unwrapped.state_dict())
-        base = (frozen or FrozenBase())(unwrapped) if is_peft_model(unwrapped) else None
+        model = unwrapped.state_dict()
+        if is_peft_model(unwrapped):
+            left_out = frozen_parameters(unwrapped)
+            model, base = trained_only(model, left_out), (frozen or FrozenBase())(left_out)
     state: dict[str, Any] = {
         "format": STATE_FORMAT,
         "step": trainer.state.global_step,

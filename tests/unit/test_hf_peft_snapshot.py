@@ -23,8 +23,8 @@ def lora_model(seed: int) -> Any:
 def test_a_peft_model_is_snapshotted_without_its_frozen_base_and_given_back_whole() -> None:
     model = lora_model(0)
     whole = model.state_dict()
-    kept = snapshot.trained_only(model, whole)
     frozen = snapshot.frozen_parameters(model)
+    kept = snapshot.trained_only(whole, frozen)
     assert set(kept) == set(whole) - set(frozen) and all("lora_" in name for name in kept), sorted(kept)
     # the tied output embedding is left out under its own name as well
     assert "base_model.model.lm_head.weight" in frozen and "base_model.model.transformer.wte.weight" in frozen
@@ -38,12 +38,14 @@ def test_a_model_that_is_not_peft_is_snapshotted_whole() -> None:
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
     model.transformer.wte.weight.requires_grad_(False)   # frozen by hand: the Trainer saves it, so do snapshots
     whole = model.state_dict()
-    assert snapshot.trained_only(model, whole) is whole and snapshot.with_frozen(model, whole) is whole
+    # capture leaves frozen parameters out only of a peft model (snapshot.is_peft_model gates trained_only)
+    assert not snapshot.is_peft_model(model) and snapshot.is_peft_model(lora_model(0))
+    assert snapshot.with_frozen(model, whole) is whole
 
 
 def test_the_fingerprint_tells_another_base_from_the_same_one() -> None:
     model = lora_model(0)
-    prints = snapshot.FrozenBase()(model)
+    prints = snapshot.FrozenBase()(snapshot.frozen_parameters(model))
     assert set(prints) == set(snapshot.frozen_parameters(model))
     assert snapshot.base_differs(lora_model(0), prints) == [], "the same seed builds the same base"
     other = snapshot.base_differs(lora_model(1), prints)
@@ -64,11 +66,11 @@ def test_the_fingerprint_tells_another_base_from_the_same_one() -> None:
 def test_the_fingerprint_is_summed_once_until_a_frozen_parameter_is_written() -> None:
     model = lora_model(0)
     base = snapshot.FrozenBase()
-    first = base(model)
+    first = base(snapshot.frozen_parameters(model))
     weight = model.base_model.model.transformer.wpe.weight
     with torch.no_grad():
         weight.mul_(2)   # in place: its version counter moves, so it is summed again
-    second = base(model)
+    second = base(snapshot.frozen_parameters(model))
     name = "base_model.model.transformer.wpe.weight"
     assert second[name] != first[name]
     assert {k: v for k, v in second.items() if k != name} == {k: v for k, v in first.items() if k != name}

@@ -244,7 +244,7 @@ def test_a_slot_rewritten_after_planning_fails_the_read_not_the_state(shm: Path)
     from easyckpt_wire.shm import SlotFormatError, SlotMap
 
     save_world(shm, "mr-race", 4, [7])
-    found = mr.discover(shm, "mr-race", 1, None, None, 5.0)
+    found = mr.discover(shm, "mr-race", 1, None, None, 5.0, {})
     (candidate,) = mr.agreed(found, 1)
     slot = SlotMap(found.local[(1, 7, 4)].path, writable=True)
     try:
@@ -253,7 +253,8 @@ def test_a_slot_rewritten_after_planning_fails_the_read_not_the_state(shm: Path)
         slot.close()
     template = template_targets({"model": {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(ROWS)}})
     with pytest.raises(SlotFormatError, match="rank 1's snapshot of step 7 changed"):
-        reshard.read(found, candidate, rank=0, world_size=1, template=template, peers=None, timeout=5.0, peer_timeout=5.0)
+        reshard.read(found, candidate, rank=0, world_size=1, template=template, peers=None, timeout=5.0, peer_timeout=5.0,
+                     silent={})
     assert torch.equal(template["model/w"].into, torch.zeros(ROWS, COLS))   # nothing was copied in
 
 
