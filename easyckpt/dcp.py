@@ -392,12 +392,26 @@ def unwrapped_names(names: Iterable[str]) -> tuple[dict[str, str], list[str]]:
     return new, removed
 
 
-def consolidate_model(src: Path, out: Path) -> tuple[int, dict[str, tuple[int, ...]], list[str]]:
+# A top-level entry of TrainerWrapper's snapshot of a peft model (``easyckpt.transformers.snapshot.FROZEN_KEY``,
+# not imported: this module does not import transformers): its model entry holds what trains, not the frozen base.
+PEFT_FROZEN_KEY = "peft_frozen_base"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Consolidated:
+    step: int
+    shapes: dict[str, tuple[int, ...]]   # name in the file -> shape
+    removed: list[str]                   # the wrappers' name parts taken out (DDP's "module.", ...)
+    frozen_left_out: int                 # a peft model's frozen base parameters, not in the snapshot (0: whole)
+
+
+def consolidate_model(src: Path, out: Path) -> Consolidated:
     """Write the model's full tensors of ``src`` (a save_dir's newest iteration, or one iteration_N) as one
     safetensors file ``out``, names without the ``model.`` prefix and without the parts DDP and torch.compile add
-    (:func:`unwrapped_names`): what ``model.load_state_dict`` of an unsharded, unwrapped model takes. Returns
-    (step, {name: shape}, the wrappers' parts removed). The shards are assembled by DCP's load planning into whole
-    tensors, in this process alone."""
+    (:func:`unwrapped_names`): what ``model.load_state_dict`` of an unsharded, unwrapped model takes (of a peft
+    model's snapshot by TrainerWrapper, which leaves the frozen base out: what trains, for
+    ``load_state_dict(strict=False)`` of the peft model). The shards are assembled by DCP's load planning into
+    whole tensors, in this process alone."""
     iteration_dir = iteration_of(src)
     index = checkpoint_index(iteration_dir)
     group_of = {key: layout.tensor_group(name) for name, key in index.keys.get(0, {}).items()}
@@ -418,7 +432,8 @@ def consolidate_model(src: Path, out: Path) -> tuple[int, dict[str, tuple[int, .
     save_file({names[key]: value.contiguous() for key, value in full.items()}, str(tmp),
               metadata={"format": "pt", "easyckpt_step": str(index.step), "easyckpt_source": str(iteration_dir)})
     posix.publish_file(tmp, out)
-    return index.step, {names[key]: tuple(value.shape) for key, value in full.items()}, removed
+    frozen = sum(1 for key in index.values if key.startswith(PEFT_FROZEN_KEY + "."))
+    return Consolidated(index.step, {names[key]: tuple(value.shape) for key, value in full.items()}, removed, frozen)
 
 
 # planning: which saved files a rank of another world reads ------------------------------------------------

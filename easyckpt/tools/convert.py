@@ -1,7 +1,8 @@
 """``easyckpt convert`` and ``easyckpt ranks-needed``: offline tools over a saved iteration.
 
 * ``convert --to megatron SRC DST``: Megatron's native legacy format (``easyckpt.megatron.legacy``).
-* ``convert --to hf SRC OUT``: the model's full weights as one safetensors file (``dcp.consolidate_model``).
+* ``convert --to hf SRC OUT``: the model's full weights as one safetensors file (``dcp.consolidate_model``); of a
+  peft model snapshotted by TrainerWrapper, what trains (its frozen base is not in the snapshot), and it says so.
 * ``convert --to dcp SRC OUT``: a ``torch.distributed.checkpoint`` directory (``FileSystemWriter``) holding
   every tensor whole (the shards assembled by DCP's planning) and rank 0's other values, in the nesting the
   state had: ``dcp.load`` reads it into any sharding.
@@ -179,12 +180,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
             from easyckpt.dcp import consolidate_model
 
             out = dst / "model.safetensors" if dst.is_dir() or not dst.suffix else dst
-            step, shapes, removed = consolidate_model(src, out)
+            done = consolidate_model(src, out)
             wrappers = {"module.": "DDP's 'module.'", "_orig_mod.": "torch.compile's '_orig_mod.'"}
-            unwrapped = (f"; named as the unwrapped model: {' and '.join(wrappers[part] for part in removed)} taken "
-                         "out" if removed else "")
-            print(f"wrote the full model weights of step {step} ({len(shapes)} tensors{unwrapped}) to {out}; load "
-                  "them with safetensors.torch.load_file into an unsharded model's load_state_dict")
+            unwrapped = (f"; named as the unwrapped model: {' and '.join(wrappers[part] for part in done.removed)} "
+                         "taken out" if done.removed else "")
+            if done.frozen_left_out:
+                print(f"wrote what trains of the peft model at step {done.step} ({len(done.shapes)} tensors: the "
+                      f"adapter and the base's buffers{unwrapped}) to {out}; its {done.frozen_left_out} frozen base "
+                      "parameters are not in easyckpt's snapshots of a peft model: load the file with "
+                      "safetensors.torch.load_file into load_state_dict(strict=False) of the peft model built on its "
+                      "base (get_peft_model), or take the adapter's own files from the Trainer's checkpoint-N")
+            else:
+                print(f"wrote the full model weights of step {done.step} ({len(done.shapes)} tensors{unwrapped}) to "
+                      f"{out}; load them with safetensors.torch.load_file into an unsharded model's load_state_dict")
             return 0
         from easyckpt.megatron.legacy import convert_to_megatron
 

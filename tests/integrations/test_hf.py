@@ -440,14 +440,17 @@ def test_a_lora_run_exports_the_adapter_as_the_trainer(env: Env, tmp_path: Path,
 
 
 def test_a_lora_run_snapshots_what_trains_and_resumes_exactly(env: Env, tmp_path: Path,
-                                                              caplog: pytest.LogCaptureFixture) -> None:
+                                                              caplog: pytest.LogCaptureFixture,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """A peft LoRA fine-tune snapshots what trains (the adapter, the optimizer, the base's buffers), not the frozen
     base weights, which the script builds again at every start, as for the Trainer's own checkpoints of a peft model;
     before, every snapshot copied the whole base (14 GB a slot for a LoRA of a 7B model). A run that fails after step 9
     and is started again (a new model and Trainer, as a rerun of the script builds them) resumes from memory, trains
     only the steps left, and ends with the uninterrupted run's losses and weights; the checkpoint-N folders it exports
     are the plain Trainer's, byte for byte (``test_a_lora_run_exports_the_adapter_as_the_trainer``). A rerun that
-    builds another base (initialised with another seed) is told so, naming the step and the parameters."""
+    builds another base (initialised with another seed) is told so, naming the step and the parameters.
+    ``easyckpt convert --to hf`` of such an iteration writes what it holds and says so (it said "the full model
+    weights" until 2026-12-07)."""
     pytest.importorskip("peft", reason="the LoRA snapshot is tested with peft: pip install -e '.[test]'")
     from transformers import TrainerCallback
 
@@ -472,6 +475,14 @@ def test_a_lora_run_snapshots_what_trains_and_resumes_exactly(env: Env, tmp_path
     assert set(snapshot) == set(model.state_dict()) - frozen, set(snapshot) ^ (set(model.state_dict()) - frozen)
     for name, tensor in snapshot.items():
         assert torch.equal(tensor, model.state_dict()[name]), name
+    from safetensors.torch import load_file
+
+    from easyckpt import cli
+    assert cli.main(["convert", "--to", "hf", str(final), str(tmp_path / "trained.safetensors")]) == 0
+    said = capsys.readouterr().out
+    assert f"its {len(frozen)} frozen base parameters are not in" in said and "full model" not in said, said
+    written = load_file(str(tmp_path / "trained.safetensors"))
+    assert set(written) == set(snapshot) and not model.load_state_dict(written, strict=False).unexpected_keys
 
     failing = Steps(fail_at=9)
     with pytest.raises(RuntimeError, match="failed after step 9"):

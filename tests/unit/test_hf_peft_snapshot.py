@@ -74,3 +74,11 @@ def test_the_fingerprint_is_summed_once_until_a_frozen_parameter_is_written() ->
     name = "base_model.model.transformer.wpe.weight"
     assert second[name] != first[name]
     assert {k: v for k, v in second.items() if k != name} == {k: v for k, v in first.items() if k != name}
+
+
+def test_convert_knows_the_snapshot_entry_of_a_peft_base() -> None:
+    """``easyckpt.dcp`` does not import transformers, so it names the entry itself: the two must agree, or
+    ``convert --to hf`` of a LoRA iteration would call what trains "the full model weights" again."""
+    from easyckpt import dcp
+
+    assert dcp.PEFT_FROZEN_KEY == snapshot.FROZEN_KEY
