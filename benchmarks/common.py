@@ -1,5 +1,5 @@
-"""What the benchmarks share: polling against a deadline, writing the result file, and the fast exit of the
-processes that the tests and the soak start.
+"""What the benchmarks share: polling against a deadline, writing the result file, a free port, and the fast exit of
+the processes that the tests and the soak start.
 
 The benchmarks run as scripts (``python benchmarks/throughput.py``), so this directory is on ``sys.path``
 and they import it as ``common``; the tests put it there too (``tests/conftest.py``).
@@ -7,6 +7,7 @@ and they import it as ``common``; the tests put it there too (``tests/conftest.p
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,13 @@ def poll(predicate: Callable[[], Any], timeout: float, what: str, interval: floa
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(interval)  # polling interval against a deadline, not a synchronisation sleep
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now (for a process group's MASTER_PORT)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def write_result(out: Path | None, result: dict[str, Any]) -> dict[str, Any]:

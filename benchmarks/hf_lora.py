@@ -10,6 +10,9 @@ process:
 * ``plain``: the Trainer alone, no checkpoint (``save_steps`` past the end);
 * ``easyckpt``: the same in ``TrainerWrapper(save_mem_interval=1)``: a snapshot every step, persisted at the end.
 
+``--zero 2`` (or 3) runs both under DeepSpeed ZeRO in this one process (``DS_ACCELERATOR=cpu``, a process group of
+one: pip install deepspeed), where the snapshot takes the module's state from the engine.
+
 Printed per configuration: the median step time after ``--warmup`` steps, and for ``easyckpt`` the bytes of the
 iteration its final persist wrote (what each snapshot holds). The headline is ``easyckpt``'s step over ``plain``'s.
 """
@@ -28,7 +31,7 @@ from typing import Any
 import peft
 import torch
 import transformers
-from common import write_result
+from common import free_port, write_result
 from hf_log_history import Tokens
 from peft import LoraConfig, get_peft_model
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
@@ -49,7 +52,8 @@ class Clock(TrainerCallback):
         self.ends.append(time.perf_counter())
 
 
-def run(config: str, layers: int, width: int, steps: int, warmup: int, directory: Path) -> dict[str, Any]:
+def run(config: str, layers: int, width: int, steps: int, warmup: int, directory: Path,
+        zero: int = 0) -> dict[str, Any]:
     torch.manual_seed(0)
     base = GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=width, n_head=max(1, width // 64), vocab_size=64,
                                       n_positions=32))
@@ -58,7 +62,7 @@ def run(config: str, layers: int, width: int, steps: int, warmup: int, directory
     total = sum(p.numel() for p in model.parameters())
     args = TrainingArguments(output_dir=str(directory), max_steps=steps, per_device_train_batch_size=4,
                              logging_steps=steps, save_steps=steps + 1, report_to="none", use_cpu=True,
-                             disable_tqdm=True, seed=0)
+                             disable_tqdm=True, seed=0, deepspeed=ds_config(zero) if zero else None)
     clock = Clock()
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[clock])
     (TrainerWrapper(trainer, save_mem_interval=1) if config == "easyckpt" else trainer).train()
@@ -70,12 +74,23 @@ def run(config: str, layers: int, width: int, steps: int, warmup: int, directory
     return row
 
 
+def ds_config(stage: int) -> dict[str, Any]:
+    # DeepSpeed in this process alone: the launcher's variables for a group of one, its CPU accelerator
+    for key, value in {"DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        os.environ.setdefault(key, value)
+    return {"zero_optimization": {"stage": stage}, "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
+
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the median")
+    parser.add_argument("--zero", type=int, default=0, choices=(0, 2, 3), help="DeepSpeed ZeRO stage (0: none)")
     parser.add_argument("--dir", type=Path, default=None, help="where the runs' output_dirs go (a temporary dir)")
     parser.add_argument("--out", type=Path, default=None, help="the JSON result")
     args = parser.parse_args(argv)
@@ -83,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for config in CONFIGS:
-            rows[config] = run(config, args.layers, args.width, args.steps, args.warmup, Path(tmp) / config)
+            rows[config] = run(config, args.layers, args.width, args.steps, args.warmup, Path(tmp) / config, args.zero)
             extra = (f", {rows[config]['snapshot_bytes'] / 2**20:.1f} MiB a snapshot"
                      if "snapshot_bytes" in rows[config] else "")
             print(f"{config}: {rows[config]['median_step_s'] * 1000:.1f} ms a step{extra} "
@@ -93,7 +108,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     machine = {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                "transformers": transformers.__version__, "peft": peft.__version__, "python": platform.python_version()}
     return write_result(args.out, {"benchmark": "hf_lora", "machine": machine, "layers": args.layers,
-                                   "width": args.width, "steps": args.steps, "warmup": args.warmup, "rows": rows,
+                                   "width": args.width, "zero": args.zero, "steps": args.steps, "warmup": args.warmup,
+                                   "rows": rows,
                                    "ratio_easyckpt_over_plain": ratio})
 
 

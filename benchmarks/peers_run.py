@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from common import free_port
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -53,11 +54,6 @@ def versions(python: Path, system: str) -> dict[str, str]:
     except (OSError, ValueError, subprocess.TimeoutExpired) as exc:
         return {"error": repr(exc)}
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def anon_rss(pid: int) -> int:

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -34,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from common import write_result
+from common import free_port, write_result
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -139,11 +138,6 @@ def worker(rank: int, world: int, port: int, args: dict[str, Any], work: Path) -
     sys.stderr.flush()
     os._exit(0)
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -405,31 +405,46 @@ class Consolidated:
     frozen_left_out: int                 # a peft model's frozen base parameters, not in the snapshot (0: whole)
 
 
-def consolidate_model(src: Path, out: Path) -> Consolidated:
+# Whole model tensors by the state's model names, for an iteration whose tensors DCP cannot assemble (None: it can).
+Assembler = Callable[[Path, CheckpointIndex], "dict[str, torch.Tensor] | None"]
+
+
+def consolidate_model(src: Path, out: Path, assemble: Assembler | None = None) -> Consolidated:
     """Write the model's full tensors of ``src`` (a save_dir's newest iteration, or one iteration_N) as one
     safetensors file ``out``, names without the ``model.`` prefix and without the parts DDP and torch.compile add
     (:func:`unwrapped_names`): what ``model.load_state_dict`` of an unsharded, unwrapped model takes (of a peft
     model's snapshot by TrainerWrapper, which leaves the frozen base out: what trains, for
     ``load_state_dict(strict=False)`` of the peft model). The shards are assembled by DCP's load planning into
-    whole tensors, in this process alone."""
+    whole tensors, in this process alone, unless ``assemble`` gives them (the flat partitions of a DeepSpeed ZeRO-3
+    snapshot, which are no DTensor shards)."""
     iteration_dir = iteration_of(src)
     index = checkpoint_index(iteration_dir)
-    group_of = {key: layout.tensor_group(name) for name, key in index.keys.get(0, {}).items()}
-    names = {key: key[len("model."):] for key in index.tensors if key.startswith("model.")}
-    if not names:   # a state without a top-level "model": every tensor of the model file
-        names = {key: key for key in index.tensors if group_of.get(key) == "model"}
+    assembled = assemble(iteration_dir, index) if assemble is not None else None
+    if assembled is not None:
+        names = {f"model.{name}": name for name in assembled}
+        full = {f"model.{name}": value for name, value in assembled.items()}
+    else:
+        group_of = {key: layout.tensor_group(name) for name, key in index.keys.get(0, {}).items()}
+        names = {key: key[len("model."):] for key in index.tensors if key.startswith("model.")}
+        if not names:   # a state without a top-level "model": every tensor of the model file
+            names = {key: key for key in index.tensors if group_of.get(key) == "model"}
     if not names:
         raise layout.CheckpointFormatError(f"{iteration_dir} holds no model tensors to convert")
     unwrapped, removed = unwrapped_names(names.values())
     names = {key: unwrapped[name] for key, name in names.items()}
-    full = {key: torch.empty(index.tensors[key].global_shape, dtype=torch_dtype(index.tensors[key].dtype))
-            for key in names}
-    load_into(full, iteration_dir, no_dist=True)
+    if assembled is None:
+        full = {key: torch.empty(index.tensors[key].global_shape, dtype=torch_dtype(index.tensors[key].dtype))
+                for key in names}
+        load_into(full, iteration_dir, no_dist=True)
     from safetensors.torch import save_file
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    save_file({names[key]: value.contiguous() for key, value in full.items()}, str(tmp),
+    tensors, seen = {}, set()
+    for key, value in full.items():   # a name tied to another (lm_head to the embedding) gets a copy of its own
+        tensors[names[key]] = value.clone() if id(value) in seen else value.contiguous()
+        seen.add(id(value))
+    save_file(tensors, str(tmp),
               metadata={"format": "pt", "easyckpt_step": str(index.step), "easyckpt_source": str(iteration_dir)})
     posix.publish_file(tmp, out)
     frozen = sum(1 for key in index.values if key.startswith(PEFT_FROZEN_KEY + "."))

@@ -141,6 +141,8 @@ def main() -> None:
     parser.add_argument("--save-dir", default=None, help="TrainerWrapper(save_dir=...): a path or s3://bucket/prefix "
                         "(default <output-dir>/easyckpt)")
     parser.add_argument("--max-ckpt-num", type=int, default=None, help="iterations easyckpt keeps on disk (default 2)")
+    parser.add_argument("--lora", action="store_true", help="train a peft LoRA adapter on the attention projections "
+                        "(c_attn) of a frozen base: pip install peft")
     parser.add_argument("--deepspeed", default=None, help="a DeepSpeed config file (ZeRO; run with DS_ACCELERATOR=cpu)")
     parser.add_argument("--fsdp", action="store_true", help="TrainingArguments(fsdp='full_shard', fsdp_config="
                         "{'version': 2}): FSDP2 through Accelerate, which enables it on accelerator devices only "
@@ -188,6 +190,9 @@ def run(args: argparse.Namespace) -> None:
            if args.fsdp else {}))
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32))
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], fan_in_fan_out=True))
     step_log = StepLog(out / f"losses-rank{rank}.jsonl", attempt)
     spikes = {int(step) for step in args.spike_steps.split(",") if step}
 

@@ -141,6 +141,20 @@ def _one_process() -> None:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 
+def zero3_model(iteration_dir: Path, index: Any) -> dict[str, Any] | None:
+    """The whole weights of a TrainerWrapper snapshot under DeepSpeed ZeRO-3 (None for any other iteration): each rank
+    holds a flat, padded slice of every partitioned parameter under the parameter's name, which DCP would take for one
+    replicated tensor (rank 0's slice); the slices of every rank are joined and cut to shape (``zero.consolidate``)."""
+    if not any(key.startswith("deepspeed.partitioned.") for key in index.values):
+        return None
+    from easyckpt.transformers import zero  # transformers only for such an iteration
+    from easyckpt.transformers.export import read_rank_state
+
+    states = {rank: read_rank_state(iteration_dir, rank, index.world_size, only=("model",))
+              for rank in range(index.world_size)}
+    return zero.consolidate({rank: state["model"] for rank, state in states.items()}, states[0]["deepspeed"])
+
+
 def cmd_convert(args: argparse.Namespace) -> int:
     """easyckpt -> Megatron legacy, HF safetensors or DCP; DCP -> easyckpt."""
     _one_process()
@@ -180,7 +194,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             from easyckpt.dcp import consolidate_model
 
             out = dst / "model.safetensors" if dst.is_dir() or not dst.suffix else dst
-            done = consolidate_model(src, out)
+            done = consolidate_model(src, out, assemble=zero3_model)
             wrappers = {"module.": "DDP's 'module.'", "_orig_mod.": "torch.compile's '_orig_mod.'"}
             unwrapped = (f"; named as the unwrapped model: {' and '.join(wrappers[part] for part in done.removed)} "
                          "taken out" if done.removed else "")

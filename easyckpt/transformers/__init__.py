@@ -62,7 +62,8 @@ What it does, and why this way:
 Supported: one process, DDP (each rank holds the whole model and optimizer, as the Trainer saves
 them; of a peft model the snapshots hold what trains, not the frozen base the script builds again at each
 start, see ``snapshot.trained_only``), DeepSpeed ZeRO stages 1 to 3 (``zero``: each rank snapshots its own
-partition; resume and the checkpoint-N exports use DeepSpeed's own layout) and FSDP2 through Accelerate (``fsdp``: each rank
+partition, of a peft model without the frozen base as DeepSpeed's ``exclude_frozen_parameters``; resume and the
+checkpoint-N exports use DeepSpeed's own layout) and FSDP2 through Accelerate (``fsdp``: each rank
 snapshots its DTensor shards; resume and checkpoint-N use Accelerate's FSDP layouts; on CPU Accelerate
 drops the FSDP plugin and the Trainer runs DDP, which the wrapper logs). ZeRO offload, data skipping and
 the health monitor with DeepSpeed, FSDP1, ``save_on_each_node``,

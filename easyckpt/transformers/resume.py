@@ -253,7 +253,7 @@ class Resumer:
         self.staged = directory if creator else None
         return str(directory)
 
-    def _check_frozen_base(self, saved: dict[str, list[float]], result: LoadResult) -> None:
+    def _check_frozen_base(self, saved: dict[str, list[float] | None], result: LoadResult) -> None:
         """A peft model's snapshot holds what trains, not its frozen base (``snapshot.trained_only``): the resumed
         model is the one that trained only if the script built the same base again. Said, not refused: training can
         go on, as it would from the Trainer's own checkpoint of a peft model (the adapter only)."""

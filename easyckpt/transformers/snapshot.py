@@ -83,15 +83,20 @@ def with_frozen(model: Any, model_state: dict[str, Any]) -> dict[str, Any]:
 
 class FrozenBase:
     """A fingerprint of a peft model's frozen base (``FROZEN_KEY``), computed once per parameter: a frozen parameter
-    is not written in place, so its storage and version counter say when it must be summed again."""
+    is not written in place, so its storage and version counter say when it must be summed again. A parameter that
+    DeepSpeed ZeRO-3 partitions has none (None): each rank holds a slice of it, and a resume may check the base before
+    DeepSpeed has partitioned it again."""
 
     def __init__(self) -> None:
         self._known: dict[str, tuple[tuple[Any, ...], list[float]]] = {}
 
-    def __call__(self, frozen: Mapping[str, torch.Tensor]) -> dict[str, list[float]]:
+    def __call__(self, frozen: Mapping[str, torch.Tensor]) -> dict[str, list[float] | None]:
         """The fingerprint of the ``frozen`` parameters (``frozen_parameters``)."""
-        prints = {}
+        prints: dict[str, list[float] | None] = {}
         for name, param in frozen.items():
+            if _partitioned(param):
+                prints[name] = None
+                continue
             key = (param.data_ptr(), param._version, tuple(param.shape), param.dtype, param.device)
             known = self._known.get(name)
             if known is None or known[0] != key:
@@ -116,18 +121,26 @@ def fingerprint(tensor: torch.Tensor) -> list[float]:
     return [total, squares]
 
 
+def _partitioned(param: torch.Tensor) -> bool:
+    return hasattr(param, "ds_tensor")   # DeepSpeed ZeRO-3: the parameter is a placeholder, ds_tensor a slice
+
+
 def _same(now: float, then: float) -> bool:
     return math.isclose(now, then, rel_tol=1e-9, abs_tol=1e-9) or (math.isnan(now) and math.isnan(then))
 
 
-def base_differs(model: Any, saved: dict[str, list[float]]) -> list[str]:
+def base_differs(model: Any, saved: dict[str, list[float] | None]) -> list[str]:
     """The frozen parameters whose live values are not those of the run that took the snapshot (``saved``: its
     ``FROZEN_KEY``), or that it had and this model lacks. Sums over the same values in another order differ in the
-    last digits only; another initialisation or base model differs in every parameter."""
+    last digits only; another initialisation or base model differs in every parameter. A parameter partitioned by
+    ZeRO-3, then or now, is not compared (``FrozenBase``)."""
     live = frozen_parameters(model)
     differ = []
-    for name, (total, squares) in saved.items():
+    for name, sums in saved.items():
         param = live.get(name)
+        if sums is None or (param is not None and _partitioned(param)):
+            continue
+        total, squares = sums
         now = fingerprint(param) if param is not None else None
         if now is None or not (_same(now[0], total) and _same(now[1], squares)):
             differ.append(name)
@@ -209,20 +222,23 @@ def capture(trainer: Trainer, extra_callback_states: dict[str, Any] | None = Non
         raise RuntimeError("easyckpt snapshots the Trainer's state during training: its optimizer and scheduler "
                            "are not created yet (call TrainerWrapper.train(), not a snapshot before it)")
     fsdp_info, base = None, None
+    unwrapped = unwrapped_model(trainer)
+    # A peft model's frozen base is left out (trained_only), under DeepSpeed as DeepSpeed's own checkpoint of one
+    # (the Trainer's save_checkpoint(exclude_frozen_parameters=True)); under FSDP2 it is still snapshotted whole.
+    peft = is_peft_model(unwrapped) and not fsdp.enabled(trainer)
     if getattr(trainer, "is_deepspeed_enabled", False):
         from easyckpt.transformers import zero  # only here: deepspeed is an optional extra
-        optim, engine_info = zero.capture(trainer)
+        optim, engine_info = zero.capture(trainer, exclude_frozen=peft)
         model = zero.module_state(trainer)   # under ZeRO-3 this rank's partitions, not empty placeholders
     elif fsdp.enabled(trainer):
         model, optim, fsdp_info = fsdp.capture(trainer)
         engine_info = None
     else:
         optim, engine_info = trainer.optimizer.state_dict(), None
-        unwrapped = unwrapped_model(trainer)
         model = unwrapped.state_dict()
-        if is_peft_model(unwrapped):
-            left_out = frozen_parameters(unwrapped)
-            model, base = trained_only(model, left_out), (frozen or FrozenBase())(left_out)
+    if peft:
+        left_out = frozen_parameters(unwrapped)
+        model, base = trained_only(model, left_out), (frozen or FrozenBase())(left_out)
     state: dict[str, Any] = {
         "format": STATE_FORMAT,
         "step": trainer.state.global_step,

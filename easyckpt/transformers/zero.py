@@ -2,8 +2,11 @@
 
 The snapshot takes each rank's state from the DeepSpeed engine: the module's weights (whole on every
 rank under ZeRO 1-2; under ZeRO-3 this rank's partition of each parameter, its ``ds_tensor``, never
-gathered), that rank's ``engine.optimizer.state_dict()`` (its partition of the optimizer state,
-its fp32 master partitions, the loss scaler), the engine's counters and its LR scheduler. On resume the
+gathered; of a peft model without its frozen base, ``snapshot.trained_only``, which the files written from it
+leave out as ``save_checkpoint(exclude_frozen_parameters=True)`` does, and which DeepSpeed's load under the
+Trainer, ``load_module_strict=False`` for a peft model, leaves as the rerun built it), that rank's
+``engine.optimizer.state_dict()`` (its partition of the optimizer state, its fp32 master partitions, the loss
+scaler), the engine's counters and its LR scheduler. On resume the
 state is laid out in DeepSpeed's own checkpoint layout (``latest``, ``global_stepN/mp_rank_00_model_states.pt``
 or, under ZeRO-3, one ``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank,
 ``global_stepN/zero_pp_rank_R_mp_rank_00_optim_states.pt``) and handed to the Trainer, whose
@@ -176,8 +179,11 @@ def gathered_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
                 for name, value in module.state_dict(keep_vars=True).items()}
 
 
-def capture(trainer: Trainer) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(this rank's ZeRO optimizer state, the engine's counters and layout) from the live engine."""
+def capture(trainer: Trainer, *, exclude_frozen: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(this rank's ZeRO optimizer state, the engine's counters and layout) from the live engine; ``exclude_frozen``:
+    the snapshot leaves the frozen parameters out (a peft model's base), and the files written from it say so as
+    DeepSpeed's ``save_checkpoint(exclude_frozen_parameters=True)`` does (no frozen shapes, which zero_to_fp32 would
+    look for)."""
     import deepspeed
 
     engine = engine_of(trainer)
@@ -193,7 +199,7 @@ def capture(trainer: Trainer) -> tuple[dict[str, Any], dict[str, Any]]:
         "param_shapes": portable(engine._get_zero_param_shapes()),
         "shared_params": portable(engine._get_shared_params()),
         "frozen_param_shapes": portable(engine._get_zero_frozen_param_attributes(engine._get_param_shape_func))
-        if engine.zero_optimization_partition_gradients() else None,
+        if engine.zero_optimization_partition_gradients() and not exclude_frozen else None,
         "ds_config": portable(engine.config), "ds_version": deepspeed.__version__,
         "stage": int(engine.zero_optimization_stage()),
         # ZeRO-3: which entries of the snapshot's "model" are partitions, and their full shapes

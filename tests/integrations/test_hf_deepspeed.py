@@ -24,6 +24,9 @@ from conftest import DEEPSPEED_BUILD_TIMEOUT, Env, seeded_random, wait_for, wipe
 from ddp_job import newest_common_committed, slot_states  # noqa: E402
 from hf_job import HFJob, assert_continues_exactly, resumed_at, run_to_end  # noqa: E402
 
+from easyckpt import cli  # noqa: E402
+from easyckpt.transformers.export import read_rank_state  # noqa: E402
+from easyckpt.transformers.snapshot import FROZEN_KEY  # noqa: E402
 from easyckpt_wire import layout  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -49,42 +52,51 @@ def ds_job(env: Env, output_dir: Path, out: Path, config: Path, *, step_seconds:
                  launcher=launcher)
 
 
+References = dict[tuple[int, bool], tuple[HFJob, Path]]
+
+
 @pytest.fixture(scope="module")
-def references() -> dict[int, tuple[HFJob, Path]]:
-    """Per ZeRO stage, the wrapped job run uninterrupted and its output_dir (run on first use)."""
+def references() -> References:
+    """Per ZeRO stage and LoRA or not, the wrapped job run uninterrupted and its output_dir (run on first use)."""
     return {}
 
 
-def reference(references: dict[int, tuple[HFJob, Path]], tmp_path_factory: pytest.TempPathFactory,
-              stage: int) -> tuple[HFJob, Path]:
-    if stage not in references:
-        env = Env(tmp_path_factory.mktemp(f"zero{stage}-reference"))
+def reference(references: References, tmp_path_factory: pytest.TempPathFactory, stage: int,
+              lora: bool = False) -> tuple[HFJob, Path]:
+    if (stage, lora) not in references:
+        env = Env(tmp_path_factory.mktemp(f"zero{stage}{'-lora' if lora else ''}-reference"))
         try:
-            job = run_to_end(ds_job(env, env.tmp_path / "hf", env.tmp_path / "out", ds_config(env.tmp_path, stage)))
-            references[stage] = job, env.tmp_path / "hf"
+            job = run_to_end(ds_job(env, env.tmp_path / "hf", env.tmp_path / "out", ds_config(env.tmp_path, stage),
+                                    extra_args=["--lora"] if lora else None))
+            references[(stage, lora)] = job, env.tmp_path / "hf"
         finally:
             env.cleanup()
-    return references[stage]
+    return references[(stage, lora)]
 
 
 @pytest.mark.timeout(180 + DEEPSPEED_BUILD_TIMEOUT)   # the first one builds the op (deepspeed_cpu_ops)
 @pytest.mark.usefixtures("deepspeed_cpu_ops")
 # ZeRO-1 (about 100 s with its reference run) is extended: it partitions the optimizer state as ZeRO-2 does
-@pytest.mark.parametrize("stage,tier", [pytest.param(1, "memory", marks=pytest.mark.extended), (2, "memory"),
-                                        (2, "disk"), (3, "memory"), (3, "disk")])
-def test_zero_kill9_resumes_with_equal_losses(env: Env, stage: int, tier: str,
-                                              references: dict[int, tuple[HFJob, Path]],
+@pytest.mark.parametrize("stage,tier,lora", [pytest.param(1, "memory", False, marks=pytest.mark.extended),
+                                             (2, "memory", False), (2, "disk", False), (3, "memory", False),
+                                             (3, "disk", False), (3, "memory", True), (2, "memory", True)],
+                         ids=["1-memory", "2-memory", "2-disk", "3-memory", "3-disk", "3-memory-lora", "2-memory-lora"])
+def test_zero_kill9_resumes_with_equal_losses(env: Env, stage: int, tier: str, lora: bool, references: References,
                                               tmp_path_factory: pytest.TempPathFactory) -> None:
     """kill -9 one rank mid-training; the rerun resumes (each rank's ZeRO partition back into its engine)
     and continues exactly: from memory, or, with the node's memory wiped, from the newest complete
     iteration on disk. ZeRO-2 from memory runs under the DeepSpeed launcher (``deepspeed --num_gpus 2``), the others
-    under torchrun."""
-    ref, _ = reference(references, tmp_path_factory, stage)
+    under torchrun. ``lora``: a peft LoRA adapter on a frozen base, which the snapshots leave out, as DeepSpeed's own
+    checkpoint of a peft model does (until 2026-12-07 every snapshot under DeepSpeed held the whole base); the base
+    is the one the rerun builds, and the run continues exactly all the same."""
+    ref, _ = reference(references, tmp_path_factory, stage, lora)
     config = ds_config(env.tmp_path, stage)
     output_dir = env.tmp_path / "hf"
     save_dir = output_dir / "easyckpt"
-    launcher = "deepspeed" if (stage, tier) == (2, "memory") else "torchrun"
-    first = ds_job(env, output_dir, env.tmp_path / "first", config, step_seconds=0.15, launcher=launcher)
+    launcher = "deepspeed" if (stage, tier, lora) == (2, "memory", False) else "torchrun"
+    lora_args = ["--lora"] if lora else []
+    first = ds_job(env, output_dir, env.tmp_path / "first", config, step_seconds=0.15, launcher=launcher,
+                   extra_args=lora_args)
     try:
         if tier == "disk":
             wait_for(lambda: SAVE_STEPS in dict(layout.complete_iterations(save_dir)) or first.proc.poll() is not None,
@@ -104,7 +116,8 @@ def test_zero_kill9_resumes_with_equal_losses(env: Env, stage: int, tier: str,
         newest = max(step for step, _ in layout.complete_iterations(save_dir))
         assert SAVE_STEPS <= newest <= killed_at + 1, (newest, killed_at)
 
-    second = run_to_end(ds_job(env, output_dir, env.tmp_path / "second", config, resume="newest", launcher=launcher))
+    second = run_to_end(ds_job(env, output_dir, env.tmp_path / "second", config, resume="newest", launcher=launcher,
+                               extra_args=lora_args))
     if launcher == "deepspeed":   # Accelerate's LOCAL_WORLD_SIZE=1 beside the launcher's LOCAL_SIZE=2, caught
         assert "rank 1 was told local rank 1 of a node of 1" in second.log(), second.log()[-3000:]
         # until 2026-12-06 each rank took itself for a node of one: "1 nodes" of "1 local ranks" and 4 slots each
@@ -118,13 +131,24 @@ def test_zero_kill9_resumes_with_equal_losses(env: Env, stage: int, tier: str,
     assert re.search(rf"easyckpt: resumed at step {newest} from {where}", second.log()), \
         "the resume is in the Trainer's own log: " + second.log()[-3000:]
     assert re.search(rf"{size}, [\d.]+ s\)", second.log())
+    if lora:
+        newest_iteration = max(layout.complete_iterations(save_dir))[1]
+        for rank in range(2):
+            saved = read_rank_state(newest_iteration, rank, 2)
+            assert saved["model"] and all("lora_" in name for name in saved["model"]), sorted(saved["model"])
+            base = saved[FROZEN_KEY]   # the base's weights (the tied lm_head too), fingerprinted unless partitioned
+            assert "base_model.model.lm_head.weight" in base and not set(base) & set(saved["model"]), sorted(base)
+            assert all((sums is None) == (stage == 3) for sums in base.values()), base
+            assert saved["deepspeed"]["frozen_param_shapes"] is None   # as DeepSpeed's exclude_frozen_parameters
+        assert (output_dir / "checkpoint-10" / "adapter_model.safetensors").is_file()
+        assert "frozen base" not in second.log(), "the rerun built the same base: " + second.log()[-3000:]
 
 
 @pytest.mark.timeout(180 + DEEPSPEED_BUILD_TIMEOUT)   # the first one builds the op (deepspeed_cpu_ops)
 @pytest.mark.usefixtures("deepspeed_cpu_ops")
 @pytest.mark.parametrize("stage", [2, 3])
 def test_plain_deepspeed_trainer_resumes_from_a_wrapper_checkpoint_and_zero_to_fp32_reads_it(
-        env: Env, stage: int, references: dict[int, tuple[HFJob, Path]],
+        env: Env, stage: int, references: References,
         tmp_path_factory: pytest.TempPathFactory) -> None:
     """The wrapper's checkpoint-N is DeepSpeed's own layout (``latest``, ``global_stepN/``, one optimizer file
     per rank; under ZeRO-3 one model state file per rank too): a plain Trainer + DeepSpeed resumes from it
@@ -147,6 +171,15 @@ def test_plain_deepspeed_trainer_resumes_from_a_wrapper_checkpoint_and_zero_to_f
     assert set(weights) <= set(consolidated) and len(weights) >= len(consolidated) - 1   # lm_head tied to wte
     for name, tensor in weights.items():
         assert torch.equal(consolidated[name], tensor), f"zero_to_fp32's {name} differs from model.safetensors"
+    # easyckpt convert --to hf of the persisted iteration: the same whole weights (under ZeRO-3 joined from every
+    # rank's partitions; until 2026-12-07 it wrote rank 0's flat slices and said they were the full weights)
+    converted = env.tmp_path / "converted.safetensors"
+    assert cli.main(["convert", "--to", "hf", str(ref_dir / "easyckpt" / layout.iteration_dirname(10)),
+                     str(converted)]) == 0
+    ours = load_file(str(converted))
+    assert set(weights) <= set(ours) and len(ours) == len(consolidated), (sorted(ours), sorted(weights))
+    for name, tensor in weights.items():
+        assert torch.equal(ours[name], tensor), f"convert --to hf's {name} differs from model.safetensors"
 
     config = ds_config(env.tmp_path, stage)
     plain = run_to_end(ds_job(env, env.tmp_path / "hf", env.tmp_path / "plain", config, plain=True,

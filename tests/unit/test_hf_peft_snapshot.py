@@ -82,3 +82,22 @@ def test_convert_knows_the_snapshot_entry_of_a_peft_base() -> None:
     from easyckpt import dcp
 
     assert dcp.PEFT_FROZEN_KEY == snapshot.FROZEN_KEY
+
+
+def test_a_base_partitioned_by_zero3_is_neither_fingerprinted_nor_compared() -> None:
+    """Under DeepSpeed ZeRO-3 a parameter is an empty placeholder and each rank holds a slice (``ds_tensor``); a resume
+    checks the base before DeepSpeed partitions it again, so such a parameter has no fingerprint, and one partitioned
+    now is not compared: neither may be taken for another base."""
+    name = "base_model.model.transformer.h.0.attn.c_proj.weight"
+    model = lora_model(0)
+    frozen = snapshot.frozen_parameters(model)
+    frozen[name].ds_tensor = frozen[name].detach().reshape(-1)[:4].clone()   # type: ignore[attr-defined]
+    prints = snapshot.FrozenBase()(frozen)
+    assert prints[name] is None and all(sums is not None for key, sums in prints.items() if key != name)
+    differ = snapshot.base_differs(lora_model(1), prints)
+    now = "base_model.model.transformer.h.1.attn.c_proj.weight"
+    assert now in differ and name not in differ, differ
+    again = lora_model(1)
+    partitioned_now = snapshot.frozen_parameters(again)[now]
+    partitioned_now.ds_tensor = partitioned_now.detach().reshape(-1)[:4].clone()   # type: ignore[attr-defined]
+    assert set(snapshot.base_differs(again, prints)) == set(differ) - {now}
