@@ -70,6 +70,7 @@ def to_dcp(src: Path, out: Path) -> tuple[int, int]:
     from easyckpt import dcp as edcp
 
     index = edcp.checkpoint_index(edcp.iteration_of(src))
+    refuse_deepspeed(index, "a DCP checkpoint of whole tensors")
     state = full_state(src, index)
     out.mkdir(parents=True, exist_ok=True)
     dcp.save(state, storage_writer=FileSystemWriter(str(out)), no_dist=True)
@@ -139,6 +140,19 @@ def _one_process() -> None:
     """These tools read checkpoints in one process by design: DCP's "torch.distributed is disabled ...
     assuming the intent is to load in a single process" UserWarning says what is meant, so it is not shown."""
     warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+
+
+def refuse_deepspeed(index: Any, what: str) -> None:
+    """Raise ValueError for a TrainerWrapper snapshot under DeepSpeed (``index``: its ``dcp.CheckpointIndex``): each
+    rank holds its ZeRO partition of the optimizer state (under ZeRO-3 of the weights too) under names that are the
+    same on every rank, so a tool that takes such a name for one tensor would write rank 0's slice for all of them."""
+    stage = index.values.get("deepspeed.stage")
+    if stage is not None:
+        weights = " and of the weights" if stage == 3 else ""
+        raise ValueError(f"{index.path} is a DeepSpeed ZeRO-{stage} snapshot of TrainerWrapper: each rank holds its "
+                         f"own partition of the optimizer state{weights} in DeepSpeed's layout, which {what} cannot "
+                         "represent. Take the model's weights with easyckpt convert --to hf, or the Trainer's "
+                         "checkpoint-N folder (DeepSpeed's own layout, which its zero_to_fp32.py consolidates)")
 
 
 def zero3_model(iteration_dir: Path, index: Any) -> dict[str, Any] | None:
@@ -222,11 +236,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_ranks_needed(args: argparse.Namespace) -> int:
-    from easyckpt.dcp import ranks_needed
+    from easyckpt.dcp import checkpoint_index, iteration_of, ranks_needed
 
     _one_process()
 
     try:
+        refuse_deepspeed(checkpoint_index(iteration_of(as_path(args.src))), "a plan of dim-0 shards")
         index, plans = ranks_needed(as_path(args.src), args.world_size)
     except (layout.CheckpointFormatError, OSError, ValueError) as exc:
         print(f"ranks-needed: {exc}", file=sys.stderr)

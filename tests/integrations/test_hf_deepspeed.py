@@ -148,12 +148,14 @@ def test_zero_kill9_resumes_with_equal_losses(env: Env, stage: int, tier: str, l
 @pytest.mark.usefixtures("deepspeed_cpu_ops")
 @pytest.mark.parametrize("stage", [2, 3])
 def test_plain_deepspeed_trainer_resumes_from_a_wrapper_checkpoint_and_zero_to_fp32_reads_it(
-        env: Env, stage: int, references: References,
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+        env: Env, stage: int, references: References, tmp_path_factory: pytest.TempPathFactory,
+        capsys: pytest.CaptureFixture[str]) -> None:
     """The wrapper's checkpoint-N is DeepSpeed's own layout (``latest``, ``global_stepN/``, one optimizer file
     per rank; under ZeRO-3 one model state file per rank too): a plain Trainer + DeepSpeed resumes from it
     exactly, and zero_to_fp32 consolidates its fp32 partitions to the model's weights (under ZeRO-3 the
-    wrapper's model.safetensors is consolidated from the snapshotted parameter partitions: equal as well)."""
+    wrapper's model.safetensors is consolidated from the snapshotted parameter partitions: equal as well), and so does
+    ``easyckpt convert --to hf`` of the persisted iteration; ``convert --to dcp`` and ``ranks-needed``, which have no
+    way to join ZeRO partitions, refuse it."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from safetensors.torch import load_file
 
@@ -180,6 +182,14 @@ def test_plain_deepspeed_trainer_resumes_from_a_wrapper_checkpoint_and_zero_to_f
     assert set(weights) <= set(ours) and len(ours) == len(consolidated), (sorted(ours), sorted(weights))
     for name, tensor in weights.items():
         assert torch.equal(ours[name], tensor), f"convert --to hf's {name} differs from model.safetensors"
+    # the tools that would take a name's rank-0 slice for the whole tensor refuse, naming the way out
+    iteration = str(ref_dir / "easyckpt" / layout.iteration_dirname(10))
+    capsys.readouterr()
+    assert cli.main(["convert", "--to", "dcp", iteration, str(env.tmp_path / "dcp")]) == 1
+    assert cli.main(["ranks-needed", iteration, "--world-size", "4"]) == 1
+    said = capsys.readouterr().err
+    assert said.count(f"is a DeepSpeed ZeRO-{stage} snapshot of TrainerWrapper") == 2 and "convert --to hf" in said, said
+    assert not (env.tmp_path / "dcp").exists()
 
     config = ds_config(env.tmp_path, stage)
     plain = run_to_end(ds_job(env, env.tmp_path / "hf", env.tmp_path / "plain", config, plain=True,
