@@ -186,10 +186,9 @@ class Resumer:
     def _info(result: LoadResult) -> ResumeInfo:
         return ResumeInfo(result.step, result.source, result.path, result.seconds, result.nbytes)
 
-    def _stage(self, result: LoadResult) -> str | None:
-        """Lay the loaded state out as a Trainer checkpoint directory, once per node; each rank adds its RNG."""
-        if result.step is None:
-            return None
+    def _check_saved_with(self, result: LoadResult) -> dict[str, Any]:
+        """The loaded state, once it is one this Trainer can resume from: written by TrainerWrapper, with this run's
+        DeepSpeed setting (and as many DeepSpeed ranks) and FSDP setting."""
         state = result.state
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             found = state.get("format") if isinstance(state, dict) else None
@@ -203,6 +202,15 @@ class Resumer:
                              f"{saved} DeepSpeed, and this Trainer runs {'with' if deepspeed else 'without'} it: run "
                              "with the DeepSpeed setting of the saved run, or give the wrapper a new save_dir "
                              f"(now {self.save_dir}) and output_dir")
+        if deepspeed:
+            info, ranks = state["deepspeed"], self.trainer.args.world_size
+            saved_ranks = int(info["dp_world_size"]) * int(info["mp_world_size"])
+            if saved_ranks != ranks:
+                raise ValueError(f"the easyckpt state of step {result.step} ({result.source}, {result.path}) holds the "
+                                 f"ZeRO-{info['stage']} partitions of {saved_ranks} DeepSpeed ranks, and this run has "
+                                 f"{ranks}: DeepSpeed loads ZeRO partitions only onto as many ranks as saved them. Run "
+                                 f"with {saved_ranks} ranks, or give the wrapper a new save_dir (now {self.save_dir}) "
+                                 "and output_dir and start from the model's weights (easyckpt convert --to hf)")
         sharded = fsdp.enabled(self.trainer)
         if (fsdp.STATE_KEY in state) != sharded:
             saved = "with" if fsdp.STATE_KEY in state else "without"
@@ -210,6 +218,14 @@ class Resumer:
                              f"{saved} FSDP, and this Trainer runs {'with' if sharded else 'without'} it: run with the "
                              "FSDP setting of the saved run, or resume from a checkpoint-N folder "
                              "(resume_from_checkpoint=<output_dir>/checkpoint-N)")
+        return state
+
+    def _stage(self, result: LoadResult) -> str | None:
+        """Lay the loaded state out as a Trainer checkpoint directory, once per node; each rank adds its RNG."""
+        if result.step is None:
+            return None
+        state = self._check_saved_with(result)
+        sharded = fsdp.enabled(self.trainer)
         world_size = self.trainer.args.world_size
         # The FSDP directories are written by every rank (each its shards, one DCP save): they go where every
         # rank sees them, and one process of the whole job creates and removes the directory.

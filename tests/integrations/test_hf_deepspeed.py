@@ -46,10 +46,10 @@ def ds_config(tmp: Path, stage: int, **zero: Any) -> Path:
 
 def ds_job(env: Env, output_dir: Path, out: Path, config: Path, *, step_seconds: float = 0.0,
            resume: str | None = None, plain: bool = False, extra_args: list[str] | None = None,
-           launcher: str = "torchrun") -> HFJob:
+           launcher: str = "torchrun", nproc: int = 2) -> HFJob:
     return HFJob(env, output_dir, out, resume=resume, plain=plain, step_seconds=step_seconds, extra_env=DS_ENV,
                  extra_args=["--steps", str(STEPS), "--deepspeed", str(config), *(extra_args or [])],
-                 launcher=launcher)
+                 launcher=launcher, nproc=nproc)
 
 
 References = dict[tuple[int, bool], tuple[HFJob, Path]]
@@ -196,6 +196,26 @@ def test_plain_deepspeed_trainer_resumes_from_a_wrapper_checkpoint_and_zero_to_f
                               resume=str(checkpoint)))
     assert all(r["global_step"] == 10 for r in resumed_at(plain))
     assert_continues_exactly(plain, ref, 10, STEPS)
+
+
+@pytest.mark.timeout(180 + DEEPSPEED_BUILD_TIMEOUT)
+@pytest.mark.usefixtures("deepspeed_cpu_ops")
+def test_a_rerun_on_another_number_of_ranks_is_refused_naming_both(env: Env, references: References,
+                                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
+    """DeepSpeed loads ZeRO partitions only onto as many ranks as saved them. Until 2026-12-07 a one-rank rerun of a
+    two-rank ZeRO-2 run logged "resumed at step 12 from disk" (rank 0's partition, through the reshard tier) and then
+    died in DeepSpeed's load; now the wrapper refuses first, naming both counts and the ways on."""
+    _, ref_dir = reference(references, tmp_path_factory, 2)
+    output_dir = env.tmp_path / "hf"
+    shutil.copytree(ref_dir, output_dir)   # another path: another job, whose memory is empty, so disk
+    rerun = ds_job(env, output_dir, env.tmp_path / "rerun", ds_config(env.tmp_path, 2), resume="newest", nproc=1)
+    try:
+        assert rerun.wait(120) != 0
+    finally:
+        rerun.kill()
+    log = rerun.log()
+    assert "holds the ZeRO-2 partitions of 2 DeepSpeed ranks, and this run has 1" in log, log[-3000:]
+    assert "Run with 2 ranks" in log and "resumed at step" not in log, log[-3000:]
 
 
 @pytest.mark.timeout(120)
