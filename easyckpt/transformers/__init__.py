@@ -64,7 +64,8 @@ them; of a peft model the snapshots hold what trains, not the frozen base the sc
 start, see ``snapshot.trained_only``), DeepSpeed ZeRO stages 1 to 3 (``zero``: each rank snapshots its own
 partition, of a peft model without the frozen base as DeepSpeed's ``exclude_frozen_parameters``; resume and the
 checkpoint-N exports use DeepSpeed's own layout) and FSDP2 through Accelerate (``fsdp``: each rank
-snapshots its DTensor shards; resume and checkpoint-N use Accelerate's FSDP layouts; on CPU Accelerate
+snapshots its DTensor shards, of a peft model without the frozen base and laid out for the Trainer as the adapter
+only, ``adapters.fsdp_trainer_state``; resume and checkpoint-N use Accelerate's FSDP layouts; on CPU Accelerate
 drops the FSDP plugin and the Trainer runs DDP, which the wrapper logs). ZeRO offload, data skipping and
 the health monitor with DeepSpeed, FSDP1, ``save_on_each_node``,
 hyperparameter search and a Trainer whose ``args.world_size`` is not the job's are refused with a clear error;

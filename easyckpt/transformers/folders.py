@@ -19,7 +19,8 @@ import torch
 from transformers import PreTrainedModel, Trainer
 
 from easyckpt.transformers import fsdp
-from easyckpt.transformers.snapshot import is_peft_model, unwrapped_model, with_frozen
+from easyckpt.transformers.adapters import is_peft_model
+from easyckpt.transformers.snapshot import unwrapped_model, with_frozen
 from easyckpt_wire.faults import fault_point
 from easyckpt_wire.storage import posix
 from easyckpt_wire.timeline import abandoned_dirname
@@ -241,7 +242,7 @@ class CheckpointFolders:
         if fsdp.STATE_KEY in common:
             if iteration_dir is None:
                 raise ValueError(f"checkpoint-{step} of an FSDP2 state needs the iteration it was persisted as")
-            fsdp.write_full(tmp, iteration_dir, fsdp.state_dict_kind(self.trainer))
+            fsdp.write_full(tmp, iteration_dir, fsdp.state_dict_kind(self.trainer), unwrapped_model(self.trainer))
         mark_health(tmp, health)
         return self.publish(tmp, step)
 

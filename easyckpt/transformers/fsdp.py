@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from transformers import Trainer
 
 from easyckpt.collectives import all_ok
 from easyckpt.snapshot import sharding
+from easyckpt.transformers.adapters import fsdp_trainer_state
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +91,10 @@ def _layouts(tree: Any, path: tuple[Any, ...], world_size: int, found: list[Any]
             _layouts(value, path + (key,), world_size, found)
 
 
-def capture(trainer: Trainer) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def capture(trainer: Trainer, leave_out: Collection[str] = ()) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """This rank's model and optimizer state as Accelerate saves them (DTensors, by reference), and the
-    layout of each DTensor (``STATE_KEY``)."""
+    layout of each DTensor (``STATE_KEY``); the model's parameters named in ``leave_out`` (a peft model's frozen
+    base) are not taken."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     # No cpu_offload (Accelerate's sharded default offloads): the Checkpointer copies off the device itself,
@@ -99,7 +102,8 @@ def capture(trainer: Trainer) -> tuple[dict[str, Any], dict[str, Any], dict[str,
     options = StateDictOptions()
     module, optimizer = trainer.model, trainer.optimizer
     assert module is not None and optimizer is not None   # capture() checks the optimizer exists
-    model = get_model_state_dict(module, options=options)
+    model = {name: value for name, value in get_model_state_dict(module, options=options).items()
+             if name not in leave_out}
     optim = get_optimizer_state_dict(module, optimizer, options=options)
     found: list[Any] = []
     _layouts({"model": model, "optim": optim}, (), trainer.args.world_size, found)
@@ -156,24 +160,25 @@ def saved_world(state: dict[str, Any]) -> int | None:
     return None
 
 
-def stage(directory: Path, state: dict[str, Any], world_size: int, rank: int) -> None:
+def stage(directory: Path, state: dict[str, Any], world_size: int, rank: int, model: Any) -> None:
     """Write a loaded snapshot into the Trainer's sharded FSDP resume layout under ``directory``, which every
     rank must see. Collective: every rank calls it. Saved on as many ranks, each rank holds its own shards and
     writes them (one DCP save). Saved on another number, ``Checkpointer.load`` resharded it and each rank holds
     every tensor whole (a load without a template has no mesh to shard onto): rank 0 writes them, and DCP's
     load planning in the Trainer's resume takes each rank's part. The Trainer reads the layout as sharded
-    whatever its own saves use (``ShardedResume``)."""
+    whatever its own saves use (``ShardedResume``). ``model``: the unwrapped model, whose state goes in as the
+    Trainer's own save holds it (``adapters.fsdp_trainer_state``)."""
     saved = saved_world(state)
     if saved is None or saved == world_size:
         tree = rebuild(state)
-        save_dirs(directory, tree["model"], tree["optim"])
+        save_dirs(directory, fsdp_trainer_state(model, tree["model"], full=False), tree["optim"])
         return
     logger.info("rank %d: the state was saved by %d FSDP ranks and resharded whole for %d: rank 0 stages it",
                 rank, saved, world_size)
     failure: BaseException | None = None
     if rank == 0:
         try:
-            save_dirs(directory, state["model"], state["optim"], no_dist=True)
+            save_dirs(directory, fsdp_trainer_state(model, state["model"], full=False), state["optim"], no_dist=True)
         except BaseException as exc:   # raised below, after every rank heard of it
             failure = exc
     if not all_ok(failure is None):
@@ -205,14 +210,14 @@ class ShardedResume:
             self.saved = None
 
 
-def write_live(directory: Path, tree: dict[str, Any], kind: str, rank: int) -> None:
+def write_live(directory: Path, tree: dict[str, Any], kind: str, rank: int, model: Any) -> None:
     """``{"model": ..., "optim": ...}`` of DTensors in the Trainer's FSDP layout ``kind``. Collective."""
     if kind == SHARDED:
-        save_dirs(directory, tree["model"], tree["optim"])
+        save_dirs(directory, fsdp_trainer_state(model, tree["model"], full=False), tree["optim"])
         return
     whole = _gathered(tree)
     if rank == 0:
-        save_files(directory, whole["model"], whole["optim"])
+        save_files(directory, fsdp_trainer_state(model, whole["model"], full=True), whole["optim"])
 
 
 def save_dirs(directory: Path, model: dict[str, Any], optim: dict[str, Any], *, no_dist: bool = False) -> None:
@@ -228,16 +233,16 @@ def save_files(directory: Path, model: dict[str, Any], optim: dict[str, Any]) ->
     torch.save(optim, directory / OPTIM_FILE)
 
 
-def write_full(directory: Path, iteration_dir: Path, kind: str) -> None:
+def write_full(directory: Path, iteration_dir: Path, kind: str, model: Any) -> None:
     """The FSDP layout ``kind`` of a persisted iteration, every tensor whole (rank 0's structure), written
-    by this process alone."""
+    by this process alone; ``model`` as for ``stage``."""
     from easyckpt.tools.convert import full_state
 
     state = full_state(iteration_dir)
     if kind == SHARDED:
-        save_dirs(directory, state["model"], state["optim"], no_dist=True)
+        save_dirs(directory, fsdp_trainer_state(model, state["model"], full=False), state["optim"], no_dist=True)
     else:
-        save_files(directory, state["model"], state["optim"])
+        save_files(directory, fsdp_trainer_state(model, state["model"], full=True), state["optim"])
 
 
 def has_layout(path: Path) -> tuple[bool, bool]:

@@ -265,7 +265,7 @@ class Resumer:
             raise RuntimeError(f"could not write the RNG state of step {result.step} for the Trainer "
                                f"({problem or 'on another rank, see its log'})")
         if sharded:   # collective; a rank that fails raises, and the others' DCP save fails with it
-            fsdp.stage(directory, state, world_size, self.ckpt.rank)
+            fsdp.stage(directory, state, world_size, self.ckpt.rank, unwrapped_model(self.trainer))
         self.staged = directory if creator else None
         return str(directory)
 

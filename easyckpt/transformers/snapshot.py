@@ -22,9 +22,10 @@ import numpy as np
 import torch
 from transformers import Trainer
 from transformers.trainer_callback import ExportableState
-from transformers.utils import is_peft_available
 
+from easyckpt.snapshot import sharding
 from easyckpt.transformers import fsdp
+from easyckpt.transformers.adapters import frozen_parameters, is_peft_model
 
 logger = logging.getLogger(__name__)
 
@@ -40,22 +41,9 @@ def unwrapped_model(trainer: Trainer) -> Any:
         return accelerator.unwrap_model(trainer.model)
 
 
-def is_peft_model(model: Any) -> bool:
-    """Whether the Trainer saves ``model`` as a peft adapter (its own test, without importing peft when absent)."""
-    if not is_peft_available():
-        return False
-    from peft import PeftMixedModel, PeftModel
-    return isinstance(model, (PeftModel, PeftMixedModel))
-
-
 # The state's entry for a peft model's frozen base: {parameter name: [sum, sum of squares]} of what the snapshot
 # leaves out, so that a resume can tell whether the script built the same base again.
 FROZEN_KEY = "peft_frozen_base"
-
-
-def frozen_parameters(model: Any) -> dict[str, torch.Tensor]:
-    """The parameters of ``model`` that do not train, by their ``state_dict()`` names (a tied one under each)."""
-    return {name: param for name, param in model.named_parameters(remove_duplicate=False) if not param.requires_grad}
 
 
 def trained_only(model_state: dict[str, Any], frozen: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -84,8 +72,8 @@ def with_frozen(model: Any, model_state: dict[str, Any]) -> dict[str, Any]:
 class FrozenBase:
     """A fingerprint of a peft model's frozen base (``FROZEN_KEY``), computed once per parameter: a frozen parameter
     is not written in place, so its storage and version counter say when it must be summed again. A parameter that
-    DeepSpeed ZeRO-3 partitions has none (None): each rank holds a slice of it, and a resume may check the base before
-    DeepSpeed has partitioned it again."""
+    DeepSpeed ZeRO-3 partitions or FSDP2 shards has none (None): each rank holds a slice of it, and a resume checks
+    the base before the model is partitioned or sharded again."""
 
     def __init__(self) -> None:
         self._known: dict[str, tuple[tuple[Any, ...], list[float]]] = {}
@@ -122,7 +110,9 @@ def fingerprint(tensor: torch.Tensor) -> list[float]:
 
 
 def _partitioned(param: torch.Tensor) -> bool:
-    return hasattr(param, "ds_tensor")   # DeepSpeed ZeRO-3: the parameter is a placeholder, ds_tensor a slice
+    # DeepSpeed ZeRO-3: the parameter is a placeholder, ds_tensor a slice; FSDP2: a DTensor of this rank's shards,
+    # whose sums would be collectives
+    return hasattr(param, "ds_tensor") or sharding.is_dtensor(param)
 
 
 def _same(now: float, then: float) -> bool:
@@ -223,21 +213,21 @@ def capture(trainer: Trainer, extra_callback_states: dict[str, Any] | None = Non
                            "are not created yet (call TrainerWrapper.train(), not a snapshot before it)")
     fsdp_info, base = None, None
     unwrapped = unwrapped_model(trainer)
-    # A peft model's frozen base is left out (trained_only), under DeepSpeed as DeepSpeed's own checkpoint of one
-    # (the Trainer's save_checkpoint(exclude_frozen_parameters=True)); under FSDP2 it is still snapshotted whole.
-    peft = is_peft_model(unwrapped) and not fsdp.enabled(trainer)
+    # A peft model's frozen base is left out (trained_only): under DeepSpeed as DeepSpeed's own checkpoint of one (the
+    # Trainer's save_checkpoint(exclude_frozen_parameters=True)), under FSDP2 as the Trainer's save_fsdp_model
+    # (adapter_only=True).
+    left_out = frozen_parameters(unwrapped) if is_peft_model(unwrapped) else None
     if getattr(trainer, "is_deepspeed_enabled", False):
         from easyckpt.transformers import zero  # only here: deepspeed is an optional extra
-        optim, engine_info = zero.capture(trainer, exclude_frozen=peft)
+        optim, engine_info = zero.capture(trainer, exclude_frozen=left_out is not None)
         model = zero.module_state(trainer)   # under ZeRO-3 this rank's partitions, not empty placeholders
     elif fsdp.enabled(trainer):
-        model, optim, fsdp_info = fsdp.capture(trainer)
+        model, optim, fsdp_info = fsdp.capture(trainer, leave_out=left_out or {})
         engine_info = None
     else:
         optim, engine_info = trainer.optimizer.state_dict(), None
         model = unwrapped.state_dict()
-    if peft:
-        left_out = frozen_parameters(unwrapped)
+    if left_out is not None:
         model, base = trained_only(model, left_out), (frozen or FrozenBase())(left_out)
     state: dict[str, Any] = {
         "format": STATE_FORMAT,

@@ -486,7 +486,7 @@ class TrainerWrapper:
             raise RuntimeError(f"writing checkpoint-{step} into {tmp} failed: {problem or 'on another rank'}")
         if fsdp.STATE_KEY in state:   # collective, from the live DTensors
             fsdp.write_live(tmp, {"model": state["model"], "optim": state["optim"]}, fsdp.state_dict_kind(self.trainer),
-                            args.process_index)
+                            args.process_index, snapshot.unwrapped_model(self.trainer))
         if args.should_save:
             self.folders.publish(tmp, step)
 

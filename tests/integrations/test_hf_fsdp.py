@@ -181,3 +181,41 @@ def test_fsdp2_synchronous_save_writes_the_live_state(env: Env) -> None:
     for name, entry in ended["optim"]["state"].items():
         for key, tensor in entry.items():
             assert torch.equal(optim["state"][name][key], tensor), f"optimizer {name}.{key} differs"
+
+
+def test_fsdp2_lora_snapshots_the_adapter_resumes_exactly_and_a_plain_trainer_resumes_our_checkpoint(env: Env) -> None:
+    """A peft LoRA model under FSDP2 (SHARDED_STATE_DICT): the snapshots hold what trains, not the frozen base (it
+    was snapshotted whole before 2026-12-07), and the Trainer's FSDP layout, for the resume and in checkpoint-N,
+    holds the adapter only in peft's names, as the Trainer's own save_fsdp_model(adapter_only=True) writes and its
+    load reads: until then every resume failed in the Trainer's load ("Missing key in checkpoint state_dict:
+    ...lora_A.weight"), and a plain Trainer could not resume from the wrapper's checkpoint-N either. Rank 1 SIGKILLs
+    itself after a seeded step; the rerun resumes there from memory and goes on exactly as an uninterrupted plain
+    Trainer; a plain Trainer resumes from checkpoint-15 and goes on exactly too."""
+    from easyckpt.transformers.export import read_rank_state
+    from easyckpt.transformers.snapshot import FROZEN_KEY
+
+    lora = SHARDED + ["--lora"]
+    reference = run_to_end(HFJob(env, env.tmp_path / "reference-hf", env.tmp_path / "reference", plain=True,
+                                 save_strategy="no", extra_args=lora, via=VIA))
+    step = seeded_random().randint(6, 11)
+    output_dir = env.tmp_path / "hf"
+    killed_at(env, output_dir, env.tmp_path / "killed", step, lora)
+    job = run_to_end(HFJob(env, output_dir, env.tmp_path / "resumed", resume="newest", extra_args=lora, via=VIA))
+    assert [(r["step"], r["source"]) for r in resumed_at(job)] == [(step, "memory")] * 2, resumed_at(job)
+    assert_continues_exactly(job, reference, step)
+
+    newest = max(layout.complete_iterations(output_dir / "easyckpt"))[1]
+    for rank in range(2):
+        saved = read_rank_state(newest, rank, 2)
+        assert saved["model"] and all("lora_" in name for name in saved["model"]), sorted(saved["model"])
+        # the base's fingerprints are left out: each rank holds shards, whose sums would be collectives
+        assert "base_model.model.lm_head.weight" in saved[FROZEN_KEY] and set(saved[FROZEN_KEY].values()) == {None}
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder = output_dir / "checkpoint-15"
+    keys = FileSystemReader(str(folder / "pytorch_model_fsdp_0")).read_metadata().state_dict_metadata
+    assert keys and all("lora_" in key and ".default." not in key for key in keys), sorted(keys)
+    plain = run_to_end(HFJob(env, env.tmp_path / "plain-hf", env.tmp_path / "plain", plain=True, save_strategy="no",
+                             resume=str(folder), extra_args=lora, via=VIA))
+    assert all(r["global_step"] == 15 for r in resumed_at(plain))
+    assert_continues_exactly(plain, reference, 15)
