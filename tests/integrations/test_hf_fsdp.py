@@ -51,17 +51,23 @@ def killed_at(env: Env, output_dir: Path, out: Path, step: int, args: list[str])
         job.kill()
 
 
+def killed_resumes_from_memory_exactly(env: Env, output_dir: Path, step: int, args: list[str],
+                                       reference: HFJob) -> None:
+    """Rank 1 SIGKILLs itself after ``step``; the rerun resumes there from memory on both ranks and goes on exactly
+    as ``reference``."""
+    killed_at(env, output_dir, env.tmp_path / "killed", step, args)
+    job = run_to_end(HFJob(env, output_dir, env.tmp_path / "resumed", resume="newest", extra_args=args, via=VIA))
+    assert [(r["step"], r["source"]) for r in resumed_at(job)] == [(step, "memory")] * 2, resumed_at(job)
+    assert_continues_exactly(job, reference, step)
+
+
 def test_fsdp2_trainer_killed_resumes_from_memory_exactly(env: Env, fsdp_reference: HFJob) -> None:
     """The Trainer's default FULL_STATE_DICT: rank 1 SIGKILLs itself after a seeded random step; the rerun
     resumes at that very step from memory (each rank's DTensor shards staged as the Trainer's sharded FSDP
     layout, read by the Trainer's own resume) and goes on bit-exactly. checkpoint-N is Accelerate's
     FULL_STATE_DICT layout: whole model and optimizer states that an unsharded GPT-2 loads strictly."""
-    step = seeded_random().randint(6, 14)
     output_dir = env.tmp_path / "hf"
-    killed_at(env, output_dir, env.tmp_path / "killed", step, FSDP)
-    job = run_to_end(HFJob(env, output_dir, env.tmp_path / "resumed", resume="newest", extra_args=FSDP, via=VIA))
-    assert [(r["step"], r["source"]) for r in resumed_at(job)] == [(step, "memory")] * 2, resumed_at(job)
-    assert_continues_exactly(job, fsdp_reference, step)
+    killed_resumes_from_memory_exactly(env, output_dir, seeded_random().randint(6, 14), FSDP, fsdp_reference)
     assert not list(env.shm_dir.glob("easyckpt-hf-resume-*")), "the staged resume directory is removed"
 
     folder = output_dir / f"checkpoint-{STEPS}"
@@ -197,12 +203,8 @@ def test_fsdp2_lora_snapshots_the_adapter_resumes_exactly_and_a_plain_trainer_re
     lora = SHARDED + ["--lora"]
     reference = run_to_end(HFJob(env, env.tmp_path / "reference-hf", env.tmp_path / "reference", plain=True,
                                  save_strategy="no", extra_args=lora, via=VIA))
-    step = seeded_random().randint(6, 11)
     output_dir = env.tmp_path / "hf"
-    killed_at(env, output_dir, env.tmp_path / "killed", step, lora)
-    job = run_to_end(HFJob(env, output_dir, env.tmp_path / "resumed", resume="newest", extra_args=lora, via=VIA))
-    assert [(r["step"], r["source"]) for r in resumed_at(job)] == [(step, "memory")] * 2, resumed_at(job)
-    assert_continues_exactly(job, reference, step)
+    killed_resumes_from_memory_exactly(env, output_dir, seeded_random().randint(6, 11), lora, reference)
 
     newest = max(layout.complete_iterations(output_dir / "easyckpt"))[1]
     for rank in range(2):
