@@ -41,8 +41,8 @@ def unwrapped_model(trainer: Trainer) -> Any:
         return accelerator.unwrap_model(trainer.model)
 
 
-# The state's entry for a peft model's frozen base: {parameter name: [sum, sum of squares]} of what the snapshot
-# leaves out, so that a resume can tell whether the script built the same base again.
+# The state's entry for a peft model's frozen base: {parameter name: [sum, sum of squares], or None for a partitioned
+# or sharded one} of what the snapshot leaves out, so that a resume can tell whether the script built the same base.
 FROZEN_KEY = "peft_frozen_base"
 
 
@@ -123,7 +123,7 @@ def base_differs(model: Any, saved: dict[str, list[float] | None]) -> list[str]:
     """The frozen parameters whose live values are not those of the run that took the snapshot (``saved``: its
     ``FROZEN_KEY``), or that it had and this model lacks. Sums over the same values in another order differ in the
     last digits only; another initialisation or base model differs in every parameter. A parameter partitioned by
-    ZeRO-3, then or now, is not compared (``FrozenBase``)."""
+    ZeRO-3 or sharded by FSDP2, then or now, is not compared (``FrozenBase``)."""
     live = frozen_parameters(model)
     differ = []
     for name, sums in saved.items():
