@@ -188,6 +188,34 @@ def checkpoint_index(iteration_dir: Path) -> CheckpointIndex:
     return build_index(iteration_dir, int(meta["step"]), world_size, rank_view)
 
 
+DEEPSPEED_STAGE = "deepspeed.stage"
+DEEPSPEED_PARTITIONED = "deepspeed.partitioned."   # ZeRO-3: {parameter name: full shape} of the partitioned ones
+
+
+def deepspeed_partitions(keys: Iterable[str], values: Mapping[str, Any]) -> list[str]:
+    """Those of ``keys`` (DCP keys of an iteration whose plain values are ``values``) that each rank of a
+    TrainerWrapper snapshot under DeepSpeed ZeRO holds its own partition of, under the same name (sorted; none for
+    any other iteration): the optimizer state from ZeRO-1 on, the partitioned parameters under ZeRO-3."""
+    stage = values.get(DEEPSPEED_STAGE)
+    if stage is None:
+        return []
+    model = {"model." + key[len(DEEPSPEED_PARTITIONED):] for key in values if key.startswith(DEEPSPEED_PARTITIONED)}
+    return sorted(key for key in keys if (stage >= 1 and key.startswith("optim.")) or key in model)
+
+
+def refuse_deepspeed(path: Path, values: Mapping[str, Any], what: str) -> None:
+    """Raise ValueError for a TrainerWrapper snapshot under DeepSpeed (``values``: its iteration's plain values): each
+    rank holds its ZeRO partition of the optimizer state (under ZeRO-3 of the weights too) under names that are the
+    same on every rank, so ``what`` (anything that takes such a name for one tensor) would get rank 0's slice."""
+    stage = values.get(DEEPSPEED_STAGE)
+    if stage is not None:
+        weights = " and of the weights" if stage == 3 else ""
+        raise ValueError(f"{path} is a DeepSpeed ZeRO-{stage} snapshot of TrainerWrapper: each rank holds its "
+                         f"own partition of the optimizer state{weights} in DeepSpeed's layout, which {what} cannot "
+                         "represent. Take the model's weights with easyckpt convert --to hf, or the Trainer's "
+                         "checkpoint-N folder (DeepSpeed's own layout, which its zero_to_fp32.py consolidates)")
+
+
 class StorageReader(dcp.StorageReader):
     """A ``torch.distributed.checkpoint.StorageReader`` of one easyckpt ``iteration_N`` directory.
 
@@ -243,6 +271,11 @@ class StorageReader(dcp.StorageReader):
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        values = {index.fqn: info.value for index, info in self.storage_data.items() if isinstance(info, _Value)}
+        partitioned = deepspeed_partitions((item.storage_index.fqn for item in plan.items), values)
+        if partitioned:
+            more = f" (and {len(partitioned) - 1} more)" if len(partitioned) > 1 else ""
+            refuse_deepspeed(self.path, values, f"a load of {partitioned[0]!r}{more} as one whole tensor")
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:

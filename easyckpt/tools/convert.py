@@ -70,7 +70,7 @@ def to_dcp(src: Path, out: Path) -> tuple[int, int]:
     from easyckpt import dcp as edcp
 
     index = edcp.checkpoint_index(edcp.iteration_of(src))
-    refuse_deepspeed(index, "a DCP checkpoint of whole tensors")
+    edcp.refuse_deepspeed(index.path, index.values, "a DCP checkpoint of whole tensors")
     state = full_state(src, index)
     out.mkdir(parents=True, exist_ok=True)
     dcp.save(state, storage_writer=FileSystemWriter(str(out)), no_dist=True)
@@ -142,24 +142,13 @@ def _one_process() -> None:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 
 
-def refuse_deepspeed(index: Any, what: str) -> None:
-    """Raise ValueError for a TrainerWrapper snapshot under DeepSpeed (``index``: its ``dcp.CheckpointIndex``): each
-    rank holds its ZeRO partition of the optimizer state (under ZeRO-3 of the weights too) under names that are the
-    same on every rank, so a tool that takes such a name for one tensor would write rank 0's slice for all of them."""
-    stage = index.values.get("deepspeed.stage")
-    if stage is not None:
-        weights = " and of the weights" if stage == 3 else ""
-        raise ValueError(f"{index.path} is a DeepSpeed ZeRO-{stage} snapshot of TrainerWrapper: each rank holds its "
-                         f"own partition of the optimizer state{weights} in DeepSpeed's layout, which {what} cannot "
-                         "represent. Take the model's weights with easyckpt convert --to hf, or the Trainer's "
-                         "checkpoint-N folder (DeepSpeed's own layout, which its zero_to_fp32.py consolidates)")
-
-
 def zero3_model(iteration_dir: Path, index: Any) -> dict[str, Any] | None:
     """The whole weights of a TrainerWrapper snapshot under DeepSpeed ZeRO-3 (None for any other iteration): each rank
     holds a flat, padded slice of every partitioned parameter under the parameter's name, which DCP would take for one
     replicated tensor (rank 0's slice); the slices of every rank are joined and cut to shape (``zero.consolidate``)."""
-    if not any(key.startswith("deepspeed.partitioned.") for key in index.values):
+    from easyckpt import dcp as edcp
+
+    if not any(key.startswith(edcp.DEEPSPEED_PARTITIONED) for key in index.values):
         return None
     from easyckpt.transformers import zero  # transformers only for such an iteration
     from easyckpt.transformers.export import read_rank_state
@@ -236,12 +225,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_ranks_needed(args: argparse.Namespace) -> int:
-    from easyckpt.dcp import checkpoint_index, iteration_of, ranks_needed
+    from easyckpt.dcp import checkpoint_index, iteration_of, ranks_needed, refuse_deepspeed
 
     _one_process()
 
     try:
-        refuse_deepspeed(checkpoint_index(iteration_of(as_path(args.src))), "a plan of dim-0 shards")
+        index = checkpoint_index(iteration_of(as_path(args.src)))
+        refuse_deepspeed(index.path, index.values, "a plan of dim-0 shards")
         index, plans = ranks_needed(as_path(args.src), args.world_size)
     except (layout.CheckpointFormatError, OSError, ValueError) as exc:
         print(f"ranks-needed: {exc}", file=sys.stderr)

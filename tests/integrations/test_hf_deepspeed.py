@@ -20,11 +20,14 @@ pytest.importorskip("transformers", reason="the HF integration needs transformer
 pytest.importorskip("deepspeed", reason="needs DeepSpeed: DS_BUILD_OPS=0 pip install -e '.[deepspeed]'")
 
 import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
 from conftest import DEEPSPEED_BUILD_TIMEOUT, Env, seeded_random, wait_for, wipe_memory  # noqa: E402
 from ddp_job import newest_common_committed, slot_states  # noqa: E402
 from hf_job import HFJob, assert_continues_exactly, resumed_at, run_to_end  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
 from easyckpt import cli  # noqa: E402
+from easyckpt import dcp as edcp  # noqa: E402
 from easyckpt.transformers.export import read_rank_state  # noqa: E402
 from easyckpt.transformers.snapshot import FROZEN_KEY  # noqa: E402
 from easyckpt_wire import layout  # noqa: E402
@@ -190,6 +193,19 @@ def test_plain_deepspeed_trainer_resumes_from_a_wrapper_checkpoint_and_zero_to_f
     said = capsys.readouterr().err
     assert said.count(f"is a DeepSpeed ZeRO-{stage} snapshot of TrainerWrapper") == 2 and "convert --to hf" in said, said
     assert not (env.tmp_path / "dcp").exists()
+    # and so does easyckpt.dcp.StorageReader for a partitioned name (until 2026-12-07 it served rank 0's slice),
+    # while the model's whole weights under ZeRO-2 load through it (what convert --to hf reads)
+    index = edcp.checkpoint_index(Path(iteration))
+    partitioned = edcp.deepspeed_partitions(index.tensors, index.values)
+    assert any(key.startswith("model.") for key in partitioned) == (stage == 3), partitioned
+    for key in [partitioned[0], *(["model.transformer.wte.weight"] if stage == 2 else [])]:
+        into = {key: torch.empty(index.tensors[key].global_shape, dtype=torch.float32)}
+        if key in partitioned:
+            with pytest.raises(CheckpointException, match=f"ZeRO-{stage} snapshot of TrainerWrapper"):
+                dcp.load(into, storage_reader=edcp.StorageReader(iteration), no_dist=True)
+        else:
+            dcp.load(into, storage_reader=edcp.StorageReader(iteration), no_dist=True)
+            assert torch.equal(into[key], weights["transformer.wte.weight"])
 
     config = ds_config(env.tmp_path, stage)
     plain = run_to_end(ds_job(env, env.tmp_path / "hf", env.tmp_path / "plain", config, plain=True,

@@ -1,9 +1,10 @@
-"""The names ``easyckpt convert --to hf`` writes: those of the unwrapped model (easyckpt.dcp.unwrapped_names)."""
+"""The names ``easyckpt convert --to hf`` writes: those of the unwrapped model (easyckpt.dcp.unwrapped_names); the
+names of a DeepSpeed snapshot that no DCP load may take for one tensor (easyckpt.dcp.deepspeed_partitions)."""
 from __future__ import annotations
 
 import pytest
 
-from easyckpt.dcp import unwrapped_names
+from easyckpt.dcp import deepspeed_partitions, unwrapped_names
 
 
 @pytest.mark.parametrize("names,expected,removed", [
@@ -26,3 +27,20 @@ def test_the_names_are_those_of_the_unwrapped_model(names: list[str], expected: 
     new, said = unwrapped_names(names)
     assert [new[name] for name in names] == expected
     assert said == removed
+
+
+KEYS = ["model.h.0.attn.weight", "model.h.0.attn.bias", "model.ln.running_mean", "optim.base.state.0.exp_avg",
+        "optim.single_partition_of_fp32_groups.0", "rng.torch"]
+OPTIM = ["optim.base.state.0.exp_avg", "optim.single_partition_of_fp32_groups.0"]
+
+
+@pytest.mark.parametrize("values,expected", [
+    ({}, []),                                                       # not DeepSpeed: every name is whole
+    ({"deepspeed.stage": 0}, []),                                   # no ZeRO: the optimizer state is whole
+    ({"deepspeed.stage": 2}, OPTIM),
+    # ZeRO-3: the partitioned parameters too (a buffer stays whole); a name that is only a prefix of one is not one
+    ({"deepspeed.stage": 3, "deepspeed.partitioned.h.0.attn.weight": [4, 4], "deepspeed.partitioned.h.0.attn": [4]},
+     ["model.h.0.attn.weight", *OPTIM]),
+])
+def test_the_names_each_deepspeed_rank_holds_a_partition_of(values: dict[str, object], expected: list[str]) -> None:
+    assert deepspeed_partitions(KEYS, values) == expected
