@@ -189,14 +189,22 @@ def checkpoint_index(iteration_dir: Path) -> CheckpointIndex:
 
 
 DEEPSPEED_STAGE = "deepspeed.stage"
+DEEPSPEED_VERSION = "deepspeed.ds_version"   # with the stage: the engine's info TrainerWrapper snapshots
 DEEPSPEED_PARTITIONED = "deepspeed.partitioned."   # ZeRO-3: {parameter name: full shape} of the partitioned ones
+
+
+def deepspeed_stage(values: Mapping[str, Any]) -> int | None:
+    """The ZeRO stage of a TrainerWrapper snapshot under DeepSpeed (``values``: its iteration's plain values), else
+    None (a state of one's own that happens to hold a ``deepspeed.stage`` is no such snapshot)."""
+    stage = values.get(DEEPSPEED_STAGE)
+    return stage if isinstance(stage, int) and DEEPSPEED_VERSION in values else None
 
 
 def deepspeed_partitions(keys: Iterable[str], values: Mapping[str, Any]) -> list[str]:
     """Those of ``keys`` (DCP keys of an iteration whose plain values are ``values``) that each rank of a
     TrainerWrapper snapshot under DeepSpeed ZeRO holds its own partition of, under the same name (sorted; none for
     any other iteration): the optimizer state from ZeRO-1 on, the partitioned parameters under ZeRO-3."""
-    stage = values.get(DEEPSPEED_STAGE)
+    stage = deepspeed_stage(values)
     if stage is None:
         return []
     model = {"model." + key[len(DEEPSPEED_PARTITIONED):] for key in values if key.startswith(DEEPSPEED_PARTITIONED)}
@@ -207,7 +215,7 @@ def refuse_deepspeed(path: Path, values: Mapping[str, Any], what: str) -> None:
     """Raise ValueError for a TrainerWrapper snapshot under DeepSpeed (``values``: its iteration's plain values): each
     rank holds its ZeRO partition of the optimizer state (under ZeRO-3 of the weights too) under names that are the
     same on every rank, so ``what`` (anything that takes such a name for one tensor) would get rank 0's slice."""
-    stage = values.get(DEEPSPEED_STAGE)
+    stage = deepspeed_stage(values)
     if stage is not None:
         weights = " and of the weights" if stage == 3 else ""
         raise ValueError(f"{path} is a DeepSpeed ZeRO-{stage} snapshot of TrainerWrapper: each rank holds its "

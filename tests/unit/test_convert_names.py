@@ -31,16 +31,18 @@ def test_the_names_are_those_of_the_unwrapped_model(names: list[str], expected: 
 
 KEYS = ["model.h.0.attn.weight", "model.h.0.attn.bias", "model.ln.running_mean", "optim.base.state.0.exp_avg",
         "optim.single_partition_of_fp32_groups.0", "rng.torch"]
+VERSION = {"deepspeed.ds_version": "0.19.8"}
 OPTIM = ["optim.base.state.0.exp_avg", "optim.single_partition_of_fp32_groups.0"]
 
 
 @pytest.mark.parametrize("values,expected", [
     ({}, []),                                                       # not DeepSpeed: every name is whole
-    ({"deepspeed.stage": 0}, []),                                   # no ZeRO: the optimizer state is whole
-    ({"deepspeed.stage": 2}, OPTIM),
+    ({"deepspeed.stage": 2}, []),                                   # a state of one's own: no DeepSpeed snapshot
+    ({"deepspeed.stage": 0, **VERSION}, []),                        # no ZeRO: the optimizer state is whole
+    ({"deepspeed.stage": 2, **VERSION}, OPTIM),
     # ZeRO-3: the partitioned parameters too (a buffer stays whole); a name that is only a prefix of one is not one
-    ({"deepspeed.stage": 3, "deepspeed.partitioned.h.0.attn.weight": [4, 4], "deepspeed.partitioned.h.0.attn": [4]},
-     ["model.h.0.attn.weight", *OPTIM]),
+    ({"deepspeed.stage": 3, **VERSION, "deepspeed.partitioned.h.0.attn.weight": [4, 4],
+      "deepspeed.partitioned.h.0.attn": [4]}, ["model.h.0.attn.weight", *OPTIM]),
 ])
 def test_the_names_each_deepspeed_rank_holds_a_partition_of(values: dict[str, object], expected: list[str]) -> None:
     assert deepspeed_partitions(KEYS, values) == expected
