@@ -171,14 +171,14 @@ def stage(directory: Path, state: dict[str, Any], world_size: int, rank: int, mo
     saved = saved_world(state)
     if saved is None or saved == world_size:
         tree = rebuild(state)
-        save_dirs(directory, fsdp_trainer_state(model, tree["model"], full=False), tree["optim"])
+        save_dirs(directory, model, tree["model"], tree["optim"])
         return
     logger.info("rank %d: the state was saved by %d FSDP ranks and resharded whole for %d: rank 0 stages it",
                 rank, saved, world_size)
     failure: BaseException | None = None
     if rank == 0:
         try:
-            save_dirs(directory, fsdp_trainer_state(model, state["model"], full=False), state["optim"], no_dist=True)
+            save_dirs(directory, model, state["model"], state["optim"], no_dist=True)
         except BaseException as exc:   # raised below, after every rank heard of it
             failure = exc
     if not all_ok(failure is None):
@@ -213,23 +213,27 @@ class ShardedResume:
 def write_live(directory: Path, tree: dict[str, Any], kind: str, rank: int, model: Any) -> None:
     """``{"model": ..., "optim": ...}`` of DTensors in the Trainer's FSDP layout ``kind``. Collective."""
     if kind == SHARDED:
-        save_dirs(directory, fsdp_trainer_state(model, tree["model"], full=False), tree["optim"])
+        save_dirs(directory, model, tree["model"], tree["optim"])
         return
     whole = _gathered(tree)
     if rank == 0:
-        save_files(directory, fsdp_trainer_state(model, whole["model"], full=True), whole["optim"])
+        save_files(directory, model, whole["model"], whole["optim"])
 
 
-def save_dirs(directory: Path, model: dict[str, Any], optim: dict[str, Any], *, no_dist: bool = False) -> None:
+def save_dirs(directory: Path, module: Any, model: dict[str, Any], optim: dict[str, Any], *,
+              no_dist: bool = False) -> None:
     """SHARDED_STATE_DICT: ``pytorch_model_fsdp_0/`` and ``optimizer_0/`` under ``directory``, with the keys
-    Accelerate loads."""
+    Accelerate loads; ``model`` (the state of the unwrapped ``module``) as the Trainer's own save holds it
+    (``adapters.fsdp_trainer_state``: of a peft model the adapter only)."""
+    model = fsdp_trainer_state(module, model, full=False)
     dcp.save({"model": model}, storage_writer=FileSystemWriter(str(directory / MODEL_DIR)), no_dist=no_dist)
     dcp.save({"optimizer": optim}, storage_writer=FileSystemWriter(str(directory / OPTIM_DIR)), no_dist=no_dist)
 
 
-def save_files(directory: Path, model: dict[str, Any], optim: dict[str, Any]) -> None:
-    """FULL_STATE_DICT: whole model and optimizer states, as Accelerate's rank 0 saves them."""
-    torch.save(model, directory / MODEL_FILE)
+def save_files(directory: Path, module: Any, model: dict[str, Any], optim: dict[str, Any]) -> None:
+    """FULL_STATE_DICT: whole model and optimizer states, as Accelerate's rank 0 saves them (``module`` as for
+    ``save_dirs``)."""
+    torch.save(fsdp_trainer_state(module, model, full=True), directory / MODEL_FILE)
     torch.save(optim, directory / OPTIM_FILE)
 
 
@@ -240,9 +244,9 @@ def write_full(directory: Path, iteration_dir: Path, kind: str, model: Any) -> N
 
     state = full_state(iteration_dir)
     if kind == SHARDED:
-        save_dirs(directory, fsdp_trainer_state(model, state["model"], full=False), state["optim"], no_dist=True)
+        save_dirs(directory, model, state["model"], state["optim"], no_dist=True)
     else:
-        save_files(directory, fsdp_trainer_state(model, state["model"], full=True), state["optim"])
+        save_files(directory, model, state["model"], state["optim"])
 
 
 def has_layout(path: Path) -> tuple[bool, bool]:

@@ -228,7 +228,9 @@ def capture(trainer: Trainer, extra_callback_states: dict[str, Any] | None = Non
         optim, engine_info = trainer.optimizer.state_dict(), None
         model = unwrapped.state_dict()
     if left_out is not None:
-        model, base = trained_only(model, left_out), (frozen or FrozenBase())(left_out)
+        base = (frozen or FrozenBase())(left_out)
+        if fsdp_info is None:   # fsdp.capture left them out itself, before it took the DTensors' layouts
+            model = trained_only(model, left_out)
     state: dict[str, Any] = {
         "format": STATE_FORMAT,
         "step": trainer.state.global_step,
