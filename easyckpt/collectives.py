@@ -5,8 +5,25 @@ ranks take together (where to resume from, whether to give up a save), and a ran
 branch would hang in the next collective."""
 from __future__ import annotations
 
+import collections
+
 import torch
 import torch.distributed as dist
+
+# The works of the newest collectives, kept until later ones have completed. The backend's worker thread lets go of
+# a collective's work only after the caller has seen it complete; had the caller let go first, the work's destructor
+# would run in that thread and release the Python objects the work holds (its tensors, the caller's thread-local
+# modes), taking the GIL for them, which creates a Python thread state without holding the GIL. On CPython before
+# 3.11.10 (gh-112275) a fork at that moment deadlocks the child before it runs a line, and a DataLoader forks its
+# workers right after the collective easyckpt's Lightning callback runs at each epoch's start. Eight, not one: the
+# thread that ran a collective may still be finishing it when the next one completes on another.
+_kept_work: collections.deque[dist.Work] = collections.deque(maxlen=8)
+
+
+def _wait(work: dist.Work | None) -> None:
+    if work is not None:   # None: this rank is not in the group (never the case for the default group)
+        work.wait()
+        _kept_work.append(work)
 
 
 def distributed() -> bool:
@@ -25,7 +42,7 @@ def broadcast_int(value: int) -> int:
     if not distributed():
         return value
     tensor = torch.tensor([value], dtype=torch.int64, device=device())
-    dist.broadcast(tensor, 0)
+    _wait(dist.broadcast(tensor, 0, async_op=True))
     return int(tensor.item())
 
 
@@ -34,7 +51,7 @@ def all_ok(ok: bool) -> bool:
     if not distributed():
         return ok
     tensor = torch.tensor([1 if ok else 0], dtype=torch.int64, device=device())
-    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    _wait(dist.all_reduce(tensor, op=dist.ReduceOp.MIN, async_op=True))
     return bool(tensor.item())
 
 
@@ -50,7 +67,7 @@ def all_gather_ints(vector: list[int], world_size: int) -> list[list[int]]:
         return [list(vector)]
     local = torch.tensor(vector, dtype=torch.int64, device=device())
     gathered = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(gathered, local)
+    _wait(dist.all_gather(gathered, local, async_op=True))
     return [t.tolist() for t in gathered]
 
 
@@ -66,5 +83,5 @@ def all_gather_text(text: str, world_size: int, *, field: int) -> list[str]:
         local[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     local = local.to(device())
     rows = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(rows, local)
+    _wait(dist.all_gather(rows, local, async_op=True))
     return [bytes(row.cpu().numpy()).rstrip(b"\0").decode() for row in rows]

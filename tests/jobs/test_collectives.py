@@ -1,0 +1,26 @@
+"""easyckpt's collectives under a real 2-rank torchrun job (gloo): no tensor they hand the backend is freed by the
+backend's own thread, which would take the GIL from a thread without a Python thread state (on CPython before
+3.11.10 a DataLoader worker forked at that moment deadlocks: the hang once seen in the Lightning stateful loader
+test). The same job's plain collectives on tensors let go of at once show that the count can see such frees."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+from conftest import Env
+from ddp_job import TORCHRUN
+
+JOB = Path(__file__).resolve().parents[1] / "collectives_job.py"
+
+
+def test_no_tensor_of_a_collective_is_freed_by_the_backends_thread(env: Env) -> None:
+    done = subprocess.run(TORCHRUN + ["--standalone", "--nproc-per-node=2", "--max-restarts=0", str(JOB)],
+                          env=env.environ(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert sorted(report["rank"] for report in reports) == [0, 1], done.stdout
+    for report in reports:
+        assert report["easyckpt"] == 0, report
+    assert any(report["plain"] > 0 for report in reports), \
+        f"the control saw no tensor freed off the main thread in {reports[0]['rounds']} plain collectives: {reports}"
