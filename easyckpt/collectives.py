@@ -46,6 +46,12 @@ def broadcast_int(value: int) -> int:
     return int(tensor.item())
 
 
+def barrier() -> None:
+    """Every rank of the default group is here (a no-op outside one)."""
+    if dist.is_available() and dist.is_initialized():
+        _wait(dist.barrier(async_op=True))
+
+
 def all_ok(ok: bool) -> bool:
     """True when every rank says ok; also a barrier."""
     if not distributed():

@@ -34,7 +34,7 @@ from typing import Any
 import torch.distributed as dist
 
 from easyckpt.checkpointer import Checkpointer
-from easyckpt.collectives import all_ok
+from easyckpt.collectives import all_ok, barrier
 from easyckpt.health import DataSkipper, configure
 from easyckpt.logs import notice
 from easyckpt.megatron import legacy, skipping, snapshot
@@ -348,8 +348,7 @@ def load_checkpoint(model: Any, optimizer: Any, opt_param_scheduler: Any, load_a
         # The one resume line (on stderr when logging is not configured), with Megatron's iteration and a legacy source.
         notice(logger, logging.INFO, "resumed at iteration %d from %s (%s) in %.3fs", iteration, info.source,
                info.path, info.seconds)
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    barrier()
     return iteration, flops
 
 
