@@ -8,10 +8,12 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 from conftest import Env
 from ddp_job import TORCHRUN
 
 JOB = Path(__file__).resolve().parents[1] / "collectives_job.py"
+pytestmark = pytest.mark.slow
 
 
 def test_no_tensor_of_a_collective_is_freed_by_the_backends_thread(env: Env) -> None:
