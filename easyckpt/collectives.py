@@ -6,24 +6,32 @@ branch would hang in the next collective."""
 from __future__ import annotations
 
 import collections
+import time
 
 import torch
 import torch.distributed as dist
 
-# The works of the newest collectives, kept until later ones have completed. The backend's worker thread lets go of
-# a collective's work only after the caller has seen it complete; had the caller let go first, the work's destructor
-# would run in that thread and release the Python objects the work holds (its tensors, the caller's thread-local
-# modes), taking the GIL for them, which creates a Python thread state without holding the GIL. On CPython before
-# 3.11.10 (gh-112275) a fork at that moment deadlocks the child before it runs a line, and a DataLoader forks its
-# workers right after the collective easyckpt's Lightning callback runs at each epoch's start. Eight, not one: the
-# thread that ran a collective may still be finishing it when the next one completes on another.
-_kept_work: collections.deque[dist.Work] = collections.deque(maxlen=8)
+# How long a completed collective's work is kept. The backend's worker thread lets go of a collective's work only
+# after the caller has seen it complete; had the caller let go first, the work's destructor would run in that thread
+# and release the Python objects the work holds (its tensors, the caller's thread-local modes), taking the GIL for
+# them, which creates a Python thread state without holding the GIL. On CPython before 3.11.10 (gh-112275) a fork at
+# that moment deadlocks the child before it runs a line, and a DataLoader forks its workers right after the
+# collective easyckpt's Lightning callback runs at each epoch's start. A time, not a count: on a loaded machine the
+# worker that ran a collective can still hold it after eight later ones have completed on the other worker
+# (tests/jobs/test_collectives.py saw it). easyckpt's collectives are few (a few per persist and per resume), so
+# the works kept are few.
+KEEP_WORKS_SECONDS = 60.0
+_kept_works: collections.deque[tuple[float, dist.Work]] = collections.deque()
 
 
 def _wait(work: dist.Work | None) -> None:
-    if work is not None:   # None: this rank is not in the group (never the case for the default group)
-        work.wait()
-        _kept_work.append(work)
+    if work is None:   # this rank is not in the group (never the case for the default group)
+        return
+    work.wait()
+    now = time.monotonic()
+    _kept_works.append((now, work))
+    while _kept_works and _kept_works[0][0] < now - KEEP_WORKS_SECONDS:
+        _kept_works.popleft()
 
 
 def distributed() -> bool:
