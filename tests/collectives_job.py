@@ -1,6 +1,6 @@
 """One rank of a 2-rank torchrun job (gloo, CPU): runs easyckpt's collectives, then plain ones on tensors it lets go
-of at once, and counts where the tensors handed to the backend were freed (the main thread or another); prints the
-counts as JSON.
+of at once, and counts where the tensors handed to the backend were freed (the main thread or another); writes the
+counts as JSON to ``<out>/report-rank<r>.json`` (``out``: its one argument).
 
 A tensor freed off the main thread means a thread without a Python thread state took the GIL, which on CPython
 before 3.11.10 deadlocks a child forked at that moment (see easyckpt/collectives.py)."""
@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import collections
 import json
+import sys
 import threading
 import time
 import weakref
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -69,7 +71,8 @@ def main() -> None:
         assert int(tensor.item()) == i * world
         del tensor
     dist.barrier()
-    print(json.dumps({"rank": dist.get_rank(), "rounds": ROUNDS, "freed": dict(freed)}), flush=True)
+    report = {"rank": dist.get_rank(), "rounds": ROUNDS, "freed": dict(freed)}
+    (Path(sys.argv[1]) / f"report-rank{dist.get_rank()}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
 
