@@ -371,10 +371,10 @@ def test_a_rank_kill_or_a_node_loss_costs_at_most_one_step(slots: int) -> None:
     """Issue 24's bound, the kill step or the one before, with the multi-node default of four slots per rank and with
     five (``slots=5``, EASYCKPT_SLOTS=5), under the default lag gate (``max_backup_lag``: two snapshots): 300 random
     timings each (slow agents, long persists, any moment inside any step). With four slots the agent's three holds
-    (job-safe, node-safe, a due step decided or persisted) leave a rank one slot, its newest step's, while the
-    job-safe step trails; the agents name what a verdict makes them hold in the round they hear it
-    (``node_agreement.agree``) and the gate keeps the node-safe step within two snapshots, so that slot holds a step
-    every rank can resume. Measured on 2026-12-07 with four slots forced: 24,000 rank kills (``draw_config``, seeds 2
+    (job-safe, node-safe, a due step decided or persisted) can leave a rank only its newest step's slot to write;
+    since the agents name what a verdict makes them hold in the round they hear it (``node_agreement.agree``) and
+    the gate keeps the node-safe step within two snapshots, the simulation has not found that to cost a second step.
+    Measured on 2026-12-07 with four slots forced: 24,000 rank kills (``draw_config``, seeds 2
     and 11) and 23,000 node losses (seeds 3 and 12) lost 0 or 1 step each, none more; on 2026-12-04, before both
     (the gate then allowed save_storage_interval steps), the same 4,000 rank kills of seed 2 lost 2 or 3 in 12 and the
     3,000 node losses of seed 3 lost 2 in 10 (``four-slot-three-lost`` below, kept with a gate of five). The
