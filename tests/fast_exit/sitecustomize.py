@@ -23,6 +23,16 @@ before and 127-133 with it. The thresholds stay CPython's, so what the process a
 usual (raising them for the whole process saved about twice as much, but would change when the job's own garbage is
 collected: not taken).
 
+And while a module of those packages (or of datasets, Accelerate, peft, sympy, numpy, which they pull in) imports,
+the collector is paused, until the outermost such import has run (or raised): 363 collections ran while torch
+imported and about 200 while ``torch.distributed.checkpoint`` did afterwards, each walking objects that live as long
+as the process (0.2-0.3 CPU-s of a worker's imports of torch and ``torch._dynamo``; 0.5 of an HF Trainer worker's
+imports, 0.1 with the pause). The job's own garbage is still collected as usual: a lazy import during the run
+(``torch._dynamo`` at a DDP worker's first step) delays that by the import's time, and its objects, unless frozen,
+are collected in one pass once the collector runs again. The import's own cyclic garbage is frozen with the package
+(8 MiB more a worker). A 2-rank 12-step ``examples/plain_ddp.py`` job, six pairs alternated (2026-12-07): 6.7-8.1
+CPU-s before, 5.9-8.0 with the pause (mean 7.4 and 6.8).
+
 A ``sitecustomize`` of the interpreter's own (a distribution's or a site's), which this one shadows on ``sys.path``,
 is run after it.
 """
@@ -41,15 +51,24 @@ from types import ModuleType
 atexit.register(gc.freeze)
 
 _LARGE = frozenset({"torch", "torch._dynamo", "transformers", "lightning", "deepspeed", "megatron.core"})
+# Packages whose modules import with the collector paused (any module of theirs, lazy ones included: transformers'
+# Trainer, DeepSpeed's engine, the GPT-2 model are imported at their first use, after the package itself)
+_PAUSED = frozenset({"torch", "transformers", "lightning", "pytorch_lightning", "lightning_fabric", "deepspeed",
+                     "megatron", "datasets", "accelerate", "peft", "sympy", "numpy"})
+# Loaders made for one module each: wrapping their exec_module touches nothing else (BuiltinImporter, say, is a class
+# shared by every built-in module)
+_OWN_LOADERS = (importlib.machinery.SourceFileLoader, importlib.machinery.SourcelessFileLoader,
+                importlib.machinery.ExtensionFileLoader)
 
 
 class _FreezeAfterLargeImports(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: for a package of ``_LARGE`` it wraps the spec's loader so the collector is frozen once
-    the package has run its ``__init__`` (with everything that imports)."""
+    """Finds nothing itself: for a module of ``_PAUSED`` it wraps the spec's loader so that the module runs with the
+    collector paused (nested imports too, until the outermost one is done), and for a package of ``_LARGE`` so that
+    the collector is then frozen."""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in _LARGE:
+        if fullname.partition(".")[0] not in _PAUSED and fullname not in _LARGE:
             return None
         spec = None
         for finder in sys.meta_path:   # the other finders, in the order the import system asks them
@@ -58,14 +77,22 @@ class _FreezeAfterLargeImports(importlib.abc.MetaPathFinder):
                 if spec is not None:
                     break
         loader = spec.loader if spec is not None else None
-        if loader is None or not hasattr(loader, "exec_module"):
+        if not isinstance(loader, _OWN_LOADERS):
             return spec
         run_init = loader.exec_module
+        freeze = fullname in _LARGE
 
         def exec_module(module: ModuleType) -> None:
-            run_init(module)
-            if not _process_group_up():
-                gc.freeze()
+            outermost = gc.isenabled()
+            if outermost:
+                gc.disable()
+            try:
+                run_init(module)
+                if freeze and not _process_group_up():
+                    gc.freeze()
+            finally:
+                if outermost:
+                    gc.enable()
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
