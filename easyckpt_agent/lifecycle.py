@@ -4,9 +4,9 @@ SIGTERM/SIGINT end the loop; :meth:`Lifecycle.stop` then finishes (or, past ``sh
 the persist in flight, persists the newest snapshot every local rank holds if disk lacks it and time is
 left, and lets go of the slots only if nothing in them is newer than disk, no rank of the job still
 runs, none left saying its run failed and none still ran when the signal came (the job was torn down:
-the memory is for its restart). If the signal came while the rank that started the agent was still its
-parent, under a launcher that ends jobs by process trees (DeepSpeed's), what stays is handed to a detached successor
-(:func:`start_successor`), which waits for the restart. A second signal stops waiting for the disk.
+the memory is for its restart). If the signal came from a launcher that ends jobs by process trees (DeepSpeed's:
+:func:`is_tree_kill`), what stays is handed to a detached successor (:func:`start_successor`), which waits for
+the restart. A second signal stops waiting for the disk.
 Without a signal the agent exits (:meth:`should_exit`, never while a persist, a claim or a leader's stage
 is pending) once every local rank said goodbye, unlinking the slots (unless a failed persist left the newest step only in
 memory), or once no rank has been alive for ``idle_timeout``, unlinking them only when the newest step
@@ -114,7 +114,7 @@ class Lifecycle:
         # The rank that started this agent runs under a launcher that ends jobs by process trees (known at start: by
         # the time of a signal the launcher is busy killing).
         self.launcher_kills_trees = launcher_kills_trees(settings.started_by)
-        self.tree_kill = False   # the signal came from such a launcher, while that rank was still this agent's parent
+        self.tree_kill = False   # the signal came from such a launcher (is_tree_kill)
         self.hand_over = False   # stop() kept the slots after a tree kill: a detached agent takes them over
         self.given_up_on_stop = False   # stop() abandoned a persist or saw one fail
         self.hung_writer = False     # an abandoned persist's thread did not stop: the process must not join it
@@ -147,10 +147,10 @@ class Lifecycle:
         # ran, as far as the job is concerned: a rank that died a moment before this handler ran (it had no time to
         # say that its run failed) was torn down with the job, not finished (is_alive() here lost that race).
         # No mutation of the watcher here (the loop may be half-way through it).
-        self.running_at_signal = [proc.rank for proc in list(self.watcher.ranks.values())
-                                  if not (proc.said_bye or proc.dead or proc.reported)]
-        started_by = self.settings.started_by
-        self.tree_kill = self.launcher_kills_trees and started_by is not None and os.getppid() == started_by
+        running = [proc for proc in list(self.watcher.ranks.values()) if not (proc.said_bye or proc.dead or proc.reported)]
+        self.running_at_signal = [proc.rank for proc in running]
+        self.tree_kill = is_tree_kill(launcher_kills_trees=self.launcher_kills_trees, started_by=self.settings.started_by,
+                                      parent=os.getppid(), running=[proc.pid for proc in running])
 
     # shutdown on a signal ---------------------------------------------------------------------------------
     def stop(self) -> None:
@@ -378,6 +378,19 @@ def is_tree_killing_launcher(cmdline: list[str]) -> bool:
         if arg == "-m" and cmdline[i + 1] in TREE_KILLING_LAUNCHERS:
             return True
     return False
+
+
+def is_tree_kill(*, launcher_kills_trees: bool, started_by: int | None, parent: int, running: list[int]) -> bool:
+    """Whether a SIGTERM/SIGINT is the rank's tree-killing launcher ending its process tree: the rank that started
+    this agent (pid ``started_by``) is still this agent's ``parent``, or it died so lately that the loop still counted
+    it running (its pid in ``running``). The launcher signals this agent and then the rank an instant later, so an
+    agent that runs its handler late (niced on a busy node: the Python handler waits for the main thread) finds the
+    rank dead and itself reparented; it handed nothing over then, and the memory stayed in /dev/shm (a run of the
+    tests two at a time, 2026-12-08). A rank the loop had seen die before the signal was not the launcher's doing:
+    the signal is someone stopping a lingering agent."""
+    if not launcher_kills_trees or started_by is None:
+        return False
+    return parent == started_by or started_by in running
 
 
 def launcher_kills_trees(rank_pid: int | None) -> bool:

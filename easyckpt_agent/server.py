@@ -71,7 +71,8 @@ class AgentConfig:
     # is killed 30 s after its SIGTERM (terminationGracePeriodSeconds), under systemd 90 s.
     shutdown_timeout: float = 20.0
     # The pid of the training rank that started this agent (None: started by hand or by the torchrun launcher):
-    # a signal that comes while that rank is still its parent is a process-tree kill (see Lifecycle.on_signal).
+    # under a tree-killing launcher a signal while that rank is its parent, or was an instant before, is a process-tree
+    # kill (lifecycle.is_tree_kill).
     started_by: int | None = None
 
     def __post_init__(self) -> None:

@@ -199,11 +199,12 @@ def test_sigterm_after_a_failed_run_keeps_the_memory_for_the_rerun(env: Env) -> 
         kill(rerun)
 
 
-def tree_killed_with_its_rank(env: Env, idle: str) -> tuple[int, list[Path]]:
+def tree_killed_with_its_rank(env: Env, idle: str, late: bool = False) -> tuple[int, list[Path]]:
     """A rank under DeepSpeed's own launcher (``deepspeed --num_gpus 1``), which starts the agent and parks after step
     3; then the launcher is stopped as its ``deepspeed`` command stops it on Ctrl-C or SIGTERM: it terminates the
-    rank's process tree, children first (the agent is one), with nothing waited for first. Returns the pid of the
-    agent that took over and the slots."""
+    rank's process tree, children first (the agent is one), with nothing waited for first. ``late``: the agent runs
+    its signal handler only after the rank is gone, as a niced agent on a busy node does (the launcher signals the
+    rank an instant after it). Returns the pid of the agent that took over and the slots."""
     script = env.tmp_path / "parked.py"
     script.write_text(PARKED)
     runner = subprocess.Popen([sys.executable, "-m", "deepspeed.launcher.runner", "--no_local_rank", "--num_gpus=1",
@@ -222,7 +223,13 @@ def tree_killed_with_its_rank(env: Env, idle: str) -> tuple[int, list[Path]]:
         launcher = psutil.Process(first).parent().parent()   # the agent's parent is the rank, the rank's the launcher
         assert "deepspeed.launcher.launch" in launcher.cmdline(), launcher.cmdline()
         slots = env.slot_files()
+        rank = psutil.Process(first).parent()
+        if late:
+            os.kill(first, signal.SIGSTOP)   # the launcher's SIGTERM stays pending until SIGCONT
         launcher.terminate()
+        if late:
+            wait_for(lambda: gone(rank.pid), 20, "the rank to die of the launcher's SIGTERM")
+            os.kill(first, signal.SIGCONT)
         assert runner.wait(timeout=60) != 0
         wait_for(lambda: gone(first), 30, "the agent to stop")
     finally:
@@ -247,8 +254,9 @@ def test_a_tree_kill_hands_the_memory_to_a_detached_agent_that_frees_it_after_id
 
 
 @pytest.mark.timeout(180)
-def test_a_tree_kill_hands_the_memory_to_a_detached_agent_and_the_rerun_resumes_from_it(env: Env) -> None:
-    successor, slots = tree_killed_with_its_rank(env, "120")
+@pytest.mark.parametrize("late", [False, True], ids=["handled-at-once", "handled-after-the-rank-died"])
+def test_a_tree_kill_hands_the_memory_to_a_detached_agent_and_the_rerun_resumes_from_it(env: Env, late: bool) -> None:
+    successor, slots = tree_killed_with_its_rank(env, "120", late)
     assert env.slot_files() == slots
     log = wait_for(lambda: "had ended before this agent adopted its slots" in (text := agent_log(env)) and text, 30,
                    "the agent that took over to say that the rank whose slots it adopted had ended")

@@ -236,33 +236,51 @@ def test_a_rank_that_ended_before_the_agent_adopted_its_slots_is_not_said_to_die
         node.close()
 
 
-@pytest.mark.parametrize("parent", [True, False], ids=["tree-kill", "parent-gone"])
+@pytest.mark.parametrize("case", ["parent", "died-an-instant-before", "seen-dead-before", "someone-else"])
 def test_a_tree_kill_hands_the_kept_slots_to_a_detached_agent(tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                                                             parent: bool) -> None:
+                                                             case: str) -> None:
     """The rank that started the agent was still its parent when the signal came: a launcher is terminating that
     rank's process tree (DeepSpeed's, children first). The slots stay for the restart, and since that launcher takes
     the agent down with every failed job, nothing would free them if no restart came: a detached agent takes them
-    over (it waits idle_timeout, as an agent under torchrun does). Once that rank is gone (this agent reparented),
-    a SIGTERM is someone stopping a lingering agent: it hands nothing over."""
-    node = Harness(tmp_path, started_by=os.getppid() if parent else 1 << 22)
+    over (it waits idle_timeout, as an agent under torchrun does). The launcher signals the rank an instant after
+    the agent, so an agent that handles the signal late finds that rank dead, itself reparented: still a tree kill
+    while the loop had not seen the rank die. One the loop had seen die before, or a starter that is none of the
+    job's ranks: a SIGTERM is someone stopping a lingering agent, and it hands nothing over."""
+    node = Harness(tmp_path)
     node.agent.life.launcher_kills_trees = True   # this process's parent runs under DeepSpeed's launcher, say
+    tree_kill = case in ("parent", "died-an-instant-before")
     try:
         node.ranks.commit_all(0, 3)
         node.agent.watcher.scan(relist_every=0)
+        rank = node.agent.watcher.ranks[0]
+        node.config.started_by = {"parent": os.getppid(), "someone-else": 1 << 22}.get(case, rank.pid)
+        assert rank.pid != os.getppid()
+        for proc in node.agent.watcher.ranks.values():   # the fake ranks share this process's pid
+            proc.dead = case == "seen-dead-before"
         node.agent.life.on_signal(signal.SIGTERM, None)
-        assert node.agent.life.tree_kill is parent
+        assert node.agent.life.tree_kill is tree_kill
         for proc in node.agent.watcher.ranks.values():
             proc.dead = True
         caplog.set_level(logging.INFO, logger="easyckpt_agent.lifecycle")
         node.agent.life.stop()
         record = stopped(caplog)
-        assert record.levelno == logging.INFO and len(list_slots(node.shm_dir, JOB)) == 6, record.getMessage()
-        assert node.agent.hand_over is parent
+        assert node.agent.hand_over is tree_kill
         assert ("a detached agent takes the slots over; it serves the restart, or leaves after 300 s "
-                "(agent_idle_timeout)" in record.getMessage()) is parent
-        assert ("easyckpt clean" in record.getMessage()) is not parent   # refused while the successor runs
+                "(agent_idle_timeout)" in record.getMessage()) is tree_kill
+        if case != "seen-dead-before":   # deaths no loop handled (none runs here): what stop() keeps is not in question
+            assert record.levelno == logging.INFO and len(list_slots(node.shm_dir, JOB)) == 6, record.getMessage()
+            assert ("easyckpt clean" in record.getMessage()) is not tree_kill   # refused while the successor runs
     finally:
         node.close()
+
+
+def test_a_signal_is_a_tree_kill_only_from_a_tree_killing_launcher_while_the_starting_rank_was_running() -> None:
+    kill = lifecycle.is_tree_kill
+    assert kill(launcher_kills_trees=True, started_by=7, parent=7, running=[])
+    assert kill(launcher_kills_trees=True, started_by=7, parent=1, running=[5, 7])   # handled after the rank died
+    assert not kill(launcher_kills_trees=True, started_by=7, parent=1, running=[5])   # the loop had seen it die
+    assert not kill(launcher_kills_trees=False, started_by=7, parent=7, running=[7])   # torchrun, systemd, SLURM
+    assert not kill(launcher_kills_trees=True, started_by=None, parent=7, running=[7])   # started by hand
 
 
 def test_a_tree_kill_before_any_slot_hands_nothing_over(tmp_path: Path) -> None:
