@@ -220,10 +220,10 @@ def tree_killed_with_its_rank(env: Env, idle: str, late: bool = False) -> tuple[
             lines.append(line.strip())
         assert "loaded None None" in lines, lines[-20:]
         first = wait_for(env.agent_pid, 30, "the agent's pid file")
-        launcher = psutil.Process(first).parent().parent()   # the agent's parent is the rank, the rank's the launcher
+        rank = psutil.Process(first).parent()   # the agent's parent is the rank, the rank's the launcher
+        launcher = rank.parent()
         assert "deepspeed.launcher.launch" in launcher.cmdline(), launcher.cmdline()
         slots = env.slot_files()
-        rank = psutil.Process(first).parent()
         if late:
             os.kill(first, signal.SIGSTOP)   # the launcher's SIGTERM stays pending until SIGCONT
         launcher.terminate()
